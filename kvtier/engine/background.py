@@ -1,0 +1,65 @@
+"""Run the engine's step loop on a background thread (for the server and other concurrent callers)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundEngine:
+    """Callers submit from any thread; `on_output` is called on the engine thread for every update."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.steps = 0
+        self.errors = 0
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None],
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> str:
+        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id)
+        self._wake.set()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+                self.steps += 1
+            except Exception:  # keep serving: fail the requests in flight, not the process
+                self.errors += 1
+                log.exception("engine step failed; aborting the requests in flight")
+                for rid in list(self.engine.scheduler.requests):
+                    self.engine.abort(rid)

@@ -1,0 +1,96 @@
+"""Accounting for the paged device KV pool: block ids, ref counts and the device prefix cache.
+
+Pure bookkeeping (ints and hashes); the tensors live in the runner. A full block whose tokens
+are computed is registered under the chained hash of its tokens; when its last user frees it, it
+stays cached until the space is needed, and free blocks are reused least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes."""
+    h = hashlib.blake2b(parent or b"root", digest_size=16)
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
+    """Chained hashes of every full block of `tokens`, extending the already-known `start` list."""
+    out = list(start or [])
+    for i in range(len(out), len(tokens) // block_size):
+        out.append(chain_hash(out[-1] if out else None, tokens[i * block_size : (i + 1) * block_size]))
+    return out
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block; raise the memory budget")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
+        # Blocks with ref 0, oldest first. Cached ones stay here until reused (LRU eviction).
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Take (ref++) the cached blocks for the longest prefix of `hashes`."""
+        blocks: list[int] = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        for b in blocks:
+            self._take(b)
+        self.queries += len(hashes)
+        self.hits += len(blocks)
+        return blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise OutOfBlocks(f"need {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            if (h := self.hash_of[b]) is not None:  # evict the cached content
+                del self.cached[h]
+                self.hash_of[b] = None
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block. Freed in reverse so a prefix outlives its tail."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0, f"block {b} freed twice"
+            if self.ref[b] == 0:
+                self.free[b] = None
+
+    def register(self, block: int, h: bytes) -> None:
+        """Publish a full, computed block under its chained hash (first writer wins)."""
+        if h not in self.cached and self.hash_of[block] is None:
+            self.cached[h] = block
+            self.hash_of[block] = h
+
+    def _take(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.free[b]
+        self.ref[b] += 1

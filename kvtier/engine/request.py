@@ -1,0 +1,101 @@
+"""Requests, their lifecycle and sampling parameters: plain values, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, nothing on the device
+    RESTORING = "restoring"  # state is being brought back from the store
+    PREFILL = "prefill"  # prompt (or its uncached rest) being computed, possibly in chunks
+    DECODE = "decode"  # generating one token per step
+    PREEMPTED = "preempted"  # blocks taken back; will be recomputed from its tokens
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the context window
+    FINISHED_ABORTED = "finished_aborted"  # cancelled by the caller
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class SamplingError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, (list, str)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens_reused: int = 0  # restored (device prefix cache or store) instead of computed
+    prompt_tokens_computed: int = 0
+    reused_by_tier: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def mean_tbt(self, num_output_tokens: int) -> float | None:
+        if self.first_token is None or self.last_token is None or num_output_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (num_output_tokens - 1)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the device pool
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    session_id: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

