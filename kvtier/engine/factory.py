@@ -1,0 +1,16 @@
+"""Build an Engine from command-line style options (shared by the CLI, the server and benchmarks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.engine import Engine
+from kvtier.models.loading import load_model
+
+
+def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, **config: Any) -> Engine:
+    """Load `model` and wrap it in an Engine. `store` is a tier spec (see `kvtier store --help`)."""
+    engine = Engine(load_model(model, dtype=dtype), EngineConfig(**config))
+    engine.store_spec = store  # attached to the engine by the multi-turn reuse work
+    return engine
