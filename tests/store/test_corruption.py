@@ -1,0 +1,120 @@
+"""Flipped bytes, truncation and foreign chunks are misses: never data, never a crash."""
+import os
+import shutil
+
+import pytest
+import redis
+import torch
+
+from kvtier.store import TieredStore
+
+from store_testlib import make_ns, make_state, tokens
+
+
+def _one_chunk_store(spec, ns):
+    store = TieredStore.open(spec, ns, chunk_tokens=16)
+    t = tokens(16)
+    k, v, _ = make_state(16)
+    store.save(t, 0, k, v, None)
+    store.flush()
+    ref = store.lookup(t).chunks[0]
+    return store, t, ref
+
+
+def _chunk_file(tmp_path):
+    (path,) = [p for p in tmp_path.rglob("*.kvc")]
+    return path
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "magic"])
+def test_flipped_byte_is_a_miss(tmp_path, ns, where, caplog):
+    store, t, ref = _one_chunk_store(f"disk:{tmp_path}:10MB", ns)
+    path = _chunk_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    pos = {"payload": len(data) - 100, "header": 40, "magic": 0}[where]
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert store.read_layers(ref, range(4)) is None
+    assert store.stats()["tiers"]["disk"]["corrupt"] == 1
+    assert not path.exists()
+    assert store.lookup(t).num_tokens == 0
+    assert "corrupt" in caplog.text
+    store.close()
+
+
+def test_flipped_byte_in_unread_layer_does_not_block_other_layers(tmp_path, ns):
+    store, _, ref = _one_chunk_store(f"disk:{tmp_path}:10MB", ns)
+    path = _chunk_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # inside layer 3's V
+    path.write_bytes(bytes(data))
+    assert store.read_layers(ref, [0], ("k",)) is not None  # layer 0 is intact and checked
+    assert store.read_layers(ref, [3], ("v",)) is None
+    store.close()
+
+
+@pytest.mark.parametrize("keep", [0, 10, 300, -1])
+def test_truncated_file_is_a_miss(tmp_path, ns, keep):
+    store, _, ref = _one_chunk_store(f"disk:{tmp_path}:10MB", ns)
+    path = _chunk_file(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:-1])
+    assert store.read_chunk(ref) is None
+    assert store.read_layers(ref, [3]) is None
+    store.close()
+
+
+def test_foreign_model_chunk_at_our_key_is_a_miss(tmp_path, ns):
+    """A file from another model placed at our path: the header names another key/model."""
+    store, t, ref = _one_chunk_store(f"disk:{tmp_path}/ours:10MB", ns)
+    other = make_ns(model="model-b")
+    s2, _, _ = _one_chunk_store(f"disk:{tmp_path}/theirs:10MB", other)
+    s2.close()
+    (foreign,) = list((tmp_path / "theirs").rglob("*.kvc"))
+    ours = _chunk_file(tmp_path / "ours")
+    shutil.copyfile(foreign, ours)
+    assert store.read_chunk(ref) is None
+    assert store.stats()["tiers"]["disk"]["corrupt"] == 1
+    store.close()
+
+
+def test_corrupt_memory_copy_falls_back_to_disk(tmp_path, ns):
+    store, t, ref = _one_chunk_store(f"memory:1MB,disk:{tmp_path}:10MB", ns)
+    path = _chunk_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    assert store.read_chunk(ref) is not None  # memory copy is intact
+    report = store.verify()
+    assert not report.clean and report.corrupt[0][0] == "disk"
+    assert store.verify().clean
+    store.close()
+
+
+def test_redis_flipped_byte_and_truncation(redis_url, ns):
+    store, t, ref = _one_chunk_store(redis_url, ns)
+    tier = store.tier("redis")
+    rkey = tier._c(ref.key)
+    raw = bytearray(tier.client.get(rkey))
+    raw[-100] ^= 1
+    tier.client.set(rkey, bytes(raw))
+    assert store.read_layers(ref, [3], ("v",)) is None
+    assert not tier.client.exists(rkey)
+    store.save(t, 0, *make_state(16)[:2], None)
+    store.flush()
+    tier.client.set(rkey, bytes(raw[:500]))
+    assert store.read_chunk(ref) is None
+    assert store.stats()["tiers"]["redis"]["corrupt"] == 2
+    store.close()
+
+
+def test_verify_reports_and_removes(tmp_path, ns):
+    store, _, _ = _one_chunk_store(f"disk:{tmp_path}:10MB", ns)
+    assert store.verify().clean
+    path = _chunk_file(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"\x00" * 10 if f.read(1) != b"\x00" else b"\x01" * 10)
+    rep = store.verify()
+    assert len(rep.corrupt) == 1 and not path.exists()
+    store.close()

@@ -1,0 +1,92 @@
+"""Exact tests of the integer/string parts: keys, spec parsing, eviction orders."""
+import pytest
+
+from kvtier.store import FIFOPolicy, LFUPolicy, LRUPolicy, SpecError, chunk_key, chunk_spans, parse_spec
+from kvtier.store.keys import store_digest
+
+from store_testlib import make_ns
+
+
+def test_keys_chain_and_partial_length():
+    root = store_digest(make_ns().digest(), 4)
+    spans = chunk_spans(root, list(range(10)), 4)
+    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8), (8, 10)]
+    assert spans[1].parent == spans[0].key and spans[2].parent == spans[1].key
+    assert spans[0].key == chunk_key(root, [0, 1, 2, 3])
+    # Same tokens in the second chunk but a different first chunk: a different key.
+    other = chunk_spans(root, [9, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert other[1].key != spans[1].key
+    # The partial chunk's key depends on its length; the full chunk at that place differs.
+    assert chunk_spans(root, list(range(11)), 4)[2].key != spans[2].key
+    assert len(chunk_spans(root, list(range(10)), 4, include_partial=False)) == 2
+
+
+def test_namespace_changes_every_key():
+    a = make_ns().digest()
+    assert make_ns(storage="float16").digest() != a
+    assert make_ns(model="model-b").digest() != a
+    assert store_digest(a, 64) != store_digest(a, 32)
+
+
+def test_spec_parsing():
+    s = parse_spec("memory:8GB,disk:/data/a:200GB:bw=100MB/s:lat=1ms,disk:/data/b:1.5GiB:bw=100MB/s:lat=1ms,"
+                   "redis://h:6379/1?prefix=x&ttl=1d")
+    assert s.memory.capacity == 8 * 10**9
+    assert s.disk.paths == ("/data/a", "/data/b")
+    assert s.disk.capacities == (200 * 10**9, int(1.5 * 2**30))
+    assert s.disk.emulation.bandwidth == 100e6 and s.disk.emulation.latency == pytest.approx(1e-3)
+    assert s.redis.url == "redis://h:6379/1" and s.redis.prefix == "x" and s.redis.ttl == 86400
+    assert parse_spec("redis+cluster://h:7000").redis.cluster
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("", "empty"), ("memory", "memory:SIZE"), ("memory:8XB", "512MB"), ("disk:/a", "disk:PATH:SIZE"),
+    ("tape:/x:1GB", "unknown tier"), ("disk:/a:1GB:bw=fast", "bw=100MB/s"),
+    ("disk:/a:1GB:foo=1", "unknown option"), ("disk:/a:1GB,disk:/a:2GB", "twice"),
+])
+def test_bad_specs_say_what_to_do(bad, words):
+    with pytest.raises(SpecError, match=words):
+        parse_spec(bad)
+
+
+def _evict_all(policy, protected=()):
+    order = []
+    for k in policy.victims(10**9, protected):
+        order.append(k)
+        policy.remove(k)
+    return order
+
+
+def test_lru_order():
+    p = LRUPolicy()
+    for k in "abcd":
+        p.insert(k, 10)
+    p.touch("a")
+    p.touch("c")
+    assert _evict_all(p) == ["b", "d", "a", "c"]
+
+
+def test_lfu_order_ties_by_recency():
+    p = LFUPolicy()
+    for k in "abcd":
+        p.insert(k, 10)
+    for k in "aacab":  # counts: a=4, b=2, c=2, d=1; b touched after c
+        p.touch(k)
+    assert _evict_all(p) == ["d", "c", "b", "a"]
+
+
+def test_fifo_ignores_access():
+    p = FIFOPolicy()
+    for k in "abcd":
+        p.insert(k, 10)
+    p.touch("a")
+    assert _evict_all(p, protected={"b"}) == ["a", "c", "d"]
+
+
+def test_victims_stop_at_needed_bytes():
+    p = LRUPolicy()
+    p.insert("a", 10)
+    p.insert("b", 5)
+    p.insert("c", 7)
+    assert list(p.victims(12)) == ["a", "b"]
+    assert list(p.victims(10)) == ["a"]

@@ -1,0 +1,87 @@
+"""State survives a restart; partial chunks are found by prefix and superseded as contexts grow."""
+import torch
+
+from kvtier.store import TieredStore
+
+from store_testlib import make_state, tokens
+
+
+def test_restart_finds_every_chunk(tmp_path, ns):
+    spec = f"memory:1MB,disk:{tmp_path}/a:10MB,disk:{tmp_path}/b:10MB"
+    contexts = {i: tokens(37 + 11 * i, seed=i) for i in range(4)}
+    states = {i: make_state(len(t), seed=i) for i, t in contexts.items()}
+    with TieredStore.open(spec, ns, chunk_tokens=16) as store:
+        for i, t in contexts.items():
+            k, v, _ = states[i]
+            store.save(t, 0, k, v, None)
+    # striped round-robin by chunk position over both directories
+    assert any((tmp_path / "a").rglob("*.kvc")) and any((tmp_path / "b").rglob("*.kvc"))
+    with TieredStore.open(spec, ns, chunk_tokens=16) as store:
+        for i, t in contexts.items():
+            m = store.lookup(t + [7, 7, 7])
+            assert m.num_tokens == len(t)
+            assert all(c.tier == "disk" for c in m.chunks)
+            for c in m.chunks:
+                got = store.read_chunk(c)
+                assert torch.equal(got[2].v, states[i][1][2, c.start:c.end])
+        store.flush()
+        assert store.stats()["store"]["promotions"] > 0
+        assert store.lookup(contexts[0]).chunks[0].tier == "memory"  # promoted on hit
+
+
+def test_chat_turns_unaligned_saves_and_supersede(tmp_path, ns):
+    """A context saved at 20 tokens, then grown to 45 with a save starting mid-chunk."""
+    t = tokens(45)
+    k, v, _ = make_state(45)
+    with TieredStore.open(f"disk:{tmp_path}:10MB", ns, chunk_tokens=16) as store:
+        store.save(t[:20], 0, k[:, :20], v[:, :20], None)
+        store.flush()
+        assert store.lookup(t).num_tokens == 20  # the partial chunk [16, 20) is found
+        store.save(t, 20, k[:, 20:], v[:, 20:], None)
+        store.flush()
+        m = store.lookup(t)
+        assert [(c.start, c.end) for c in m.chunks] == [(0, 16), (16, 32), (32, 45)]
+        for c in m.chunks:
+            assert torch.equal(store.read_chunk(c)[0].k, k[0, c.start:c.end])
+        # the partial [16, 20) was superseded by the full chunk and deleted
+        assert store.stats()["store"]["partials_superseded"] == 1
+        assert store.stats()["tiers"]["disk"]["entries"] == 3
+        # A query that stops inside the old partial finds only the full chunks before it.
+        assert store.lookup(t[:18]).num_tokens == 16
+
+
+def test_unaligned_save_without_stored_prefix_skips_only_that_chunk(tmp_path, ns):
+    t = tokens(40)
+    k, v, _ = make_state(40)
+    with TieredStore.open(f"memory:1MB", ns, chunk_tokens=16) as store:
+        store.save(t, 20, k[:, 20:], v[:, 20:], None)  # nothing stored for [0, 20)
+        store.flush()
+        assert store.lookup(t).num_tokens == 0
+        assert store.stats()["store"]["chunks_skipped"] == 1
+        store.save(t[:16], 0, k[:, :16], v[:, :16], None)
+        store.flush()
+        # chunk [32, 40) was written from the first save; [16, 32) is still missing
+        assert store.lookup(t).num_tokens == 16
+
+
+def test_branching_contexts_share_a_prefix(ns):
+    base = tokens(16)
+    a, b = base + [1, 2, 3], base + [4, 5]
+    k, v, _ = make_state(19)
+    with TieredStore.open("memory:1MB", ns, chunk_tokens=16) as store:
+        store.save(a, 0, k, v, None)
+        store.save(b, 16, k[:, 16:18], v[:, 16:18], None)
+        store.flush()
+        assert store.lookup(a).num_tokens == 19
+        assert store.lookup(b).num_tokens == 18
+        assert store.lookup(base + [1, 2]).num_tokens == 16  # partial longer than the query
+
+
+def test_other_namespace_never_matches(tmp_path, ns):
+    from store_testlib import make_ns
+    t = tokens(16)
+    k, v, _ = make_state(16)
+    with TieredStore.open(f"disk:{tmp_path}:10MB", ns, chunk_tokens=16) as store:
+        store.save(t, 0, k, v, None)
+    with TieredStore.open(f"disk:{tmp_path}:10MB", make_ns(storage="float16"), chunk_tokens=16) as s2:
+        assert s2.lookup(t).num_tokens == 0

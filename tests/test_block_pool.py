@@ -1,0 +1,45 @@
+"""Exact accounting of the device block pool: ids, ref counts, prefix cache and LRU reuse."""
+
+from kvtier.engine.block_pool import BlockPool, OutOfBlocks, block_hashes
+
+import pytest
+
+
+def test_allocate_release_and_lru_reuse_order():
+    pool = BlockPool(4, 2)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    assert (a, b) == ([0, 1], [2, 3]) and pool.num_free == 0
+    with pytest.raises(OutOfBlocks):
+        pool.allocate(1)
+    pool.release(b)  # freed tail first: 3 then 2
+    pool.release(a)  # then 1, 0
+    assert list(pool.free) == [3, 2, 1, 0]
+    assert pool.allocate(3) == [3, 2, 1]
+
+
+def test_prefix_cache_match_refcount_and_eviction():
+    pool = BlockPool(4, 2)
+    toks = [5, 6, 7, 8, 9]
+    hs = block_hashes(toks, 2)
+    assert len(hs) == 2 and block_hashes(toks[:4], 2) == hs
+    blocks = pool.allocate(3)
+    pool.register(blocks[0], hs[0])
+    pool.register(blocks[1], hs[1])
+    assert pool.match_prefix(hs) == [0, 1] and pool.ref[:2] == [2, 2]
+    pool.release(blocks)
+    pool.release([0, 1])
+    assert pool.match_prefix(block_hashes([5, 6, 1, 1], 2)) == [0]  # diverges at block 1
+    pool.release([0])
+    # Free order (oldest first): 3, then 2 (uncached), 1, 0 (cached). Allocating 3 evicts block 1's hash.
+    assert pool.allocate(3) == [3, 2, 1]
+    assert hs[1] not in pool.cached and pool.match_prefix(hs) == [0]
+
+
+def test_register_first_writer_wins():
+    pool = BlockPool(2, 2)
+    h = block_hashes([1, 2], 2)[0]
+    x, y = pool.allocate(2)
+    pool.register(x, h)
+    pool.register(y, h)
+    assert pool.cached[h] == x and pool.hash_of[y] is None
