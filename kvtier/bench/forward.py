@@ -1,0 +1,159 @@
+"""`kvtier bench forward`: prefill and decode throughput of our engine beside HF transformers.
+
+Both run the same weights, dtype and thread count in the same process; figures are medians of
+`--repeats` runs. HF prefill uses `logits_to_keep=1` so it is not charged for logits we skip too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.models.loading import load_model, parse_dtype
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    dtype: str
+    phase: str  # "prefill" or "decode"
+    tokens: int  # prompt length (prefill) or batch size (decode)
+    kvtier_tok_s: float
+    hf_tok_s: float
+    repeats: int
+
+    @property
+    def speedup(self) -> float:
+        return self.kvtier_tok_s / self.hf_tok_s
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (allocator, kernels)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(loaded, max_len: int) -> Engine:
+    return Engine(loaded, EngineConfig(kv_cache_bytes=2 << 30, max_model_len=max_len, max_batched_tokens=max_len,
+                                       enable_prefix_cache=False))
+
+
+def bench_prefill(loaded, hf, length: int, repeats: int) -> tuple[float, float]:
+    ids = _prompt(length, loaded.config.vocab_size, length)
+    engine = _engine(loaded, max(length + 8, 1024))
+    ours = _median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        theirs = _median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
+    return length / ours, length / theirs
+
+
+def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int) -> tuple[float, float]:
+    prompts = [_prompt(prompt_len, loaded.config.vocab_size, 1000 + i) for i in range(batch)]
+    engine = _engine(loaded, prompt_len + new + 16)
+    params = SamplingParams(max_tokens=new + 1, temperature=0, ignore_eos=True)
+
+    def ours_decode() -> float:
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # the prefill step (budget covers every prompt), then pure decode steps
+        t = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        return time.perf_counter() - t
+
+    def hf_decode() -> float:
+        with torch.inference_mode():
+            out = hf(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            past = out.past_key_values
+            t = time.perf_counter()
+            for _ in range(new):
+                out = hf(nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            return time.perf_counter() - t
+
+    ours_decode(), hf_decode()  # warm-up
+    ours = statistics.median(ours_decode() for _ in range(repeats))
+    theirs = statistics.median(hf_decode() for _ in range(repeats))
+    return batch * new / ours, batch * new / theirs
+
+
+def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int) -> list[Row]:
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for dt in dtypes:
+        loaded = load_model(model, dtype=dt, tokenizer=False)
+        if loaded.source.startswith("preset"):
+            raise ValueError("bench forward needs a model with files on disk (e.g. smollm2-135m)")
+        hf = AutoModelForCausalLM.from_pretrained(loaded.source, dtype=parse_dtype(dt), attn_implementation="sdpa").eval()
+        name = str(loaded.dtype).removeprefix("torch.")
+        for n in lengths:
+            o, h = bench_prefill(loaded, hf, n, repeats)
+            rows.append(Row(model, name, "prefill", n, o, h, repeats))
+            print(f"  prefill {name} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s", flush=True)
+        for b in batches:
+            o, h = bench_decode(loaded, hf, b, 128, new_tokens, repeats)
+            rows.append(Row(model, name, "decode", b, o, h, repeats))
+            print(f"  decode  {name} batch {b}: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s", flush=True)
+    return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| dtype | phase | prompt tokens / batch | kvtier tok/s | transformers tok/s | kvtier / HF |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.dtype} | {r.phase} | {r.tokens} | {r.kvtier_tok_s:.1f} | {r.hf_tok_s:.1f} | {r.speedup:.2f}x |")
+    for dt in dict.fromkeys(r.dtype for r in rows):
+        dec = {r.tokens: r.kvtier_tok_s for r in rows if r.dtype == dt and r.phase == "decode"}
+        if 1 in dec and len(dec) > 1:
+            b = max(dec)
+            lines.append(f"\n{dt}: decode batch {b} / batch 1 throughput = {dec[b] / dec[1]:.2f}x")
+    return "\n".join(lines)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    print(f"bench forward: {args.model}, threads={torch.get_num_threads()}, repeats={args.repeats}")
+    rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(),
+                                               "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}, indent=2))
+    return 0
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("forward", help="prefill/decode tokens/s of kvtier beside HF transformers")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", type=lambda s: s.split(","), default=["fp32", "bf16"], help="comma list (fp32,bf16)")
+    p.add_argument("--prefill", type=_ints, default=[512, 2048, 4096], help="prompt lengths (comma list)")
+    p.add_argument("--batch", type=_ints, default=[1, 8], help="decode batch sizes (comma list)")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
+    p.add_argument("--json", default=None, help="write rows as JSON to this file")
+    p.set_defaults(func=cmd)

