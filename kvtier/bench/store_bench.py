@@ -1,0 +1,221 @@
+"""`kvtier bench store`: store read/write throughput per tier beside the raw device bandwidth.
+
+For each tier it writes one long context through the store (save + flush: packing, checksums and
+writes, as the background writer does them), then reads every chunk back whole and layer by
+layer, and measures the raw sequential read bandwidth of the same device in the same run:
+  memory  a plain copy of a buffer of one chunk's size (DRAM bandwidth)
+  disk    plain reads of the very chunk files the store wrote, warm (page cache) and cold
+          (pages dropped with posix_fadvise DONTNEED before each pass, for raw and store alike)
+  redis   plain GETs of the very values the store wrote
+Emulated bandwidth/latency (bw=/lat= in the spec) is applied to store reads only and every row
+that used it says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvtier.store import StoreNamespace, TieredStore
+from kvtier.store.spec import parse_spec
+
+# SmolLM2-135M shapes: the default real model of kvtier.
+SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576, params=134.5e6)
+
+
+def _best(fn, reps: int) -> float:
+    """Fastest of `reps` runs, in seconds (the least disturbed by other work on the machine)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_file_read(paths: list[str], bufsize: int) -> None:
+    buf = bytearray(bufsize)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(buf)
+
+
+def estimate_prefill_tokens_per_s(params: float) -> float:
+    """Rough smollm2 prefill rate here: measured fp32 matmul FLOP/s over 2 FLOPs per parameter."""
+    a = torch.randn(512, 576)
+    b = torch.randn(576, 1536)
+    secs = _best(lambda: [a @ b for _ in range(20)], 3)
+    flops = 20 * 2 * 512 * 576 * 1536 / secs
+    return flops / (2 * params)
+
+
+def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, reps: int) -> list[dict]:
+    spec = parse_spec(entry)
+    rows: list[dict] = []
+    kind = "memory" if spec.memory else "disk" if spec.disk else "redis"
+    store = TieredStore.open(entry, ns, chunk_tokens=chunk_tokens, writer_queue_bytes=1 << 40)
+    try:
+        store.clear()
+        ids = list(range(tokens))
+        k = torch.randn(ns.num_layers, tokens, ns.num_kv_heads, ns.head_dim)  # [layers, tokens, kv_heads, head_dim]
+        v = torch.randn_like(k)
+        t0 = time.perf_counter()
+        store.save(ids, 0, k, v, None)
+        store.flush()
+        wsec = time.perf_counter() - t0
+        match = store.lookup(ids)
+        assert match.num_tokens == tokens, "benchmark chunks were not all stored (capacity too small?)"
+        total = sum(c.nbytes for c in match.chunks)
+        tier = store.tier(kind)
+        note = tier.emulation.describe()
+        rows.append(dict(tier=kind, op="write (save+flush)", bytes=total, seconds=wsec,
+                         tokens_per_s=tokens / wsec, note=note and "reads only: " + note))
+
+        def read_whole():
+            for c in match.chunks:
+                assert store.read_chunk(c) is not None
+
+        def read_layers():
+            for c in match.chunks:
+                for layer in range(ns.num_layers):
+                    assert store.read_layers(c, [layer]) is not None
+
+        paths: list[str] = []
+        if kind == "disk":
+            paths = [tier.path_of(c.key) for c in match.chunks]
+        rows.append(dict(tier=kind, op="read whole chunks", bytes=total, seconds=_best(read_whole, reps), note=note))
+        rows.append(dict(tier=kind, op="read per layer", bytes=total, seconds=_best(read_layers, reps), note=note))
+        if kind == "memory":
+            buf = torch.empty(max(c.nbytes for c in match.chunks), dtype=torch.uint8)
+            n = len(match.chunks)
+            src, dst = buf.numpy(), np.empty_like(buf.numpy())
+            # numpy: a single-threaded memcpy, free of torch's intra-op thread hand-off.
+            rows.append(dict(tier=kind, op="raw: memcpy (DRAM)", bytes=buf.numel() * n,
+                             seconds=_best(lambda: [np.copyto(dst, src) for _ in range(n)], reps),
+                             note="into a reused buffer"))
+            rows.append(dict(tier=kind, op="raw: memcpy into fresh buffers", bytes=buf.numel() * n,
+                             seconds=_best(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], reps),
+                             note="page faults, as a read that returns new tensors pays"))
+        elif kind == "disk":
+            size = max(os.path.getsize(p) for p in paths)
+            rows.append(dict(tier=kind, op="raw: sequential file read (warm)", bytes=total,
+                             seconds=_best(lambda: _raw_file_read(paths, size), reps), note="page cache"))
+
+            def cold(fn):
+                def run():
+                    _drop_cache(paths)
+                    t = time.perf_counter()
+                    fn()
+                    return time.perf_counter() - t
+                return min(run() for _ in range(reps))
+
+            rows.append(dict(tier=kind, op="read whole chunks (cold)", bytes=total, seconds=cold(read_whole), note=note))
+            rows.append(dict(tier=kind, op="raw: sequential file read (cold)", bytes=total,
+                             seconds=cold(lambda: _raw_file_read(paths, size)), note="fadvise DONTNEED"))
+        else:
+            rkeys = [tier._c(c.key) for c in match.chunks]
+            rows.append(dict(tier=kind, op="raw: GET of the same values", bytes=total,
+                             seconds=_best(lambda: [tier.client.get(r) for r in rkeys], reps), note=""))
+        store.clear()
+    finally:
+        store.close()
+    for r in rows:
+        r["GB_per_s"] = r["bytes"] / r["seconds"] / 1e9
+    return rows
+
+
+def run(args) -> dict:
+    ns = StoreNamespace("bench-smollm2-shape", SMOLLM2["num_layers"], SMOLLM2["num_kv_heads"],
+                        SMOLLM2["head_dim"], SMOLLM2["hidden_size"], compute_dtype="float32")
+    tmp = args.dir or tempfile.mkdtemp(prefix="kvtier-bench-", dir="/tmp")
+    entries = [f"memory:{args.capacity}", f"disk:{tmp}/disk:{args.capacity}{args.disk_opts}"]
+    if args.redis:
+        entries.append(args.redis)
+    rows: list[dict] = []
+    try:
+        for e in entries:
+            rows += bench_tier(e, ns, args.tokens, args.chunk_tokens, args.reps)
+    finally:
+        if not args.dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    prefill = estimate_prefill_tokens_per_s(SMOLLM2["params"])
+    return dict(model_shape="smollm2-135M (30 layers, 3 kv heads, head_dim 64), KV fp32",
+                tokens=args.tokens, chunk_tokens=args.chunk_tokens,
+                chunk_bytes=ns.bytes_per_token() * args.chunk_tokens,
+                estimated_prefill_tokens_per_s=prefill, rows=rows)
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"{res['model_shape']}; {res['tokens']} tokens in chunks of {res['chunk_tokens']} "
+             f"({res['chunk_bytes'] / 1e6:.2f} MB each)", "",
+             "| tier | operation | GB/s | tokens/s | note |", "|---|---|---:|---:|---|"]
+    for r in res["rows"]:
+        tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
+        lines.append(f"| {r['tier']} | {r['op']} | {r['GB_per_s']:.2f} | {tps} | {r['note']} |")
+    lines.append("")
+    lines.append(f"Estimated smollm2 prefill rate on this machine (matmul FLOP/s / 2·params): "
+                 f"{res['estimated_prefill_tokens_per_s']:,.0f} tokens/s.")
+    return "\n".join(lines)
+
+
+def cmd_bench_store(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    res = run(args)
+    t = Table(title=f"kvtier bench store: {res['model_shape']}")
+    for c in ("tier", "operation", "GB/s", "tokens/s", "note"):
+        t.add_column(c, justify="right" if c in ("GB/s", "tokens/s") else "left")
+    for r in res["rows"]:
+        t.add_row(r["tier"], r["op"], f"{r['GB_per_s']:.2f}",
+                  f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", r["note"])
+    Console().print(t)
+    print(f"estimated smollm2 prefill rate: {res['estimated_prefill_tokens_per_s']:,.0f} tokens/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(to_markdown(res) + "\n")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=4096, help="context length written and read per tier")
+    p.add_argument("--chunk-tokens", type=int, default=64)
+    p.add_argument("--capacity", default="4GB", help="memory and disk tier capacity")
+    p.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir under /tmp)")
+    p.add_argument("--disk-opts", default="", help="extra disk spec options, e.g. ':bw=500MB/s:lat=100us'")
+    p.add_argument("--redis", default=None, help="also benchmark this redis URL, e.g. redis://127.0.0.1:6379")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (best is reported)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write results as JSON")
+    p.add_argument("--markdown", metavar="FILE", default=None, help="write a markdown table")
+
+
+def register(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("store", help="store throughput per tier vs raw device bandwidth",
+                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench_store)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.store_bench")
+    add_arguments(parser)
+    raise SystemExit(cmd_bench_store(parser.parse_args()))

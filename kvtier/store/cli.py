@@ -1,0 +1,122 @@
+"""`kvtier store stats|verify|clear` and the shared `--store SPEC` option.
+
+This is the CLI layer: the only place in the store that reads environment variables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .spec import SPEC_HELP, SpecError, parse_spec
+
+
+def kvtier_home() -> str:
+    return os.environ.get("KVTIER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+
+
+def default_store_spec(home: str | None = None) -> str:
+    return f"memory:2GB,disk:{home or kvtier_home()}/store:20GB"
+
+
+def _spec_type(text: str) -> str:
+    try:
+        parse_spec(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_store_argument(parser: argparse.ArgumentParser, home: str | None = None) -> None:
+    """Add `--store SPEC` (default: memory:2GB plus a 20GB disk tier under the kvtier home)."""
+    default = default_store_spec(home)
+    parser.add_argument("--store", metavar="SPEC", type=_spec_type, default=default,
+                        help=f"tiered state store: {SPEC_HELP} (default: {default})")
+
+
+def register(subparsers) -> None:
+    """Add the `store` command group (stats, verify, clear) to an argparse subparsers object."""
+    p = subparsers.add_parser("store", help="inspect, check or empty the tiered state store",
+                              description="Admin commands over every chunk of every model in a store.")
+    sub = p.add_subparsers(dest="store_command", metavar="{stats,verify,clear}")
+    sub.required = True
+    s = sub.add_parser("stats", help="entries, bytes and counters per tier")
+    add_store_argument(s)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_stats)
+    v = sub.add_parser("verify", help="read every chunk; remove corrupt ones (exit 1 if any)")
+    add_store_argument(v)
+    v.set_defaults(func=cmd_verify)
+    c = sub.add_parser("clear", help="remove every chunk from every tier of the store")
+    add_store_argument(c)
+    c.set_defaults(func=cmd_clear)
+
+
+def _open(args):
+    from .tiered import TieredStore
+    return TieredStore.open(args.store, None)
+
+
+def cmd_stats(args) -> int:
+    with _open(args) as store:
+        st = store.stats()
+    if getattr(args, "json", False):
+        print(json.dumps(st, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    # A fresh admin process has no traffic of its own: show what is stored, not hit counters.
+    cols = ["entries", "bytes_used", "capacity"]
+    t = Table(title=f"kvtier store  {st['spec']}")
+    t.add_column("tier")
+    for c in cols:
+        t.add_column(c, justify="right")
+    t.add_column("note")
+    for name, d in st["tiers"].items():
+        t.add_row(name, *[_fmt(d.get(c)) for c in cols], d.get("emulated") or "")
+    Console().print(t)
+    w = st["writer"]
+    print(f"writer: queue_depth={w['queue_depth']} dropped_saves={w['dropped_saves']} "
+          "(counters are for this process; stats of a running engine come from the engine)")
+    return 0
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int) and x >= 10_000:
+        for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if x >= div:
+                return f"{x / div:.1f}{unit}"
+    return str(x)
+
+
+def cmd_verify(args) -> int:
+    with _open(args) as store:
+        rep = store.verify()
+    for tier, key, why in rep.corrupt:
+        print(f"removed corrupt chunk {key} from {tier}: {why}")
+    per = ", ".join(f"{k}: {v['ok']} ok / {v['corrupt']} corrupt" for k, v in rep.per_tier.items())
+    print(f"checked {rep.checked} chunks ({per})")
+    return 0 if rep.clean else 1
+
+
+def cmd_clear(args) -> int:
+    with _open(args) as store:
+        removed = store.clear()
+    print("removed " + ", ".join(f"{n} chunks from {t}" for t, n in removed.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m kvtier.store.cli stats --store ...`) until kvtier.cli wires it."""
+    parser = argparse.ArgumentParser(prog="kvtier")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["store", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

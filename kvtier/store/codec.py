@@ -1,0 +1,55 @@
+"""Tensor <-> stored bytes in the storage dtype (float32/bfloat16/float16 losslessly cast, int8 with scales)."""
+from __future__ import annotations
+
+import torch
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+}
+
+
+def encode(t: torch.Tensor, storage: str) -> list[tuple[str, torch.Tensor]]:
+    """Encode one per-layer part into named uint8 buffers.
+
+    Returns [("", data)] or, for int8, [("", data), (".scale", scales)]. Scales are float32, one per
+    row of the last dimension (per token and head for K/V, per token for hidden), which keeps
+    outlier channels in one head from flattening every other head.
+    """
+    t = t.detach().to("cpu")
+    if storage != "int8":
+        data = t.to(TORCH_DTYPES[storage]).contiguous()
+        return [("", data.view(torch.uint8).reshape(-1))]
+    x = t.to(torch.float32)
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0  # [..., 1]
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8).contiguous()
+    return [
+        ("", q.view(torch.uint8).reshape(-1)),
+        (".scale", scale.contiguous().view(torch.uint8).reshape(-1)),
+    ]
+
+
+def decode(data: torch.Tensor, storage: str, shape: tuple[int, ...], compute: str,
+           scale: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
+    """uint8 buffer (+ scales for int8) -> tensor of `shape` in the compute dtype.
+
+    With copy=True the result never aliases `data`, so a caller may mutate what it gets without
+    touching a cached copy (the memory tier); copy=False is for buffers the read owns.
+    """
+    out_dtype = TORCH_DTYPES[compute]
+    if storage != "int8":
+        t = data.view(TORCH_DTYPES[storage]).reshape(shape)
+        if t.dtype != out_dtype:
+            return t.to(out_dtype)
+        if not copy:
+            return t
+        # empty+copy_ rather than clone(): clone of small tensors was ~100x slower here with
+        # two intra-op threads on a busy 2-core machine; copy_ takes the plain memcpy path.
+        return torch.empty(shape, dtype=out_dtype).copy_(t)
+    if scale is None:
+        raise ValueError("int8 part without its scales")
+    q = data.view(torch.int8).reshape(shape)
+    s = scale.view(torch.float32).reshape(*shape[:-1], 1)
+    return (q.to(torch.float32) * s).to(out_dtype)

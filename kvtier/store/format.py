@@ -1,0 +1,229 @@
+"""The chunk byte format, shared by every tier.
+
+    preamble  16 bytes: magic "KVTC", format version u16, reserved u16, header length u32, header crc32
+    header    JSON: key, parent, position, namespace digest, model fingerprint, dtypes, per-layer
+              representation, and a segment table (layer, part, offset, length, crc32, dtype, shape)
+    payload   segments, layer-major: layer 0 (k, v | h, scales), layer 1, ...; 64-byte aligned
+
+Layer-major order lets a reader fetch one layer, or a contiguous layer range, with one ranged read;
+per-segment checksums let it verify what it read without reading the rest, and K can be read
+without V. The header has its own checksum so a torn or foreign header is caught before any
+offset in it is trusted.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from . import codec
+from .layout import FORMAT_VERSION, Repr, StoreNamespace
+
+MAGIC = b"KVTC"
+PREAMBLE = struct.Struct("<4sHHII")
+ALIGN = 64
+MAX_HEADER = 1 << 24
+
+
+class FormatError(Exception):
+    """The bytes are not a valid chunk (or not the chunk asked for)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    layer: int
+    part: str  # "k", "v", "h", or "k.scale" etc.
+    offset: int
+    nbytes: int
+    crc: int
+    dtype: str  # storage dtype of the data ("float32" for scales)
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    key: str
+    parent: str
+    index: int
+    start: int
+    tokens: int
+    partial: bool  # a trailing chunk shorter than the chunk size, indexed under its parent
+    ns: str  # store digest (namespace + chunk size)
+    model: str
+    compute_dtype: str
+    storage_dtype: str
+    layer_reprs: tuple[Repr, ...]
+    segments: tuple[Segment, ...]
+    total_bytes: int
+
+    def segment(self, layer: int, part: str) -> Segment | None:
+        for s in self.segments:  # a few segments per layer: a scan beats building a dict per read
+            if s.layer == layer and s.part == part:
+                return s
+        return None
+
+    def segments_for(self, layers: Iterable[int], parts: Iterable[str]) -> list[Segment]:
+        """Segments holding `parts` of `layers`, with the int8 scales they need, in file order."""
+        want_layers = set(layers)
+        want_parts = set(parts)
+        return [s for s in self.segments
+                if s.layer in want_layers and s.part.split(".")[0] in want_parts]
+
+
+@dataclass(frozen=True)
+class LayerState:
+    layer: int
+    repr: Repr
+    k: torch.Tensor | None = None  # [tokens, kv_heads, head_dim], pre-RoPE
+    v: torch.Tensor | None = None  # [tokens, kv_heads, head_dim]
+    h: torch.Tensor | None = None  # [tokens, hidden]
+
+
+@dataclass(frozen=True)
+class PackedChunk:
+    header: ChunkHeader
+    buffers: tuple[bytes | memoryview, ...]  # preamble+header, then payload pieces (with padding)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.total_bytes
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.buffers)
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGN
+
+
+def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: int, start: int,
+         partial: bool, layers: Mapping[int, Mapping[str, torch.Tensor]]) -> PackedChunk:
+    """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc.) into a chunk."""
+    tokens = -1
+    pieces: list[tuple[int, str, torch.Tensor, str, tuple[int, ...]]] = []
+    for layer, rep in enumerate(ns.layer_reprs):
+        for part in rep.parts():
+            t = layers[layer][part]
+            if tokens < 0:
+                tokens = int(t.shape[0])
+            expected = ns.part_shape(part, tokens)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"layer {layer} part {part}: shape {tuple(t.shape)} != {expected}")
+            for suffix, buf in codec.encode(t, ns.storage_dtype):
+                if suffix:
+                    dtype, shape = "float32", expected[:-1]
+                else:
+                    dtype, shape = ns.storage_dtype, expected
+                pieces.append((layer, part + suffix, buf, dtype, shape))
+    if tokens < 0:
+        raise ValueError("nothing to store: every layer is Repr.NONE")
+    # Offsets depend on the header length, which depends on the offsets' digits: fix the header
+    # size first with a generous reservation, then fill it in.
+    seg_meta = [(l, p, b.numel(), zlib.crc32(b.numpy()), d, s) for l, p, b, d, s in pieces]
+    doc_base = {
+        "key": key, "parent": parent, "index": index, "start": start, "tokens": tokens,
+        "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
+        "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs],
+    }
+    reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, 2**32, d, list(s)]
+                                                        for l, p, _, _, d, s in seg_meta]}))
+    header_space = PREAMBLE.size + reserve
+    offset = header_space + _pad(header_space)
+    segments: list[Segment] = []
+    for l, p, n, crc, d, s in seg_meta:
+        segments.append(Segment(l, p, offset, n, crc, d, tuple(s)))
+        offset += n + _pad(n)
+    total = offset
+    doc = {**doc_base, "segments": [[s.layer, s.part, s.offset, s.nbytes, s.crc, s.dtype,
+                                     list(s.shape)] for s in segments]}
+    hjson = json.dumps(doc).encode()
+    hjson += b" " * (segments[0].offset - PREAMBLE.size - len(hjson))  # pad up to the payload
+    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(hjson), zlib.crc32(hjson))
+    bufs: list[bytes | memoryview] = [pre + hjson]
+    for (_, _, b, _, _), seg in zip(pieces, segments):
+        bufs.append(memoryview(b.numpy()))
+        if _pad(seg.nbytes):
+            bufs.append(bytes(_pad(seg.nbytes)))
+    header = _header_from_doc(doc, total)
+    return PackedChunk(header, tuple(bufs))
+
+
+def header_length(preamble: bytes) -> int:
+    """Total bytes of preamble + header, from the first 16 bytes."""
+    if len(preamble) < PREAMBLE.size:
+        raise FormatError("truncated preamble")
+    magic, version, _, hlen, _ = PREAMBLE.unpack_from(preamble)
+    if magic != MAGIC:
+        raise FormatError("bad magic")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
+    if hlen > MAX_HEADER:
+        raise FormatError("header length out of range")
+    return PREAMBLE.size + hlen
+
+
+def parse_header(buf: bytes | memoryview, total_size: int | None = None) -> ChunkHeader:
+    """Parse and check the header at the start of `buf` (which must hold the whole header)."""
+    n = header_length(bytes(buf[:PREAMBLE.size]))
+    if len(buf) < n:
+        raise FormatError("truncated header")
+    _, _, _, hlen, hcrc = PREAMBLE.unpack_from(bytes(buf[:PREAMBLE.size]))
+    raw = bytes(buf[PREAMBLE.size:n])
+    if zlib.crc32(raw) != hcrc:
+        raise FormatError("header checksum mismatch")
+    try:
+        doc = json.loads(raw)
+        segs_end = max(s[2] + s[3] for s in doc["segments"])
+        header = _header_from_doc(doc, segs_end + _pad(segs_end))
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise FormatError(f"malformed header: {e}") from e
+    if total_size is not None and total_size < max(s.offset + s.nbytes for s in header.segments):
+        raise FormatError("truncated payload")
+    return header
+
+
+def _header_from_doc(doc: dict, total: int) -> ChunkHeader:
+    segs = tuple(Segment(int(s[0]), str(s[1]), int(s[2]), int(s[3]), int(s[4]), str(s[5]),
+                         tuple(int(x) for x in s[6])) for s in doc["segments"])
+    return ChunkHeader(
+        key=doc["key"], parent=doc["parent"], index=int(doc["index"]), start=int(doc["start"]),
+        tokens=int(doc["tokens"]), partial=bool(doc["partial"]), ns=doc["ns"], model=doc["model"], compute_dtype=doc["compute"],
+        storage_dtype=doc["storage"], layer_reprs=tuple(Repr(r) for r in doc["reprs"]),
+        segments=segs, total_bytes=total,
+    )
+
+
+def check_segment(seg: Segment, data: torch.Tensor) -> None:
+    """`data` is the uint8 tensor read for `seg`; raise FormatError if it is not what was written."""
+    if data.numel() != seg.nbytes:
+        raise FormatError(f"segment {seg.layer}/{seg.part}: truncated")
+    if zlib.crc32(data.numpy()) != seg.crc:
+        raise FormatError(f"segment {seg.layer}/{seg.part}: checksum mismatch")
+
+
+def decode_layers(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor],
+                  layers: Iterable[int], parts: Iterable[str], copy: bool = True) -> list[LayerState]:
+    """Build LayerStates from verified segment buffers keyed by (layer, part).
+
+    copy=False when the buffers are fresh memory owned by this read (disk, redis): tensors may
+    then alias them instead of being copied once more.
+    """
+    parts = tuple(parts)
+    segs = {(s.layer, s.part): s for s in header.segments}
+    out = []
+    for layer in layers:
+        rep = header.layer_reprs[layer]
+        fields: dict[str, torch.Tensor] = {}
+        for part in rep.parts():
+            if part not in parts:
+                continue
+            seg = segs[(layer, part)]
+            scale = data.get((layer, part + ".scale"))
+            fields[part] = codec.decode(data[(layer, part)], seg.dtype, seg.shape,
+                                        header.compute_dtype, scale, copy)
+        out.append(LayerState(layer, rep, **fields))
+    return out

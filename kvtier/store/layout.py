@@ -1,0 +1,93 @@
+"""What a chunk holds: the per-layer representation and the namespace every key is scoped to.
+
+A namespace is everything that makes stored state meaningful: the model (fingerprint of config and
+weights), its shapes, the compute dtype, the storage dtype and which representation each layer
+uses. Its digest goes into every chunk key, so any change to it is simply a different set of keys:
+a miss, never wrong data.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+FORMAT_VERSION = 1
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+class Repr(str, Enum):
+    KV = "kv"  # pre-RoPE K and V of the layer
+    HIDDEN = "hidden"  # the layer input (residual stream before the input norm)
+    NONE = "none"  # nothing stored: the layer is recomputed
+
+    def parts(self) -> tuple[str, ...]:
+        """Tensor parts a layer in this representation stores."""
+        return {Repr.KV: ("k", "v"), Repr.HIDDEN: ("h",), Repr.NONE: ()}[self]
+
+
+@dataclass(frozen=True)
+class StoreNamespace:
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    compute_dtype: str = "float32"
+    storage_dtype: str = ""  # empty = same as compute_dtype (lossless)
+    layer_reprs: tuple[Repr, ...] = field(default=())  # empty = all KV
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype {self.compute_dtype!r}: use one of {COMPUTE_DTYPES}")
+        if not self.storage_dtype:
+            object.__setattr__(self, "storage_dtype", self.compute_dtype)
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype {self.storage_dtype!r}: use one of {STORAGE_DTYPES}")
+        reprs = tuple(Repr(r) for r in self.layer_reprs) or (Repr.KV,) * self.num_layers
+        if len(reprs) != self.num_layers:
+            raise ValueError(
+                f"layer_reprs has {len(reprs)} entries but the model has {self.num_layers} layers"
+            )
+        object.__setattr__(self, "layer_reprs", reprs)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def digest(self) -> str:
+        """Stable hex digest of everything that makes stored state reusable."""
+        doc = {
+            "format": FORMAT_VERSION,
+            "model": self.model_fingerprint,
+            "layers": self.num_layers,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden": self.hidden_size,
+            "compute": self.compute_dtype,
+            "storage": self.storage_dtype,
+            "reprs": [r.value for r in self.layer_reprs],
+        }
+        raw = json.dumps(doc, sort_keys=True).encode()
+        return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+    def part_shape(self, part: str, tokens: int) -> tuple[int, ...]:
+        """Per-layer tensor shape of one part for `tokens` tokens."""
+        if part in ("k", "v"):
+            return (tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
+        if part == "h":
+            return (tokens, self.hidden_size)  # [tokens, hidden]
+        raise ValueError(f"unknown part {part!r}")
+
+    def bytes_per_token(self) -> int:
+        """Stored payload bytes per token (scales excluded), for sizing and benchmarks."""
+        width = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[self.storage_dtype]
+        total = 0
+        for r in self.layer_reprs:
+            for p in r.parts():
+                n = 1
+                for d in self.part_shape(p, 1):
+                    n *= d
+                total += n * width
+        return total

@@ -1,0 +1,109 @@
+"""Eviction policies: which keys a tier gives up when it needs room.
+
+A policy only sees keys, sizes and accesses; the tier owns the data. The interface is small so that
+a look-ahead policy (CachedAttention: evict what the scheduler needs furthest in the future, never
+what is inside the look-ahead window) or a score-based one (IMPRESS: access frequency times the
+share of important tokens) can be added without touching any tier: both only need their own
+ordering plus the `protected` set.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Iterator, Protocol
+
+
+class EvictionPolicy(Protocol):
+    def insert(self, key: str, nbytes: int) -> None: ...
+    def touch(self, key: str) -> None: ...
+    def remove(self, key: str) -> None: ...
+    def victims(self, need_bytes: int, protected: Iterable[str] = ()) -> Iterator[str]:
+        """Keys to evict, in order, until their sizes add up to `need_bytes` (skipping `protected`).
+
+        The caller removes each yielded key (calling `remove`) before asking for the next.
+        """
+        ...
+    def __len__(self) -> int: ...
+
+
+class _Ordered:
+    """Shared base: an ordered map key -> nbytes, evicted from the front."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[str, int] = OrderedDict()
+
+    def insert(self, key: str, nbytes: int) -> None:
+        self._order[key] = nbytes
+        self._order.move_to_end(key)
+
+    def touch(self, key: str) -> None:
+        pass
+
+    def remove(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._order
+
+    def _ranked(self) -> list[str]:
+        return list(self._order)
+
+    def victims(self, need_bytes: int, protected: Iterable[str] = ()) -> Iterator[str]:
+        protected = set(protected)
+        freed = 0
+        for key in self._ranked():  # snapshot: the caller removes keys while we iterate
+            if freed >= need_bytes:
+                return
+            if key in protected or key not in self._order:
+                continue
+            freed += self._order[key]
+            yield key
+
+
+class FIFOPolicy(_Ordered):
+    """Oldest insertion first; accesses do not matter."""
+
+
+class LRUPolicy(_Ordered):
+    """Least recently inserted-or-accessed first."""
+
+    def touch(self, key: str) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+
+class LFUPolicy(_Ordered):
+    """Fewest accesses first (insert counts as one); ties go to the least recently used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._count: dict[str, int] = {}
+
+    def insert(self, key: str, nbytes: int) -> None:
+        super().insert(key, nbytes)
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def touch(self, key: str) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+            self._count[key] += 1
+
+    def remove(self, key: str) -> None:
+        super().remove(key)
+        self._count.pop(key, None)
+
+    def _ranked(self) -> list[str]:
+        recency = {k: i for i, k in enumerate(self._order)}
+        return sorted(self._order, key=lambda k: (self._count[k], recency[k]))
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name.lower()]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}: use one of {sorted(POLICIES)}") from None

@@ -1,0 +1,278 @@
+"""TieredStore: the one object the engine talks to.
+
+Reads go to the fastest tier holding a chunk; a hit in a slower tier is promoted to memory in the
+background. Saves are write-through: the background writer puts each chunk in memory (a cache)
+and in every durable tier (disk, redis); an entry evicted from a tier is demoted to the next one
+if no lower tier already holds it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from . import format as fmt
+from .index import ChunkRef, PrefixMatch, longest_prefix
+from .keys import chunk_key, chunk_spans, store_digest
+from .layout import StoreNamespace
+from .policy import make_policy
+from .saving import SaveJob, check_job, chunk_layers, job_nbytes
+from .spec import parse_spec
+from .tiers.base import Expect, Tier
+from .tiers.disk import DiskTier
+from .tiers.memory import MemoryTier
+from .writer import BackgroundWriter
+
+log = logging.getLogger("kvtier.store")
+DEFAULT_QUEUE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    checked: int
+    corrupt: tuple[tuple[str, str, str], ...]  # (tier, key, reason)
+    per_tier: dict
+
+    @property
+    def clean(self) -> bool:
+        return not self.corrupt
+
+
+@dataclass(frozen=True)
+class _Promote:
+    key: str
+    tier: Tier
+
+
+class TieredStore:
+    def __init__(self, tiers: list[Tier], namespace: StoreNamespace | None, chunk_tokens: int,
+                 writer_queue_bytes: int, spec_text: str = "") -> None:
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.tiers = tiers
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self.spec_text = spec_text
+        self.root = store_digest(namespace.digest(), chunk_tokens) if namespace else None
+        self.memory = next((t for t in tiers if isinstance(t, MemoryTier)), None)
+        for t in tiers:
+            if hasattr(t, "on_evict"):
+                t.on_evict = self._demote
+        self.counters = dict(saves=0, chunks_written=0, chunks_skipped=0, partials_superseded=0,
+                             promotions=0)
+        self._promoting: set[str] = set()
+        self.writer = BackgroundWriter(self._process, writer_queue_bytes)
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, spec: str, namespace: StoreNamespace | None, chunk_tokens: int = 64,
+             policy: str = "lru", writer_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+             fsync: bool = False) -> "TieredStore":
+        parsed = parse_spec(spec)
+        make_policy(policy)  # validate the name before touching any tier
+        ns = store_digest(namespace.digest(), chunk_tokens) if namespace else None
+        tiers: list[Tier] = []
+        only_memory = parsed.disk is None and parsed.redis is None
+        if parsed.memory:
+            tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy),
+                                    parsed.memory.emulation, durable=only_memory))
+        if parsed.disk:
+            tiers.append(DiskTier(list(parsed.disk.paths), list(parsed.disk.capacities), ns,
+                                  lambda: make_policy(policy), parsed.disk.emulation, fsync))
+        if parsed.redis:
+            from .tiers.redis_tier import RedisTier
+            tiers.append(RedisTier(parsed.redis, ns))
+        return cls(tiers, namespace, chunk_tokens, writer_queue_bytes, spec)
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ns(self) -> StoreNamespace:
+        if self.namespace is None:
+            raise RuntimeError("this store was opened without a namespace (admin mode): "
+                               "only stats, verify and clear are available")
+        return self.namespace
+
+    def _expect(self, key: str) -> Expect:
+        ns = self.namespace
+        return Expect(key, self.root, ns.model_fingerprint if ns else None)
+
+    def tier(self, name: str) -> Tier:
+        return next(t for t in self.tiers if t.name == name)
+
+    # --- lookup and reads ---------------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int]) -> PrefixMatch:
+        ns = self._ns()
+        return longest_prefix(self.root, token_ids, self.chunk_tokens, self.tiers,
+                              ns.layer_reprs, self._size_of)
+
+    def _size_of(self, tier_name: str, key: str, tokens: int) -> int:
+        t = self.tier(tier_name)
+        if isinstance(t, MemoryTier):
+            h = t.header(key)
+            if h is not None:
+                return h.total_bytes
+        if isinstance(t, DiskTier):
+            f = t._files.get(key)
+            if f is not None:
+                return f.nbytes
+        return self._ns().bytes_per_token() * tokens  # payload estimate (redis: no extra trip)
+
+    def read_layers(self, ref_or_key: ChunkRef | str, layers: Iterable[int],
+                    parts: Iterable[str] = ("k", "v", "h")) -> list[fmt.LayerState] | None:
+        """Parts of `layers` of one chunk, in the compute dtype; None if no tier has it intact."""
+        return self._read(ref_or_key, list(layers), tuple(parts))
+
+    def read_chunk(self, ref_or_key: ChunkRef | str) -> list[fmt.LayerState] | None:
+        """Every layer of one chunk (one sequential read per tier)."""
+        return self._read(ref_or_key, None, ("k", "v", "h"))
+
+    def _read(self, ref_or_key, layers: list[int] | None, parts: tuple[str, ...]):
+        self._ns()
+        key = ref_or_key.key if isinstance(ref_or_key, ChunkRef) else ref_or_key
+        for t in self.tiers:
+            data = t.read(self._expect(key), layers, parts)
+            if data is None:
+                continue  # a miss or a corrupt copy (removed): a lower tier may still hold it
+            if t is not self.memory and self.memory is not None:
+                self._schedule_promotion(key, t)
+            want = range(len(data.header.layer_reprs)) if layers is None else layers
+            return fmt.decode_layers(data.header, data.segments, want, parts, copy=not t.owned_buffers)
+        return None
+
+    def _schedule_promotion(self, key: str, tier: Tier) -> None:
+        if key in self._promoting or self.memory.contains(key):
+            return
+        self._promoting.add(key)
+        self.writer.submit(_Promote(key, tier), 0)
+
+    # --- saving -------------------------------------------------------------------------------
+    def save(self, token_ids: Sequence[int], start: int, k: torch.Tensor | None,
+             v: torch.Tensor | None, h: torch.Tensor | None) -> None:
+        """Hand a host snapshot of tokens [start, len(token_ids)) to the background writer."""
+        ns = self._ns()
+        job = SaveJob(tuple(int(t) for t in token_ids), int(start), k, v, h)
+        check_job(ns, job)
+        self.counters["saves"] += 1
+        self.writer.submit(job, job_nbytes(job))
+
+    def _process(self, job) -> None:
+        if isinstance(job, _Promote):
+            self._promote(job)
+        else:
+            self._write_job(job)
+
+    def _write_job(self, job: SaveJob) -> None:
+        ns = self._ns()
+        for span in chunk_spans(self.root, job.token_ids, self.chunk_tokens):
+            if span.end <= job.start:
+                continue
+            missing = [t for t in self.tiers if not t.contains(span.key)]
+            if not missing:
+                continue
+            prefix = None
+            if span.start < job.start:
+                prefix = self._stored_prefix(job.token_ids, span.parent, span.start, job.start)
+                if prefix is None:
+                    self.counters["chunks_skipped"] += 1
+                    continue  # later chunks only need their tokens, so keep going
+            layers = chunk_layers(ns, job, span.start, span.end, prefix)
+            partial = span.length < self.chunk_tokens
+            packed = fmt.pack(ns, self.root, span.key, span.parent, span.index, span.start,
+                              partial, layers)
+            for t in missing:
+                t.put(packed)
+            self.counters["chunks_written"] += 1
+            self._supersede(job.token_ids, span.parent, span.start, span.length)
+
+    def _stored_prefix(self, token_ids, parent: str, lo: int, hi: int):
+        """Stored state of tokens [lo, hi) from a partial chunk under `parent`, or None."""
+        need = hi - lo
+        for t in self.tiers:
+            for key, n in sorted(t.partials(parent), key=lambda p: p[0]):
+                if n < need or chunk_key(parent, token_ids[lo:lo + n]) != key:
+                    continue
+                states = self.read_chunk(key)
+                if states is None:
+                    continue
+                return {s.layer: {p: getattr(s, p)[:need] for p in ("k", "v", "h")
+                                  if getattr(s, p) is not None} for s in states}
+        return None
+
+    def _supersede(self, token_ids, parent: str, lo: int, length: int) -> None:
+        """Delete stored partial chunks that are strict prefixes of the chunk just written."""
+        for t in self.tiers:
+            for key, n in t.partials(parent):
+                if n < length and chunk_key(parent, token_ids[lo:lo + n]) == key:
+                    for tt in self.tiers:
+                        tt.delete(key)
+                    self.counters["partials_superseded"] += 1
+
+    def _promote(self, job: _Promote) -> None:
+        try:
+            if self.memory is None or self.memory.contains(job.key):
+                return
+            data = job.tier.read(self._expect(job.key), None)
+            if data is None or data.whole is None:
+                return
+            packed = fmt.PackedChunk(data.header, (memoryview(data.whole.numpy()),))
+            if self.memory.put(packed):
+                self.counters["promotions"] += 1
+        finally:
+            self._promoting.discard(job.key)
+
+    def _demote(self, tier: Tier, key: str) -> None:
+        """Called before `tier` evicts `key`: keep one copy in the next tier down."""
+        lower = self.tiers[self.tiers.index(tier) + 1:]
+        if not lower or any(t.contains(key) for t in lower):
+            return
+        data = tier.read(Expect(key), None, verify=True)
+        if data is None or data.whole is None:
+            return
+        packed = fmt.PackedChunk(data.header, (memoryview(data.whole.numpy()),))
+        for t in lower:
+            if t.put(packed):
+                return
+
+    # --- lifecycle and admin ------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.writer.flush(timeout)
+
+    def close(self) -> None:
+        self.writer.close()
+        for t in self.tiers:
+            t.close()
+
+    def stats(self) -> dict:
+        return dict(spec=self.spec_text, chunk_tokens=self.chunk_tokens,
+                    namespace=self.root, store=dict(self.counters), writer=self.writer.stats(),
+                    tiers={t.name: t.stats() for t in self.tiers})
+
+    def verify(self) -> VerifyReport:
+        """Read every chunk in every tier; remove and report the ones that fail any check."""
+        self.flush()
+        corrupt: list[tuple[str, str, str]] = []
+        per_tier: dict = {}
+        checked = 0
+        for t in self.tiers:
+            n_ok = n_bad = 0
+            for key in t.iterate():
+                why = t.check(Expect(key, self.root,
+                                     self.namespace.model_fingerprint if self.namespace else None))
+                checked += 1
+                if why is None:
+                    n_ok += 1
+                elif why != "missing":
+                    n_bad += 1
+                    corrupt.append((t.name, key, why))
+            per_tier[t.name] = dict(ok=n_ok, corrupt=n_bad)
+        return VerifyReport(checked, tuple(corrupt), per_tier)
+
+    def clear(self) -> dict:
+        self.flush()
+        return {t.name: t.clear() for t in self.tiers}

@@ -1,0 +1,320 @@
+"""Disk tier: chunk files in one or more directories, striped round-robin by chunk position.
+
+Layout under each directory (`ns` is the store digest, so models never share files):
+    {dir}/{ns}/c/{key[:2]}/{key}.kvc                          full chunks
+    {dir}/{ns}/p/{parent[:2]}/{parent}/{tokens:04d}-{key}.kvc  partial chunks, found by parent
+    {dir}/{ns}/tmp/                                           writes in flight
+A file is written under tmp/ and renamed into place, so a reader (in this or another process) sees
+a whole chunk or none, and a writer killed mid-write leaves only a temp file, removed on the next
+open. The in-memory index (key -> file, size) is rebuilt from the file names on open, so state and
+the byte cap survive restarts; chunks written by other processes are adopted on first lookup.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..format import PackedChunk
+from ..policy import EvictionPolicy
+from ..throttle import Emulation
+from .base import Reader, Tier, log
+
+SUFFIX = ".kvc"
+
+
+@dataclass(frozen=True)
+class _File:
+    dir: int  # index into the tier's directories
+    path: str
+    nbytes: int
+
+
+class _FileReader(Reader):
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        nbytes = max(0, min(nbytes, self.size - offset))
+        out = torch.empty(nbytes, dtype=torch.uint8)  # [nbytes]
+        view = memoryview(out.numpy())
+        got = 0
+        while got < nbytes:
+            n = os.preadv(self.fd, [view[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+        return out[:got]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Dir:
+    def __init__(self, root: str, capacity: int, policy: EvictionPolicy) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.policy = policy
+        self.used = 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, roots: list[str], capacities: list[int], ns: str | None,
+                 make_policy: Callable[[], EvictionPolicy], emulation: Emulation = Emulation(),
+                 fsync: bool = False) -> None:
+        super().__init__(emulation)
+        self.ns = ns  # None: admin mode over every namespace
+        self.fsync = fsync
+        self.dirs = [_Dir(os.path.abspath(r), c, make_policy()) for r, c in zip(roots, capacities)]
+        self._files: dict[str, _File] = {}
+        self.on_evict: Callable[[Tier, str], None] | None = None
+        for i, d in enumerate(self.dirs):
+            os.makedirs(d.root, exist_ok=True)
+            self._rebuild(i)
+        for i in range(len(self.dirs)):  # a smaller cap than last time: trim to it now
+            self._make_room(i, 0, frozenset())
+
+    # --- paths and index ----------------------------------------------------------------------
+    def _ns_dirs(self, i: int) -> list[str]:
+        root = self.dirs[i].root
+        if self.ns is not None:
+            return [os.path.join(root, self.ns)]
+        return [e.path for e in os.scandir(root) if e.is_dir()]
+
+    def _full_path(self, i: int, key: str) -> str:
+        return os.path.join(self.dirs[i].root, self.ns, "c", key[:2], key + SUFFIX)
+
+    def _partial_dir(self, i: int, parent: str) -> str:
+        return os.path.join(self.dirs[i].root, self.ns, "p", parent[:2], parent)
+
+    def _rebuild(self, i: int) -> None:
+        found = []
+        for nsdir in self._ns_dirs(i):
+            self._clean_tmp(os.path.join(nsdir, "tmp"))
+            for base, _dirs, files in os.walk(nsdir):
+                if os.path.basename(base) == "tmp":
+                    continue
+                for f in files:
+                    if not f.endswith(SUFFIX):
+                        continue
+                    path = os.path.join(base, f)
+                    try:
+                        st = os.stat(path)
+                    except FileNotFoundError:
+                        continue
+                    key = f[:-len(SUFFIX)].rsplit("-", 1)[-1]
+                    found.append((st.st_mtime_ns, key, path, st.st_size))
+        found.sort()  # oldest first: approximates recency across the restart
+        for _, key, path, size in found:
+            self._index(key, _File(i, path, size))
+
+    def _clean_tmp(self, tmpdir: str) -> None:
+        try:
+            names = os.listdir(tmpdir)
+        except FileNotFoundError:
+            return
+        for n in names:
+            parts = n.split(".")
+            pid = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else -1
+            if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
+                continue  # a live writer (this process or another) still owns it
+            try:
+                os.unlink(os.path.join(tmpdir, n))
+            except OSError:
+                pass
+
+    def _index(self, key: str, f: _File) -> None:
+        old = self._files.get(key)
+        if old is not None:
+            self.dirs[old.dir].used -= old.nbytes
+            self.dirs[old.dir].policy.remove(key)
+        self._files[key] = f
+        self.dirs[f.dir].used += f.nbytes
+        self.dirs[f.dir].policy.insert(key, f.nbytes)
+
+    def _adopt(self, key: str) -> _File | None:
+        """A chunk another process wrote after our open: find it with one stat per directory."""
+        if self.ns is None:
+            return None
+        for i in range(len(self.dirs)):
+            path = self._full_path(i, key)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue
+            f = _File(i, path, size)
+            with self.lock:
+                self._index(key, f)
+            return f
+        return None
+
+    # --- Tier interface -----------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        return key in self._files or self._adopt(key) is not None
+
+    def partials(self, parent: str) -> list[tuple[str, int]]:
+        out = []
+        for i in range(len(self.dirs)):
+            pdir = self._partial_dir(i, parent)
+            try:
+                names = os.listdir(pdir)
+            except FileNotFoundError:
+                continue
+            for n in names:
+                if not n.endswith(SUFFIX) or "-" not in n:
+                    continue
+                tok, key = n[:-len(SUFFIX)].split("-", 1)
+                if key not in self._files:
+                    try:
+                        size = os.stat(os.path.join(pdir, n)).st_size
+                    except FileNotFoundError:
+                        continue
+                    with self.lock:
+                        self._index(key, _File(i, os.path.join(pdir, n), size))
+                out.append((key, int(tok)))
+        return out
+
+    def iterate(self) -> Iterator[str]:
+        return iter(list(self._files))
+
+    def touch(self, key: str) -> None:
+        f = self._files.get(key)
+        if f is not None:
+            with self.lock:
+                self.dirs[f.dir].policy.touch(key)
+
+    def _open(self, key: str) -> Reader | None:
+        f = self._files.get(key) or self._adopt(key)
+        if f is None:
+            return None
+        try:
+            return _FileReader(f.path)
+        except FileNotFoundError:  # removed by another process: forget it
+            with self.lock:
+                self._forget(key)
+            return None
+
+    def path_of(self, key: str) -> str | None:
+        f = self._files.get(key)
+        return None if f is None else f.path
+
+    def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
+        h = packed.header
+        i = h.index % len(self.dirs)  # round-robin by position: a context spreads over all disks
+        if self.ns is None:
+            raise RuntimeError("admin-mode store cannot write chunks")
+        if h.partial:
+            path = os.path.join(self._partial_dir(i, h.parent), f"{h.tokens:04d}-{h.key}{SUFFIX}")
+        else:
+            path = self._full_path(i, h.key)
+        with self.lock:
+            if h.key in self._files:
+                self.dirs[i].policy.touch(h.key)
+                return True
+            if packed.nbytes > self.dirs[i].capacity:
+                return False
+            if not self._make_room(i, packed.nbytes, protected | {h.key}):
+                return False
+            # Reserve the bytes now so concurrent puts do not overshoot the cap.
+            self._index(h.key, _File(i, path, packed.nbytes))
+        try:
+            self._write_atomic(i, path, packed)
+        except OSError as e:
+            log.warning("kvtier store: disk write of %s failed: %s", h.key, e)
+            with self.lock:
+                self._forget(h.key)
+            self.counters["put_errors"] += 1
+            return False
+        self.counters["bytes_written"] += packed.nbytes
+        self.counters["puts"] += 1
+        return True
+
+    def _write_atomic(self, i: int, path: str, packed: PackedChunk) -> None:
+        tmpdir = os.path.join(self.dirs[i].root, self.ns, "tmp")
+        os.makedirs(tmpdir, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = os.path.join(tmpdir, f"{packed.header.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                for b in packed.buffers:
+                    fh.write(b)
+                if self.fsync:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old file, the new one, or none
+            if self.fsync:
+                dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def _make_room(self, i: int, n: int, protected: frozenset[str] | set[str]) -> bool:
+        d = self.dirs[i]
+        need = d.used + n - d.capacity
+        if need <= 0:
+            return True
+        for victim in d.policy.victims(need, protected):
+            if self.on_evict is not None:
+                self.on_evict(self, victim)
+            self.delete(victim)
+            self.counters["evictions"] += 1
+        return d.used + n <= d.capacity
+
+    def _forget(self, key: str) -> _File | None:
+        f = self._files.pop(key, None)
+        if f is not None:
+            self.dirs[f.dir].used -= f.nbytes
+            self.dirs[f.dir].policy.remove(key)
+        return f
+
+    def delete(self, key: str) -> None:
+        with self.lock:
+            f = self._forget(key)
+        if f is None:
+            return
+        try:
+            os.unlink(f.path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(os.path.dirname(f.path))  # empty partial dirs would otherwise pile up
+        except OSError:
+            pass
+
+    def clear(self) -> int:
+        n = 0
+        for key in list(self._files):
+            self.delete(key)
+            n += 1
+        for i in range(len(self.dirs)):
+            for nsdir in self._ns_dirs(i):
+                self._clean_tmp(os.path.join(nsdir, "tmp"))
+        return n
+
+    def usage(self) -> dict:
+        return dict(entries=len(self._files), bytes_used=sum(d.used for d in self.dirs),
+                    capacity=sum(d.capacity for d in self.dirs),
+                    directories=[d.root for d in self.dirs])

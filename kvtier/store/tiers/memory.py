@@ -1,0 +1,127 @@
+"""Host DRAM tier: packed chunks in (pinned, when CUDA is present) uint8 buffers, byte-capped."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..format import ChunkHeader, PackedChunk
+from ..policy import EvictionPolicy, LRUPolicy
+from ..throttle import Emulation
+from .base import Reader, Tier
+
+
+@dataclass(frozen=True)
+class _Entry:
+    blob: torch.Tensor  # uint8 [nbytes]
+    header: ChunkHeader
+
+
+class _MemReader(Reader):
+    def __init__(self, blob: torch.Tensor) -> None:
+        self.blob = blob
+        self.size = blob.numel()
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.blob[offset:offset + nbytes]
+
+
+class MemoryTier(Tier):
+    name = "memory"
+    verify_reads = False  # bytes were checked (or produced) on their way in and never left RAM
+    owned_buffers = False  # reads are views of the cached blob: decoding must copy
+
+    def __init__(self, capacity: int, policy: EvictionPolicy | None = None,
+                 emulation: Emulation = Emulation(), durable: bool = False) -> None:
+        super().__init__(emulation)
+        self.capacity = capacity
+        self.policy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
+        self.durable = durable  # true only when memory is the sole tier
+        self._entries: dict[str, _Entry] = {}
+        self._partials: dict[str, dict[str, int]] = {}  # parent -> {key: tokens}
+        self.used = 0
+        self.pin = torch.cuda.is_available()
+        # Called with (tier, key) before an entry is evicted, so the store can demote it.
+        self.on_evict: Callable[[Tier, str], None] | None = None
+
+    def _open(self, key: str) -> Reader | None:
+        e = self._entries.get(key)
+        return None if e is None else _MemReader(e.blob)
+
+    def header(self, key: str) -> ChunkHeader | None:
+        e = self._entries.get(key)
+        return None if e is None else e.header
+
+    def contains(self, key: str) -> bool:
+        return key in self._entries
+
+    def partials(self, parent: str) -> list[tuple[str, int]]:
+        return list(self._partials.get(parent, {}).items())
+
+    def iterate(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def touch(self, key: str) -> None:
+        with self.lock:
+            self.policy.touch(key)
+
+    def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
+        n = packed.nbytes
+        key = packed.header.key
+        with self.lock:
+            if key in self._entries:
+                self.policy.touch(key)
+                return True
+            if n > self.capacity or not self._make_room(n, protected | {key}):
+                return False
+            blob = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
+            pos = 0
+            view = blob.numpy()
+            for b in packed.buffers:
+                m = len(memoryview(b).cast("B"))
+                view[pos:pos + m] = memoryview(b).cast("B")
+                pos += m
+            self._entries[key] = _Entry(blob, packed.header)
+            if packed.header.partial:
+                self._partials.setdefault(packed.header.parent, {})[key] = packed.header.tokens
+            self.used += n
+            self.policy.insert(key, n)
+            self.counters["bytes_written"] += n
+            self.counters["puts"] += 1
+            return True
+
+    def _make_room(self, n: int, protected: frozenset[str] | set[str]) -> bool:
+        need = self.used + n - self.capacity
+        if need <= 0:
+            return True
+        for victim in self.policy.victims(need, protected):
+            if self.on_evict is not None:
+                self.on_evict(self, victim)
+            self.delete(victim)
+            self.counters["evictions"] += 1
+        return self.used + n <= self.capacity
+
+    def delete(self, key: str) -> None:
+        with self.lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return
+            self.used -= e.blob.numel()
+            self.policy.remove(key)
+            sib = self._partials.get(e.header.parent)
+            if sib is not None:
+                sib.pop(key, None)
+                if not sib:
+                    del self._partials[e.header.parent]
+
+    def clear(self) -> int:
+        with self.lock:
+            n = len(self._entries)
+            for k in list(self._entries):
+                self.delete(k)
+            return n
+
+    def usage(self) -> dict:
+        return dict(entries=len(self._entries), bytes_used=self.used, capacity=self.capacity)
+

@@ -1,0 +1,173 @@
+"""Redis tier: chunks as Redis strings, shared by every engine process that points at the server.
+
+Keys (prefix configurable, `ns` = store digest so models never mix):
+    {prefix}:{ns}:c:{key}       the packed chunk (one SET: readers see all of it or none)
+    {prefix}:{ns}:p:{parent}    set of "tokens:key" for the partial chunks under `parent`
+Layer reads use GETRANGE, so one layer (or K without V) costs only its bytes on the wire. Works with
+a single server or Redis Cluster; capacity is Redis's own (maxmemory) plus an optional TTL.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import redis
+import torch
+
+from ..format import PackedChunk
+from ..spec import RedisSpec
+from .base import Reader, Tier, log
+
+
+class _RedisReader(Reader):
+    def __init__(self, client, rkey: str, size: int) -> None:
+        self.client = client
+        self.rkey = rkey
+        self.size = size
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        if nbytes <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        raw = self.client.getrange(self.rkey, offset, offset + nbytes - 1)
+        # bytearray: a writable buffer we own, so tensors built on it need no further copy.
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+class RedisTier(Tier):
+    name = "redis"
+
+    def __init__(self, spec: RedisSpec, ns: str | None) -> None:
+        super().__init__(spec.emulation)
+        self.spec = spec
+        self.ns = ns
+        if spec.cluster:
+            from redis.cluster import RedisCluster
+            self.client = RedisCluster.from_url(spec.url)
+        else:
+            self.client = redis.Redis.from_url(spec.url)
+        try:
+            self.client.ping()
+        except redis.RedisError as e:
+            raise ConnectionError(
+                f"cannot reach Redis at {spec.url}: {e}. Start the server or fix the URL in --store"
+            ) from e
+        self._admin_keys: dict[str, str] = {}
+        self.ex = int(math.ceil(spec.ttl)) if spec.ttl else None
+
+    def _c(self, key: str) -> str:
+        return f"{self.spec.prefix}:{self.ns}:c:{key}"
+
+    def _p(self, parent: str) -> str:
+        return f"{self.spec.prefix}:{self.ns}:p:{parent}"
+
+    def _pipe(self):
+        return self.client.pipeline(transaction=not self.spec.cluster)
+
+    def contains(self, key: str) -> bool:
+        return self.ns is not None and bool(self.client.exists(self._c(key)))
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        if self.ns is None or not keys:
+            return [False] * len(keys)
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(self._c(k))
+        return [bool(x) for x in pipe.execute()]
+
+    def partials(self, parent: str) -> list[tuple[str, int]]:
+        if self.ns is None:
+            return []
+        members = [m.decode() for m in self.client.smembers(self._p(parent))]
+        if not members:
+            return []
+        pairs = [(m.split(":", 1)[1], int(m.split(":", 1)[0])) for m in members]
+        alive = self.contains_many([k for k, _ in pairs])
+        dead = [m for m, ok in zip(members, alive) if not ok]
+        if dead:  # values expired or deleted elsewhere: drop their index entries
+            self.client.srem(self._p(parent), *dead)
+        return [p for p, ok in zip(pairs, alive) if ok]
+
+    def _open(self, key: str) -> Reader | None:
+        rkey = self._rkey_any(key)
+        if rkey is None:
+            return None
+        size = self.client.strlen(rkey)
+        return _RedisReader(self.client, rkey, size) if size else None
+
+    def _rkey_any(self, key: str) -> str | None:
+        if self.ns is not None:
+            return self._c(key)
+        if key in self._admin_keys:  # filled by iterate(): admin tools walk every namespace
+            return self._admin_keys[key]
+        for rk in self.client.scan_iter(match=f"{self.spec.prefix}:*:c:{key}", count=1000):
+            return rk.decode()
+        return None
+
+    def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
+        if self.ns is None:
+            raise RuntimeError("admin-mode store cannot write chunks")
+        h = packed.header
+        try:
+            pipe = self._pipe()
+            pipe.set(self._c(h.key), packed.to_bytes(), ex=self.ex)
+            if h.partial:
+                pipe.sadd(self._p(h.parent), f"{h.tokens}:{h.key}")
+                if self.ex:
+                    pipe.expire(self._p(h.parent), self.ex)
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("kvtier store: redis write of %s failed: %s", h.key, e)
+            self.counters["put_errors"] += 1
+            return False
+        self.counters["bytes_written"] += packed.nbytes
+        self.counters["puts"] += 1
+        return True
+
+    def delete(self, key: str) -> None:
+        rkey = self._rkey_any(key)
+        if rkey is not None:
+            self.client.delete(rkey)
+        # A partial's set entry is dropped lazily by partials() once its value is gone.
+
+    def iterate(self) -> Iterator[str]:
+        pattern = f"{self.spec.prefix}:{self.ns or '*'}:c:*"
+        for rk in self.client.scan_iter(match=pattern, count=1000):
+            rk = rk.decode()
+            key = rk.rsplit(":", 1)[-1]
+            if self.ns is None:
+                self._admin_keys[key] = rk
+            yield key
+
+    def clear(self) -> int:
+        n = 0
+        for pattern in (f"{self.spec.prefix}:{self.ns or '*'}:c:*",
+                        f"{self.spec.prefix}:{self.ns or '*'}:p:*"):
+            batch = []
+            for rk in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(rk)
+                n += pattern.endswith(":c:*")
+                if len(batch) >= 500:
+                    self._delete_many(batch)
+                    batch = []
+            self._delete_many(batch)
+        return n
+
+    def _delete_many(self, rkeys: list) -> None:
+        if not rkeys:
+            return
+        if self.spec.cluster:  # keys live in different hash slots: one DEL each
+            for rk in rkeys:
+                self.client.delete(rk)
+        else:
+            self.client.delete(*rkeys)
+
+    def usage(self) -> dict:
+        entries = sum(1 for _ in self.iterate())
+        return dict(entries=entries, bytes_used=None, capacity=None, url=self.spec.url,
+                    ttl_s=self.spec.ttl)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass

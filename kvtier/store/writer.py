@@ -1,0 +1,102 @@
+"""The second stage of saving: a background thread behind a queue bounded in bytes.
+
+The engine's side (`submit`) only appends to a deque and never waits: when the pending bytes
+would exceed the bound, the oldest pending jobs are dropped (and counted) to make room, because
+saving is an optimisation and decoding must never stall on it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("kvtier.store")
+
+
+@dataclass
+class _Job:
+    payload: Any
+    nbytes: int
+
+
+class BackgroundWriter:
+    def __init__(self, process: Callable[[Any], None], max_bytes: int, name: str = "kvtier-writer") -> None:
+        self.process = process
+        self.max_bytes = max_bytes
+        self._q: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        self._pending_bytes = 0
+        self._busy = False
+        self._closed = False
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self.done = 0
+        self.failed = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, payload: Any, nbytes: int) -> bool:
+        """Queue a job; False if it was dropped (too large for the queue, or writer closed)."""
+        with self._cv:
+            if self._closed or nbytes > self.max_bytes:
+                self.dropped += 1
+                self.dropped_bytes += nbytes
+                return False
+            while self._q and self._pending_bytes + nbytes > self.max_bytes:
+                old = self._q.popleft()
+                self._pending_bytes -= old.nbytes
+                self.dropped += 1
+                self.dropped_bytes += old.nbytes
+            self._q.append(_Job(payload, nbytes))
+            self._pending_bytes += nbytes
+            self._cv.notify_all()
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._closed:
+                    self._cv.wait()
+                if not self._q and self._closed:
+                    return
+                job = self._q.popleft()
+                self._pending_bytes -= job.nbytes
+                self._busy = True
+            try:
+                self.process(job.payload)
+                self.done += 1
+            except Exception:  # a failed save is a lost cache entry, never a dead writer
+                self.failed += 1
+                log.exception("kvtier store: background save failed")
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job is written. False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._q or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def stats(self) -> dict:
+        with self._cv:
+            return dict(queue_depth=len(self._q), queue_bytes=self._pending_bytes,
+                        queue_capacity_bytes=self.max_bytes, dropped_saves=self.dropped,
+                        dropped_bytes=self.dropped_bytes, jobs_done=self.done,
+                        jobs_failed=self.failed)
