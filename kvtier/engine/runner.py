@@ -22,6 +22,19 @@ CaptureFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
+class StepBatch:
+    """Index tensors for one step, built once and shared by every layer."""
+
+    items: tuple["RunItem", ...]
+    ids: torch.Tensor  # [tokens]
+    offsets: tuple[int, ...]  # run i is rows offsets[i]:offsets[i+1]
+    new_slots: torch.Tensor  # [tokens] pool slot of each token computed now
+    ctx_slots: tuple[torch.Tensor | None, ...]  # per run: slots of [0, end), None for fresh runs
+    cos: torch.Tensor  # [tokens, 1, head_dim]
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
 class RunItem:
     """One request's run of tokens in a step: positions [start, start + len(token_ids))."""
 
@@ -54,44 +67,71 @@ class ModelRunner:
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    @torch.inference_mode()
-    def execute(self, items: Sequence[RunItem], capture: CaptureFn | None = None) -> torch.Tensor:
-        """Run one step. Returns fp32 logits [num items with want_logits, vocab] (last token of each)."""
-        model = self.model
-        ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
+    def prepare(self, items: Sequence[RunItem]) -> "StepBatch":
         lens = [len(it.token_ids) for it in items]
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
         positions = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)])
-        new_slots = torch.cat([self.slots(it.block_ids, it.start, it.start + n) for it, n in zip(items, lens)])
-        # Requests with history read their whole context [0, end) back from the pool.
-        ctx_slots = [
-            self.slots(it.block_ids, 0, it.start + n) if it.start > 0 else None for it, n in zip(items, lens)
-        ]
         cos, sin = self.rope.cos_sin(positions)
-        h = model.embed(ids)  # [tokens, hidden]
-        for li, layer in enumerate(model.layers):
-            q, k, v = layer.qkv(h)  # pre-RoPE
-            if capture is not None:
-                for i in range(len(items)):
-                    a, b = offsets[i], offsets[i + 1]
-                    capture(li, i, h[a:b], k[a:b], v[a:b])
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(0, new_slots, k)
-            vc.index_copy_(0, new_slots, v)
-            outs = []
-            for i, it in enumerate(items):
-                a, b = offsets[i], offsets[i + 1]
-                if ctx_slots[i] is None:  # fresh sequence: its K/V are exactly this run's
-                    outs.append(causal_attention(q[a:b], k[a:b], v[a:b], 0))
-                else:
-                    ks, vs = kc.index_select(0, ctx_slots[i]), vc.index_select(0, ctx_slots[i])
-                    outs.append(causal_attention(q[a:b], ks, vs, it.start))
-            h = layer.finish(h, torch.cat(outs) if len(outs) > 1 else outs[0])
-        last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
-        if not last:
+        return StepBatch(
+            items=tuple(items),
+            ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
+            offsets=tuple(offsets),
+            new_slots=torch.cat([self.slots(it.block_ids, it.start, it.start + n) for it, n in zip(items, lens)]),
+            # Requests with history read their whole context [0, end) back from the pool.
+            ctx_slots=tuple(self.slots(it.block_ids, 0, it.start + n) if it.start > 0 else None
+                            for it, n in zip(items, lens)),
+            cos=cos,
+            sin=sin,
+        )
+
+    def run_layer(self, li: int, h: torch.Tensor, b: "StepBatch", capture: CaptureFn | None = None) -> torch.Tensor:
+        """Layer `li` for every run in the batch: writes its K/V into the pool, returns the next h."""
+        layer = self.model.layers[li]
+        q, k, v = layer.qkv(h)  # pre-RoPE
+        if capture is not None:
+            for i in range(len(b.items)):
+                lo, hi = b.offsets[i], b.offsets[i + 1]
+                capture(li, i, h[lo:hi], k[lo:hi], v[lo:hi])
+        q, k = rotate(q, b.cos, b.sin), rotate(k, b.cos, b.sin)
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        kc.index_copy_(0, b.new_slots, k)
+        vc.index_copy_(0, b.new_slots, v)
+        outs = []
+        for i, it in enumerate(b.items):
+            lo, hi = b.offsets[i], b.offsets[i + 1]
+            if b.ctx_slots[i] is None:  # fresh sequence: its K/V are exactly this run's
+                outs.append(causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0))
+            else:
+                ks, vs = kc.index_select(0, b.ctx_slots[i]), vc.index_select(0, b.ctx_slots[i])
+                outs.append(causal_attention(q[lo:hi], ks, vs, it.start))
+        return layer.finish(h, torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        items: Sequence[RunItem],
+        capture: CaptureFn | None = None,
+        layers: range | None = None,
+        before_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one step. Returns fp32 logits [num items with want_logits, vocab] (last token of each).
+
+        `layers` limits the pass to a prefix of the layers (restoring by recomputing the first
+        layers only; no logits then). `before_layer(l)` runs before layer l, which is how a restore
+        puts a layer's history into the pool just in time for the new tokens (layer-wise overlap).
+        """
+        model = self.model
+        layers = layers if layers is not None else range(model.cfg.num_layers)
+        b = self.prepare(items)
+        h = model.embed(b.ids)  # [tokens, hidden]
+        for li in layers:
+            if before_layer is not None:
+                before_layer(li)
+            h = self.run_layer(li, h, b, capture)
+        last = [b.offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
+        if not last or layers.stop != model.cfg.num_layers:
             return torch.empty(0, model.cfg.vocab_size)
         return model.logits(h[torch.tensor(last)])  # [requests sampling, vocab]
 

@@ -1,0 +1,220 @@
+"""The planner: predict each restore method's time from the profile and pick the fastest.
+
+Pure: ints, floats and plain values in, a frozen Plan out. Per layer it works with four costs
+(HCache §4.1 names): IO_KV and IO_H (reading one layer of K/V or of hidden states for the whole
+history, summed over the tiers the chunks actually sit in), C_H (projecting one layer's hidden
+states to K/V) and C_Token (recomputing one layer from tokens). Online refinement: after a
+restore, `observe` folds the measured/predicted ratio into a per-method correction factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvtier.restore.plan import ChunkSource, Method, Plan
+from kvtier.restore.profile import HardwareProfile, TierRates
+from kvtier.store import Repr
+
+
+@dataclass(frozen=True)
+class TierLink:
+    """Effective read cost of one tier: measured rates plus any emulated bandwidth/latency."""
+
+    rates: TierRates
+    emulated_bps: float | None = None
+    emulated_latency_s: float = 0.0
+
+    def read_s(self, nbytes: int, whole_chunk: bool) -> float:
+        bps = self.rates.chunk_bps if whole_chunk else self.rates.layer_bps
+        t = nbytes / bps + self.rates.read_latency_s + self.emulated_latency_s
+        return t + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s the ideal bound is computed with."""
+        raw = self.rates.chunk_bps
+        return raw if not self.emulated_bps else 1.0 / (1.0 / raw + 1.0 / self.emulated_bps)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A stored chunk as the planner sees it."""
+
+    start: int
+    end: int
+    tier: str
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    kv_bytes_per_token_layer: int  # K and V
+    hidden_bytes_per_token_layer: int
+
+
+def read_buffer_layers(load_s_per_token: float, prefill_s_per_token: float, hist: int, new: int,
+                       layer_bytes: int, bandwidth: float) -> int:
+    """CachedAttention §3.2.1: S_buf = B * (T_load * L_hist - T_pref * L_new), in layers (at least 1)."""
+    gap = load_s_per_token * hist - prefill_s_per_token * new
+    if gap <= 0 or layer_bytes <= 0:
+        return 1
+    return max(1, math.ceil(bandwidth * gap / layer_bytes))
+
+
+class Planner:
+    def __init__(self, profile: HardwareProfile, shape: ModelShape, links: Mapping[str, TierLink]):
+        self.profile = profile
+        self.shape = shape
+        self.links = dict(links)
+        self.correction: dict[Method, float] = {}
+
+    # ----- per-layer costs ----------------------------------------------------------------
+    def _io_layer(self, chunks: Sequence[Chunk], bytes_per_token: int) -> float:
+        return sum(self.links[c.tier].read_s(c.tokens * bytes_per_token, whole_chunk=False) for c in chunks)
+
+    def layer_costs(self, chunks: Sequence[Chunk]) -> dict[str, float]:
+        hist = chunks[-1].end if chunks else 0
+        p, s = self.profile, self.shape
+        return {
+            "io_kv": self._io_layer(chunks, s.kv_bytes_per_token_layer),
+            "io_h": self._io_layer(chunks, s.hidden_bytes_per_token_layer),
+            "c_h": p.project_s * hist,
+            "place": p.place_s * hist,
+            "c_token": p.prefill_s(0, hist) / s.num_layers,
+        }
+
+    # ----- HCache §4.1.2 partition ----------------------------------------------------------
+    def partition(self, chunks: Sequence[Chunk]) -> tuple[Repr, ...]:
+        """L_H hidden layers plus L_O layers of the complementary method, balanced so IO and
+        compute finish together: KV load when projection is the bottleneck (C_H > IO_H), token
+        recompute of the first layers when IO is."""
+        n = self.shape.num_layers
+        c = self.layer_costs(chunks)
+        if c["c_h"] > c["io_h"]:
+            denom = c["io_kv"] + c["c_h"] - c["io_h"]
+            l_h = min(n, math.ceil(n * c["io_kv"] / denom)) if denom > 0 else n
+            return (Repr.HIDDEN,) * l_h + (Repr.KV,) * (n - l_h)
+        denom = c["c_token"] + c["io_h"] - c["c_h"]
+        l_h = min(n, math.ceil(n * c["c_token"] / denom)) if denom > 0 else n
+        return (Repr.NONE,) * (n - l_h) + (Repr.HIDDEN,) * l_h
+
+    # ----- predictions ----------------------------------------------------------------------
+    def _pipeline(self, io: Sequence[float], comp: Sequence[float], lead_compute: float) -> float:
+        """Layer-wise pipeline: IO streams layers in order; layer l's compute starts when its IO
+        is done and layer l-1's compute is done. `lead_compute` runs first (recomputed layers),
+        while IO already streams the later layers."""
+        io_done, t = 0.0, lead_compute
+        for i, c in zip(io, comp):
+            io_done += i
+            t = max(t, io_done) + c
+        return t
+
+    def predict(self, method: Method, chunks: Sequence[Chunk], new: int,
+                layout: Sequence[Repr] | None = None) -> tuple[float, float, int]:
+        """-> (predicted seconds, ideal seconds, bytes read) to restore `chunks` and compute `new` tokens."""
+        p, s = self.profile, self.shape
+        hist = chunks[-1].end if chunks else 0
+        new_s = p.prefill_s(hist, hist + new)
+        if method is Method.RECOMPUTE or not chunks:
+            t = p.prefill_s(0, hist + new)
+            return t, t, 0
+        c = self.layer_costs(chunks)
+        n = s.num_layers
+        bw = self._bandwidth(chunks)
+        if method is Method.CAKE:
+            t, nbytes, comp = self._cake(chunks)
+            return t + new_s, max(nbytes / bw, (comp + new_s) / 2) if nbytes else comp + new_s, nbytes
+        if layout is None:
+            layout = {Method.KV: (Repr.KV,) * n, Method.HIDDEN: (Repr.HIDDEN,) * n}.get(method) or self.partition(chunks)
+        io, comp, lead, nbytes = [], [], 0.0, 0
+        for r in layout:
+            if r is Repr.NONE:
+                lead += c["c_token"]
+                io.append(0.0)
+                comp.append(new_s / n)
+            elif r is Repr.KV:
+                io.append(c["io_kv"])
+                comp.append(c["place"] + new_s / n)
+                nbytes += hist * s.kv_bytes_per_token_layer
+            else:
+                io.append(c["io_h"])
+                comp.append(c["c_h"] + new_s / n)
+                nbytes += hist * s.hidden_bytes_per_token_layer
+        t = self._pipeline(io, comp, lead)
+        ideal = max(nbytes / bw, lead + sum(comp))
+        return t, ideal, nbytes
+
+    def _bandwidth(self, chunks: Sequence[Chunk]) -> float:
+        tot = sum(ch.tokens for ch in chunks)
+        # Token-weighted harmonic mean: time per byte adds up across the tiers the chunks sit in.
+        return 1.0 / sum(ch.tokens / tot / self.links[ch.tier].bandwidth for ch in chunks)
+
+    def _cake(self, chunks: Sequence[Chunk]) -> tuple[float, int, float]:
+        """Simulate the two pointers: compute from the front, load whole KV chunks from the back."""
+        s, p = self.shape, self.profile
+        front, back = 0, len(chunks) - 1
+        tf = tb = 0.0
+        nbytes, comp = 0, 0.0
+        while front <= back:
+            cf = p.prefill_s(chunks[front].start, chunks[front].end)
+            ch = chunks[back]
+            size = ch.tokens * s.kv_bytes_per_token_layer * s.num_layers
+            cb = self.links[ch.tier].read_s(size, whole_chunk=True) + p.place_s * ch.tokens * s.num_layers
+            if tf + cf <= tb + cb:
+                tf += cf
+                comp += cf
+                front += 1
+            else:
+                tb += cb
+                nbytes += size
+                back -= 1
+        return max(tf, tb), nbytes, comp
+
+    # ----- choosing -------------------------------------------------------------------------
+    def plan(self, method: Method, chunks: Sequence[Chunk], new: int,
+             layout: Sequence[Repr] | None = None) -> Plan:
+        n = self.shape.num_layers
+        if method is Method.RECOMPUTE:
+            layout = (Repr.NONE,) * n
+        elif method is Method.CAKE or method is Method.KV:
+            layout = (Repr.KV,) * n
+        elif method is Method.HIDDEN:
+            layout = (Repr.HIDDEN,) * n
+        elif layout is None:
+            layout = self.partition(chunks)
+        t, ideal, nbytes = self.predict(method, chunks, new, layout)
+        t *= self.correction.get(method, 1.0)
+        hist = chunks[-1].end if chunks else 0
+        direction = {Method.RECOMPUTE: "compute", Method.CAKE: "race"}.get(method, "load")
+        sources = tuple(ChunkSource(c.start, c.end, c.tier, direction) for c in chunks)
+        prefetch = 2
+        if chunks and method is not Method.RECOMPUTE:
+            per_tok = t / max(hist, 1) / n
+            layer_bytes = hist * self.shape.kv_bytes_per_token_layer
+            prefetch = read_buffer_layers(per_tok, self.profile.prefill_s(hist, hist + new) / max(new, 1) / n,
+                                          hist, new, layer_bytes, self._bandwidth(chunks))
+            prefetch = min(max(prefetch, 2), n)
+        return Plan(method, tuple(layout), hist, sources, t, ideal, prefetch, nbytes)
+
+    def choose(self, chunks: Sequence[Chunk], new: int, layouts: Mapping[Method, Sequence[Repr]]) -> Plan:
+        """The fastest predicted plan among recompute and the methods whose layout is stored."""
+        plans = [self.plan(Method.RECOMPUTE, chunks, new)]
+        for m, layout in layouts.items():
+            if chunks:
+                plans.append(self.plan(m, chunks, new, layout))
+        best = min(plans, key=lambda pl: pl.predicted_s)
+        return best
+
+    def observe(self, method: Method, predicted_s: float, actual_s: float, weight: float = 0.3) -> None:
+        """Refine online: move the method's correction factor toward the observed/predicted ratio."""
+        if predicted_s <= 0 or actual_s <= 0:
+            return
+        raw = predicted_s / self.correction.get(method, 1.0)
+        ratio = actual_s / raw
+        self.correction[method] = (1 - weight) * self.correction.get(method, 1.0) + weight * ratio
