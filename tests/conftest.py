@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
+import shutil
+import socket
+import subprocess
+import time
 
 import pytest
 import torch
@@ -70,3 +73,57 @@ def tiny_gqa() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_mha() -> LoadedModel:
     return load_model("tiny-mha", dtype="fp32", tokenizer=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """URL of a fresh redis-server on a free loopback port (skipped only if the binary is missing)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (CI installs it from Debian packages)")
+    import redis
+
+    workdir = tmp_path_factory.mktemp("redis")
+    for _attempt in range(3):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        else:
+            proc.kill()
+            continue
+        if proc.poll() is None:
+            break
+    else:
+        pytest.fail("could not start redis-server")
+    yield f"redis://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def redis_url(redis_server, request):
+    """A per-test key prefix on the shared server, so tests do not see each other's chunks."""
+    import redis
+
+    prefix = "t" + str(abs(hash(request.node.nodeid)) % 10**10)
+    yield f"{redis_server}/0?prefix={prefix}"
+    client = redis.Redis.from_url(redis_server)
+    for k in client.scan_iter(match=f"{prefix}:*"):
+        client.delete(k)

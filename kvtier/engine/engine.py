@@ -7,6 +7,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +19,9 @@ from kvtier.engine.request import Request, RequestStatus, SamplingParams
 from kvtier.engine.runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
-from kvtier.models.loading import LoadedModel, load_model
+from kvtier.engine.statecache import ReuseConfig, StateCache
+from kvtier.models.loading import LoadedModel, default_home, load_model
+from kvtier.restore.profile import HardwareProfile
 
 
 class PromptError(ValueError):
@@ -48,6 +51,7 @@ class RequestOutput:
     prompt_tokens_reused: int
     prompt_tokens_computed: int
     reused_by_tier: dict[str, int] = field(default_factory=dict)
+    restore_method: str | None = None
 
 
 @dataclass
@@ -63,7 +67,10 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
+                 reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None, home: Path | None = None):
+        """`store` is a tier spec (e.g. "memory:2GB,disk:/data:100GB"); with it every request's state
+        is saved and restored across requests. `profile` defaults to the measured one for this machine."""
         self.model = model
         self.config = config = config or EngineConfig()
         cfg = model.config
@@ -76,8 +83,14 @@ class Engine:
                 f"needs {blocks_per_seq}; raise the KV budget or lower max_model_len"
             )
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
+        self.state: StateCache | None = None
+        if store:
+            from kvtier.restore.profile import load_or_measure
+
+            profile = profile or load_or_measure(model, home or default_home(), store)
+            self.state = StateCache(model, self.runner, store, profile, reuse or ReuseConfig())
+        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.state)
         self.eos_ids = set(cfg.eos_token_ids)
         tok = model.tokenizer
         if tok is not None and tok.eos_token_id is not None:
@@ -144,11 +157,34 @@ class Engine:
     # ----- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
+        if self.state is not None:
+            outputs += self._collect_restores()
+            self.state.look_ahead(list(itertools.islice(self.scheduler.waiting, 32)))
         plan = self.scheduler.schedule()
         if plan.chunks:
-            logits = self.runner.execute(self._run_items(plan))
+            capture = None
+            if self.state is not None and self.state.config.save:
+                capture = self.state.capture_for([self._live[c.request_id].req for c in plan.chunks])
+            logits = self.runner.execute(self._run_items(plan), capture)
             outputs += self._update(plan, logits)
+        elif self.scheduler.restoring:
+            time.sleep(0.001)  # only restores in flight: let the restore thread have the cores
         return outputs
+
+    def _collect_restores(self) -> list[RequestOutput]:
+        outs = []
+        for req, ok, tokens, aborted in self.state.poll():
+            if aborted:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                outs.append(self._emit(self._live[req.request_id]))
+            else:
+                self.scheduler.restored(req, ok, tokens)
+        return outs
+
+    def close(self) -> None:
+        """Drain pending saves and stop the restore thread."""
+        if self.state is not None:
+            self.state.close()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outs = []
@@ -162,7 +198,11 @@ class Engine:
                     req.block_hashes = []
                 self.scheduler.add(req)
             elif (live := self._live.get(arg)) is not None:
+                if self.state is not None and self.state.abort(arg):
+                    continue  # its restore is writing into its blocks: finish once that is done
                 self.scheduler.finish(live.req, RequestStatus.FINISHED_ABORTED)
+                if self.state is not None:
+                    self.state.drop(arg)
                 outs.append(self._emit(live))
         return outs
 
@@ -184,6 +224,8 @@ class Engine:
             req.num_computed = c.end
             self._publish_blocks(req)
             if c.end != req.num_tokens:
+                if self.state is not None:
+                    self.state.after_step(req, finished=False)
                 continue  # a prefill chunk that is not the last one
             token = sample(logits[row], req.params, live.generator)
             row += 1
@@ -195,6 +237,8 @@ class Engine:
             req.output_ids.append(token)
             live.delta_ids.append(token)
             status = self._check_stop(live, token)
+            if self.state is not None:
+                self.state.after_step(req, finished=status is not None)
             if status is not None:
                 self.scheduler.finish(req, status)
                 live.delta_text += live.detok.flush()
@@ -237,6 +281,7 @@ class Engine:
             prompt_tokens_reused=m.prompt_tokens_reused,
             prompt_tokens_computed=m.prompt_tokens_computed,
             reused_by_tier=dict(m.reused_by_tier),
+            restore_method=m.restore_method,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:

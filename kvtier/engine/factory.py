@@ -6,11 +6,11 @@ from typing import Any
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.statecache import ReuseConfig
 from kvtier.models.loading import load_model
 
 
-def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, **config: Any) -> Engine:
+def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,
+                 **config: Any) -> Engine:
     """Load `model` and wrap it in an Engine. `store` is a tier spec (see `kvtier store --help`)."""
-    engine = Engine(load_model(model, dtype=dtype), EngineConfig(**config))
-    engine.store_spec = store  # attached to the engine by the multi-turn reuse work
-    return engine
+    return Engine(load_model(model, dtype=dtype), EngineConfig(**config), store=store, reuse=reuse)

@@ -64,6 +64,7 @@ class RequestMetrics:
     prompt_tokens_reused: int = 0  # restored (device prefix cache or store) instead of computed
     prompt_tokens_computed: int = 0
     reused_by_tier: dict[str, int] = field(default_factory=dict)
+    restore_method: str | None = None  # how the store part was restored, if any
 
     @property
     def queue_time(self) -> float | None:
@@ -91,6 +92,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     session_id: str | None = None
+    restore_tried: bool = False  # the store was asked once for this (re)admission
 
     @property
     def all_ids(self) -> list[int]:

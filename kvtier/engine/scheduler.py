@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvtier.engine.block_pool import BlockPool, block_hashes
 from kvtier.engine.request import Request, RequestStatus
@@ -37,9 +38,19 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class Restorer(Protocol):
+    """What the scheduler needs from the store side (plain ints and opaque matches)."""
+
+    def probe(self, req: Request) -> tuple[int, Any]: ...
+
+    def start(self, req: Request, target: int, match: Any) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, restorer: Restorer | None = None):
         self.pool = pool
+        self.restorer = restorer
+        self.restoring: list[Request] = []
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -52,7 +63,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.restoring)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_batched_tokens
@@ -76,10 +87,12 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_computed == 0:
                 self._match_prefix(req)
+                if self._try_restore(req):
+                    continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
                 # Wait for running requests to free blocks; hold nothing meanwhile.
@@ -94,8 +107,37 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
+    def _try_restore(self, req: Request) -> bool:
+        """Send `req` to RESTORING when the store holds more of its prefix than the device does.
+        The restore runs in the background; the request rejoins at `restored`."""
+        if self.restorer is None or req.restore_tried:
+            return False
+        req.restore_tried = True
+        target, match = self.restorer.probe(req)
+        if target <= req.num_computed:
+            return False
+        if not self._grow(req, target + 1):
+            return False  # not enough blocks now: prefill normally instead
+        self.waiting.popleft()
+        req.status = RequestStatus.RESTORING
+        req.metrics.first_scheduled = req.metrics.first_scheduled or time.perf_counter()
+        self.restoring.append(req)
+        self.restorer.start(req, target, match)
+        return True
+
+    def restored(self, req: Request, ok: bool, tokens: int) -> None:
+        """A background restore ended: on success [0, tokens) are in the pool; prefill the rest."""
+        self.restoring.remove(req)
+        if ok:
+            req.num_computed = tokens
+            req.metrics.prompt_tokens_reused = tokens
+        req.status = RequestStatus.PREFILL
+        self.running.append(req)
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if req in self.restoring:
+            self.restoring.remove(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -129,6 +171,7 @@ class Scheduler:
         self.pool.release(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
+        req.restore_tried = False
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1

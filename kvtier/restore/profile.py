@@ -18,8 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.engine.config import EngineConfig
-from kvtier.engine.engine import Engine
 from kvtier.engine.runner import RunItem
 from kvtier.models.loading import LoadedModel
 from kvtier.store import Repr, StoreNamespace, TieredStore
@@ -73,6 +71,9 @@ def _time(fn, repeats: int = 3) -> float:
 
 
 def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (128, 512, 1024)) -> dict:
+    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.engine import Engine  # the engine itself loads profiles: import here, not at the top
+
     cfg = model.config
     engine = Engine(model, EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max(lengths) + 64,
                                         max_batched_tokens=max(lengths), enable_prefix_cache=False))

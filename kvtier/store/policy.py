@@ -24,6 +24,8 @@ class EvictionPolicy(Protocol):
         ...
     def __len__(self) -> int: ...
 
+    def size(self, key: str) -> int: ...
+
 
 class _Ordered:
     """Shared base: an ordered map key -> nbytes, evicted from the front."""
@@ -43,6 +45,9 @@ class _Ordered:
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def size(self, key: str) -> int:
+        return self._order.get(key, 0)
 
     def __contains__(self, key: str) -> bool:
         return key in self._order

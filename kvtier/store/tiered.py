@@ -145,6 +145,16 @@ class TieredStore:
             return fmt.decode_layers(data.header, data.segments, want, parts, copy=not t.owned_buffers)
         return None
 
+    def prefetch(self, ref: ChunkRef) -> bool:
+        """Bring a chunk into the memory tier in the background (look-ahead); True if queued."""
+        if self.memory is None or self.memory.contains(ref.key):
+            return False
+        tier = next((t for t in self.tiers if t is not self.memory and t.contains(ref.key)), None)
+        if tier is None or ref.key in self._promoting:
+            return False
+        self._schedule_promotion(ref.key, tier)
+        return True
+
     def _schedule_promotion(self, key: str, tier: Tier) -> None:
         if key in self._promoting or self.memory.contains(key):
             return

@@ -1,11 +1,6 @@
 """Fixtures for the store tests: a small namespace, deterministic tensors, a real redis-server."""
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-
 import pytest
 from kvtier.store import Repr
 
@@ -20,60 +15,6 @@ def ns():
 @pytest.fixture
 def mixed_ns():
     return make_ns(reprs=(Repr.KV, Repr.HIDDEN, Repr.NONE, Repr.KV))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """URL of a fresh redis-server on a free loopback port (skipped only if the binary is missing)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs it from Debian packages)")
-    import redis
-
-    workdir = tmp_path_factory.mktemp("redis")
-    for _attempt in range(3):
-        port = _free_port()
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        else:
-            proc.kill()
-            continue
-        if proc.poll() is None:
-            break
-    else:
-        pytest.fail("could not start redis-server")
-    yield f"redis://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture
-def redis_url(redis_server, request):
-    """A per-test key prefix on the shared server, so tests do not see each other's chunks."""
-    import redis
-
-    prefix = "t" + str(abs(hash(request.node.nodeid)) % 10**10)
-    yield f"{redis_server}/0?prefix={prefix}"
-    client = redis.Redis.from_url(redis_server)
-    for k in client.scan_iter(match=f"{prefix}:*"):
-        client.delete(k)
 
 
 @pytest.fixture(params=["memory", "disk", "redis"])

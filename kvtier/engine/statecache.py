@@ -1,0 +1,299 @@
+"""The engine's link to the tiered store: save every request's state, restore it on return.
+
+Saving: the runner's capture callback hands each computed token's layer inputs and pre-RoPE K/V
+to a per-request buffer; whenever a buffer crosses a chunk boundary (and at the end of the
+request, for the partial tail) a host snapshot goes to the store's background writer.
+Restoring: when a waiting request's stored prefix goes beyond what the device prefix cache holds,
+the planner picks a method and a background thread runs the executor into the request's blocks
+while the step loop keeps serving other requests (the RESTORING phase).
+Look-ahead (CachedAttention §3.3): chunks that queued requests will need are prefetched into the
+memory tier, and eviction skips the chunks inside the look-ahead window.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.engine.request import Request
+from kvtier.engine.runner import ModelRunner
+from kvtier.models.loading import LoadedModel
+from kvtier.restore.executor import Executor, RestoreMiss
+from kvtier.restore.glue import links, model_shape, namespace
+from kvtier.restore.plan import Method, Plan
+from kvtier.restore.planner import Chunk, Planner, TierLink
+from kvtier.restore.profile import HardwareProfile, TierRates
+from kvtier.store import PrefixMatch, Repr, TieredStore
+from kvtier.store.lookahead import LookAheadPolicy
+from kvtier.store.spec import StoreSpec, parse_spec
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "kv", "hidden", "bubblefree", "recompute")
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    method: str = "auto"  # which restore method; auto = the planner's choice per request
+    chunk_tokens: int = 64
+    save: bool = True
+    lookahead: bool = True
+    min_restore_tokens: int = 32  # restore only when the store adds at least this much over the device
+    storage_dtype: str = ""  # "" = compute dtype (lossless)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHODS)}")
+
+
+@dataclass
+class _SaveBuffer:
+    start: int  # first position held
+    h: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][piece] -> [tokens, hidden]
+    k: list[list[torch.Tensor]] = field(default_factory=list)
+    v: list[list[torch.Tensor]] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class _Job:
+    req: Request
+    plan: Plan
+    future: Future
+    started: float
+    by_tier: dict[str, int]
+    aborted: bool = False
+
+
+class StateCache:
+    def __init__(self, model: LoadedModel, runner: ModelRunner, store_spec: str, profile: HardwareProfile,
+                 config: ReuseConfig, policy: str = "lru"):
+        self.model = model
+        self.runner = runner
+        self.config = config
+        self.profile = profile
+        self.layout = self._choose_layout(parse_spec(store_spec))
+        self.store = TieredStore.open(store_spec, namespace(model, self.layout, config.storage_dtype),
+                                      chunk_tokens=config.chunk_tokens, policy=policy)
+        self.planner = Planner(profile, model_shape(model), links(self.store, profile))
+        self.executor = Executor(runner)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-restore")
+        self.jobs: dict[str, _Job] = {}
+        self.buffers: dict[str, _SaveBuffer] = {}
+        self.lookahead = self._tier_policies() if config.lookahead else []
+        self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, saves=0, prefetches=0)
+        self.reused_by_method: dict[str, int] = {}
+        self.tier_tokens: dict[str, int] = {}  # restored tokens by the tier they were read from
+
+    # ----- which representation to store ------------------------------------------------------
+    def _choose_layout(self, spec: StoreSpec) -> tuple[Repr, ...]:
+        n = self.model.config.num_layers
+        m = self.config.method
+        if m == "hidden":
+            return (Repr.HIDDEN,) * n
+        if m in ("kv", "recompute"):
+            return (Repr.KV,) * n
+        # Decide once, for a typical 1024-token history on the slowest tier of the stack, whether a
+        # bubble-free partition beats plain KV loading; the saving side then stores that layout.
+        tiers = [(name, t) for name, t in (("memory", spec.memory), ("disk", spec.disk), ("redis", spec.redis)) if t]
+        name, tier = tiers[-1]
+        rates = self.profile.tiers.get(name) or next(iter(self.profile.tiers.values()), TierRates(1e9, 1e9, 1e-5))
+        probe = Planner(self.profile, model_shape(self.model),
+                        {name: TierLink(rates, tier.emulation.bandwidth, tier.emulation.latency)})
+        c = self.config.chunk_tokens
+        chunks = [Chunk(a, a + c, name) for a in range(0, 1024, c)]
+        partition = probe.partition(chunks)
+        if m == "bubblefree":
+            return partition
+        kv = probe.plan(Method.KV, chunks, 64).predicted_s
+        bf = probe.plan(Method.BUBBLEFREE, chunks, 64, partition).predicted_s
+        return partition if bf < kv else (Repr.KV,) * n
+
+    def _tier_policies(self) -> list[LookAheadPolicy]:
+        """Wrap every tier's eviction policy so the look-ahead window can steer it."""
+        out = []
+        for t in self.store.tiers:
+            if hasattr(t, "policy") and t.policy is not None:
+                t.policy = LookAheadPolicy(t.policy)
+                out.append(t.policy)
+            for d in getattr(t, "dirs", []):
+                d.policy = LookAheadPolicy(d.policy)
+                out.append(d.policy)
+        return out
+
+    # ----- restoring ------------------------------------------------------------------------------
+    def probe(self, req: Request) -> tuple[int, PrefixMatch | None]:
+        """Tokens the store can restore for `req` (0 if not worth it), capped so one prompt token stays."""
+        match = self.store.lookup(req.all_ids)
+        usable = [c for c in match.chunks if c.end <= req.num_tokens - 1]
+        end = usable[-1].end if usable else 0
+        if end - req.num_computed < self.config.min_restore_tokens:
+            return 0, None
+        return end, match
+
+    def start(self, req: Request, target: int, match: PrefixMatch) -> None:
+        """Run the restore of [num_computed, target) into req.block_ids on the restore thread."""
+        chunks = [c for c in match.chunks if c.end <= target]
+        planner_chunks = [Chunk(c.start, c.end, c.tier) for c in chunks]
+        new = req.num_tokens - target
+        m = self.config.method
+        layouts = {Method.KV: self.layout} if all(r is Repr.KV for r in self.layout) else \
+            {Method.BUBBLEFREE: self.layout} if m != "hidden" else {Method.HIDDEN: self.layout}
+        if m == "recompute":
+            plan = self.planner.plan(Method.RECOMPUTE, planner_chunks, new)
+        elif m == "auto":
+            plan = self.planner.choose(planner_chunks, new, layouts)
+        else:
+            method, layout = next(iter(layouts.items()))
+            plan = self.planner.plan(method, planner_chunks, new, layout)
+        by_tier: dict[str, int] = {}
+        for c in chunks:
+            if c.end > req.num_computed:
+                by_tier[c.tier] = by_tier.get(c.tier, 0) + c.end - max(c.start, req.num_computed)
+        restricted = PrefixMatch(tuple(chunks), target)
+        fut = self._pool.submit(self._run, plan, restricted, list(req.all_ids), list(req.block_ids), req.num_computed)
+        self.jobs[req.request_id] = _Job(req, plan, fut, time.perf_counter(), by_tier)
+
+    def _run(self, plan: Plan, match: PrefixMatch, ids: list[int], blocks: list[int], start: int) -> bool:
+        if plan.method is Method.RECOMPUTE:
+            return False  # recompute = ordinary prefill in the step loop (shares the token budget)
+        try:
+            with torch.inference_mode():
+                self.executor.restore_history(plan, self.store, match, ids, blocks, start)
+            return True
+        except RestoreMiss as e:
+            log.warning("restore failed (%s); recomputing", e)
+            return False
+
+    def poll(self) -> list[tuple[Request, bool, int, bool]]:
+        """Finished restores: (request, succeeded, restored tokens, aborted meanwhile)."""
+        done = []
+        for rid, job in list(self.jobs.items()):
+            if not job.future.done():
+                continue
+            del self.jobs[rid]
+            ok = bool(job.future.result())
+            tokens = job.plan.history_tokens if ok else 0
+            if ok:
+                self.counters["restores"] += 1
+                gained = sum(job.by_tier.values())
+                self.counters["restored_tokens"] += gained
+                self.reused_by_method[job.plan.method.value] = self.reused_by_method.get(job.plan.method.value, 0) + gained
+                for t, n in job.by_tier.items():
+                    self.tier_tokens[t] = self.tier_tokens.get(t, 0) + n
+                    job.req.metrics.reused_by_tier[t] = job.req.metrics.reused_by_tier.get(t, 0) + n
+                job.req.metrics.restore_method = job.plan.method.value
+                self.planner.observe(job.plan.method, job.plan.predicted_s, time.perf_counter() - job.started)
+            elif job.plan.method is not Method.RECOMPUTE:
+                self.counters["restore_failures"] += 1
+            done.append((job.req, ok, tokens, job.aborted))
+        return done
+
+    def abort(self, request_id: str) -> bool:
+        """Mark a restoring request aborted; its blocks are released when the restore thread is done."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            job.aborted = True
+        return job is not None
+
+    # ----- saving -------------------------------------------------------------------------------
+    def capture_for(self, reqs: Sequence[Request]):
+        """The runner callback for one step: collect h/K/V of tokens of saving requests."""
+        bufs = []
+        for r in reqs:
+            b = self.buffers.get(r.request_id)
+            if b is None:
+                b = self.buffers[r.request_id] = _SaveBuffer(r.num_computed)
+            if b.start + b.tokens != r.num_computed:  # a gap (preemption): start over from here
+                b = self.buffers[r.request_id] = _SaveBuffer(r.num_computed)
+            bufs.append(b)
+        n = self.model.config.num_layers
+
+        def capture(layer: int, i: int, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            b = bufs[i]
+            if not b.h:
+                b.h, b.k, b.v = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+            r = self.layout[layer]
+            if r is Repr.HIDDEN:
+                b.h[layer].append(h)
+            elif r is Repr.KV:
+                b.k[layer].append(k)
+                b.v[layer].append(v)
+            if layer == n - 1:
+                b.tokens += h.shape[0]
+
+        return capture
+
+    def after_step(self, req: Request, finished: bool) -> None:
+        """Hand full chunks (or, at the end, everything) of the request's buffer to the writer."""
+        b = self.buffers.get(req.request_id)
+        if b is None or not b.tokens:
+            if finished:
+                self.buffers.pop(req.request_id, None)
+            return
+        end = b.start + b.tokens
+        c = self.config.chunk_tokens
+        cut = end if finished else (end // c) * c
+        if cut > b.start:
+            self._save(req, b, cut)
+        if finished:
+            self.buffers.pop(req.request_id, None)
+
+    def _save(self, req: Request, b: _SaveBuffer, cut: int) -> None:
+        take = cut - b.start
+        n = self.model.config.num_layers
+        def stack(parts: list[list[torch.Tensor]], layers: list[int]) -> torch.Tensor | None:
+            if not layers:
+                return None
+            whole = [torch.cat(parts[li]) for li in layers]  # [tokens held, ...] per layer
+            rest = [w[take:] for w in whole]
+            for li, r in zip(layers, rest):
+                parts[li] = [r] if r.shape[0] else []
+            return torch.stack([w[:take] for w in whole])  # [layers, take, ...] a fresh host copy
+        kv_layers = [li for li in range(n) if self.layout[li] is Repr.KV]
+        h_layers = [li for li in range(n) if self.layout[li] is Repr.HIDDEN]
+        k, v, h = stack(b.k, kv_layers), stack(b.v, kv_layers), stack(b.h, h_layers)
+        self.store.save(req.all_ids[:cut], b.start, k, v, h)
+        self.counters["saves"] += 1
+        b.start, b.tokens = cut, b.tokens - take
+
+    def drop(self, request_id: str) -> None:
+        self.buffers.pop(request_id, None)
+
+    # ----- look-ahead ----------------------------------------------------------------------------
+    def look_ahead(self, waiting: Sequence[Request]) -> None:
+        """Prefetch into memory what the next queued requests need; protect it from eviction."""
+        if not self.config.lookahead or self.store.memory is None or not waiting:
+            return
+        mem = self.store.memory
+        free = max(mem.capacity - mem.used, 0)
+        next_use: dict[str, int] = {}
+        sizes = []
+        matches = []
+        for pos, req in enumerate(waiting):
+            match = self.store.lookup(req.all_ids)
+            matches.append(match)
+            size = sum(c.nbytes for c in match.chunks)
+            if size:
+                sizes.append(size)
+            for c in match.chunks:
+                next_use.setdefault(c.key, pos)
+        mean = sum(sizes) / len(sizes) if sizes else 1
+        window_len = max(1, int((free + sum(c.nbytes for m in matches[:1] for c in m.chunks)) // max(mean, 1)))
+        window = {c.key for m in matches[:window_len] for c in m.chunks}
+        for p in self.lookahead:
+            p.set_future(next_use, window)
+        for m in matches[:window_len]:
+            for c in m.chunks:
+                if c.tier != "memory" and self.store.prefetch(c):
+                    self.counters["prefetches"] += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.store.close()
+

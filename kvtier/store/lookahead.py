@@ -1,0 +1,47 @@
+"""Scheduler-aware eviction (CachedAttention §3.3): the engine tells the policy which chunks the
+queued requests will need and how soon.
+
+Order of victims: chunks no queued request needs (in the base policy's order), then chunks needed
+beyond the window, furthest in the future first. Chunks inside the window are never evicted.
+With no look-ahead information this is exactly the base policy.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+from .policy import EvictionPolicy
+
+
+class LookAheadPolicy:
+    def __init__(self, base: EvictionPolicy) -> None:
+        self.base = base
+        self.next_use: dict[str, int] = {}  # key -> queue position of the first request needing it
+        self.window: frozenset[str] = frozenset()
+
+    def set_future(self, next_use: Mapping[str, int], window: Iterable[str]) -> None:
+        self.next_use = dict(next_use)
+        self.window = frozenset(window)
+
+    def insert(self, key: str, nbytes: int) -> None:
+        self.base.insert(key, nbytes)
+
+    def touch(self, key: str) -> None:
+        self.base.touch(key)
+
+    def remove(self, key: str) -> None:
+        self.base.remove(key)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def victims(self, need_bytes: int, protected: Iterable[str] = ()) -> Iterator[str]:
+        skip = set(protected) | self.window
+        ranked = list(self.base.victims(1 << 62, skip))  # every evictable key, base order
+        unused = [k for k in ranked if k not in self.next_use]
+        later = sorted((k for k in ranked if k in self.next_use), key=lambda k: -self.next_use[k])
+        freed = 0
+        for key in unused + later:
+            if freed >= need_bytes:
+                return
+            freed += self.base.size(key)
+            yield key

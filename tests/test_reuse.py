@@ -1,0 +1,126 @@
+"""Multi-turn reuse inside the engine: every turn is saved, later turns restore it from the store,
+and greedy outputs equal a no-reuse engine's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import RequestStatus, SamplingParams
+from kvtier.engine.statecache import ReuseConfig
+
+from test_restore import fake_profile
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def user_turn(i: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (40 + 9 * i,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+
+
+def conversation(engine_for_turn, vocab: int, turns: int = 4):
+    """Run `turns` turns; each prompt is the whole conversation so far plus a new user message."""
+    history: list[int] = []
+    outs = []
+    for i in range(turns):
+        prompt = history + user_turn(i, vocab)
+        engine = engine_for_turn(i)
+        out = engine.generate([prompt], GREEDY)[0]
+        engine.close() if hasattr(engine, "_owned") else None
+        outs.append(out)
+        history = prompt + out.output_ids
+    return outs
+
+
+def store_spec(tier: str, tmp_path, request) -> str:
+    if tier == "memory":
+        return "memory:1GB"
+    if tier == "disk":
+        return f"disk:{tmp_path}/store:1GB"
+    return request.getfixturevalue("redis_url")
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
+@pytest.mark.parametrize("method", ["kv", "hidden", "auto"])
+def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier, method, tmp_path, request):
+    vocab = tiny_gqa.config.vocab_size
+    plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False))
+    expected = conversation(lambda i: plain, vocab)
+    spec = store_spec(tier, tmp_path, request)
+    # No device prefix cache: whatever is reused must come back from the store tier under test.
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False), store=spec,
+                    reuse=ReuseConfig(method=method, chunk_tokens=24),
+                    profile=fake_profile(tiny_gqa.fingerprint, compute_scale=50.0))  # loading pays off
+
+    def flushed(i):
+        engine.state.store.flush(30)  # the previous turn's saves are on the tier before this turn
+        return engine
+
+    got = conversation(flushed, vocab)
+    engine.close()
+    assert [o.output_ids for o in got] == [o.output_ids for o in expected]
+    assert got[0].prompt_tokens_reused == 0
+    for prev, out in zip(got, got[1:]):
+        # Everything before the previous turn's last generated token was computed and saved.
+        saved = prev.prompt_tokens + len(prev.output_ids) - 1
+        assert out.prompt_tokens_reused >= saved - saved % 24, (out.prompt_tokens_reused, saved)
+        assert out.reused_by_tier.get(tier, 0) == out.prompt_tokens_reused
+        assert out.prompt_tokens_computed == out.prompt_tokens - out.prompt_tokens_reused
+        assert out.restore_method in ("kv", "hidden", "bubblefree", "cake")
+
+
+def test_restart_restores_from_disk(tiny_gqa, tmp_path):
+    """A new engine process (here: a new Engine) finds the conversation on disk."""
+    vocab = tiny_gqa.config.vocab_size
+    spec = f"disk:{tmp_path}/store:1GB"
+    prof = fake_profile(tiny_gqa.fingerprint)
+    first = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20), store=spec, profile=prof,
+                   reuse=ReuseConfig(method="kv"))
+    prompt = user_turn(0, vocab) * 3
+    out = first.generate([prompt], GREEDY)[0]
+    first.close()
+    second = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20), store=spec, profile=prof,
+                    reuse=ReuseConfig(method="kv"))
+    again = second.generate([prompt + out.output_ids + [7, 8, 9]], GREEDY)[0]
+    second.close()
+    plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20)).generate([prompt + out.output_ids + [7, 8, 9]], GREEDY)[0]
+    assert again.output_ids == plain.output_ids
+    assert again.reused_by_tier.get("disk", 0) >= 64
+
+
+def test_step_loop_keeps_decoding_while_a_request_restores_from_a_slow_tier(tiny_gqa, tmp_path):
+    vocab = tiny_gqa.config.vocab_size
+    prof = fake_profile(tiny_gqa.fingerprint)
+    slow = f"disk:{tmp_path}/slow:1GB:bw=1MB/s"
+    long_ctx = torch.randint(3, vocab, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False), store=slow,
+                    profile=prof, reuse=ReuseConfig(method="kv", lookahead=False))
+    engine.generate([long_ctx], SamplingParams(max_tokens=1, temperature=0))
+    engine.state.store.flush(60)
+    # A decodes; B's 600-token prefix (about 600 KB of fp32 KV) trickles in at 1 MB/s.
+    a = engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    engine.step()
+    b = engine.add_request(long_ctx + [5, 6], GREEDY)
+    a_tokens_while_b_restoring = 0
+    saw_restoring = False
+    done_b = None
+    t0 = time.perf_counter()
+    while done_b is None and time.perf_counter() - t0 < 60:
+        for out in engine.step():
+            breq_restoring = any(r.request_id == b for r in engine.scheduler.restoring)
+            saw_restoring |= breq_restoring
+            if out.request_id == a and breq_restoring:
+                a_tokens_while_b_restoring += 1
+            if out.request_id == b and out.finished:
+                done_b = out
+    engine.abort(a)
+    engine.step()
+    engine.close()
+    assert saw_restoring and a_tokens_while_b_restoring >= 5
+    assert done_b is not None and done_b.prompt_tokens_reused >= 576 and done_b.restore_method == "kv"
+    plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20)).generate([long_ctx + [5, 6]], GREEDY)[0]
+    assert done_b.output_ids == plain.output_ids
