@@ -22,6 +22,7 @@ from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.statecache import ReuseConfig, StateCache
 from kvtier.models.loading import LoadedModel, default_home, load_model
 from kvtier.restore.profile import HardwareProfile
+from kvtier.restore.truncation import TruncationConfig, kept_positions
 
 
 class PromptError(ValueError):
@@ -68,10 +69,12 @@ class _Live:
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
-                 reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None, home: Path | None = None):
+                 reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None, home: Path | None = None,
+                 truncation: TruncationConfig | None = None):
         """`store` is a tier spec (e.g. "memory:2GB,disk:/data:100GB"); with it every request's state
         is saved and restored across requests. `profile` defaults to the measured one for this machine."""
         self.model = model
+        self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
         cfg = model.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -142,9 +145,16 @@ class Engine:
     ) -> str:
         """Queue a request (safe from any thread); it joins the batch at the next step."""
         ids = self.encode(prompt)
+        params = params or SamplingParams()
+        source, kept = None, None
+        if self.truncation is not None and len(ids) >= self.max_model_len and ids:
+            # Leave room to generate: at most max_tokens, at most half the window.
+            limit = self.max_model_len - min(params.max_tokens, self.max_model_len // 2)
+            source, kept = ids, kept_positions(len(ids), limit, self.truncation)
+            ids = [ids[i] for i in kept]
         self.validate(ids)
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params or SamplingParams(), session_id=session_id)
+        req = Request(rid, ids, params, session_id=session_id, source_ids=source, kept=kept)
         self._inbox.put(("add", (req, on_output)))
         return rid
 

@@ -93,6 +93,10 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     session_id: str | None = None
     restore_tried: bool = False  # the store was asked once for this (re)admission
+    # Context truncation: the original prompt and the indices of it that were kept. Such state is
+    # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.
+    source_ids: list[int] | None = None
+    kept: list[int] | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ memory tier, and eviction skips the chunks inside the look-ahead window.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Sequence
@@ -129,6 +130,10 @@ class StateCache:
     # ----- restoring ------------------------------------------------------------------------------
     def probe(self, req: Request) -> tuple[int, PrefixMatch | None]:
         """Tokens the store can restore for `req` (0 if not worth it), capped so one prompt token stays."""
+        if req.kept is not None:  # truncated: restore the kept tokens of the original context
+            match = self.store.lookup(req.source_ids)
+            target = min(bisect.bisect_left(req.kept, match.num_tokens), req.num_tokens - 1)
+            return (target, match) if target >= self.config.min_restore_tokens else (0, None)
         match = self.store.lookup(req.all_ids)
         usable = [c for c in match.chunks if c.end <= req.num_tokens - 1]
         end = usable[-1].end if usable else 0
@@ -138,6 +143,16 @@ class StateCache:
 
     def start(self, req: Request, target: int, match: PrefixMatch) -> None:
         """Run the restore of [num_computed, target) into req.block_ids on the restore thread."""
+        if req.kept is not None:
+            plan = Plan(Method.KV, self.layout, target, (), 0.0, 0.0)
+            source = req.kept[:target]
+            by_tier: dict[str, int] = {}
+            for c in match.chunks:
+                n = bisect.bisect_left(source, c.end) - bisect.bisect_left(source, c.start)
+                by_tier[c.tier] = by_tier.get(c.tier, 0) + n
+            fut = self._pool.submit(self._run_remapped, match, source, list(req.block_ids))
+            self.jobs[req.request_id] = _Job(req, plan, fut, time.perf_counter(), by_tier)
+            return
         chunks = [c for c in match.chunks if c.end <= target]
         planner_chunks = [Chunk(c.start, c.end, c.tier) for c in chunks]
         new = req.num_tokens - target
@@ -168,6 +183,14 @@ class StateCache:
             return True
         except RestoreMiss as e:
             log.warning("restore failed (%s); recomputing", e)
+            return False
+
+    def _run_remapped(self, match: PrefixMatch, source: list[int], blocks: list[int]) -> bool:
+        try:
+            self.executor.restore_remapped(self.layout, self.store, match, source, blocks)
+            return True
+        except RestoreMiss as e:
+            log.warning("truncated restore failed (%s); recomputing", e)
             return False
 
     def poll(self) -> list[tuple[Request, bool, int, bool]]:
@@ -204,8 +227,11 @@ class StateCache:
     # ----- saving -------------------------------------------------------------------------------
     def capture_for(self, reqs: Sequence[Request]):
         """The runner callback for one step: collect h/K/V of tokens of saving requests."""
-        bufs = []
+        bufs: list[_SaveBuffer | None] = []
         for r in reqs:
+            if r.kept is not None:  # approximate state: never saved as if it were exact
+                bufs.append(None)
+                continue
             b = self.buffers.get(r.request_id)
             if b is None:
                 b = self.buffers[r.request_id] = _SaveBuffer(r.num_computed)
@@ -216,6 +242,8 @@ class StateCache:
 
         def capture(layer: int, i: int, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             b = bufs[i]
+            if b is None:
+                return
             if not b.h:
                 b.h, b.k, b.v = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
             r = self.layout[layer]

@@ -77,6 +77,36 @@ class Executor:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    @torch.inference_mode()
+    def restore_remapped(self, layout: Sequence[Repr], store: TieredStore, match: PrefixMatch,
+                         source: Sequence[int], block_ids: Sequence[int]) -> RestoreStats:
+        """Place stored tokens `source` (indices into the stored context) at positions 0..len-1.
+
+        Context truncation (CachedAttention §3.4): K is stored before RoPE, so kept tokens take
+        their new, compacted positions by rotating them there."""
+        stats = RestoreStats()
+        t0 = time.perf_counter()
+        runner, model = self.runner, self.runner.model
+        idx = torch.tensor(list(source))
+        slots = runner.slots(block_ids, 0, len(source))
+        positions = torch.arange(len(source))
+        for li, r in enumerate(layout):
+            if r is Repr.NONE:
+                raise RestoreMiss(f"layer {li} is not stored; truncated state cannot be rebuilt")
+            got = [store.read_layers(c, [li], r.parts()) for c in match.chunks]
+            if any(g is None for g in got):
+                raise RestoreMiss(f"layer {li} of a stored chunk could not be read")
+            if r is Repr.KV:
+                k = torch.cat([g[0].k for g in got]).index_select(0, idx)  # [kept, kv_heads, hd]
+                v = torch.cat([g[0].v for g in got]).index_select(0, idx)
+            else:
+                k, v = model.layers[li].kv(torch.cat([g[0].h for g in got]).index_select(0, idx).to(model.dtype))
+            runner.place_kv(li, slots, positions, k, v)
+            stats.bytes_read += sum(x.nbytes for g in got for x in (g[0].k, g[0].v, g[0].h) if x is not None)
+        stats.chunks_loaded = len(match.chunks)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
     # ----- recompute --------------------------------------------------------------------------
     def _compute(self, ids: Sequence[int], start: int, block_ids: Sequence[int], stats: RestoreStats,
                  layers: range | None = None) -> None:
