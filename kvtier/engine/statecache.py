@@ -311,8 +311,9 @@ class StateCache:
                 sizes.append(size)
             for c in match.chunks:
                 next_use.setdefault(c.key, pos)
+        # CachedAttention §3.3: window length = free memory capacity / mean state size.
         mean = sum(sizes) / len(sizes) if sizes else 1
-        window_len = max(1, int((free + sum(c.nbytes for m in matches[:1] for c in m.chunks)) // max(mean, 1)))
+        window_len = max(1, int(free // max(mean, 1)))
         window = {c.key for m in matches[:window_len] for c in m.chunks}
         for p in self.lookahead:
             p.set_future(next_use, window)
