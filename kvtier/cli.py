@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
+from kvtier.engine.statecache import METHODS, ReuseConfig
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
 
@@ -30,14 +31,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="device KV pool budget in GB (default: 4)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget (default: 2048)")
     add_store_argument(p)
+    p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
+    p.add_argument("--restore-method", default="auto", choices=list(METHODS),
+                   help="how stored state comes back: auto (planner), kv, hidden, bubblefree, recompute")
+    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
 
 
 def build_engine_from_args(args: argparse.Namespace) -> Engine:
     from kvtier.engine.factory import build_engine
 
     return build_engine(
-        args.model, dtype=args.dtype, store=args.store, max_model_len=args.max_model_len,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
+        args.model, dtype=args.dtype, store=None if args.no_store else args.store,
+        reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens),
+        max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        max_batched_tokens=args.max_batched_tokens,
     )
 
 
@@ -164,19 +171,19 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _optional_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
+def _command_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from kvtier.restore.cli import register as register_profile
     from kvtier.serve.cli import register as register_serve
     from kvtier.store.cli import register as register_store
 
-    return [register_serve, register_store]
+    return [register_serve, register_store, register_profile]
 
 
 def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from kvtier.bench.forward import register as forward
-    from kvtier.bench.load_bench import register_bench as load
-    from kvtier.bench.store_bench import register as store
+    from kvtier.bench import forward, load_bench, restore_bench, store_bench, trace_bench, truncation_bench
 
-    return [forward, store, load]
+    return [forward.register, store_bench.register, restore_bench.register, trace_bench.register,
+            truncation_bench.register, load_bench.register_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list presets and the default model's resolved path")
     p.set_defaults(func=cmd_models)
 
-    for register in _optional_registrations():
+    for register in _command_registrations():
         register(sub)
     bench = sub.add_parser("bench", help="benchmarks (print tables, write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
