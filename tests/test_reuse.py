@@ -73,6 +73,20 @@ def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier, method, tmp_
         assert out.restore_method in ("kv", "hidden", "bubblefree", "cake")
 
 
+def test_session_ids_feed_per_session_stats(tiny_gqa):
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20))
+    prompt = user_turn(0, tiny_gqa.config.vocab_size) * 2
+    for sid in ("a", "a", "b"):
+        engine.add_request(prompt, GREEDY, session_id=sid)
+        while engine.has_work():
+            engine.step()
+    a, b = engine.session_stats["a"], engine.session_stats["b"]
+    assert a["requests"] == 2 and b["requests"] == 1
+    assert a["prompt_tokens"] == 2 * len(prompt) and a["output_tokens"] == 2 * GREEDY.max_tokens
+    # Content-addressed reuse crosses sessions: b reuses what a computed.
+    assert b["prompt_tokens_reused"] == (len(prompt) - 1) // 16 * 16
+
+
 def test_restart_restores_from_disk(tiny_gqa, tmp_path):
     """A new engine process (here: a new Engine) finds the conversation on disk."""
     vocab = tiny_gqa.config.vocab_size

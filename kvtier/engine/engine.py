@@ -99,6 +99,8 @@ class Engine:
         if tok is not None and tok.eos_token_id is not None:
             self.eos_ids.add(tok.eos_token_id)
         self._live: dict[str, _Live] = {}
+        # Optional session ids (reuse itself is content-addressed): per-session totals.
+        self.session_stats: dict[str, dict[str, int]] = {}
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
 
@@ -296,6 +298,13 @@ class Engine:
         live.delta_text, live.delta_ids = "", []
         if out.finished:
             del self._live[req.request_id]
+            if req.session_id is not None:
+                st = self.session_stats.setdefault(req.session_id, dict(
+                    requests=0, prompt_tokens=0, prompt_tokens_reused=0, output_tokens=0))
+                st["requests"] += 1
+                st["prompt_tokens"] += out.prompt_tokens
+                st["prompt_tokens_reused"] += out.prompt_tokens_reused
+                st["output_tokens"] += len(out.output_ids)
         if live.on_output is not None:
             live.on_output(out)
         return out
