@@ -81,7 +81,7 @@ class StateCache:
         self.layout = self._choose_layout(parse_spec(store_spec))
         self.store = TieredStore.open(store_spec, namespace(model, self.layout, config.storage_dtype),
                                       chunk_tokens=config.chunk_tokens, policy=policy)
-        self.planner = Planner(profile, model_shape(model), links(self.store, profile))
+        self.planner = Planner(profile, model_shape(model, config.storage_dtype), links(self.store, profile))
         self.executor = Executor(runner)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-restore")
         self.jobs: dict[str, _Job] = {}
@@ -104,7 +104,7 @@ class StateCache:
         tiers = [(name, t) for name, t in (("memory", spec.memory), ("disk", spec.disk), ("redis", spec.redis)) if t]
         name, tier = tiers[-1]
         rates = self.profile.tiers.get(name) or next(iter(self.profile.tiers.values()), TierRates(1e9, 1e9, 1e-5))
-        probe = Planner(self.profile, model_shape(self.model),
+        probe = Planner(self.profile, model_shape(self.model, self.config.storage_dtype),
                         {name: TierLink(rates, tier.emulation.bandwidth, tier.emulation.latency)})
         c = self.config.chunk_tokens
         chunks = [Chunk(a, a + c, name) for a in range(0, 1024, c)]

@@ -93,7 +93,7 @@ class Executor:
         for li, r in enumerate(layout):
             if r is Repr.NONE:
                 raise RestoreMiss(f"layer {li} is not stored; truncated state cannot be rebuilt")
-            got = [store.read_layers(c, [li], r.parts()) for c in match.chunks]
+            got = [store.read_layers(c, [li], r.parts(), copy=False) for c in match.chunks]
             if any(g is None for g in got):
                 raise RestoreMiss(f"layer {li} of a stored chunk could not be read")
             if r is Repr.KV:
@@ -129,17 +129,24 @@ class Executor:
         buf: queue.Queue = queue.Queue(maxsize=max(1, plan.prefetch_layers))
         stop = threading.Event()
 
+        group = max(1, min(plan.prefetch_layers, 8))
+
         def reader() -> None:
-            for li in range(lead, len(plan.layer_reprs)):
-                parts = plan.layer_reprs[li].parts()
+            # One read per chunk and group of layers (layer-major chunks make a group contiguous),
+            # handed on layer by layer so placement can start as soon as a layer is complete.
+            n = len(plan.layer_reprs)
+            for g0 in range(lead, n, group):
+                layers = list(range(g0, min(g0 + group, n)))
+                parts = tuple({p for li in layers for p in plan.layer_reprs[li].parts()})
                 got = []
                 for c in chunks:
-                    data = None if stop.is_set() else store.read_layers(c, [li], parts)
+                    data = None if stop.is_set() else store.read_layers(c, layers, parts, copy=False)
                     if data is None:
-                        buf.put((li, None))
+                        buf.put((g0, None))
                         return
-                    got.append(data[0])
-                buf.put((li, got))
+                    got.append(data)
+                for i, li in enumerate(layers):
+                    buf.put((li, [d[i] for d in got]))
 
         io = threading.Thread(target=reader, name="kvtier-restore-io", daemon=True)
         io.start()
@@ -154,9 +161,9 @@ class Executor:
                 if li < lead:
                     return
                 got_layer, got = buf.get()
-                assert got_layer == li
                 if got is None:
-                    raise RestoreMiss(f"layer {li} of a stored chunk could not be read")
+                    raise RestoreMiss(f"layer {got_layer} of a stored chunk could not be read")
+                assert got_layer == li
                 r = plan.layer_reprs[li]
                 if r is Repr.KV:
                     k = torch.cat([g.k for g in got])  # [hist, kv_heads, hd] pre-RoPE
@@ -201,7 +208,7 @@ class Executor:
                         return
                     state["back"] = j - 1  # claimed: the compute side will stop before it
                 c = chunks[j]
-                layers = store.read_chunk(c)
+                layers = store.read_chunk(c, copy=False)
                 if layers is None:
                     failed.append(c.key)
                     return

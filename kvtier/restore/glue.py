@@ -14,9 +14,18 @@ def dtype_name(model: LoadedModel) -> str:
     return str(model.dtype).removeprefix("torch.")
 
 
-def model_shape(model: LoadedModel) -> ModelShape:
-    cfg, width = model.config, model.dtype.itemsize
-    return ModelShape(cfg.num_layers, 2 * cfg.kv_dim * width, cfg.hidden_size * width)
+# Bytes per stored value; int8 adds one fp32 scale per row (head_dim values for K/V, hidden for h).
+_WIDTH = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0}
+
+
+def model_shape(model: LoadedModel, storage_dtype: str = "") -> ModelShape:
+    """Stored bytes per token and layer, in the storage dtype (the planner's IO cost)."""
+    cfg = model.config
+    storage = storage_dtype or dtype_name(model)
+    width = _WIDTH[storage]
+    kv = 2 * cfg.kv_dim * width + (2 * cfg.num_kv_heads * 4 if storage == "int8" else 0)
+    h = cfg.hidden_size * width + (4 if storage == "int8" else 0)
+    return ModelShape(cfg.num_layers, int(kv), int(h))
 
 
 def namespace(model: LoadedModel, layout: Sequence[Repr] | None = None, storage_dtype: str = "") -> StoreNamespace:

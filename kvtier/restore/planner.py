@@ -129,7 +129,8 @@ class Planner:
         bw = self._bandwidth(chunks)
         if method is Method.CAKE:
             t, nbytes, comp = self._cake(chunks)
-            return t + new_s, max(nbytes / bw, (comp + new_s) / 2) if nbytes else comp + new_s, nbytes
+            # Ideal: the loaded part at full bandwidth, the computed part at full compute rate.
+            return t + new_s, max(nbytes / bw, comp + new_s), nbytes
         if layout is None:
             layout = {Method.KV: (Repr.KV,) * n, Method.HIDDEN: (Repr.HIDDEN,) * n}.get(method) or self.partition(chunks)
         io, comp, lead, nbytes = [], [], 0.0, 0

@@ -124,15 +124,18 @@ class TieredStore:
         return self._ns().bytes_per_token() * tokens  # payload estimate (redis: no extra trip)
 
     def read_layers(self, ref_or_key: ChunkRef | str, layers: Iterable[int],
-                    parts: Iterable[str] = ("k", "v", "h")) -> list[fmt.LayerState] | None:
-        """Parts of `layers` of one chunk, in the compute dtype; None if no tier has it intact."""
-        return self._read(ref_or_key, list(layers), tuple(parts))
+                    parts: Iterable[str] = ("k", "v", "h"), copy: bool = True) -> list[fmt.LayerState] | None:
+        """Parts of `layers` of one chunk, in the compute dtype; None if no tier has it intact.
 
-    def read_chunk(self, ref_or_key: ChunkRef | str) -> list[fmt.LayerState] | None:
+        copy=False lets tensors alias the memory tier's cached bytes: for readers that never
+        modify what they get (the restore executor), it saves a copy per read."""
+        return self._read(ref_or_key, list(layers), tuple(parts), copy)
+
+    def read_chunk(self, ref_or_key: ChunkRef | str, copy: bool = True) -> list[fmt.LayerState] | None:
         """Every layer of one chunk (one sequential read per tier)."""
-        return self._read(ref_or_key, None, ("k", "v", "h"))
+        return self._read(ref_or_key, None, ("k", "v", "h"), copy)
 
-    def _read(self, ref_or_key, layers: list[int] | None, parts: tuple[str, ...]):
+    def _read(self, ref_or_key, layers: list[int] | None, parts: tuple[str, ...], copy: bool = True):
         self._ns()
         key = ref_or_key.key if isinstance(ref_or_key, ChunkRef) else ref_or_key
         for t in self.tiers:
@@ -142,7 +145,7 @@ class TieredStore:
             if t is not self.memory and self.memory is not None:
                 self._schedule_promotion(key, t)
             want = range(len(data.header.layer_reprs)) if layers is None else layers
-            return fmt.decode_layers(data.header, data.segments, want, parts, copy=not t.owned_buffers)
+            return fmt.decode_layers(data.header, data.segments, want, parts, copy=copy and not t.owned_buffers)
         return None
 
     def prefetch(self, ref: ChunkRef) -> bool:
