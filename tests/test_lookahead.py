@@ -10,7 +10,7 @@ from kvtier.restore.state import context_state
 from kvtier.store import FIFOPolicy, LRUPolicy
 from kvtier.store.lookahead import LookAheadPolicy
 
-from test_restore import fake_profile
+from kvtier_testlib import fake_profile
 
 
 def lru_with(keys: str, touched: str = "") -> LookAheadPolicy:

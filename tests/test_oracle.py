@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ORACLE_CONFIGS, build_pair, loaded
+from kvtier_testlib import ORACLE_CONFIGS, build_pair, loaded
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams

@@ -18,19 +18,15 @@ from kvtier.restore.executor import Executor
 from kvtier.restore.glue import chunks_of, links, model_shape, namespace
 from kvtier.restore.plan import Method
 from kvtier.restore.planner import Planner
-from kvtier.restore.profile import HardwareProfile, TierRates
+from kvtier.restore.profile import HardwareProfile
 from kvtier.restore.state import context_state
 from kvtier.store import Repr, TieredStore
 from kvtier.store.throttle import Emulation
 
+from kvtier_testlib import fake_profile
+
 CHUNK = 24  # not a multiple of the 16-token pool block
 HIST, NEW = 200, 7  # 200 = 8 full chunks + a partial chunk of 8
-
-
-def fake_profile(fp: str, compute_scale: float = 1.0, io_bps: float = 1e9) -> HardwareProfile:
-    rates = TierRates(io_bps, io_bps, 1e-5)
-    return HardwareProfile(fp, "float32", 2, 2e-5 * compute_scale, 1e-9 * compute_scale, 5e-7 * compute_scale,
-                           1e-7 * compute_scale, {"memory": rates, "disk": rates, "redis": rates})
 
 
 def layouts(n: int) -> dict[Method, tuple[Repr, ...]]:

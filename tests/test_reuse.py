@@ -13,7 +13,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.request import RequestStatus, SamplingParams
 from kvtier.engine.statecache import ReuseConfig
 
-from test_restore import fake_profile
+from kvtier_testlib import fake_profile
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -138,3 +138,25 @@ def test_step_loop_keeps_decoding_while_a_request_restores_from_a_slow_tier(tiny
     assert done_b is not None and done_b.prompt_tokens_reused >= 576 and done_b.restore_method == "kv"
     plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20)).generate([long_ctx + [5, 6]], GREEDY)[0]
     assert done_b.output_ids == plain.output_ids
+
+
+def test_device_cache_hits_leave_no_hole_in_the_store(tiny_gqa, tmp_path):
+    """Two conversations share a 40-token system prompt. The second one's first blocks come from
+    the device prefix cache, but its first store chunk differs from the first conversation's: the
+    engine recomputes those tokens once so the store holds its whole chain."""
+    vocab = tiny_gqa.config.vocab_size
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20), store=f"disk:{tmp_path}/s:1GB",
+                    profile=fake_profile(tiny_gqa.fingerprint, compute_scale=50.0),
+                    reuse=ReuseConfig(method="kv", fill_holes=True))
+    system = list(range(3, 43))
+    a, b = system + user_turn(1, vocab), system + user_turn(2, vocab)
+    engine.generate([a], GREEDY)
+    out_b = engine.generate([b], GREEDY)[0]
+    engine.state.store.flush(30)
+    computed = b + out_b.output_ids[:-1]
+    assert engine.state.store.lookup(computed).num_tokens == len(computed)
+    assert out_b.output_ids == Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20)).generate([b], GREEDY)[0].output_ids
+    # And the device cache is still used when the store already has the prefix.
+    again = engine.generate([computed + [9, 9, 9]], GREEDY)[0]
+    assert again.prompt_tokens_reused >= len(computed) // 16 * 16
+    engine.close()

@@ -12,7 +12,7 @@ from kvtier.engine.statecache import ReuseConfig
 from kvtier.restore.state import context_state
 from kvtier.restore.truncation import TruncationConfig, continuation_logits, kept_positions, truncation_fidelity
 
-from test_restore import fake_profile
+from kvtier_testlib import fake_profile
 
 
 def test_kept_positions_exact():

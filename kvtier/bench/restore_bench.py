@@ -415,7 +415,7 @@ class RestoreBench:
             if kv_match.num_tokens != ctx:
                 self.console.print(f"[red]store holds {kv_match.num_tokens} of {ctx} tokens; skipping cell[/red]")
                 return
-            planner = Planner(profile, model_shape(loaded), links(kv_store, profile))
+            planner = Planner(profile, model_shape(loaded, sdt), links(kv_store, profile))
             chunks = chunks_of(kv_match)
             bf_layout = tuple(planner.partition(chunks))
             layouts = {Method.KV: kv_layout, Method.HIDDEN: h_layout, Method.BUBBLEFREE: bf_layout,

@@ -41,6 +41,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SamplingError(f"seed must fit in 64 bits, got {self.seed}")
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -52,7 +54,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Temperatures this small overflow the logits; the distribution is the argmax anyway.
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 @dataclass

@@ -52,9 +52,10 @@ class ModelRunner:
         self.rope = Rope(cfg, max_positions, model.dtype)
         device = model.lm_head.weight.device
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        # torch.zeros on the host maps pages lazily: an unused budget costs no memory.
-        self.k_cache = torch.zeros(shape, dtype=model.dtype, device=device)  # [layers, slots, kv_heads, hd]
-        self.v_cache = torch.zeros(shape, dtype=model.dtype, device=device)
+        # torch.empty, not zeros: zeros writes every page, while a slot is always written before it
+        # is read, so an unused part of the budget never becomes resident memory.
+        self.k_cache = torch.empty(shape, dtype=model.dtype, device=device)  # [layers, slots, kv_heads, hd]
+        self.v_cache = torch.empty(shape, dtype=model.dtype, device=device)
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:

@@ -28,6 +28,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p, order = torch.sort(probs, descending=True)
         # Keep the smallest set whose mass reaches top_p (the token crossing the line stays in).
         drop = torch.cumsum(sorted_p, 0) - sorted_p >= params.top_p
+        drop[0] = False  # the most likely token always stays, however small top_p is
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))

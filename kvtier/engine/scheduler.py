@@ -41,7 +41,7 @@ class SchedulerOutput:
 class Restorer(Protocol):
     """What the scheduler needs from the store side (plain ints and opaque matches)."""
 
-    def probe(self, req: Request) -> tuple[int, Any]: ...
+    def probe(self, req: Request) -> tuple[int, int, Any]: ...
 
     def start(self, req: Request, target: int, match: Any) -> None: ...
 
@@ -113,7 +113,19 @@ class Scheduler:
         if self.restorer is None or req.restore_tried:
             return False
         req.restore_tried = True
-        target, match = self.restorer.probe(req)
+        target, keep, match = self.restorer.probe(req)
+        if keep < req.num_computed:
+            # The store lacks part of what the device cache holds: recompute that part once, so
+            # its state is captured and the stored chain of chunks has no hole.
+            n = keep // self.pool.block_size
+            self.pool.release(req.block_ids[n:])
+            req.block_ids = req.block_ids[:n]
+            req.num_computed = n * self.pool.block_size
+            req.metrics.prompt_tokens_reused = req.num_computed
+            if req.num_computed:
+                req.metrics.reused_by_tier["device"] = req.num_computed
+            else:
+                req.metrics.reused_by_tier.pop("device", None)
         if target <= req.num_computed:
             return False
         if not self._grow(req, target + 1):

@@ -46,6 +46,11 @@ class ReuseConfig:
     lookahead: bool = True
     min_restore_tokens: int = 32  # restore only when the store adds at least this much over the device
     storage_dtype: str = ""  # "" = compute dtype (lossless)
+    # Recompute device-cached tokens the store lacks so their state is saved and the stored chain
+    # has no hole. Off by default: the store matches whole chunks only, so a short prompt that is a
+    # prefix of a stored chunk would lose its device reuse (see docs/architecture.md).
+    fill_holes: bool = False
+    flush_wait_s: float = 1.0  # at admission, how long pending saves may take to land (see probe)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -128,18 +133,28 @@ class StateCache:
         return out
 
     # ----- restoring ------------------------------------------------------------------------------
-    def probe(self, req: Request) -> tuple[int, PrefixMatch | None]:
-        """Tokens the store can restore for `req` (0 if not worth it), capped so one prompt token stays."""
+    def probe(self, req: Request) -> tuple[int, int, PrefixMatch | None]:
+        """-> (tokens the store should restore, 0 if not worth it; device tokens to keep; match).
+
+        Restoring is capped so one prompt token is left to compute. When saving, device-cached
+        tokens beyond what the store holds are not kept, so their state gets captured."""
         if req.kept is not None:  # truncated: restore the kept tokens of the original context
             match = self.store.lookup(req.source_ids)
             target = min(bisect.bisect_left(req.kept, match.num_tokens), req.num_tokens - 1)
-            return (target, match) if target >= self.config.min_restore_tokens else (0, None)
+            return (target if target >= self.config.min_restore_tokens else 0), req.num_computed, match
         match = self.store.lookup(req.all_ids)
+        fill = self.config.save and self.config.fill_holes
+        if fill and match.num_tokens < req.num_computed and not self.store.writer.idle:
+            # The missing part is most likely still in the writer queue (the previous turn ended
+            # a moment ago): let it land, within a bound, rather than recompute device-cached tokens.
+            self.store.flush(timeout=self.config.flush_wait_s)
+            match = self.store.lookup(req.all_ids)
+        keep = min(req.num_computed, match.num_tokens) if fill else req.num_computed
         usable = [c for c in match.chunks if c.end <= req.num_tokens - 1]
         end = usable[-1].end if usable else 0
-        if end - req.num_computed < self.config.min_restore_tokens:
-            return 0, None
-        return end, match
+        if end - keep < self.config.min_restore_tokens:
+            return 0, keep, None
+        return end, keep, match
 
     def start(self, req: Request, target: int, match: PrefixMatch) -> None:
         """Run the restore of [num_computed, target) into req.block_ids on the restore thread."""

@@ -76,6 +76,12 @@ class BackgroundWriter:
                     self._busy = False
                     self._cv.notify_all()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing being written."""
+        with self._cv:
+            return not self._q and not self._busy
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is written. False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout

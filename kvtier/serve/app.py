@@ -1,0 +1,127 @@
+"""The app factory: `create_app(engine)` gives a FastAPI app serving the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvtier.engine.background import BackgroundEngine
+from kvtier.engine.engine import Engine
+from kvtier.serve.completions import router as completions_router
+from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
+from kvtier.serve.context import ServerContext
+from kvtier.serve.errors import install_error_handlers
+from kvtier.serve.metrics import ServerMetrics
+from kvtier.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware
+from kvtier.serve.ops import models_router, ops_router
+
+
+def create_app(
+    engine: Engine | BackgroundEngine,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    served_model_name: str | None = None,
+    default_max_tokens: int | None = None,
+    config: ServeConfig | None = None,
+) -> FastAPI:
+    """Serve `engine`. Given an Engine, the app runs its step loop from startup to shutdown; given
+    a BackgroundEngine, it uses that loop and leaves closing it to the caller."""
+    config = config or ServeConfig(
+        served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+    )
+    metrics = ServerMetrics()
+    if isinstance(engine, BackgroundEngine):
+        ctx = ServerContext(engine.engine, config, metrics, background=engine, owns_background=False)
+        metrics.attach(engine)
+    else:
+        ctx = ServerContext(engine, config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.start()
+        try:
+            yield
+        finally:
+            if ctx.owns_background and ctx.background is not None:
+                ctx.background.close()
+                ctx.engine.close()  # drain pending saves into the store before the process exits
+
+    app = FastAPI(
+        title="kvtier",
+        summary="OpenAI-compatible API over the kvtier engine",
+        version=_version(),
+        lifespan=lifespan,
+        # curl users often omit the header; a missing Content-Type is read as JSON.
+        strict_content_type=False,
+    )
+    app.state.kvtier = ctx
+    install_error_handlers(app)
+    app.include_router(completions_router)
+    app.include_router(models_router)
+    app.include_router(ops_router)
+    # add_middleware wraps: the last added runs first. Order: metrics -> API key -> body limit,
+    # so unauthenticated callers are refused before their body is read, and every answer is counted.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
+    _finish_openapi(app, ctx)
+    return app
+
+
+def _version() -> str:
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _finish_openapi(app: FastAPI, ctx: ServerContext) -> None:
+    """Make the OpenAPI schema say what this server does: validation errors are 400s in OpenAI's
+    shape (not FastAPI's 422 list), /v1 takes a bearer key when one is configured, and what
+    depends on the loaded model (its names, completion length, vocabulary) is filled in."""
+    build = app.openapi
+    secured = bool(ctx.config.api_key)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for path, ops in schema.get("paths", {}).items():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+                if secured and path.startswith("/v1"):
+                    op["security"] = [{"bearer": []}]
+        comps = schema.setdefault("components", {})
+        models = comps.get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            models.pop(name, None)
+        if secured:
+            comps.setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
+        names = sorted({ctx.model_name, ctx.engine.model.name})
+        _set_model_limits(models, names, ctx.engine.max_model_len - 1, ctx.engine.model.config.vocab_size - 1)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _set_model_limits(models: dict[str, Any], names: list[str], max_tokens: int, max_token_id: int) -> None:
+    for body in ("ChatCompletionRequest", "CompletionRequest"):
+        props = models.get(body, {}).get("properties", {})
+        if "model" in props:
+            props["model"]["enum"] = names
+        for field in ("max_tokens", "max_completion_tokens"):
+            for alt in props.get(field, {}).get("anyOf", []):
+                if alt.get("type") == "integer":
+                    alt["maximum"] = max_tokens
+    for alt in models.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}).get("anyOf", []):
+        items = alt.get("items", {})
+        inner = items.get("items", items)  # token ids, or a list holding one list of token ids
+        if inner.get("type") == "integer":
+            inner["maximum"] = max_token_id

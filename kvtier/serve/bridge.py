@@ -1,0 +1,147 @@
+"""From the engine thread to asyncio: one handle per request, an async iterator of its outputs.
+
+The engine calls `on_output` on its own thread; the handle stamps the time there (so latency
+metrics do not include event-loop lag) and hands the output to the request's event loop. A
+handle whose consumer goes away (client disconnect, cancellation) aborts its request, which makes
+the engine free the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from starlette.requests import Request
+
+from kvtier.engine.background import BackgroundEngine
+from kvtier.engine.engine import RequestOutput
+from kvtier.engine.request import SamplingParams
+from kvtier.serve.metrics import ServerMetrics
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class EngineFailed(Exception):
+    """The engine ended the request without the client asking (a failed engine step)."""
+
+
+class Generation:
+    """One submitted request. Iterate it (once) for its outputs; `cancel()` is idempotent."""
+
+    def __init__(
+        self,
+        background: BackgroundEngine,
+        ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        endpoint: str,
+        metrics: ServerMetrics,
+        session_id: str | None = None,
+        received: float | None = None,
+    ) -> None:
+        self.background = background
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.metrics = metrics
+        # TTFT is measured from here: when the handler got the request, before tokenization.
+        self.received = received if received is not None else time.perf_counter()
+        self.finished = False
+        self.final: RequestOutput | None = None
+        self._queue: asyncio.Queue[tuple[RequestOutput, float]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._last_token_at: float | None = None
+        self._cancelled = False
+        # Validation already happened in the handler; this can still raise PromptError/SamplingError.
+        background.submit(list(ids), params, self._on_output, request_id=request_id, session_id=session_id)
+
+    # ----- engine thread --------------------------------------------------------------------
+    def _on_output(self, out: RequestOutput) -> None:
+        stamp = time.perf_counter()
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (out, stamp))
+        except RuntimeError:
+            # The event loop is closed (server shutting down). Raising here would fail the
+            # engine step and with it every other request in the batch.
+            pass
+
+    # ----- event loop -----------------------------------------------------------------------
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out, stamp = await self._queue.get()
+                self._observe(out, stamp)
+                if out.finished:
+                    self.finished = True
+                    self.final = out
+                    self._count_finish(out)
+                    if out.finish_reason == "abort" and not self._cancelled:
+                        raise EngineFailed("the engine failed while running this request")
+                yield out
+                if self.finished:
+                    return
+        finally:
+            if not self.finished:
+                self.cancel()
+
+    def cancel(self) -> None:
+        """Abort the request in the engine (frees its blocks); safe to call more than once."""
+        if self._cancelled or self.finished:
+            return
+        self._cancelled = True
+        self.background.abort(self.request_id)
+        self.metrics.finished.labels(self.endpoint, "cancelled").inc()
+
+    async def result(self, request: Request | None = None) -> RequestOutput:
+        """The finished output. With `request`, a client disconnect aborts it (raises ClientGone)."""
+        watcher = asyncio.ensure_future(wait_for_disconnect(request)) if request is not None else None
+        collector = asyncio.ensure_future(self._drain())
+        try:
+            waiting = {collector} | ({watcher} if watcher else set())
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if collector in done:
+                return collector.result()
+            raise ClientGone(self.request_id)
+        finally:
+            for task in (watcher, collector):
+                if task is not None and not task.done():
+                    task.cancel()
+            if not self.finished:
+                self.cancel()
+
+    async def _drain(self) -> RequestOutput:
+        last = None
+        async for out in self:
+            last = out
+        assert last is not None
+        return last
+
+    def _observe(self, out: RequestOutput, stamp: float) -> None:
+        if not out.delta_ids:
+            return
+        if self._last_token_at is None:
+            self.metrics.ttft.labels(self.endpoint).observe(stamp - self.received)
+        else:
+            gap = (stamp - self._last_token_at) / len(out.delta_ids)
+            for _ in out.delta_ids:
+                self.metrics.tbt.labels(self.endpoint).observe(gap)
+        self._last_token_at = stamp
+
+    def _count_finish(self, out: RequestOutput) -> None:
+        if out.finish_reason == "abort":
+            if not self._cancelled:
+                self.metrics.finished.labels(self.endpoint, "error").inc()
+            return
+        self.metrics.finished.labels(self.endpoint, out.finish_reason or "stop").inc()
+        self.metrics.observe_finished(self.endpoint, out)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,96 @@
+"""ASGI middleware: the request body limit, the API key check and per-request HTTP metrics.
+
+The key is checked before the body is parsed, so an unauthenticated caller learns nothing about
+the request format (a FastAPI dependency would run after JSON decoding). /health, /metrics and
+the OpenAPI documents stay open for probes, scrapers and schema-driven tools, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvtier.serve.errors import APIError, error_response
+from kvtier.serve.metrics import KNOWN_PATHS, ServerMetrics
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes`, in OpenAI's error shape.
+
+    FastAPI's own `max_body_size` answers a too-long declared Content-Length with a plain-text
+    body that replaces whatever the app sends, so it cannot give clients a JSON error. A declared
+    length is refused before reading; a chunked body is cut off once it passes the limit (the
+    HTTPException raised from `receive` reaches the app's 413 handler).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(self._error())(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> APIError:
+        return APIError(
+            413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(got, self.expected):  # constant time: no timing oracle
+                err = APIError(
+                    401, "missing or incorrect API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
+                await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every response by path and status code (401s and 413s included)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,162 @@
+"""Bad input gets an OpenAI-style 4xx (never a 5xx), and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from serve_testlib import BODY_LIMIT, TINY, WINDOW, Served, wait_idle
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**overrides) -> dict:
+    return {"model": TINY, "messages": OK_MESSAGES, "max_tokens": 2, **overrides}
+
+
+def completion(**overrides) -> dict:
+    return {"model": TINY, "prompt": "hi", "max_tokens": 2, **overrides}
+
+
+LONG = "word " * (WINDOW + 10)
+
+# (name, path, JSON body, status, param the error names (or None to skip), code (or None to skip))
+CASES = [
+    ("unknown model", CHAT, chat(model="gpt-4o"), 404, "model", "model_not_found"),
+    ("unknown model (completions)", COMPLETIONS, completion(model="nope"), 404, "model", "model_not_found"),
+    ("missing model", CHAT, {"messages": OK_MESSAGES}, 400, "model", None),
+    ("empty messages", CHAT, chat(messages=[]), 400, "messages", None),
+    ("missing messages", CHAT, {"model": TINY}, 400, "messages", None),
+    ("messages not a list", CHAT, chat(messages="hello"), 400, "messages", None),
+    ("message not an object", CHAT, chat(messages=["hello"]), 400, "messages.0", None),
+    ("content wrong type", CHAT, chat(messages=[{"role": "user", "content": 42}]), 400, None, None),
+    ("missing content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages.0.content", None),
+    ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role", None),
+    ("tool role unsupported", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role", None),
+    ("image content part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
+     "messages.0.content", None),
+    ("prompt too long (chat)", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400, "messages",
+     "context_length_exceeded"),
+    ("prompt too long (completions)", COMPLETIONS, completion(prompt=LONG), 400, "prompt", "context_length_exceeded"),
+    ("prompt + max_tokens too long", CHAT, chat(max_tokens=WINDOW), 400, "max_tokens", "context_length_exceeded"),
+    ("huge max_tokens", CHAT, chat(max_tokens=10**12), 400, "max_tokens", "context_length_exceeded"),
+    ("absurd max_tokens", CHAT, chat(max_tokens=10**40), 400, "max_tokens", "context_length_exceeded"),
+    ("huge max_completion_tokens", CHAT, chat(max_completion_tokens=10**9), 400, "max_completion_tokens",
+     "context_length_exceeded"),
+    ("negative max_tokens", CHAT, chat(max_tokens=-5), 400, "max_tokens", None),
+    ("zero max_tokens", COMPLETIONS, completion(max_tokens=0), 400, "max_tokens", None),
+    ("max_tokens not a number", CHAT, chat(max_tokens="lots"), 400, "max_tokens", None),
+    ("max_tokens fractional", CHAT, chat(max_tokens=2.5), 400, "max_tokens", None),
+    ("temperature too high", CHAT, chat(temperature=2.5), 400, "temperature", None),
+    ("temperature negative", COMPLETIONS, completion(temperature=-0.1), 400, "temperature", None),
+    ("top_p zero", CHAT, chat(top_p=0), 400, "top_p", None),
+    ("top_p above one", CHAT, chat(top_p=1.5), 400, "top_p", None),
+    ("seed not an integer", CHAT, chat(seed=1.5), 400, "seed", None),
+    ("numeric string not coerced", CHAT, chat(max_tokens="5"), 400, "max_tokens", None),
+    ("int for a bool not coerced", COMPLETIONS, completion(echo=0), 400, "echo", None),
+    ("max_tokens too large though unused", CHAT, chat(max_tokens=WINDOW, max_completion_tokens=2), 400,
+     "max_tokens", "context_length_exceeded"),
+    ("empty stop string", CHAT, chat(stop=[""]), 400, "stop", None),
+    ("too many stop strings", CHAT, chat(stop=list("abcde")), 400, "stop", None),
+    ("n > 1 unsupported", CHAT, chat(n=2), 400, "n", None),
+    ("penalty unsupported", CHAT, chat(presence_penalty=1.0), 400, "presence_penalty", None),
+    ("tools unsupported", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", None),
+    ("stream not a bool", CHAT, chat(stream="yes please"), 400, "stream", None),
+    ("empty prompt", COMPLETIONS, completion(prompt=""), 400, "prompt", None),
+    ("empty token list", COMPLETIONS, completion(prompt=[]), 400, "prompt", None),
+    ("token id out of vocabulary", COMPLETIONS, completion(prompt=[1, 10**9]), 400, "prompt", None),
+    ("negative token id", COMPLETIONS, completion(prompt=[-1]), 400, "prompt", None),
+    ("batched prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", None),
+    ("prompt wrong type", COMPLETIONS, completion(prompt={"text": "x"}), 400, "prompt", None),
+    ("echo unsupported", COMPLETIONS, completion(echo=True), 400, "echo", None),
+    ("body is a list", CHAT, [1, 2], 400, None, None),
+    ("body is a string", COMPLETIONS, "hello", 400, None, None),
+    ("body is null", CHAT, None, 400, None, None),
+]
+
+
+@pytest.fixture(scope="module")
+def http(tiny_server: Served) -> Iterator[httpx.Client]:
+    with tiny_server.client() as c:
+        yield c
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] in ("invalid_request_error", "not_found_error", "authentication_error")
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", CASES, ids=[c[0] for c in CASES])
+def test_bad_json_body(http: httpx.Client, name, path, body, status, param, code) -> None:
+    assert_error(http.post(path, content=json.dumps(body), headers={"content-type": "application/json"}),
+                 status, param, code)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{bad json", b"", b'{"model": ', b"\xff\xfe\x00", b"NaN", b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}"],
+    ids=["garbage", "empty", "truncated", "binary", "nan", "5000-digit integer"],
+)
+def test_malformed_json(http: httpx.Client, raw: bytes) -> None:
+    assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
+
+
+def test_nan_temperature(http: httpx.Client) -> None:
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}' % TINY.encode()
+    assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400, "temperature")
+
+
+def test_missing_content_type_is_read_as_json(http: httpx.Client) -> None:
+    resp = http.post(COMPLETIONS, content=json.dumps(completion()).encode(), headers={"content-type": ""})
+    assert resp.status_code == 200, resp.text
+
+
+def test_form_content_type_is_explained(http: httpx.Client) -> None:
+    """`curl -d` sends form encoding unless told otherwise; say so instead of "field required"."""
+    resp = http.post(COMPLETIONS, content=json.dumps(completion()).encode(),
+                     headers={"content-type": "application/x-www-form-urlencoded"})
+    assert assert_error(resp, 400, code="invalid_content_type")["message"].count("application/json") == 1
+
+
+def test_oversized_body_with_length(http: httpx.Client) -> None:
+    body = completion(prompt="x" * (BODY_LIMIT + 1))
+    assert_error(http.post(COMPLETIONS, json=body), 413, code="request_too_large")
+
+
+def test_oversized_body_chunked(http: httpx.Client) -> None:
+    def chunks():  # no Content-Length: the limit must hold while reading
+        yield b'{"model": "%s", "prompt": "' % TINY.encode()
+        for _ in range(BODY_LIMIT // 1024 + 2):
+            yield b"y" * 1024
+        yield b'"}'
+
+    assert_error(http.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"}), 413)
+
+
+def test_unknown_path_and_method(http: httpx.Client) -> None:
+    assert_error(http.get("/v1/nothing-here"), 404)
+    resp = http.get(CHAT)
+    assert resp.status_code == 405 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_server_survives_bad_input(http: httpx.Client, tiny_server: Served) -> None:
+    """Runs after the cases above (file order): nothing broke, nothing leaked."""
+    assert http.get("/health").json()["status"] == "ok"
+    assert http.post(CHAT, json=chat()).status_code == 200
+    assert tiny_server.background.errors == 0 and tiny_server.background.alive
+    wait_idle(tiny_server.engine)
+    metrics = http.get("/metrics").text
+    assert 'code="500"' not in metrics
