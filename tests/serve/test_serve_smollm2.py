@@ -31,9 +31,11 @@ TRIP = ("I am planning a trip to Italy. What is its capital?", "Name one famous 
 def start(store: Path) -> ServerProcess:
     # The first start on a machine also measures the hardware profile for the restore planner.
     # A disk-only store: a memory tier above it would keep the newest state in the process, and a
-    # restart would lose it (the tiers demote on eviction, not on shutdown).
+    # restart would lose it (the tiers demote on eviction, not on shutdown). The restore method is
+    # pinned: for prompts this short `auto` may rightly prefer recompute on some machines.
     server = ServerProcess(["--model", MODEL, "--kv-cache-gb", "0.5", "--max-model-len", "2048",
-                            "--store", f"disk:{store}:1GB", "--log-level", "warning"], env=ENV)
+                            "--store", f"disk:{store}:1GB", "--restore-method", "kv",
+                            "--log-level", "warning"], env=ENV)
     try:
         server.wait_ready(timeout=900)  # the first load ever also converts the GGUF
     except BaseException:
