@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 
 from kvtier.engine.engine import Engine, PromptError, RequestOutput

@@ -8,17 +8,21 @@ is due (its scheduled arrival) to its first token, so time a request spends wait
 loop counts. Configurations:
 
   main      recompute (no store, no device prefix cache: the no-reuse baseline), then kv and auto
-            restore over a memory store and over memory+disk.
+            restore over a memory store and over memory+disk, and kv with the device prefix cache
+            on over a memory store (kv/device+memory).
   pressure  kv over memory+disk with a memory tier far smaller than the working set and a small
             max_num_seqs (so requests queue): LRU eviction only vs look-ahead prefetch + eviction
             (CachedAttention §3.3). Identical otherwise.
   tbt       the store with saving on vs off, restore method `recompute`, so both runs do the same
             compute and differ only by the saving path (capture, snapshot, background writer).
   full      kv over device prefix cache (small pool) + memory + disk + redis, all under pressure,
-            so every tier serves some hits (needs redis-server, started privately on a free port).
+            so every tier serves some hits (needs redis-server, started privately on a free port;
+            use --fill-holes, or the device cache leaves holes in the stored chain).
 
-By default the device prefix cache is off in every store configuration (as HCache's evaluation
-does), so reuse measures the store tiers; `--device-cache` turns it on.
+Outside those two, the device prefix cache is off in every store configuration (as in HCache's
+evaluation), so reuse measures the store tiers; `--device-cache` turns it on everywhere.
+`--check-sessions N` adds a sequential replay (batch 1, identical prompts for the recompute and the
+reuse engine) that checks greedy outputs are identical without any timing noise.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
 
 TIERS = ("device", "memory", "disk", "redis")
 GROUPS = ("first", "later")
@@ -242,7 +246,7 @@ def run_config(model, profile, workload, cfg: RunConfig, args: argparse.Namespac
                          max_num_seqs=args.pressure_max_num_seqs if cfg.pressure else args.max_num_seqs,
                          max_model_len=args.max_model_len, enable_prefix_cache=device_cache)
     reuse = ReuseConfig(method=cfg.method, chunk_tokens=args.chunk_tokens, save=cfg.save,
-                        lookahead=cfg.policy == "lookahead")
+                        lookahead=cfg.policy == "lookahead", fill_holes=args.fill_holes and device_cache)
     engine = Engine(model, econf, store=spec, reuse=reuse, profile=profile if spec else None)
     load0 = os.getloadavg()[0]
     try:
@@ -459,7 +463,7 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
         m, n = tally(control)
         parts.append(f"trace control (store, restore method recompute, i.e. no reuse): {m} of {n} differ")
     decide = seq or trace
-    if decide:
+    if decide and tally(decide)[1]:
         m, n = tally(decide)
         goals.append(dict(goal="greedy outputs identical with and without reuse (lossless configuration)",
                           met=m == 0, value=m, target=0, summary="; ".join(parts)))
@@ -504,8 +508,9 @@ def table_cells(r: dict) -> list[str]:
 def markdown(rows: list[dict], goals: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
-    lines += ["", "| goal | met | numbers |", "|---|---|---|"]
-    lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['summary']} |" for g in goals]
+    if goals:
+        lines += ["", "| goal | met | numbers |", "|---|---|---|"]
+        lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['summary']} |" for g in goals]
     return "\n".join(lines) + "\n"
 
 
@@ -529,7 +534,7 @@ def plot(requests: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     workloads = [w for w in dict.fromkeys(r["workload"] for r in requests) if not w.endswith("sequential")]
     fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.6 * len(workloads)), squeeze=False)
@@ -547,6 +552,7 @@ def plot(requests: list[dict], path: str) -> None:
                         linewidth=2.4 if c == "recompute" else 1.4,
                         color="black" if c == "recompute" else plt.cm.tab10(k % 10), label=f"{c} (n={len(xs)})")
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("TTFT (s, log scale; from the turn's due time)")
@@ -555,7 +561,7 @@ def plot(requests: list[dict], path: str) -> None:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="lower right")
     fig.suptitle("TTFT distributions (CDF) per configuration")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -615,6 +621,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--pressure-kv-cache-gb", type=float, default=0.125,
                    help="device pool of the full stack, with the device prefix cache on")
     e.add_argument("--device-cache", action="store_true", help="device prefix cache on in every store config")
+    e.add_argument("--fill-holes", action="store_true",
+                   help="with the device prefix cache on: ReuseConfig(fill_holes=True), recompute device-cached "
+                        "tokens the store lacks so the stored chain of chunks has no hole (engine default: off)")
     e.add_argument("--redis", default="auto", help="auto (start /usr/bin/redis-server privately), none, or a binary")
     e.add_argument("--home", default=None, help="where the hardware profile is cached (default: KVTIER_HOME)")
     e.add_argument("--workdir", default=None, help="scratch dir for disk tiers (default: a temp dir, removed)")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,7 +70,6 @@ class _Job:
     req: Request
     plan: Plan
     future: Future
-    started: float
     by_tier: dict[str, int]
     aborted: bool = False
 
@@ -166,7 +164,7 @@ class StateCache:
                 n = bisect.bisect_left(source, c.end) - bisect.bisect_left(source, c.start)
                 by_tier[c.tier] = by_tier.get(c.tier, 0) + n
             fut = self._pool.submit(self._run_remapped, match, source, list(req.block_ids))
-            self.jobs[req.request_id] = _Job(req, plan, fut, time.perf_counter(), by_tier)
+            self.jobs[req.request_id] = _Job(req, plan, fut, by_tier)
             return
         chunks = [c for c in match.chunks if c.end <= target]
         planner_chunks = [Chunk(c.start, c.end, c.tier) for c in chunks]
@@ -187,26 +185,25 @@ class StateCache:
                 by_tier[c.tier] = by_tier.get(c.tier, 0) + c.end - max(c.start, req.num_computed)
         restricted = PrefixMatch(tuple(chunks), target)
         fut = self._pool.submit(self._run, plan, restricted, list(req.all_ids), list(req.block_ids), req.num_computed)
-        self.jobs[req.request_id] = _Job(req, plan, fut, time.perf_counter(), by_tier)
+        self.jobs[req.request_id] = _Job(req, plan, fut, by_tier)
 
-    def _run(self, plan: Plan, match: PrefixMatch, ids: list[int], blocks: list[int], start: int) -> bool:
+    def _run(self, plan: Plan, match: PrefixMatch, ids: list[int], blocks: list[int], start: int) -> float | None:
+        """Seconds the restore itself took (not counting the wait for the step loop), None if it failed."""
         if plan.method is Method.RECOMPUTE:
-            return False  # recompute = ordinary prefill in the step loop (shares the token budget)
+            return None  # recompute = ordinary prefill in the step loop (shares the token budget)
         try:
             with torch.inference_mode():
-                self.executor.restore_history(plan, self.store, match, ids, blocks, start)
-            return True
+                return self.executor.restore_history(plan, self.store, match, ids, blocks, start).seconds
         except RestoreMiss as e:
             log.warning("restore failed (%s); recomputing", e)
-            return False
+            return None
 
-    def _run_remapped(self, match: PrefixMatch, source: list[int], blocks: list[int]) -> bool:
+    def _run_remapped(self, match: PrefixMatch, source: list[int], blocks: list[int]) -> float | None:
         try:
-            self.executor.restore_remapped(self.layout, self.store, match, source, blocks)
-            return True
+            return self.executor.restore_remapped(self.layout, self.store, match, source, blocks).seconds
         except RestoreMiss as e:
             log.warning("truncated restore failed (%s); recomputing", e)
-            return False
+            return None
 
     def poll(self) -> list[tuple[Request, bool, int, bool]]:
         """Finished restores: (request, succeeded, restored tokens, aborted meanwhile)."""
@@ -215,7 +212,8 @@ class StateCache:
             if not job.future.done():
                 continue
             del self.jobs[rid]
-            ok = bool(job.future.result())
+            seconds = job.future.result()
+            ok = seconds is not None
             tokens = job.plan.history_tokens if ok else 0
             if ok:
                 self.counters["restores"] += 1
@@ -226,7 +224,8 @@ class StateCache:
                     self.tier_tokens[t] = self.tier_tokens.get(t, 0) + n
                     job.req.metrics.reused_by_tier[t] = job.req.metrics.reused_by_tier.get(t, 0) + n
                 job.req.metrics.restore_method = job.plan.method.value
-                self.planner.observe(job.plan.method, job.plan.predicted_s, time.perf_counter() - job.started)
+                if job.plan.predicted_s > 0:  # the restore's own time: waiting for the step loop is not its cost
+                    self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
             elif job.plan.method is not Method.RECOMPUTE:
                 self.counters["restore_failures"] += 1
             done.append((job.req, ok, tokens, job.aborted))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvtier.models.config import ModelConfig, UnsupportedModelError
+from kvtier.models.config import ModelConfig
 from kvtier.models.llama import CausalLM
 from kvtier.models.presets import PRESETS, random_state_dict
 
