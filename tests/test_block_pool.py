@@ -14,8 +14,8 @@ def test_allocate_release_and_lru_reuse_order():
         pool.allocate(1)
     pool.release(b)  # freed tail first: 3 then 2
     pool.release(a)  # then 1, 0
-    assert list(pool.free) == [3, 2, 1, 0]
-    assert pool.allocate(3) == [3, 2, 1]
+    assert pool.clean == [3, 2, 1, 0] and pool.num_free == 4
+    assert pool.allocate(3) == [0, 1, 2]  # most recently freed (warm) first
 
 
 def test_prefix_cache_match_refcount_and_eviction():
@@ -31,8 +31,10 @@ def test_prefix_cache_match_refcount_and_eviction():
     pool.release([0, 1])
     assert pool.match_prefix(block_hashes([5, 6, 1, 1], 2)) == [0]  # diverges at block 1
     pool.release([0])
-    # Free order (oldest first): 3, then 2 (uncached), 1, 0 (cached). Allocating 3 evicts block 1's hash.
-    assert pool.allocate(3) == [3, 2, 1]
+    # Clean blocks first (2 was freed last, then the never-used 3), then the least recently freed
+    # cached block (1): allocating 3 evicts block 1's content and keeps block 0's.
+    assert pool.clean == [3, 2] and list(pool.evictable) == [1, 0]
+    assert pool.allocate(3) == [2, 3, 1]
     assert hs[1] not in pool.cached and pool.match_prefix(hs) == [0]
 
 

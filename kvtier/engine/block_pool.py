@@ -2,7 +2,10 @@
 
 Pure bookkeeping (ints and hashes); the tensors live in the runner. A full block whose tokens
 are computed is registered under the chained hash of its tokens; when its last user frees it, it
-stays cached until the space is needed, and free blocks are reused least recently freed first.
+stays cached until the space is needed. Allocation takes free blocks without cached content first,
+most recently freed first (their pages are warm: the pool's host memory is mapped lazily, and a
+never-touched block costs page faults), and evicts cached blocks least recently freed first only
+when no clean block is left.
 """
 
 from __future__ import annotations
@@ -40,14 +43,14 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
-        # Blocks with ref 0, oldest first. Cached ones stay here until reused (LRU eviction).
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.clean: list[int] = list(range(num_blocks - 1, -1, -1))  # ref 0, no content: a stack
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached content: LRU first
         self.hits = 0
         self.queries = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.clean) + len(self.evictable)
 
     def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Take (ref++) the cached blocks for the longest prefix of `hashes`."""
@@ -64,13 +67,15 @@ class BlockPool:
         return blocks
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise OutOfBlocks(f"need {n} blocks, {len(self.free)} free")
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
-            b, _ = self.free.popitem(last=False)
-            if (h := self.hash_of[b]) is not None:  # evict the cached content
-                del self.cached[h]
+            if self.clean:
+                b = self.clean.pop()
+            else:  # evict the least recently freed cached block
+                b, _ = self.evictable.popitem(last=False)
+                del self.cached[self.hash_of[b]]
                 self.hash_of[b] = None
             self.ref[b] = 1
             out.append(b)
@@ -82,7 +87,10 @@ class BlockPool:
             self.ref[b] -= 1
             assert self.ref[b] >= 0, f"block {b} freed twice"
             if self.ref[b] == 0:
-                self.free[b] = None
+                if self.hash_of[b] is None:
+                    self.clean.append(b)
+                else:
+                    self.evictable[b] = None
 
     def register(self, block: int, h: bytes) -> None:
         """Publish a full, computed block under its chained hash (first writer wins)."""
@@ -91,6 +99,6 @@ class BlockPool:
             self.hash_of[block] = h
 
     def _take(self, b: int) -> None:
-        if self.ref[b] == 0:
-            del self.free[b]
+        if self.ref[b] == 0:  # only cached blocks are matched, so it sits in `evictable`
+            del self.evictable[b]
         self.ref[b] += 1
