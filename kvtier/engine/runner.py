@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
@@ -32,6 +33,10 @@ class StepBatch:
     ctx_slots: tuple[torch.Tensor | None, ...]  # per run: slots of [0, end), None for fresh runs
     cos: torch.Tensor  # [tokens, 1, head_dim]
     sin: torch.Tensor
+    # Single-token runs with history (decodes) attend in one padded batch instead of one by one.
+    decode_rows: tuple[int, ...] = ()  # run indices
+    decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: slot 0)
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,17 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         positions = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)])
         cos, sin = self.rope.cos_sin(positions)
+        rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
+        dec_slots = dec_mask = None
+        if len(rows) > 1:
+            ctx = [items[i].start + 1 for i in rows]
+            width = max(ctx)
+            dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, i in enumerate(rows):
+                dec_slots[r, : ctx[r]] = self.slots(items[i].block_ids, 0, ctx[r])
+            dec_mask = (torch.arange(width).unsqueeze(0) < torch.tensor(ctx).unsqueeze(1))[:, None, None, :]
+        else:
+            rows = ()
         return StepBatch(
             items=tuple(items),
             ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
@@ -85,6 +101,9 @@ class ModelRunner:
                             for it, n in zip(items, lens)),
             cos=cos,
             sin=sin,
+            decode_rows=rows,
+            decode_slots=dec_slots,
+            decode_mask=dec_mask,
         )
 
     def run_layer(self, li: int, h: torch.Tensor, b: "StepBatch", capture: CaptureFn | None = None) -> torch.Tensor:
@@ -99,15 +118,36 @@ class ModelRunner:
         kc, vc = self.k_cache[li], self.v_cache[li]
         kc.index_copy_(0, b.new_slots, k)
         vc.index_copy_(0, b.new_slots, v)
-        outs = []
+        outs: list[torch.Tensor | None] = [None] * len(b.items)
+        if b.decode_rows:
+            batched = self._decode_attention(q, kc, vc, b)  # [decodes, heads, hd]
+            for r, i in enumerate(b.decode_rows):
+                outs[i] = batched[r : r + 1]
         for i, it in enumerate(b.items):
+            if outs[i] is not None:
+                continue
             lo, hi = b.offsets[i], b.offsets[i + 1]
             if b.ctx_slots[i] is None:  # fresh sequence: its K/V are exactly this run's
-                outs.append(causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0))
+                outs[i] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0)
             else:
                 ks, vs = kc.index_select(0, b.ctx_slots[i]), vc.index_select(0, b.ctx_slots[i])
-                outs.append(causal_attention(q[lo:hi], ks, vs, it.start))
+                outs[i] = causal_attention(q[lo:hi], ks, vs, it.start)
         return layer.finish(h, torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: "StepBatch") -> torch.Tensor:
+        """One SDPA call for every decoding run: contexts padded to the longest and masked."""
+        assert b.decode_slots is not None and b.decode_mask is not None
+        n, width = b.decode_slots.shape
+        heads, kv_heads = q.shape[1], kc.shape[1]
+        qd = q[torch.tensor([b.offsets[i] for i in b.decode_rows])].unsqueeze(2)  # [n, heads, 1, hd]
+        flat = b.decode_slots.reshape(-1)
+        ks = kc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)  # [n, kv_heads, width, hd]
+        vs = vc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)
+        if heads != kv_heads:
+            ks = ks.repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, width, hd]
+            vs = vs.repeat_interleave(heads // kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask)  # [n, heads, 1, hd]
+        return out.squeeze(2)
 
     @torch.inference_mode()
     def execute(
