@@ -82,3 +82,13 @@ def redis_url(redis_server, request):
     client = redis.Redis.from_url(redis_server)
     for k in client.scan_iter(match=f"{prefix}:*"):
         client.delete(k)
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+def tier_spec(request, tmp_path):
+    """A one-tier store spec per tier kind (the redis case uses the real server above)."""
+    if request.param == "memory":
+        return "memory:1GB"
+    if request.param == "disk":
+        return f"disk:{tmp_path}/store:1GB"
+    return request.getfixturevalue("redis_url")

@@ -5,7 +5,6 @@ greedy 32-token continuations, per method x tier x model, with a partial last ch
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -88,15 +87,6 @@ def check_all_methods(model, spec: str, split_tiers: bool = False) -> None:
             store.close()
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
-def tier_spec(request, tmp_path):
-    if request.param == "memory":
-        return "memory:1GB"
-    if request.param == "disk":
-        return f"disk:{tmp_path}/d:1GB"
-    return request.getfixturevalue("redis_url")
-
-
 @pytest.mark.parametrize("model_name", ["tiny_mha", "tiny_gqa"])
 def test_every_method_is_exact(model_name, tier_spec, request):
     check_all_methods(request.getfixturevalue(model_name), tier_spec)
@@ -107,10 +97,8 @@ def test_prefix_split_across_memory_and_disk(tiny_gqa, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
-def test_every_method_is_exact_on_smollm2(smollm2_fp32, tier, tmp_path, request):
-    spec = {"memory": "memory:1GB", "disk": f"disk:{tmp_path}/d:1GB"}.get(tier) or request.getfixturevalue("redis_url")
-    check_all_methods(smollm2_fp32, spec)
+def test_every_method_is_exact_on_smollm2(smollm2_fp32, tier_spec):
+    check_all_methods(smollm2_fp32, tier_spec)
 
 
 # ----- planner -------------------------------------------------------------------------------------

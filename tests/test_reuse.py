@@ -10,7 +10,7 @@ import torch
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.request import RequestStatus, SamplingParams
+from kvtier.engine.request import SamplingParams
 from kvtier.engine.statecache import ReuseConfig
 
 from kvtier_testlib import fake_profile
@@ -36,21 +36,13 @@ def conversation(engine_for_turn, vocab: int, turns: int = 4):
     return outs
 
 
-def store_spec(tier: str, tmp_path, request) -> str:
-    if tier == "memory":
-        return "memory:1GB"
-    if tier == "disk":
-        return f"disk:{tmp_path}/store:1GB"
-    return request.getfixturevalue("redis_url")
-
-
-@pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
 @pytest.mark.parametrize("method", ["kv", "hidden", "auto"])
-def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier, method, tmp_path, request):
+def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier_spec, method):
     vocab = tiny_gqa.config.vocab_size
     plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False))
     expected = conversation(lambda i: plain, vocab)
-    spec = store_spec(tier, tmp_path, request)
+    spec = tier_spec
+    tier = spec.split(":")[0]  # memory, disk or redis
     # No device prefix cache: whatever is reused must come back from the store tier under test.
     engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False), store=spec,
                     reuse=ReuseConfig(method=method, chunk_tokens=24),
