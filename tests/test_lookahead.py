@@ -49,7 +49,6 @@ def test_wraps_any_base_policy():
 def test_prefetch_brings_exactly_the_window_into_memory(tiny_gqa, tmp_path):
     """Three queued requests, each with 2 chunks on disk only; memory fits 2.5 requests' state, so
     the window holds the first two requests: their 4 chunks are prefetched, the third's are not."""
-    vocab = tiny_gqa.config.vocab_size
     chunk = 64
     per_chunk = 4 * chunk * 2 * 32 * 4  # layers * tokens * (K+V) * kv_dim * fp32 bytes of payload
     engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=16 << 20), store=f"memory:{int(per_chunk * 5.3)}B,disk:{tmp_path}/d:1GB",
