@@ -4,6 +4,7 @@ greedy 32-token continuations, per method x tier x model, with a partial last ch
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -149,6 +150,37 @@ def test_bubble_free_partition_follows_hcache_formulas(tiny_mha):
     assert c["c_h"] > c["io_h"]
     l_h = min(n, math.ceil(n * c["io_kv"] / (c["io_kv"] + c["c_h"] - c["io_h"])))
     assert pl.partition(chunks) == (Repr.HIDDEN,) * l_h + (Repr.KV,) * (n - l_h)
+
+
+def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):
+    """overlap = 1: a layer's read pipelines under the previous layer's compute; overlap = 0 (no
+    copy engine, reads are memcpys on the compute cores): the read time adds to compute. Emulated
+    waiting overlaps either way."""
+    import dataclasses
+
+    from kvtier.restore.planner import Chunk, TierLink
+
+    prof = fake_profile("x", compute_scale=1.0, io_bps=1e8)
+    shape = model_shape(tiny_gqa)
+    chunks = [Chunk(0, 2048, "disk")]
+    n = shape.num_layers
+    read = 2048 * shape.kv_bytes_per_token_layer / 1e8 + 1e-5  # one layer's read (busy part)
+    comp = 2048 * prof.place_s + prof.prefill_s(2048, 2056) / n  # one layer's placement + new tokens
+    hidden = Planner(prof, shape, {"disk": TierLink(prof.tiers["disk"])}).plan(Method.KV, chunks, 8)
+    assert read > comp and hidden.predicted_s == pytest.approx(n * read + comp)  # IO-bound pipeline
+    busy_rates = dataclasses.replace(prof.tiers["disk"], overlap=0.0)
+    busy = Planner(prof, shape, {"disk": TierLink(busy_rates)}).plan(Method.KV, chunks, 8)
+    # The first read, then every layer's compute carrying its own read: fully serial.
+    assert busy.predicted_s == pytest.approx(read + n * (comp + read))
+    waiting = TierLink(busy_rates, emulated_bps=1e6)
+    busy_part, wait_part = waiting.read_parts(10**6, whole_chunk=False)
+    assert wait_part == pytest.approx(1.0) and waiting.stolen_s(10**6, False) == pytest.approx(busy_part)
+
+
+def test_continuing_a_history_costs_its_length():
+    p = dataclasses.replace(fake_profile("x"), prefill_g=1e-5)
+    assert p.prefill_s(4096, 4160) - fake_profile("x").prefill_s(4096, 4160) == pytest.approx(4096 * 1e-5)
+    assert p.prefill_s(0, 64) == fake_profile("x").prefill_s(0, 64)
 
 
 def test_online_refinement_moves_prediction_toward_observation(tiny_gqa):

@@ -177,9 +177,10 @@ class ModelRunner:
         return model.logits(h[torch.tensor(last)])  # [requests sampling, vocab]
 
     @torch.inference_mode()
-    def place_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def place_kv(self, layer: int, slots: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put externally produced pre-RoPE K [n, kv_heads, hd] and V into the pool at `slots`,
-        rotating K for the positions it takes here (which may differ from where it was computed)."""
-        cos, sin = self.rope.cos_sin(positions)
+        rotating K for the positions [start, start + n) it takes here (which may differ from where
+        it was computed)."""
+        cos, sin = self.rope.span(start, start + k.shape[0])
         self.k_cache[layer].index_copy_(0, slots, rotate(k.to(self.k_cache.dtype), cos, sin))
         self.v_cache[layer].index_copy_(0, slots, v.to(self.v_cache.dtype))

@@ -51,6 +51,10 @@ class Rope:
         """cos, sin shaped [tokens, 1, head_dim] for broadcasting over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin of the contiguous positions [start, end), as views (no gather)."""
+        return self.cos[start:end].unsqueeze(1), self.sin[start:end].unsqueeze(1)
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim] (half-split layout, as HF Llama) rotated by cos/sin [tokens, 1, head_dim]."""

@@ -89,7 +89,6 @@ class Executor:
         runner, model = self.runner, self.runner.model
         idx = torch.tensor(list(source))
         slots = runner.slots(block_ids, 0, len(source))
-        positions = torch.arange(len(source))
         for li, r in enumerate(layout):
             if r is Repr.NONE:
                 raise RestoreMiss(f"layer {li} is not stored; truncated state cannot be rebuilt")
@@ -101,7 +100,7 @@ class Executor:
                 v = torch.cat([g[0].v for g in got]).index_select(0, idx)
             else:
                 k, v = model.layers[li].kv(torch.cat([g[0].h for g in got]).index_select(0, idx).to(model.dtype))
-            runner.place_kv(li, slots, positions, k, v)
+            runner.place_kv(li, slots, 0, k, v)
             stats.bytes_read += sum(x.nbytes for g in got for x in (g[0].k, g[0].v, g[0].h) if x is not None)
         stats.chunks_loaded = len(match.chunks)
         stats.seconds = time.perf_counter() - t0
@@ -130,6 +129,24 @@ class Executor:
         stop = threading.Event()
 
         group = max(1, min(plan.prefetch_layers, 8))
+        lo = chunks[0].start if chunks else start
+        slots = runner.slots(block_ids, lo, hist)
+
+        def place_chunks(li: int, got: list) -> None:
+            # Chunk by chunk, straight from the read buffers into the pool: concatenating the
+            # chunks first would copy the whole layer once more.
+            r = plan.layer_reprs[li]
+            nbytes = 0
+            for c, g in zip(chunks, got):
+                if r is Repr.KV:
+                    k, v = g.k, g.v  # [chunk, kv_heads, hd] pre-RoPE
+                    nbytes += k.nbytes + v.nbytes
+                else:
+                    nbytes += g.h.nbytes
+                    k, v = model.layers[li].kv(g.h.to(model.dtype))  # from the layer input [chunk, hidden]
+                runner.place_kv(li, slots[c.start - lo : c.end - lo], c.start, k, v)
+            stats.bytes_read += nbytes
+            stats.layers_by_repr[r.value] = stats.layers_by_repr.get(r.value, 0) + 1
 
         def reader() -> None:
             # One read per chunk and group of layers (layer-major chunks make a group contiguous),
@@ -150,9 +167,6 @@ class Executor:
 
         io = threading.Thread(target=reader, name="kvtier-restore-io", daemon=True)
         io.start()
-        lo = chunks[0].start if chunks else start
-        slots = runner.slots(block_ids, lo, hist)
-        positions = torch.arange(lo, hist)
         try:
             if lead:  # bubble-free with recompute: the first layers come from tokens (IO already streams)
                 self._compute(token_ids[:hist], 0, block_ids, stats, layers=range(lead))
@@ -164,17 +178,7 @@ class Executor:
                 if got is None:
                     raise RestoreMiss(f"layer {got_layer} of a stored chunk could not be read")
                 assert got_layer == li
-                r = plan.layer_reprs[li]
-                if r is Repr.KV:
-                    k = torch.cat([g.k for g in got])  # [hist, kv_heads, hd] pre-RoPE
-                    v = torch.cat([g.v for g in got])
-                    stats.bytes_read += k.nbytes + v.nbytes
-                else:
-                    h = torch.cat([g.h for g in got]).to(model.dtype)  # [hist, hidden] layer input
-                    stats.bytes_read += h.nbytes
-                    k, v = model.layers[li].kv(h)
-                runner.place_kv(li, slots, positions, k, v)
-                stats.layers_by_repr[r.value] = stats.layers_by_repr.get(r.value, 0) + 1
+                place_chunks(li, got)
 
             if new_item is None:
                 for li in range(model.cfg.num_layers):
@@ -213,10 +217,9 @@ class Executor:
                     failed.append(c.key)
                     return
                 slots = runner.slots(block_ids, c.start, c.end)
-                pos = torch.arange(c.start, c.end)
                 with torch.inference_mode():
                     for st in layers:
-                        runner.place_kv(st.layer, slots, pos, st.k, st.v)
+                        runner.place_kv(st.layer, slots, c.start, st.k, st.v)
                         stats.bytes_read += st.k.nbytes + st.v.nbytes
                 stats.chunks_loaded += 1
 

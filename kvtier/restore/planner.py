@@ -27,9 +27,18 @@ class TierLink:
     emulated_latency_s: float = 0.0
 
     def read_s(self, nbytes: int, whole_chunk: bool) -> float:
+        return sum(self.read_parts(nbytes, whole_chunk))
+
+    def read_parts(self, nbytes: int, whole_chunk: bool) -> tuple[float, float]:
+        """(busy, waiting) seconds of one read: the raw device read, which occupies a core, and
+        what an emulated limit adds on top as pure waiting."""
         bps = self.rates.chunk_bps if whole_chunk else self.rates.layer_bps
-        t = nbytes / bps + self.rates.read_latency_s + self.emulated_latency_s
-        return t + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
+        wait = self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
+        return nbytes / bps + self.rates.read_latency_s, wait
+
+    def stolen_s(self, nbytes: int, whole_chunk: bool) -> float:
+        """Compute time a read takes away from work running beside it (its unhidden busy part)."""
+        return (1.0 - self.rates.overlap) * self.read_parts(nbytes, whole_chunk)[0]
 
     @property
     def bandwidth(self) -> float:
@@ -78,12 +87,18 @@ class Planner:
     def _io_layer(self, chunks: Sequence[Chunk], bytes_per_token: int) -> float:
         return sum(self.links[c.tier].read_s(c.tokens * bytes_per_token, whole_chunk=False) for c in chunks)
 
+    def _stolen_layer(self, chunks: Sequence[Chunk], bytes_per_token: int) -> float:
+        return sum(self.links[c.tier].stolen_s(c.tokens * bytes_per_token, whole_chunk=False) for c in chunks)
+
     def layer_costs(self, chunks: Sequence[Chunk]) -> dict[str, float]:
         hist = chunks[-1].end if chunks else 0
         p, s = self.profile, self.shape
         return {
             "io_kv": self._io_layer(chunks, s.kv_bytes_per_token_layer),
             "io_h": self._io_layer(chunks, s.hidden_bytes_per_token_layer),
+            # Reading a layer slows the compute beside it by this much (no copy engine: see TierRates).
+            "steal_kv": self._stolen_layer(chunks, s.kv_bytes_per_token_layer),
+            "steal_h": self._stolen_layer(chunks, s.hidden_bytes_per_token_layer),
             "c_h": p.project_s * hist,
             "place": p.place_s * hist,
             "c_token": p.prefill_s(0, hist) / s.num_layers,
@@ -96,11 +111,12 @@ class Planner:
         recompute of the first layers when IO is."""
         n = self.shape.num_layers
         c = self.layer_costs(chunks)
-        if c["c_h"] > c["io_h"]:
-            denom = c["io_kv"] + c["c_h"] - c["io_h"]
+        c_h = c["c_h"] + c["steal_h"]  # projection slowed by the reads running beside it
+        if c_h > c["io_h"]:
+            denom = c["io_kv"] + c_h - c["io_h"]
             l_h = min(n, math.ceil(n * c["io_kv"] / denom)) if denom > 0 else n
             return (Repr.HIDDEN,) * l_h + (Repr.KV,) * (n - l_h)
-        denom = c["c_token"] + c["io_h"] - c["c_h"]
+        denom = c["c_token"] + c["io_h"] - c_h
         l_h = min(n, math.ceil(n * c["c_token"] / denom)) if denom > 0 else n
         return (Repr.NONE,) * (n - l_h) + (Repr.HIDDEN,) * l_h
 
@@ -133,21 +149,24 @@ class Planner:
             return t + new_s, max(nbytes / bw, comp + new_s), nbytes
         if layout is None:
             layout = {Method.KV: (Repr.KV,) * n, Method.HIDDEN: (Repr.HIDDEN,) * n}.get(method) or self.partition(chunks)
-        io, comp, lead, nbytes = [], [], 0.0, 0
+        io, comp, steal, lead, nbytes = [], [], [], 0.0, 0
         for r in layout:
             if r is Repr.NONE:
                 lead += c["c_token"]
                 io.append(0.0)
                 comp.append(new_s / n)
+                steal.append(0.0)
             elif r is Repr.KV:
                 io.append(c["io_kv"])
                 comp.append(c["place"] + new_s / n)
+                steal.append(c["steal_kv"])
                 nbytes += hist * s.kv_bytes_per_token_layer
             else:
                 io.append(c["io_h"])
                 comp.append(c["c_h"] + new_s / n)
+                steal.append(c["steal_h"])
                 nbytes += hist * s.hidden_bytes_per_token_layer
-        t = self._pipeline(io, comp, lead)
+        t = self._pipeline(io, [x + y for x, y in zip(comp, steal)], lead)
         ideal = max(nbytes / bw, lead + sum(comp))
         return t, ideal, nbytes
 
@@ -166,13 +185,17 @@ class Planner:
             cf = p.prefill_s(chunks[front].start, chunks[front].end)
             ch = chunks[back]
             size = ch.tokens * s.kv_bytes_per_token_layer * s.num_layers
-            cb = self.links[ch.tier].read_s(size, whole_chunk=True) + p.place_s * ch.tokens * s.num_layers
+            link = self.links[ch.tier]
+            place = p.place_s * ch.tokens * s.num_layers
+            cb = link.read_s(size, whole_chunk=True) + place
             if tf + cf <= tb + cb:
                 tf += cf
                 comp += cf
                 front += 1
             else:
                 tb += cb
+                # The loader's copies and placement run on the compute side's cores too.
+                tf += link.stolen_s(size, whole_chunk=True) + (1.0 - link.rates.overlap) * place
                 nbytes += size
                 back -= 1
         return max(tf, tb), nbytes, comp

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,10 @@ class TierRates:
     chunk_bps: float  # bytes/s reading whole chunks (before any emulated limit)
     layer_bps: float  # bytes/s reading one layer of one chunk at a time
     read_latency_s: float  # fixed cost per read call
+    # Share of the raw read time that hides under compute running at the same time. On a host
+    # without a copy engine reads are memcpys on the cores the compute uses, so this can be far
+    # below 1; time spent waiting (emulated bandwidth, network latency) always overlaps.
+    overlap: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,17 +42,21 @@ class HardwareProfile:
     model_fingerprint: str
     dtype: str
     threads: int
-    prefill_a: float  # prefill seconds ~ a*L + b*L^2 for L tokens from position 0
+    prefill_a: float  # prefill seconds ~ a*L + b*L^2 for L tokens from position 0 (b: attention)
     prefill_b: float
     project_s: float  # hidden -> K/V projection, seconds per token per layer
     place_s: float  # RoPE + copy into the pool, seconds per token per layer
     tiers: dict[str, TierRates] = field(default_factory=dict)
     points: tuple[tuple[int, float], ...] = ()  # measured (L, seconds) prefill points
+    # Seconds per history token for one step that continues a history: gathering the context
+    # from the pool and the masked attention over it (dominant for a few new tokens on a long
+    # history, invisible in prefills from position 0).
+    prefill_g: float = 0.0
 
     def prefill_s(self, start: int, end: int) -> float:
-        """Seconds to compute tokens [start, end) given that [0, start) is already in the pool."""
+        """Seconds to compute tokens [start, end) in one step given that [0, start) is in the pool."""
         f = lambda n: self.prefill_a * n + self.prefill_b * n * n  # noqa: E731
-        return max(f(end) - f(start), 0.0)
+        return max(f(end) - f(start), 0.0) + self.prefill_g * start
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -70,15 +79,19 @@ def _time(fn, repeats: int = 3) -> float:
     return float(np.median(ts))
 
 
-def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (128, 512, 1024)) -> dict:
+def _engine(model: LoadedModel, max_len: int):
     from kvtier.engine.config import EngineConfig
     from kvtier.engine.engine import Engine  # the engine itself loads profiles: import here, not at the top
 
+    engine = Engine(model, EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max_len,
+                                        max_batched_tokens=max_len, enable_prefix_cache=False))
+    return engine, engine.pool.allocate(-(-max_len // engine.pool.block_size))
+
+
+def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (256, 1024, 2048), new: int = 64) -> dict:
     cfg = model.config
-    engine = Engine(model, EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max(lengths) + 64,
-                                        max_batched_tokens=max(lengths), enable_prefix_cache=False))
+    engine, blocks = _engine(model, max(lengths) + new)
     runner = engine.runner
-    blocks = engine.pool.allocate(-(-max(lengths) // engine.pool.block_size))
     points = []
     for n in lengths:
         ids = torch.randint(100, cfg.vocab_size, (n,)).tolist()
@@ -89,21 +102,42 @@ def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (128, 512, 10
     (a, b), *_ = np.linalg.lstsq(np.stack([ls, ls * ls], 1), ts, rcond=None)
     if b < 0:  # noise on a near-linear curve: keep the linear fit
         a, b = float(np.dot(ls, ts) / np.dot(ls, ls)), 0.0
-    n = 512
-    h = torch.randn(n, cfg.hidden_size, dtype=model.dtype)
-    layer = model.module.layers[0]
+    # `new` tokens continuing the longest prefill: what they cost beyond a*n + b*n^2 is the
+    # per-history-token term g (the shape of a restore's new tokens and of chunked prefill).
+    hist = max(lengths)
+    cont = RunItem(torch.randint(100, cfg.vocab_size, (new,)).tolist(), hist, blocks, want_logits=False)
+    t_cont = _time(lambda: runner.execute([cont]), repeats=3)
+    g = max(0.0, (t_cont - a * new - b * ((hist + new) ** 2 - hist ** 2)) / hist)
+    # Projection and placement at restore sizes: a different layer (pool region) and source per
+    # layer, so the caches are as cold as in a real restore; timing one small hot tensor
+    # under-reads the cost several times.
+    n, layers = min(1024, max(lengths)), cfg.num_layers
+    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype)
     slots = runner.slots(blocks, 0, n)
-    pos = torch.arange(n)
     with torch.inference_mode():
-        k, v = layer.kv(h)
-        project = _time(lambda: layer.kv(h)) / n
-        place = _time(lambda: runner.place_kv(0, slots, pos, k, v)) / n
-    return dict(prefill_a=float(a), prefill_b=float(b), project_s=project + place, place_s=place,
+        kv = [model.module.layers[li].kv(h[li]) for li in range(layers)]
+        project = _time(lambda: [model.module.layers[li].kv(h[li]) for li in range(layers)]) / (n * layers)
+        place = _time(lambda: [runner.place_kv(li, slots, 0, *kv[li]) for li in range(layers)]) / (n * layers)
+    return dict(prefill_a=float(a), prefill_b=float(b), prefill_g=g, project_s=project + place, place_s=place,
                 points=tuple(points))
 
 
-def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: int = 16) -> dict[str, TierRates]:
-    """Write `chunks` KV chunks into a scratch namespace of each tier and time reading them back."""
+def _overlap(read, compute) -> float:
+    """Share of the read time hidden when `read` runs on a thread beside `compute`."""
+    t_read, t_comp = _time(read, repeats=2), _time(compute, repeats=2)
+    th = threading.Thread(target=read)
+    t = time.perf_counter()
+    th.start()
+    compute()
+    th.join()
+    both = time.perf_counter() - t
+    return float(min(1.0, max(0.0, (t_read + t_comp - both) / max(min(t_read, t_comp), 1e-9))))
+
+
+def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: int = 16,
+                  compute=None) -> dict[str, TierRates]:
+    """Write `chunks` KV chunks into a scratch namespace of each tier and time reading them back
+    (alone, and beside `compute` for the overlap)."""
     cfg = model.config
     # A scratch namespace: its keys can never collide with real state of this model.
     ns = StoreNamespace(f"profile-{model.fingerprint}", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -133,8 +167,9 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
             calls = len(match.chunks) * cfg.num_layers
             t_small = _time(lambda: [store.read_layers(c, [0], ("k",)) for c in match.chunks], repeats=2)
             lat = t_small / len(match.chunks)
+            ov = _overlap(lambda: [store.read_chunk(c) for c in match.chunks], compute) if compute else 1.0
             out[tier] = TierRates(chunk_bps=total / t_chunk, layer_bps=total / max(t_layer - lat * calls, 1e-9),
-                                  read_latency_s=lat)
+                                  read_latency_s=lat, overlap=ov)
             for c in match.chunks:  # remove only the scratch chunks: the tier may hold real state
                 for t in store.tiers:
                     t.delete(c.key)
@@ -145,18 +180,21 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
 
 def measure(model: LoadedModel, spec: str | None = None) -> HardwareProfile:
     compute = measure_compute(model)
-    tiers: dict[str, TierRates] = {}
+    engine, blocks = _engine(model, 256)
+    item = RunItem(torch.randint(100, model.config.vocab_size, (256,)).tolist(), 0, blocks, want_logits=False)
+    busy = lambda: engine.runner.execute([item])  # noqa: E731  (compute to overlap reads with)
     if spec is None:
         with tempfile.TemporaryDirectory() as d:
-            tiers = measure_tiers(model, f"memory:1GB,disk:{d}:4GB")
+            tiers = measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=busy)
     else:
-        tiers = measure_tiers(model, spec)
+        tiers = measure_tiers(model, spec, compute=busy)
     return HardwareProfile(model.fingerprint, str(model.dtype).removeprefix("torch."), torch.get_num_threads(),
                            tiers=tiers, **compute)
 
 
 def profile_path(home: Path, model: LoadedModel) -> Path:
-    return home / "profiles" / f"{model.fingerprint}-{str(model.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}.json"
+    # v2: placement measured at restore sizes, continuation prefill point, per-tier overlap.
+    return home / "profiles" / f"{model.fingerprint}-{str(model.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}-v2.json"
 
 
 def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> HardwareProfile:
