@@ -63,6 +63,7 @@ def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier_spec, method)
         assert out.reused_by_tier.get(tier, 0) == out.prompt_tokens_reused
         assert out.prompt_tokens_computed == out.prompt_tokens - out.prompt_tokens_reused
         assert out.restore_method in ("kv", "hidden", "bubblefree", "cake")
+    assert engine.state.counters["restore_tokens_charged"] > 0  # restore compute shared the step budget
 
 
 def test_session_ids_feed_per_session_stats(tiny_gqa):
@@ -152,3 +153,36 @@ def test_device_cache_hits_leave_no_hole_in_the_store(tiny_gqa, tmp_path):
     again = engine.generate([computed + [9, 9, 9]], GREEDY)[0]
     assert again.prompt_tokens_reused >= len(computed) // 16 * 16
     engine.close()
+
+
+def test_session_ttl_deletes_what_an_idle_session_saved_but_keeps_shared_chunks(tiny_gqa):
+    vocab = tiny_gqa.config.vocab_size
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False), store="memory:64MB",
+                    profile=fake_profile(tiny_gqa.fingerprint),
+                    reuse=ReuseConfig(method="kv", chunk_tokens=24, session_ttl_s=60.0))
+    shared = (user_turn(0, vocab) + user_turn(3, vocab))[:48]  # two whole chunks both sessions start with
+    a_prompt, b_prompt = shared + user_turn(1, vocab), shared + user_turn(2, vocab)
+    for sid, prompt in (("a", a_prompt), ("b", b_prompt)):
+        engine.add_request(prompt, GREEDY, session_id=sid)
+        while engine.has_work():
+            engine.step()
+    state = engine.state
+    state.store.flush(30)
+    assert state.store.lookup(a_prompt).num_tokens == len(a_prompt) // 24 * 24
+    t_a = state.sessions.sessions["a"].last_seen
+    state.sessions.sessions["b"].last_seen = t_a + 50  # b was active later than a
+    assert state.expire_sessions(now=t_a + 30) == 0  # nobody idle past the TTL yet
+    state._next_expiry = 0.0
+    removed = state.expire_sessions(now=t_a + 61)  # a idle 61 s > 60: gone; b idle 11 s: kept
+    assert removed > 0 and set(state.sessions.sessions) == {"b"}
+    assert state.store.lookup(a_prompt).num_tokens == 48  # only the chunks b shares remain
+    assert state.store.lookup(b_prompt).num_tokens == len(b_prompt) // 24 * 24
+    state._next_expiry = 0.0
+    state.expire_sessions(now=t_a + 50 + 61)  # then b expires too: nothing of either is left
+    assert state.store.lookup(b_prompt).num_tokens == 0 and state.counters["sessions_expired"] == 2
+    engine.close()
+
+
+def test_session_ttl_must_be_positive():
+    with pytest.raises(ValueError, match="session_ttl_s"):
+        ReuseConfig(session_ttl_s=0)

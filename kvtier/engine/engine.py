@@ -172,6 +172,7 @@ class Engine:
         if self.state is not None:
             outputs += self._collect_restores()
             self.state.look_ahead(list(itertools.islice(self.scheduler.waiting, 32)))
+            self.state.expire_sessions()
         plan = self.scheduler.schedule()
         if plan.chunks:
             capture = None
@@ -208,6 +209,8 @@ class Engine:
                 self._live[req.request_id] = _Live(req, detok, make_generator(req.params), cb)
                 if not self.config.enable_prefix_cache:
                     req.block_hashes = []
+                if self.state is not None:
+                    self.state.session_arrived(req)
                 self.scheduler.add(req)
             elif (live := self._live.get(arg)) is not None:
                 if self.state is not None and self.state.abort(arg):
@@ -298,6 +301,8 @@ class Engine:
         live.delta_text, live.delta_ids = "", []
         if out.finished:
             del self._live[req.request_id]
+            if self.state is not None:
+                self.state.session_finished(req)
             if req.session_id is not None:
                 st = self.session_stats.setdefault(req.session_id, dict(
                     requests=0, prompt_tokens=0, prompt_tokens_reused=0, output_tokens=0))

@@ -1,7 +1,7 @@
 """Continuous batching with a per-step token budget.
 
-Each step: running decodes first (one token each), then running chunked prefills, then waiting
-requests fill what is left of the budget. When blocks run out, the most recently arrived running
+Each step: running decodes first (one token each), then running chunked prefills, then the
+compute of restores in flight, then waiting requests fill what is left of the budget. When blocks run out, the most recently arrived running
 request is preempted: its blocks are released and it is recomputed later from its tokens (its
 full blocks usually survive in the device prefix cache, so resuming is cheap).
 """
@@ -45,6 +45,10 @@ class Restorer(Protocol):
 
     def start(self, req: Request, target: int, match: Any) -> None: ...
 
+    def charge(self, budget: int) -> int:
+        """Take up to `budget` tokens of this step for the compute of restores in flight."""
+        ...
+
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, restorer: Restorer | None = None):
@@ -87,11 +91,16 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
             budget -= n
+        if self.restorer is not None and self.restoring:
+            # Restores compute on the same cores (projection, placement, recomputed layers):
+            # their work counts against the budget like a prefill that arrived before the queue.
+            budget -= self.restorer.charge(budget)
         while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_computed == 0:
                 self._match_prefix(req)
                 if self._try_restore(req):
+                    budget -= self.restorer.charge(budget)  # its compute starts in this step
                     continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch
 
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sessions import SessionRetention
 from kvtier.models.loading import LoadedModel
 from kvtier.restore.executor import Executor, RestoreMiss
 from kvtier.restore.glue import links, model_shape, namespace
@@ -50,10 +52,15 @@ class ReuseConfig:
     # prefix of a stored chunk would lose its device reuse (see docs/architecture.md).
     fill_holes: bool = False
     flush_wait_s: float = 1.0  # at admission, how long pending saves may take to land (see probe)
+    # Delete what a session saved once it has been idle this long (requests without a session id,
+    # and chunks another live session shares, are unaffected). None = keep until evicted.
+    session_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHODS)}")
+        if self.session_ttl_s is not None and self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
 
 
 @dataclass
@@ -72,6 +79,7 @@ class _Job:
     future: Future
     by_tier: dict[str, int]
     aborted: bool = False
+    debt: int = 0  # restore compute (prefill-token equivalents) not yet charged to a step budget
 
 
 class StateCache:
@@ -90,8 +98,11 @@ class StateCache:
         self.jobs: dict[str, _Job] = {}
         self.buffers: dict[str, _SaveBuffer] = {}
         self.lookahead = self._tier_policies() if config.lookahead else []
-        self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, saves=0, prefetches=0)
+        self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, saves=0, prefetches=0,
+                             restore_tokens_charged=0)
         self.reused_by_method: dict[str, int] = {}
+        self.sessions = SessionRetention(config.session_ttl_s) if config.session_ttl_s else None
+        self._next_expiry = 0.0
         self.tier_tokens: dict[str, int] = {}  # restored tokens by the tier they were read from
 
     # ----- which representation to store ------------------------------------------------------
@@ -164,7 +175,7 @@ class StateCache:
                 n = bisect.bisect_left(source, c.end) - bisect.bisect_left(source, c.start)
                 by_tier[c.tier] = by_tier.get(c.tier, 0) + n
             fut = self._pool.submit(self._run_remapped, match, source, list(req.block_ids))
-            self.jobs[req.request_id] = _Job(req, plan, fut, by_tier)
+            self.jobs[req.request_id] = _Job(req, plan, fut, by_tier, debt=self._placement_tokens(target))
             return
         chunks = [c for c in match.chunks if c.end <= target]
         planner_chunks = [Chunk(c.start, c.end, c.tier) for c in chunks]
@@ -185,7 +196,24 @@ class StateCache:
                 by_tier[c.tier] = by_tier.get(c.tier, 0) + c.end - max(c.start, req.num_computed)
         restricted = PrefixMatch(tuple(chunks), target)
         fut = self._pool.submit(self._run, plan, restricted, list(req.all_ids), list(req.block_ids), req.num_computed)
-        self.jobs[req.request_id] = _Job(req, plan, fut, by_tier)
+        debt = 0 if plan.method is Method.RECOMPUTE else plan.compute_tokens  # recompute is prefilled in the step
+        self.jobs[req.request_id] = _Job(req, plan, fut, by_tier, debt=debt)
+
+    def _placement_tokens(self, tokens: int) -> int:
+        """Prefill-token equivalents of placing (KV) or projecting (hidden) `tokens` in every layer."""
+        p = self.profile
+        per_token = sum(p.place_s if r is Repr.KV else p.project_s for r in self.layout)
+        return int(per_token * tokens / p.prefill_a) if p.prefill_a > 0 else 0
+
+    def charge(self, budget: int) -> int:
+        """Scheduler hook: pay restore compute out of this step's token budget, oldest job first."""
+        taken = 0
+        for job in self.jobs.values():
+            pay = min(job.debt, budget - taken)
+            job.debt -= pay
+            taken += pay
+        self.counters["restore_tokens_charged"] += taken
+        return taken
 
     def _run(self, plan: Plan, match: PrefixMatch, ids: list[int], blocks: list[int], start: int) -> float | None:
         """Seconds the restore itself took (not counting the wait for the step loop), None if it failed."""
@@ -306,6 +334,35 @@ class StateCache:
 
     def drop(self, request_id: str) -> None:
         self.buffers.pop(request_id, None)
+
+    # ----- per-session retention --------------------------------------------------------------------
+    def session_arrived(self, req: Request) -> None:
+        # The prompt's chunks count as the session's from arrival on, so a chunk this request is
+        # about to restore is not deleted under it because another session that saved it expired.
+        if self.sessions is not None and req.session_id is not None:
+            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids), time.monotonic())
+
+    def session_finished(self, req: Request) -> None:
+        """A request ended (any reason): what it saved belongs to its session."""
+        if self.sessions is not None and req.session_id is not None:
+            saved = self.store.keys_for(req.all_ids[: req.num_computed]) if req.kept is None else []
+            self.sessions.finished(req.session_id, saved, time.monotonic())
+
+    def expire_sessions(self, now: float | None = None) -> int:
+        """Delete the state of sessions idle past the TTL (checked at most once a second). -> chunks removed."""
+        if self.sessions is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        if now < self._next_expiry:
+            return 0
+        self._next_expiry = now + min(1.0, self.sessions.ttl_s)
+        gone, keys = self.sessions.expire(now)
+        if not gone:
+            return 0
+        n = self.store.discard(keys)
+        self.counters["sessions_expired"] = self.counters.get("sessions_expired", 0) + len(gone)
+        log.info("expired %d idle session(s): removed %d stored chunks", len(gone), n)
+        return n
 
     # ----- look-ahead ----------------------------------------------------------------------------
     def look_ahead(self, waiting: Sequence[Request]) -> None:

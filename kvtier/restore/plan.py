@@ -35,6 +35,7 @@ class Plan:
     ideal_s: float  # max(bytes / bandwidth, compute seconds): no method of this kind can beat it
     prefetch_layers: int = 2  # IO read-ahead depth in layers (CachedAttention §3.2.1 buffer)
     bytes_read: int = 0
+    compute_tokens: int = 0  # the restore's compute (projection, placement, recomputed layers) in prefill tokens
 
     @property
     def recompute_layers(self) -> int:

@@ -132,21 +132,24 @@ class Planner:
         return t
 
     def predict(self, method: Method, chunks: Sequence[Chunk], new: int,
-                layout: Sequence[Repr] | None = None) -> tuple[float, float, int]:
-        """-> (predicted seconds, ideal seconds, bytes read) to restore `chunks` and compute `new` tokens."""
+                layout: Sequence[Repr] | None = None) -> tuple[float, float, int, float]:
+        """-> (predicted seconds, ideal seconds, bytes read, restore compute seconds) to restore
+        `chunks` and compute `new` tokens. The last is the compute (recomputed layers, projection,
+        placement) the restore runs on the cores the step loop uses, new tokens excluded."""
         p, s = self.profile, self.shape
         hist = chunks[-1].end if chunks else 0
         new_s = p.prefill_s(hist, hist + new)
         if method is Method.RECOMPUTE or not chunks:
             t = p.prefill_s(0, hist + new)
-            return t, t, 0
+            return t, t, 0, p.prefill_s(0, hist)
         c = self.layer_costs(chunks)
         n = s.num_layers
         bw = self._bandwidth(chunks)
         if method is Method.CAKE:
             t, nbytes, comp = self._cake(chunks)
             # Ideal: the loaded part at full bandwidth, the computed part at full compute rate.
-            return t + new_s, max(nbytes / bw, comp + new_s), nbytes
+            return t + new_s, max(nbytes / bw, comp + new_s), nbytes, comp + p.place_s * nbytes / max(
+                s.kv_bytes_per_token_layer, 1)
         if layout is None:
             layout = {Method.KV: (Repr.KV,) * n, Method.HIDDEN: (Repr.HIDDEN,) * n}.get(method) or self.partition(chunks)
         io, comp, steal, lead, nbytes = [], [], [], 0.0, 0
@@ -168,7 +171,7 @@ class Planner:
                 nbytes += hist * s.hidden_bytes_per_token_layer
         t = self._pipeline(io, [x + y for x, y in zip(comp, steal)], lead)
         ideal = max(nbytes / bw, lead + sum(comp))
-        return t, ideal, nbytes
+        return t, ideal, nbytes, lead + sum(comp) - new_s
 
     def _bandwidth(self, chunks: Sequence[Chunk]) -> float:
         tot = sum(ch.tokens for ch in chunks)
@@ -212,7 +215,7 @@ class Planner:
             layout = (Repr.HIDDEN,) * n
         elif layout is None:
             layout = self.partition(chunks)
-        t, ideal, nbytes = self.predict(method, chunks, new, layout)
+        t, ideal, nbytes, compute_s = self.predict(method, chunks, new, layout)
         t *= self.correction.get(method, 1.0)
         hist = chunks[-1].end if chunks else 0
         direction = {Method.RECOMPUTE: "compute", Method.CAKE: "race"}.get(method, "load")
@@ -224,7 +227,10 @@ class Planner:
             prefetch = read_buffer_layers(per_tok, self.profile.prefill_s(hist, hist + new) / max(new, 1) / n,
                                           hist, new, layer_bytes, self._bandwidth(chunks))
             prefetch = min(max(prefetch, 2), n)
-        return Plan(method, tuple(layout), hist, sources, t, ideal, prefetch, nbytes)
+        # The restore's own compute in prefill-token equivalents: what the engine charges to the
+        # step budget while it runs (it shares the cores with the step loop).
+        compute_tokens = math.ceil(compute_s / self.profile.prefill_a) if self.profile.prefill_a > 0 else 0
+        return Plan(method, tuple(layout), hist, sources, t, ideal, prefetch, nbytes, compute_tokens)
 
     def choose(self, chunks: Sequence[Chunk], new: int, layouts: Mapping[Method, Sequence[Repr]]) -> Plan:
         """The fastest predicted plan among recompute and the methods whose layout is stored."""

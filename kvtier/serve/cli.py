@@ -30,6 +30,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -71,6 +78,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
                         "bubblefree, recompute (default: auto)")
     g.add_argument("--chunk-tokens", type=_positive_int, default=64, help="tokens per stored chunk (default: 64)")
+    g.add_argument("--session-ttl", type=_positive_float, default=None, metavar="SECONDS",
+                   help="delete what a session (the request's prompt_cache_key) saved once it has been idle this "
+                        "long; chunks other live sessions share are kept (default: keep until evicted)")
 
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1",
@@ -118,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     )  # validated before the (slow) model load
     engine = build_engine(
         args.model, dtype=args.dtype, store=None if args.no_store else args.store,
-        reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens), max_model_len=args.max_model_len,
+        reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens, session_ttl_s=args.session_ttl),
+        max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs, enable_prefix_cache=not args.no_prefix_cache,
     )

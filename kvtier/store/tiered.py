@@ -60,7 +60,7 @@ class TieredStore:
         for t in tiers:
             if hasattr(t, "on_evict"):
                 t.on_evict = self._demote
-        self.counters = dict(saves=0, chunks_written=0, chunks_skipped=0, partials_superseded=0,
+        self.counters = dict(saves=0, chunks_written=0, chunks_skipped=0, partials_superseded=0, discarded=0,
                              promotions=0)
         self._promoting: set[str] = set()
         self.writer = BackgroundWriter(self._process, writer_queue_bytes)
@@ -251,6 +251,22 @@ class TieredStore:
         for t in lower:
             if t.put(packed):
                 return
+
+    def keys_for(self, token_ids: Sequence[int]) -> list[str]:
+        """Keys of every chunk (a trailing partial one included) that would hold `token_ids`."""
+        self._ns()
+        return [s.key for s in chunk_spans(self.root, token_ids, self.chunk_tokens)]
+
+    def discard(self, keys: Iterable[str]) -> int:
+        """Delete chunks from every tier (retention, not eviction: nothing is demoted). -> chunks removed."""
+        n = 0
+        for key in keys:
+            held = [t for t in self.tiers if t.contains(key)]
+            for t in held:
+                t.delete(key)
+            n += bool(held)
+        self.counters["discarded"] += n
+        return n
 
     # --- lifecycle and admin ------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
