@@ -32,7 +32,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
     add_store_argument(p)
     p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
     p.add_argument("--restore-method", default="auto", choices=list(METHODS),
-                   help="how stored state comes back: auto (planner), kv, hidden, bubblefree, recompute")
+                   help="how stored state comes back: auto (planner), kv, hidden, bubblefree, cake, recompute")
     p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
 
 

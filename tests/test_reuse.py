@@ -36,7 +36,7 @@ def conversation(engine_for_turn, vocab: int, turns: int = 4):
     return outs
 
 
-@pytest.mark.parametrize("method", ["kv", "hidden", "auto"])
+@pytest.mark.parametrize("method", ["kv", "hidden", "cake", "auto"])
 def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier_spec, method):
     vocab = tiny_gqa.config.vocab_size
     plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False))

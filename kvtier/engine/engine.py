@@ -180,8 +180,8 @@ class Engine:
                 capture = self.state.capture_for([self._live[c.request_id].req for c in plan.chunks])
             logits = self.runner.execute(self._run_items(plan), capture)
             outputs += self._update(plan, logits)
-        elif self.scheduler.restoring:
-            time.sleep(0.001)  # only restores in flight: let the restore thread have the cores
+        elif self.scheduler.restoring and self.state is not None and self._inbox.empty():
+            self.state.wait_any(0.005)  # only restores in flight: sleep until one ends (or a new request may be in)
         return outputs
 
     def _collect_restores(self) -> list[RequestOutput]:

@@ -16,7 +16,7 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +36,7 @@ from kvtier.store.spec import StoreSpec, parse_spec
 
 log = logging.getLogger(__name__)
 
-METHODS = ("auto", "kv", "hidden", "bubblefree", "recompute")
+METHODS = ("auto", "kv", "hidden", "bubblefree", "cake", "recompute")
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class StateCache:
         m = self.config.method
         if m == "hidden":
             return (Repr.HIDDEN,) * n
-        if m in ("kv", "recompute"):
+        if m in ("kv", "cake", "recompute"):
             return (Repr.KV,) * n
         # Decide once, for a typical 1024-token history on the slowest tier of the stack, whether a
         # bubble-free partition beats plain KV loading; the saving side then stores that layout.
@@ -181,12 +181,16 @@ class StateCache:
         planner_chunks = [Chunk(c.start, c.end, c.tier) for c in chunks]
         new = req.num_tokens - target
         m = self.config.method
-        layouts = {Method.KV: self.layout} if all(r is Repr.KV for r in self.layout) else \
+        # The methods the stored layout allows: all-KV state can be loaded layer by layer or raced
+        # against front compute (Cake); a partitioned layout only as the partition it is.
+        layouts = {Method.KV: self.layout, Method.CAKE: self.layout} if all(r is Repr.KV for r in self.layout) else \
             {Method.BUBBLEFREE: self.layout} if m != "hidden" else {Method.HIDDEN: self.layout}
         if m == "recompute":
             plan = self.planner.plan(Method.RECOMPUTE, planner_chunks, new)
         elif m == "auto":
             plan = self.planner.choose(planner_chunks, new, layouts)
+        elif m == "cake":
+            plan = self.planner.plan(Method.CAKE, planner_chunks, new)
         else:
             method, layout = next(iter(layouts.items()))
             plan = self.planner.plan(method, planner_chunks, new, layout)
@@ -258,6 +262,11 @@ class StateCache:
                 self.counters["restore_failures"] += 1
             done.append((job.req, ok, tokens, job.aborted))
         return done
+
+    def wait_any(self, timeout: float) -> None:
+        """Block (without holding the GIL) until a restore finishes or `timeout` passes."""
+        if self.jobs:
+            wait([j.future for j in self.jobs.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def abort(self, request_id: str) -> bool:
         """Mark a restoring request aborted; its blocks are released when the restore thread is done."""

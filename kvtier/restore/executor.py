@@ -71,7 +71,7 @@ class Executor:
         stats = RestoreStats()
         t0 = time.perf_counter()
         if plan.method is Method.CAKE:
-            self._cake(plan, store, match, token_ids, block_ids, stats)
+            self._cake(plan, store, match, token_ids, block_ids, stats, start)
         else:
             self._layerwise(plan, store, match, token_ids, block_ids, stats, None, start)
         stats.seconds = time.perf_counter() - t0
@@ -196,15 +196,20 @@ class Executor:
 
     # ----- Cake: bidirectional ------------------------------------------------------------------
     def _cake(self, plan: Plan, store: TieredStore | None, match: PrefixMatch | None, token_ids: Sequence[int],
-              block_ids: Sequence[int], stats: RestoreStats) -> None:
+              block_ids: Sequence[int], stats: RestoreStats, start: int = 0) -> None:
+        """[0, start) is already in the pool (device prefix cache): neither side writes there, since
+        those blocks may be shared with other requests."""
         assert store is not None and match is not None
         runner = self.runner
-        chunks = [c for c in match.chunks if c.end <= plan.history_tokens]
+        chunks = [c for c in match.chunks if start < c.end <= plan.history_tokens]
         lock = threading.Lock()
         state = {"front": 0, "back": len(chunks) - 1}
         failed: list[str] = []
 
         def loader() -> None:
+            # One intra-op thread (a per-thread setting): a second full team of workers beside the
+            # compute side's would oversubscribe the cores both share.
+            torch.set_num_threads(1)
             while True:
                 with lock:
                     j = state["back"]
@@ -216,10 +221,12 @@ class Executor:
                 if layers is None:
                     failed.append(c.key)
                     return
-                slots = runner.slots(block_ids, c.start, c.end)
+                lo = max(c.start, start)
+                slots = runner.slots(block_ids, lo, c.end)
                 with torch.inference_mode():
                     for st in layers:
-                        runner.place_kv(st.layer, slots, c.start, st.k, st.v)
+                        k, v = st.k[lo - c.start :], st.v[lo - c.start :]  # [tokens, kv_heads, hd]
+                        runner.place_kv(st.layer, slots, lo, k, v)
                         stats.bytes_read += st.k.nbytes + st.v.nbytes
                 stats.chunks_loaded += 1
 
@@ -233,7 +240,7 @@ class Executor:
                     break
                 n = min(per_step, back - i + 1)
                 state["front"] = i + n
-            a, b = chunks[i].start, chunks[i + n - 1].end
+            a, b = max(chunks[i].start, start), chunks[i + n - 1].end
             runner.execute([RunItem(list(token_ids[a:b]), a, block_ids, want_logits=False)])
             stats.chunks_computed += n
         io.join()

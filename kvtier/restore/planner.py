@@ -77,8 +77,10 @@ def read_buffer_layers(load_s_per_token: float, prefill_s_per_token: float, hist
 
 
 class Planner:
-    def __init__(self, profile: HardwareProfile, shape: ModelShape, links: Mapping[str, TierLink]):
+    def __init__(self, profile: HardwareProfile, shape: ModelShape, links: Mapping[str, TierLink],
+                 compute_chunk_tokens: int = 512):
         self.profile = profile
+        self.compute_chunk_tokens = compute_chunk_tokens  # the executor's prefill step (Cake's front)
         self.shape = shape
         self.links = dict(links)
         self.correction: dict[Method, float] = {}
@@ -179,24 +181,27 @@ class Planner:
         return 1.0 / sum(ch.tokens / tot / self.links[ch.tier].bandwidth for ch in chunks)
 
     def _cake(self, chunks: Sequence[Chunk]) -> tuple[float, int, float]:
-        """Simulate the two pointers: compute from the front, load whole KV chunks from the back."""
+        """Simulate the executor's two pointers: whichever side is free first claims work; the
+        compute side takes `compute_chunk_tokens` worth of chunks from the front per step, the IO
+        side loads one whole KV chunk from the back at a time."""
         s, p = self.shape, self.profile
+        per_step = max(1, self.compute_chunk_tokens // max(1, chunks[0].tokens)) if chunks else 1
         front, back = 0, len(chunks) - 1
         tf = tb = 0.0
         nbytes, comp = 0, 0.0
         while front <= back:
-            cf = p.prefill_s(chunks[front].start, chunks[front].end)
-            ch = chunks[back]
-            size = ch.tokens * s.kv_bytes_per_token_layer * s.num_layers
-            link = self.links[ch.tier]
-            place = p.place_s * ch.tokens * s.num_layers
-            cb = link.read_s(size, whole_chunk=True) + place
-            if tf + cf <= tb + cb:
+            if tf <= tb:
+                n = min(per_step, back - front + 1)
+                cf = p.prefill_s(chunks[front].start, chunks[front + n - 1].end)
                 tf += cf
                 comp += cf
-                front += 1
+                front += n
             else:
-                tb += cb
+                ch = chunks[back]
+                size = ch.tokens * s.kv_bytes_per_token_layer * s.num_layers
+                link = self.links[ch.tier]
+                place = p.place_s * ch.tokens * s.num_layers
+                tb += link.read_s(size, whole_chunk=True) + place
                 # The loader's copies and placement run on the compute side's cores too.
                 tf += link.stolen_s(size, whole_chunk=True) + (1.0 - link.rates.overlap) * place
                 nbytes += size

@@ -76,7 +76,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
     g.add_argument("--restore-method", default="auto", choices=list(METHODS),
                    help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
-                        "bubblefree, recompute (default: auto)")
+                        "bubblefree, cake, recompute (default: auto)")
     g.add_argument("--chunk-tokens", type=_positive_int, default=64, help="tokens per stored chunk (default: 64)")
     g.add_argument("--session-ttl", type=_positive_float, default=None, metavar="SECONDS",
                    help="delete what a session (the request's prompt_cache_key) saved once it has been idle this "
