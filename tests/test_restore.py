@@ -16,7 +16,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner import RunItem
 from kvtier.restore.executor import Executor
 from kvtier.restore.glue import chunks_of, links, model_shape, namespace
-from kvtier.restore.plan import Method
+from kvtier.restore.plan import READ_GROUP_LAYERS, Method
 from kvtier.restore.planner import Planner
 from kvtier.restore.profile import HardwareProfile
 from kvtier.restore.state import context_state
@@ -164,7 +164,7 @@ def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):
     shape = model_shape(tiny_gqa)
     chunks = [Chunk(0, 2048, "disk")]
     n = shape.num_layers
-    read = 2048 * shape.kv_bytes_per_token_layer / 1e8 + 1e-5  # one layer's read (busy part)
+    read = 2048 * shape.kv_bytes_per_token_layer / 1e8 + 1e-5 / READ_GROUP_LAYERS  # one layer's read (busy part)
     comp = 2048 * prof.place_s + prof.prefill_s(2048, 2056) / n  # one layer's placement + new tokens
     hidden = Planner(prof, shape, {"disk": TierLink(prof.tiers["disk"])}).plan(Method.KV, chunks, 8)
     assert read > comp and hidden.predicted_s == pytest.approx(n * read + comp)  # IO-bound pipeline

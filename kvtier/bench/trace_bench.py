@@ -586,7 +586,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--model", default="smollm2-135m")
     w.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     w.add_argument("--workload", default="all", choices=["multiturn", "longdoc", "all"])
-    w.add_argument("--sessions", type=int, default=10, help="multiturn: chat sessions (default: 12)")
+    w.add_argument("--sessions", type=int, default=10, help="multiturn: chat sessions (default: %(default)s)")
     w.add_argument("--rate", type=float, default=0.5, help="multiturn: session arrivals per second (Poisson)")
     w.add_argument("--think", type=float, default=3.0, help="multiturn: mean think time between turns, s "
                    "(exponential; HCache uses 30 s, scaled down here)")

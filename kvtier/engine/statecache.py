@@ -99,7 +99,7 @@ class StateCache:
         self.buffers: dict[str, _SaveBuffer] = {}
         self.lookahead = self._tier_policies() if config.lookahead else []
         self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, saves=0, prefetches=0,
-                             restore_tokens_charged=0)
+                             restore_tokens_charged=0, sessions_expired=0)
         self.reused_by_method: dict[str, int] = {}
         self.sessions = SessionRetention(config.session_ttl_s) if config.session_ttl_s else None
         self._next_expiry = 0.0
@@ -369,7 +369,7 @@ class StateCache:
         if not gone:
             return 0
         n = self.store.discard(keys)
-        self.counters["sessions_expired"] = self.counters.get("sessions_expired", 0) + len(gone)
+        self.counters["sessions_expired"] += len(gone)
         log.info("expired %d idle session(s): removed %d stored chunks", len(gone), n)
         return n
 

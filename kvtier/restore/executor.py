@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.engine.runner import ModelRunner, RunItem
-from kvtier.restore.plan import Method, Plan
+from kvtier.restore.plan import READ_GROUP_LAYERS, Method, Plan
 from kvtier.store import PrefixMatch, Repr, TieredStore
 
 
@@ -128,7 +128,7 @@ class Executor:
         buf: queue.Queue = queue.Queue(maxsize=max(1, plan.prefetch_layers))
         stop = threading.Event()
 
-        group = max(1, min(plan.prefetch_layers, 8))
+        group = READ_GROUP_LAYERS
         lo = chunks[0].start if chunks else start
         slots = runner.slots(block_ids, lo, hist)
 

@@ -17,6 +17,11 @@ class Method(str, enum.Enum):
     AUTO = "auto"  # let the planner choose
 
 
+# Layer-wise methods read this many layers of a chunk per read call (layer-major chunks make them
+# one contiguous range): a few layers amortize the per-read latency without delaying the first.
+READ_GROUP_LAYERS = 4
+
+
 @dataclass(frozen=True)
 class ChunkSource:
     start: int

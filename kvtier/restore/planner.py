@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier.restore.plan import ChunkSource, Method, Plan
+from kvtier.restore.plan import READ_GROUP_LAYERS, ChunkSource, Method, Plan
 from kvtier.restore.profile import HardwareProfile, TierRates
 from kvtier.store import Repr
 
@@ -30,11 +30,13 @@ class TierLink:
         return sum(self.read_parts(nbytes, whole_chunk))
 
     def read_parts(self, nbytes: int, whole_chunk: bool) -> tuple[float, float]:
-        """(busy, waiting) seconds of one read: the raw device read, which occupies a core, and
-        what an emulated limit adds on top as pure waiting."""
+        """(busy, waiting) seconds of reading one chunk whole, or one layer of it: the raw device
+        read, which occupies a core, and what an emulated limit adds on top as pure waiting.
+        Layers are read READ_GROUP_LAYERS at a time, so a layer pays that share of a call's latency."""
         bps = self.rates.chunk_bps if whole_chunk else self.rates.layer_bps
-        wait = self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
-        return nbytes / bps + self.rates.read_latency_s, wait
+        calls = 1.0 if whole_chunk else 1.0 / READ_GROUP_LAYERS
+        wait = calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
+        return nbytes / bps + calls * self.rates.read_latency_s, wait
 
     def stolen_s(self, nbytes: int, whole_chunk: bool) -> float:
         """Compute time a read takes away from work running beside it (its unhidden busy part)."""
@@ -232,6 +234,12 @@ class Planner:
             prefetch = read_buffer_layers(per_tok, self.profile.prefill_s(hist, hist + new) / max(new, 1) / n,
                                           hist, new, layer_bytes, self._bandwidth(chunks))
             prefetch = min(max(prefetch, 2), n)
+            lead = sum(1 for r in layout if r is Repr.NONE)
+            if lead:
+                # Bubble-free with recompute is chosen when IO is the bottleneck: the IO thread must
+                # keep reading while the first layers are recomputed, so the buffer takes every
+                # stored layer (a bounded one would stall IO for the whole lead compute).
+                prefetch = max(prefetch, n - lead)
         # The restore's own compute in prefill-token equivalents: what the engine charges to the
         # step budget while it runs (it shares the cores with the step loop).
         compute_tokens = math.ceil(compute_s / self.profile.prefill_a) if self.profile.prefill_a > 0 else 0
