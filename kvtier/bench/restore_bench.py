@@ -595,15 +595,20 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
             if r and r.get("ideal_s"):
                 ratio = r["ttft_s"] / r["ideal_s"]
                 det.append(dict(cell=_fmt_cell(k), ttft_s=r["ttft_s"], ideal_s=r["ideal_s"], ratio=round(ratio, 3),
-                                met=ratio <= 1.15))
+                                met=bool(ratio <= 1.15)))
         if det:
             bad = [d for d in det if not d["met"]]
             below = sum(d["ratio"] < 1.0 for d in det)
+            # With an emulated limit most of the IO time is waiting, which can overlap compute; at a
+            # real tier's own speed the reads are copies on the compute cores (no copy engine here).
+            emu = [d for d in det if "emulated" in d["cell"]]
             # A measured time under the "ideal" means the profile over-predicts: the bound is not a
             # bound on this run, so "within 15%" says little there; count those cells separately.
             goals.append(dict(goal=f"{name} within 15% of its ideal bound", met=not bad,
                               summary=f"ttft/ideal from {min(d['ratio'] for d in det):.2f} to "
                                       f"{max(d['ratio'] for d in det):.2f}; {len(det) - len(bad)}/{len(det)} cells within 15%"
+                                      + (f" ({sum(d['met'] for d in emu)}/{len(emu)} of the emulated-bandwidth cells)"
+                                         if emu else "")
                                       + (f"; in {below} cells TTFT is below the ideal, i.e. the profile-based bound "
                                          "is not a true bound there" if below else ""),
                               failing=bad, cells=det))
@@ -864,6 +869,21 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def merge_runs(docs: list[dict], names: Sequence[str]) -> tuple[list[dict], dict]:
+    """Rows of several runs; a later run's row replaces an earlier one for the same cell and method
+    (re-measuring some methods after a fix). Each row records the file it came from."""
+    key = lambda r: (r["model"], r["dtype"], r["storage"], r["context_tokens"], r["tier"], r["bandwidth"],  # noqa: E731
+                     r["method"])
+    merged: dict[tuple, dict] = {}
+    meta: dict = {"sources": list(names), "profiles": {}}
+    for doc, name in zip(docs, names):
+        for r in doc["rows"]:
+            merged[key(r)] = dict(r, source=str(name))
+        for k, v in doc.get("meta", {}).get("profiles", {}).items():
+            meta["profiles"][f"{k} ({name})"] = v
+    return list(merged.values()), meta
+
+
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p = bench_subparsers.add_parser("restore", help="TTFT of every restore method vs tier and (emulated) bandwidth")
     add_arguments(p)
@@ -875,16 +895,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     sub = parser.add_subparsers(dest="sub")  # `report` re-renders a JSON file (markdown, plot, goals)
-    rp = sub.add_parser("report", help="re-render markdown/plot/goals from a JSON written by a run")
-    rp.add_argument("json_in")
+    rp = sub.add_parser("report", help="re-render markdown/plot/goals from JSON written by runs; with several "
+                                       "files, a later file's row replaces an earlier one of the same cell and method")
+    rp.add_argument("json_in", nargs="+")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.sub == "report":
-        doc = json.loads(Path(args.json_in).read_text())
-        rows = doc["rows"]
+        rows, meta = merge_runs([json.loads(Path(f).read_text()) for f in args.json_in], args.json_in)
         goals = evaluate_goals(rows)
         if args.json:
-            write_json(args.json, rows, goals, doc.get("meta", {}))
+            write_json(args.json, rows, goals, meta)
         if args.markdown:
             Path(args.markdown).write_text(markdown(rows, goals))
         if args.plot:

@@ -107,7 +107,7 @@ def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (256, 1024, 2
     hist = max(lengths)
     cont = RunItem(torch.randint(100, cfg.vocab_size, (new,)).tolist(), hist, blocks, want_logits=False)
     t_cont = _time(lambda: runner.execute([cont]), repeats=3)
-    g = max(0.0, (t_cont - a * new - b * ((hist + new) ** 2 - hist ** 2)) / hist)
+    g = max(0.0, float(t_cont - a * new - b * ((hist + new) ** 2 - hist ** 2)) / hist)
     # Projection and placement at restore sizes: a different layer (pool region) and source per
     # layer, so the caches are as cold as in a real restore; timing one small hot tensor
     # under-reads the cost several times.
