@@ -232,3 +232,37 @@ def test_cake_adapts_when_bandwidth_changes_mid_restore(tiny_gqa, tmp_path):
     slow_then_fast = _cake_loaded(tiny_gqa, tmp_path, "d", slow, fast, 0.01)
     assert fast_then_slow < steady_fast
     assert slow_then_fast > steady_slow
+
+
+@pytest.mark.parametrize("name", [Method.KV, Method.HIDDEN, Method.CAKE, "bubblefree-kv"])
+def test_restore_after_a_device_cached_prefix_never_writes_it(tiny_gqa, name):
+    """restore_history(start=40): [0, 40) are device-cached blocks (maybe shared with other
+    requests) and stay untouched even though the stored chunk [24, 48) straddles 40; everything
+    from 40 on equals a recompute."""
+    model, n = tiny_gqa, tiny_gqa.config.num_layers
+    ids = torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(4)).tolist()
+    layout = layouts(n)[name]
+    method = Method.BUBBLEFREE if name == "bubblefree-kv" else name
+    state = context_state(model.module, ids[:HIST])
+    engine = Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024))
+    runner = engine.runner
+    ref_blocks = engine.pool.allocate(-(-HIST // 16))
+    runner.execute([RunItem(ids[:HIST], 0, ref_blocks, False)])
+    with TieredStore.open("memory:1GB", namespace(model, layout), chunk_tokens=CHUNK) as store:
+        store.save(ids[:HIST], 0, state.k, state.v, state.h)
+        assert store.flush(30)
+        match = store.lookup(ids)
+        prof = fake_profile(model.fingerprint)
+        plan = Planner(prof, model_shape(model), links(store, prof)).plan(method, chunks_of(match), NEW, layout)
+        blocks = engine.pool.allocate(-(-HIST // 16))
+        cached, ref_cached = runner.slots(blocks, 0, 40), runner.slots(ref_blocks, 0, 40)
+        # The "device-cached" prefix: true values (Cake computes on top of them) marked by a tiny
+        # offset, so any write from the restore would show.
+        mark_k = runner.k_cache[:, ref_cached] + 1e-6
+        mark_v = runner.v_cache[:, ref_cached] + 1e-6
+        runner.k_cache[:, cached], runner.v_cache[:, cached] = mark_k, mark_v
+        Executor(runner, compute_chunk_tokens=48).restore_history(plan, store, match, ids, blocks, start=40)
+    assert torch.equal(runner.k_cache[:, cached], mark_k) and torch.equal(runner.v_cache[:, cached], mark_v)
+    got, ref = runner.slots(blocks, 40, HIST), runner.slots(ref_blocks, 40, HIST)
+    assert (runner.k_cache[:, got] - runner.k_cache[:, ref]).abs().max().item() <= 1e-4
+    assert (runner.v_cache[:, got] - runner.v_cache[:, ref]).abs().max().item() <= 1e-4

@@ -134,17 +134,19 @@ class Executor:
 
         def place_chunks(li: int, got: list) -> None:
             # Chunk by chunk, straight from the read buffers into the pool: concatenating the
-            # chunks first would copy the whole layer once more.
+            # chunks first would copy the whole layer once more. Positions before `start` are
+            # device-cached blocks other requests may share: never written.
             r = plan.layer_reprs[li]
             nbytes = 0
             for c, g in zip(chunks, got):
+                a = max(c.start, start)
                 if r is Repr.KV:
-                    k, v = g.k, g.v  # [chunk, kv_heads, hd] pre-RoPE
-                    nbytes += k.nbytes + v.nbytes
+                    nbytes += g.k.nbytes + g.v.nbytes
+                    k, v = g.k[a - c.start :], g.v[a - c.start :]  # [tokens, kv_heads, hd] pre-RoPE
                 else:
                     nbytes += g.h.nbytes
-                    k, v = model.layers[li].kv(g.h.to(model.dtype))  # from the layer input [chunk, hidden]
-                runner.place_kv(li, slots[c.start - lo : c.end - lo], c.start, k, v)
+                    k, v = model.layers[li].kv(g.h[a - c.start :].to(model.dtype))  # from the layer input
+                runner.place_kv(li, slots[a - lo : c.end - lo], a, k, v)
             stats.bytes_read += nbytes
             stats.layers_by_repr[r.value] = stats.layers_by_repr.get(r.value, 0) + 1
 
