@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
-from kvtier.engine.statecache import METHODS, ReuseConfig
+from kvtier.engine.config import METHODS, ReuseConfig
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
 

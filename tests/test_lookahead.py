@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
-from kvtier.engine.statecache import ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.restore.state import context_state
 from kvtier.store import FIFOPolicy, LRUPolicy
 from kvtier.store.lookahead import LookAheadPolicy

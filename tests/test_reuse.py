@@ -11,7 +11,7 @@ import torch
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.statecache import ReuseConfig
+from kvtier.engine.config import ReuseConfig
 
 from kvtier_testlib import fake_profile
 

@@ -8,7 +8,7 @@ import torch
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.statecache import ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.restore.state import context_state
 from kvtier.restore.truncation import TruncationConfig, continuation_logits, kept_positions, truncation_fidelity
 

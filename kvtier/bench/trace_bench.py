@@ -237,7 +237,7 @@ def run_config(model, profile, workload, cfg: RunConfig, args: argparse.Namespac
                redis: PrivateRedis | None, log=print) -> tuple[list[TurnRecord], dict]:
     from kvtier.engine.config import EngineConfig
     from kvtier.engine.engine import Engine
-    from kvtier.engine.statecache import ReuseConfig
+    from kvtier.engine.config import ReuseConfig
 
     spec = store_spec(cfg, args, workdir, redis)
     device_cache = cfg.device_cache or (args.device_cache and spec is not None)
@@ -275,7 +275,7 @@ def sequential_check(model, profile, wl, args, log=print) -> list[dict]:
     from kvtier.engine.config import EngineConfig
     from kvtier.engine.engine import Engine
     from kvtier.engine.request import SamplingParams
-    from kvtier.engine.statecache import ReuseConfig
+    from kvtier.engine.config import ReuseConfig
 
     econf = EngineConfig(kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
                          max_num_seqs=1, max_model_len=args.max_model_len, enable_prefix_cache=False)

@@ -19,7 +19,8 @@ from kvtier.engine.request import Request, RequestStatus, SamplingParams
 from kvtier.engine.runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
-from kvtier.engine.statecache import ReuseConfig, StateCache
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.statecache import StateCache
 from kvtier.models.loading import LoadedModel, default_home, load_model
 from kvtier.restore.profile import HardwareProfile
 from kvtier.restore.truncation import TruncationConfig, kept_positions
@@ -193,6 +194,10 @@ class Engine:
             else:
                 self.scheduler.restored(req, ok, tokens)
         return outs
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save handed to the store so far is written. False on timeout."""
+        return self.state.store.flush(timeout) if self.state is not None else True
 
     def close(self) -> None:
         """Drain pending saves and stop the restore thread."""

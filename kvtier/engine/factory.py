@@ -6,7 +6,7 @@ from typing import Any
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.statecache import ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.models.loading import load_model
 from kvtier.restore.profile import HardwareProfile
 

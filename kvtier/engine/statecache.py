@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.engine.config import ReuseConfig
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sessions import SessionRetention
@@ -35,33 +36,6 @@ from kvtier.store.lookahead import LookAheadPolicy
 from kvtier.store.spec import StoreSpec, parse_spec
 
 log = logging.getLogger(__name__)
-
-METHODS = ("auto", "kv", "hidden", "bubblefree", "cake", "recompute")
-
-
-@dataclass(frozen=True)
-class ReuseConfig:
-    method: str = "auto"  # which restore method; auto = the planner's choice per request
-    chunk_tokens: int = 64
-    save: bool = True
-    lookahead: bool = True
-    min_restore_tokens: int = 32  # restore only when the store adds at least this much over the device
-    storage_dtype: str = ""  # "" = compute dtype (lossless)
-    # Recompute device-cached tokens the store lacks so their state is saved and the stored chain
-    # has no hole. Off by default: the store matches whole chunks only, so a short prompt that is a
-    # prefix of a stored chunk would lose its device reuse (see docs/architecture.md).
-    fill_holes: bool = False
-    flush_wait_s: float = 1.0  # at admission, how long pending saves may take to land (see probe)
-    # Delete what a session saved once it has been idle this long (requests without a session id,
-    # and chunks another live session shares, are unaffected). None = keep until evicted.
-    session_ttl_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHODS)}")
-        if self.session_ttl_s is not None and self.session_ttl_s <= 0:
-            raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
-
 
 @dataclass
 class _SaveBuffer:

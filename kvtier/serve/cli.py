@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.engine.statecache import METHODS
+from kvtier.engine.config import METHODS
 from kvtier.models.loading import DEFAULT_MODEL
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvtier.engine.factory import build_engine
-    from kvtier.engine.statecache import ReuseConfig
+    from kvtier.engine.config import ReuseConfig
     from kvtier.serve.app import create_app
     from kvtier.serve.config import ServeConfig
 

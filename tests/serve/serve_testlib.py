@@ -16,7 +16,7 @@ import httpx
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.statecache import ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.restore.profile import HardwareProfile, TierRates
 from kvtier.serve import create_app
 from kvtier.serve.server import ServerThread
