@@ -56,6 +56,21 @@ class RequestOutput:
     restore_method: str | None = None
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of what the engine did so far (plain values, safe to keep)."""
+
+    steps: int
+    preemptions: int
+    prefix_cache_hits: int  # full blocks found in the device prefix cache
+    counters: dict[str, int]  # restores, restore_failures, restored_tokens, saves, prefetches, ...
+    reused_by_method: dict[str, int]  # restored prompt tokens by restore method
+    reused_by_tier: dict[str, int]  # restored prompt tokens by the store tier they were read from
+    layout: tuple[str, ...] = ()  # what the store keeps per layer ("kv", "hidden", "none"); () without a store
+    stored_bytes_per_token: int = 0  # payload bytes one token's stored state takes (all layers)
+    store: dict[str, Any] | None = None  # TieredStore.stats(): per-tier bytes, hits, writer queue
+
+
 @dataclass
 class _Live:
     """Per-request state the engine keeps beside the scheduler's Request."""
@@ -104,6 +119,7 @@ class Engine:
         self.session_stats: dict[str, dict[str, int]] = {}
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
+        self._steps = 0
 
     @classmethod
     def from_model(cls, name: str, dtype: str | None = "auto", **config: Any) -> "Engine":
@@ -169,6 +185,7 @@ class Engine:
 
     # ----- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._steps += 1
         outputs = self._drain_inbox()
         if self.state is not None:
             outputs += self._collect_restores()
@@ -194,6 +211,16 @@ class Engine:
             else:
                 self.scheduler.restored(req, ok, tokens)
         return outs
+
+    def stats(self) -> EngineStats:
+        st = self.state
+        return EngineStats(
+            steps=self._steps, preemptions=self.scheduler.num_preemptions, prefix_cache_hits=self.pool.hits,
+            counters=dict(st.counters) if st else {}, reused_by_method=dict(st.reused_by_method) if st else {},
+            reused_by_tier=dict(st.tier_tokens) if st else {},
+            layout=tuple(r.value for r in st.layout) if st else (),
+            stored_bytes_per_token=st.store.namespace.bytes_per_token() if st else 0,
+            store=st.store.stats() if st else None)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save handed to the store so far is written. False on timeout."""
