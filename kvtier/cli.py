@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
-from kvtier.engine.config import METHODS, ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
+from kvtier.restore.plan import METHOD_CHOICES
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError)
@@ -31,7 +32,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget (default: 2048)")
     add_store_argument(p)
     p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
-    p.add_argument("--restore-method", default="auto", choices=list(METHODS),
+    p.add_argument("--restore-method", default="auto", choices=list(METHOD_CHOICES),
                    help="how stored state comes back: auto (planner), kv, hidden, bubblefree, cake, recompute")
     p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
 
@@ -153,7 +154,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.models.loading import default_home, smollm2_gguf_path
+    from kvtier.models.loading import smollm2_gguf_path
+    from kvtier.paths import home
     from kvtier.models.presets import PRESETS
 
     table = Table(title="kvtier models")
@@ -166,23 +168,57 @@ def cmd_models(args: argparse.Namespace) -> int:
         table.add_row(name, "random preset", str(cfg.num_layers), str(cfg.hidden_size),
                       f"{cfg.num_heads}/{cfg.num_kv_heads}", "built in (seeded)")
     Console().print(table)
-    print(f"cache directory (KVTIER_HOME): {default_home()}")
+    print(f"cache directory (KVTIER_HOME): {home()}")
     return 0
 
 
 def _command_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from kvtier.restore.cli import register as register_profile
     from kvtier.serve.cli import register as register_serve
     from kvtier.store.cli import register as register_store
 
     return [register_serve, register_store, register_profile]
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtier.engine.profiling import measure, profile_path, save_profile
+    from kvtier.models.loading import load_model
+    from kvtier.paths import home
+
+    model = load_model(args.model, dtype=args.dtype, tokenizer=False)
+    prof = measure(model, args.store)
+    out = Path(args.json) if args.json else profile_path(home(), model)
+    save_profile(prof, out)
+    print(f"prefill: {prof.prefill_a * 1e3:.3f} ms/token + {prof.prefill_b * 1e6:.4f} us/token^2 "
+          f"+ {prof.prefill_g * 1e6:.3f} us per history token "
+          f"({', '.join(f'{n} tok {t:.3f}s' for n, t in prof.points)})")
+    print(f"K/V copy into the pool: {prof.place_s * 1e9:.1f} ns/token/layer; hidden->K/V projection: "
+          f"{prof.project_s * 1e6:.2f} us/token/layer")
+    for name, r in prof.tiers.items():
+        print(f"tier {name}: whole-chunk {r.chunk_bps / 1e9:.2f} GB/s, layer groups {r.layer_bps / 1e9:.2f} GB/s, "
+              f"{r.read_latency_s * 1e6:.0f} us/read, {r.overlap:.0%} of read time hidden under compute")
+    print(f"wrote {out}")
+    return 0
+
+
+def register_profile(sub: argparse._SubParsersAction) -> None:
+    from kvtier.store.cli import add_store_argument
+
+    p = sub.add_parser("profile", help="measure compute and tier read rates; the planner loads the JSON")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model to measure (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute dtype (default: %(default)s)")
+    p.add_argument("--json", default=None, help="output path (default: KVTIER_HOME/profiles/<model>-<dtype>-...json)")
+    add_store_argument(p)
+    p.set_defaults(func=cmd_profile)
+
+
 def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from kvtier.bench import forward, load_bench, restore_bench, store_bench, trace_bench, truncation_bench
+    from kvtier.bench import e2e, forward, load_bench, restore_bench, store_bench, trace_bench, truncation_bench
 
     return [forward.register, store_bench.register, restore_bench.register, trace_bench.register,
-            truncation_bench.register, load_bench.register_bench]
+            truncation_bench.register, load_bench.register_bench, e2e.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,7 +43,7 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_gqa):
         engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
         rows = []
         orig = engine.runner.execute
-        engine.runner.execute = lambda items, capture=None: rows.append(orig(items, capture)) or rows[-1]
+        engine.runner.execute = lambda items, capture=None, **kw: rows.append(orig(items, capture, **kw)) or rows[-1]
         while engine.has_work():
             engine.step()
         assert (rows[-1][0] - ref).abs().max().item() <= 1e-4

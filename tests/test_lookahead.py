@@ -6,7 +6,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
 from kvtier.engine.config import ReuseConfig
-from kvtier.restore.state import context_state
+from kvtier.bench.reference import context_state
 from kvtier.store import FIFOPolicy, LRUPolicy
 from kvtier.store.lookahead import LookAheadPolicy
 
@@ -53,7 +53,7 @@ def test_prefetch_brings_exactly_the_window_into_memory(tiny_gqa, tmp_path):
     per_chunk = 4 * chunk * 2 * 32 * 4  # layers * tokens * (K+V) * kv_dim * fp32 bytes of payload
     engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=16 << 20), store=f"memory:{int(per_chunk * 5.3)}B,disk:{tmp_path}/d:1GB",
                     profile=fake_profile(tiny_gqa.fingerprint), reuse=ReuseConfig(method="kv", chunk_tokens=chunk))
-    store = engine.state.store
+    store = engine.link.store
     reqs = []
     for i in range(3):
         ids = [1000 * (i + 1) + t for t in range(2 * chunk)] + [5]
@@ -65,11 +65,11 @@ def test_prefetch_brings_exactly_the_window_into_memory(tiny_gqa, tmp_path):
         for c in store.lookup(r.all_ids).chunks:
             store.tier("memory").delete(c.key)
     assert all(c.tier == "disk" for r in reqs for c in store.lookup(r.all_ids).chunks)
-    engine.state.look_ahead(reqs)
+    engine.link.look_ahead(reqs)
     store.flush(30)
     tiers = [[c.tier for c in store.lookup(r.all_ids).chunks] for r in reqs]
     assert tiers == [["memory", "memory"], ["memory", "memory"], ["disk", "disk"]]
-    assert engine.state.counters["prefetches"] == 4
+    assert engine.stats().counters["prefetches"] == 4
     # And the window's chunks are protected in the memory tier's eviction order.
     window = {c.key for r in reqs[:2] for c in store.lookup(r.all_ids).chunks}
     mem_policy = store.tier("memory").policy

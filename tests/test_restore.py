@@ -1,91 +1,106 @@
-"""Every restore method against full recompute: next-token logits within 1e-4 (fp32) and identical
-greedy 32-token continuations, per method x tier x model, with a partial last chunk, store chunks
-(24 tokens) not aligned to pool blocks (16), and a prefix split across tiers."""
+"""Every restore method against full recompute, on the engine's one restore path: next-token logits
+within 1e-4 (fp32) and identical greedy 32-token continuations, per method x tier x model, with a
+partial last chunk, store chunks (24 tokens) not aligned to pool blocks (16), and a prefix split
+across tiers. Plus the plan as the executor's contract, the device-cached prefix left untouched,
+Cake adapting mid-restore and the planner's cost model."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import pytest
 import torch
 
-from kvtier.engine.config import EngineConfig
+from kvtier.bench.reference import context_state
+from kvtier.engine.block_pool import block_hashes
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner import RunItem
-from kvtier.restore.executor import Executor
-from kvtier.restore.glue import chunks_of, links, model_shape, namespace
-from kvtier.restore.plan import READ_GROUP_LAYERS, Method
+from kvtier.engine.restore_exec import Restore
+from kvtier.engine.runner import ModelRunner
+from kvtier.restore.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, links
+from kvtier.restore.plan import Method, PlannedChunk
 from kvtier.restore.planner import Planner
-from kvtier.restore.profile import HardwareProfile
-from kvtier.restore.state import context_state
-from kvtier.store import Repr, TieredStore
+from kvtier.store import Repr, StoreNamespace, TieredStore
 from kvtier.store.throttle import Emulation
 
 from kvtier_testlib import fake_profile
 
 CHUNK = 24  # not a multiple of the 16-token pool block
 HIST, NEW = 200, 7  # 200 = 8 full chunks + a partial chunk of 8
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-def layouts(n: int) -> dict[Method, tuple[Repr, ...]]:
+def cases(n: int) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name -> (method, stored layout)."""
+    kv, h = ("kv",) * n, ("hidden",) * n
     return {
-        Method.KV: (Repr.KV,) * n,
-        Method.HIDDEN: (Repr.HIDDEN,) * n,
-        Method.CAKE: (Repr.KV,) * n,
+        "kv": ("kv", kv), "cake": ("cake", kv), "auto": ("auto", kv), "recompute": ("recompute", kv),
+        "hidden": ("hidden", h),
         # The two bubble-free shapes of HCache §4.1.2: recompute the first layers, or KV for the last.
-        Method.BUBBLEFREE: (Repr.NONE,) + (Repr.HIDDEN,) * (n - 2) + (Repr.HIDDEN,),
-        "bubblefree-kv": (Repr.HIDDEN,) * (n - 1) + (Repr.KV,),
+        "bubblefree": ("bubblefree", ("none",) + ("hidden",) * (n - 1)),
+        "bubblefree-kv": ("bubblefree", ("hidden",) * (n - 1) + ("kv",)),
     }
 
 
-def greedy_after(runner, logits: torch.Tensor, length: int, blocks, n: int = 32) -> list[int]:
-    out = []
-    for i in range(n):
-        tok = int(logits.argmax())
-        out.append(tok)
-        logits = runner.execute([RunItem([tok], length + i, blocks, True)])[0]
-    return out
+def _engine(model, spec: str | None, method: str = "auto", layout=None, prefix_cache: bool = False, **kw) -> Engine:
+    return Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_cache=prefix_cache),
+                  store=spec, profile=fake_profile(model.fingerprint, compute_scale=50.0) if spec else None,
+                  reuse=ReuseConfig(method=method, chunk_tokens=CHUNK, layout=layout, **kw))
+
+
+def _spy_logits(engine: Engine) -> list[torch.Tensor]:
+    """Record the logits every step of `engine` returns (the runner's own output)."""
+    seen: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def spy(*a, **kw):
+        out = execute(*a, **kw)
+        if out.numel():
+            seen.append(out.clone())
+        return out
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    return seen
+
+
+def _ids(model, seed: int = 9) -> list[int]:
+    return torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def check_all_methods(model, spec: str, split_tiers: bool = False) -> None:
-    cfg = model.config
-    ids = torch.randint(3, cfg.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(9)).tolist()
+    ids = _ids(model)
     ref_logits = model.module(torch.tensor(ids))[-1]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    ref_tokens = Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024)).generate([ids], params)[0].output_ids
-    state = context_state(model.module, ids[:HIST])
-    prof = fake_profile(model.fingerprint)
-    for name, layout in layouts(cfg.num_layers).items():
-        method = Method.BUBBLEFREE if name == "bubblefree-kv" else name
-        store = TieredStore.open(spec, namespace(model, layout), chunk_tokens=CHUNK)
+    ref_tokens = _engine(model, None).generate([ids], GREEDY)[0].output_ids
+    for name, (method, layout) in cases(model.config.num_layers).items():
+        engine = _engine(model, spec, method, layout)
+        store = engine.link.store
         try:
-            store.save(ids[:HIST], 0, state.k, state.v, state.h)
-            assert store.flush(30)
-            if split_tiers:  # drop every other chunk from memory: the prefix now spans memory and disk
-                for c in store.lookup(ids).chunks[::2]:
-                    store.tier("memory").delete(c.key)
+            engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))  # saves the history
+            assert engine.flush(30)
             match = store.lookup(ids)
             assert match.num_tokens == HIST and match.chunks[-1].end - match.chunks[-1].start == HIST % CHUNK
-            if split_tiers:
-                assert {c.tier for c in match.chunks} == {"memory", "disk"}
-            planner = Planner(prof, model_shape(model), links(store, prof))
-            plans = [planner.plan(method, chunks_of(match), NEW, layout)]
-            if name == Method.KV:  # recompute and auto once per store
-                plans += [planner.plan(Method.RECOMPUTE, chunks_of(match), NEW),
-                          planner.choose(chunks_of(match), NEW, {Method.KV: layout, Method.CAKE: layout})]
-            for plan in plans:
-                engine = Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024))
-                blocks = engine.pool.allocate(-(-(HIST + NEW + 32) // 16))
-                logits, stats = Executor(engine.runner, compute_chunk_tokens=48).run(plan, store, match, ids, blocks)
-                diff = (logits - ref_logits).abs().max().item()
-                assert diff <= 1e-4, f"{name} {plan.method}: logit diff {diff}"
-                assert greedy_after(engine.runner, logits, len(ids), blocks) == ref_tokens, f"{name} {plan.method}"
-                if plan.method not in (Method.RECOMPUTE,):
-                    assert stats.bytes_read > 0 or plan.method is Method.CAKE
+            if split_tiers:  # drop every other chunk from memory: the prefix now spans memory and disk
+                for c in match.chunks[::2]:
+                    store.tier("memory").delete(c.key)
+                assert {c.tier for c in store.lookup(ids).chunks} == {"memory", "disk"}
+            seen = _spy_logits(engine)
+            out = engine.generate([ids], GREEDY)[0]
+            diff = (seen[0][0] - ref_logits).abs().max().item()
+            assert diff <= 1e-4, f"{name}: logit diff {diff}"
+            assert out.output_ids == ref_tokens, name
+            if method == "recompute":
+                assert out.prompt_tokens_reused == 0 and out.restore_method is None
+                continue
+            assert out.prompt_tokens_reused == HIST, name
+            assert method == "auto" or out.restore_method == method, (name, out.restore_method)
+            tiers = {t for t, n in out.reused_by_tier.items() if n}
+            assert tiers == ({"memory", "disk"} if split_tiers else {spec.split(":")[0]}), tiers
+            assert engine.stats().counters["restore_failures"] == 0
         finally:
-            store.close()
+            engine.close()
 
 
 @pytest.mark.parametrize("model_name", ["tiny_mha", "tiny_gqa"])
@@ -102,26 +117,129 @@ def test_every_method_is_exact_on_smollm2(smollm2_fp32, tier_spec):
     check_all_methods(smollm2_fp32, tier_spec)
 
 
-# ----- planner -------------------------------------------------------------------------------------
-def _plan_for(model, profile: HardwareProfile, tmp_path, hist: int = 512):
-    ids = list(range(100, 100 + hist + 8))
-    store = TieredStore.open(f"disk:{tmp_path}/p:1GB", namespace(model), chunk_tokens=64)
-    state = context_state(model.module, ids[:hist])
-    store.save(ids[:hist], 0, state.k, state.v, state.h)
-    store.flush(30)
+@pytest.mark.parametrize("name", ["kv", "hidden", "cake", "bubblefree", "bubblefree-kv"])
+def test_restore_after_a_device_cached_prefix_never_writes_it(tiny_gqa, tmp_path, name):
+    """The device prefix cache holds [0, 32) (two blocks, shared with whoever computed them); the
+    store's chunk [24, 48) straddles 32. The restore writes from 32 on only: the cached blocks are
+    bit-identical after it, and the output equals a recompute."""
+    method, layout = cases(tiny_gqa.config.num_layers)[name]
+    spec = f"disk:{tmp_path}/s:1GB"
+    ids = _ids(tiny_gqa, seed=4)
+    first = _engine(tiny_gqa, spec, method, layout)
+    first.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
+    first.close()  # the history is on disk
+    engine = _engine(tiny_gqa, spec, method, layout, prefix_cache=True)
+    engine.generate([ids[:40]], SamplingParams(max_tokens=1, temperature=0.0))  # caches blocks [0, 32)
+    cached = engine.pool.match_prefix(block_hashes(ids[:32], 16))
+    engine.pool.release(cached)
+    assert len(cached) == 2
+    slots = engine.runner.slots(cached, 0, 32)
+    before_k, before_v = engine.runner.k_cache[:, slots].clone(), engine.runner.v_cache[:, slots].clone()
+    out = engine.generate([ids], GREEDY)[0]
+    engine.close()
+    assert out.reused_by_tier.get("device") == 32 and out.reused_by_tier.get("disk") == HIST - 32
+    assert torch.equal(engine.runner.k_cache[:, slots], before_k) and torch.equal(engine.runner.v_cache[:, slots], before_v)
+    assert out.output_ids == _engine(tiny_gqa, None).generate([ids], GREEDY)[0].output_ids
+
+
+# ----- the plan is the executor's contract ------------------------------------------------------
+def _stored(model, spec: str, ids: list[int], layout=None) -> TieredStore:
+    cfg = model.config
+    layout = layout or (Repr.KV,) * cfg.num_layers
+    ns = StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                        compute_dtype="float32", layer_reprs=layout)
+    store = TieredStore.open(spec, ns, chunk_tokens=CHUNK)
+    st = context_state(model.module, ids)
+    store.save(ids, 0, st.k, st.v, st.h)
+    assert store.flush(30)
+    return store
+
+
+def _runner(model, tokens: int) -> tuple[ModelRunner, list[int]]:
+    n = -(-tokens // 16)
+    return ModelRunner(model.module, n, 16, n * 16), list(range(n))
+
+
+def test_a_chunk_missing_from_its_planned_tier_is_a_miss_not_a_read_elsewhere(tiny_gqa, tmp_path):
+    ids = _ids(tiny_gqa)[:HIST]
+    store = _stored(tiny_gqa, f"memory:1GB,disk:{tmp_path}/d:1GB", ids)
     match = store.lookup(ids)
-    planner = Planner(profile, model_shape(model), links(store, profile))
-    n = model.config.num_layers
-    plan = planner.choose(chunks_of(match), 8, {Method.KV: (Repr.KV,) * n, Method.CAKE: (Repr.KV,) * n})
+    assert all(c.tier == "memory" for c in match.chunks)
+    prof = fake_profile(tiny_gqa.fingerprint)
+    planner = Planner(prof, _shape(tiny_gqa), links(prof, [("memory", None, 0.0), ("disk", None, 0.0)]))
+    plan = planner.plan(Method.KV, match.chunks, NEW)
+    assert [c.tier for c in plan.chunks] == ["memory"] * len(match.chunks)
+    assert plan.bytes_read == HIST * tiny_gqa.config.num_layers * 2 * tiny_gqa.config.kv_dim * 4
+    store.tier("memory").delete(match.chunks[3].key)  # still on disk, but the plan said memory
+    runner, blocks = _runner(tiny_gqa, HIST + NEW)
+    with pytest.raises(Exception, match="missing or corrupt"):
+        Restore(plan, store, runner, ids, blocks).prepare()
+    assert store.tier("disk").counters["hits"] == 0
     store.close()
-    return plan
 
 
-def test_changed_profile_changes_the_plan(tiny_gqa, tmp_path):
-    fast_io = _plan_for(tiny_gqa, fake_profile(tiny_gqa.fingerprint, compute_scale=100.0, io_bps=1e10), tmp_path)
-    slow_io = _plan_for(tiny_gqa, fake_profile(tiny_gqa.fingerprint, compute_scale=0.01, io_bps=1e4), tmp_path)
+def test_cake_adapts_when_bandwidth_changes_mid_restore(tiny_gqa, tmp_path):
+    ids = torch.randint(3, tiny_gqa.config.vocab_size, (640,), generator=torch.Generator().manual_seed(3)).tolist()
+    chunk_bytes = 4 * 16 * 2 * 32 * 4  # layers * tokens * (K+V) * kv_dim * fp32 = 16 KiB
+    fast, slow = chunk_bytes / 1e-4, chunk_bytes / 0.03  # 0.1 ms vs 30 ms per chunk
+    ref = context_state(tiny_gqa.module, ids)
+
+    def loaded(tag: str, start_bps: float, switch_bps: float | None, after_s: float) -> int:
+        cfg = tiny_gqa.config
+        ns = StoreNamespace(tiny_gqa.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
+        store = TieredStore.open(f"disk:{tmp_path}/{tag}:1GB", ns, chunk_tokens=16)
+        store.save(ids, 0, ref.k, ref.v, None)
+        store.flush(30)
+        disk = store.tier("disk")
+        disk.throttle.emulation = Emulation(bandwidth=start_bps)
+        prof = fake_profile(tiny_gqa.fingerprint)
+        planner = Planner(prof, _shape(tiny_gqa), links(prof, [("disk", None, 0.0)]), compute_chunk_tokens=16)
+        plan = planner.plan(Method.CAKE, store.lookup(ids + [1]).chunks, 1)
+        runner, blocks = _runner(tiny_gqa, 640)
+        timer = None
+        if switch_bps is not None:
+            timer = threading.Timer(after_s, lambda: setattr(disk.throttle, "emulation", Emulation(bandwidth=switch_bps)))
+            timer.start()
+        restore = Restore(plan, store, runner, ids, blocks, compute_chunk_tokens=16)
+        restore.prepare()
+        stats = restore.finish()
+        if timer:
+            timer.cancel()
+        slots = runner.slots(blocks, 0, 640)
+        assert (runner.k_cache[:, slots] - ref.k).abs().max().item() <= 1e-4
+        assert (runner.v_cache[:, slots] - ref.v).abs().max().item() <= 1e-4
+        assert stats.chunks_loaded + stats.chunks_computed == len(plan.chunks)
+        store.close()
+        return stats.chunks_loaded
+
+    steady_fast = loaded("a", fast, None, 0)
+    fast_then_slow = loaded("b", fast, slow, 0.0)
+    steady_slow = loaded("c", slow, None, 0)
+    slow_then_fast = loaded("d", slow, fast, 0.01)
+    assert fast_then_slow < steady_fast
+    assert slow_then_fast > steady_slow
+
+
+# ----- planner -------------------------------------------------------------------------------------
+def _chunks(hist: int, tier: str = "disk", size: int = 64) -> list[PlannedChunk]:
+    return [PlannedChunk(f"k{a}", a, min(hist, a + size), tier, 0) for a in range(0, hist, size)]
+
+
+def _shape(model) -> ModelShape:
+    cfg = model.config  # fp32 storage
+    return ModelShape(cfg.num_layers, 2 * cfg.kv_dim * 4, cfg.hidden_size * 4)
+
+
+def _planner(model, profile: HardwareProfile, tier: TierLink | None = None) -> Planner:
+    return Planner(profile, _shape(model), {"disk": tier or TierLink(profile.tiers["disk"])})
+
+
+def test_changed_profile_changes_the_plan(tiny_gqa):
+    n = tiny_gqa.config.num_layers
+    allowed = {Method.KV: (Repr.KV,) * n, Method.CAKE: (Repr.KV,) * n}
+    fast_io = _planner(tiny_gqa, fake_profile("x", compute_scale=100.0, io_bps=1e10)).choose(_chunks(512), 8, allowed)
+    slow_io = _planner(tiny_gqa, fake_profile("x", compute_scale=0.01, io_bps=1e4)).choose(_chunks(512), 8, allowed)
     assert fast_io.method in (Method.KV, Method.CAKE) and slow_io.method is Method.RECOMPUTE
-    assert fast_io.predicted_s < _plan_for(tiny_gqa, fake_profile(tiny_gqa.fingerprint, 100.0, 1e10), tmp_path).predicted_s * 1.01
 
 
 def test_profile_json_round_trip():
@@ -130,51 +248,58 @@ def test_profile_json_round_trip():
 
 
 def test_bubble_free_partition_follows_hcache_formulas(tiny_mha):
-    from kvtier.restore.planner import Chunk, TierLink
-    import math
-
-    shape = model_shape(tiny_mha)
-    chunks = [Chunk(0, 1024, "disk")]
-    n = shape.num_layers
+    chunks = [PlannedChunk("k", 0, 1024, "disk", 0)]
+    n = tiny_mha.config.num_layers
     # IO-bound: slow disk -> recompute the first L_O layers, hidden for the rest.
-    prof = fake_profile("x", compute_scale=1.0, io_bps=1e6)
-    pl = Planner(prof, shape, {"disk": TierLink(prof.tiers["disk"])})
+    pl = _planner(tiny_mha, fake_profile("x", compute_scale=1.0, io_bps=1e6))
     c = pl.layer_costs(chunks)
-    assert c["c_h"] <= c["io_h"]
-    l_h = min(n, math.ceil(n * c["c_token"] / (c["c_token"] + c["io_h"] - c["c_h"])))
+    assert c.c_h <= c.io_h
+    l_h = min(n, math.ceil(n * c.c_token / (c.c_token + c.io_h - c.c_h)))
     assert pl.partition(chunks) == (Repr.NONE,) * (n - l_h) + (Repr.HIDDEN,) * l_h
     # Compute-bound: very slow projection -> hidden for the first L_H layers, KV for the rest.
-    prof = fake_profile("x", compute_scale=1e4, io_bps=1e12)
-    pl = Planner(prof, shape, {"disk": TierLink(prof.tiers["disk"])})
+    pl = _planner(tiny_mha, fake_profile("x", compute_scale=1e4, io_bps=1e12))
     c = pl.layer_costs(chunks)
-    assert c["c_h"] > c["io_h"]
-    l_h = min(n, math.ceil(n * c["io_kv"] / (c["io_kv"] + c["c_h"] - c["io_h"])))
+    assert c.c_h > c.io_h
+    l_h = min(n, math.ceil(n * c.io_kv / (c.io_kv + c.c_h - c.io_h)))
     assert pl.partition(chunks) == (Repr.HIDDEN,) * l_h + (Repr.KV,) * (n - l_h)
 
 
 def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):
-    """overlap = 1: a layer's read pipelines under the previous layer's compute; overlap = 0 (no
-    copy engine, reads are memcpys on the compute cores): the read time adds to compute. Emulated
-    waiting overlaps either way."""
-    import dataclasses
-
-    from kvtier.restore.planner import Chunk, TierLink
-
+    """overlap = 1: a layer's read goes on under compute; overlap = 0 (reads are memcpys on the
+    compute cores): each layer's compute also carries its read. Emulated waiting overlaps either
+    way. The new tokens start once the read buffer holds `read_buffer_layers` layers."""
     prof = fake_profile("x", compute_scale=1.0, io_bps=1e8)
-    shape = model_shape(tiny_gqa)
-    chunks = [Chunk(0, 2048, "disk")]
-    n = shape.num_layers
-    read = 2048 * shape.kv_bytes_per_token_layer / 1e8 + 1e-5 / READ_GROUP_LAYERS  # one layer's read (busy part)
-    comp = 2048 * prof.place_s + prof.prefill_s(2048, 2056) / n  # one layer's placement + new tokens
-    hidden = Planner(prof, shape, {"disk": TierLink(prof.tiers["disk"])}).plan(Method.KV, chunks, 8)
-    assert read > comp and hidden.predicted_s == pytest.approx(n * read + comp)  # IO-bound pipeline
+    chunks = [PlannedChunk("k", 0, 2048, "disk", 0)]
+    n = tiny_gqa.config.num_layers
+    pl = _planner(tiny_gqa, prof)
+    read = 2048 * pl.shape.kv_bytes_per_token_layer / 1e8 + 1e-5 / READ_GROUP_LAYERS  # one layer's read
+    comp = 2048 * prof.place_s + pl.prefill_chunks_s(2048, 2056) / n  # one layer's placement + new tokens
+    assert read > comp
+    hidden = pl.plan(Method.KV, chunks, 8)
+    assert hidden.read_buffer_layers == n  # IO-bound: CachedAttention's buffer takes every layer
+    assert hidden.predicted_s == pytest.approx(_pipeline(read, comp, n, n))
     busy_rates = dataclasses.replace(prof.tiers["disk"], overlap=0.0)
-    busy = Planner(prof, shape, {"disk": TierLink(busy_rates)}).plan(Method.KV, chunks, 8)
-    # The first read, then every layer's compute carrying its own read: fully serial.
-    assert busy.predicted_s == pytest.approx(read + n * (comp + read))
+    busy = _planner(tiny_gqa, prof, TierLink(busy_rates)).plan(Method.KV, chunks, 8)
+    assert busy.predicted_s == pytest.approx(_pipeline(read, comp + read, n, busy.read_buffer_layers))
     waiting = TierLink(busy_rates, emulated_bps=1e6)
     busy_part, wait_part = waiting.read_parts(10**6, whole_chunk=False)
     assert wait_part == pytest.approx(1.0) and waiting.stolen_s(10**6, False) == pytest.approx(busy_part)
+
+
+def _pipeline(read: float, comp: float, n: int, depth: int) -> float:
+    """Reads stream from t=0; compute starts after `depth` reads; layer i waits for read i."""
+    t = depth * read
+    for i in range(n):
+        t = max(t, (i + 1) * read) + comp
+    return t
+
+
+def test_read_buffer_follows_cached_attention(tiny_gqa):
+    """S_buf = B (T_load L_hist - T_pref L_new): more layers ahead when IO is slower than compute."""
+    n = tiny_gqa.config.num_layers
+    fast = _planner(tiny_gqa, fake_profile("x", compute_scale=1.0, io_bps=1e12)).plan(Method.KV, _chunks(2048), 64)
+    slow = _planner(tiny_gqa, fake_profile("x", compute_scale=1.0, io_bps=1e6)).plan(Method.KV, _chunks(2048), 64)
+    assert fast.read_buffer_layers == 1 and slow.read_buffer_layers == n
 
 
 def test_continuing_a_history_costs_its_length():
@@ -184,85 +309,10 @@ def test_continuing_a_history_costs_its_length():
 
 
 def test_online_refinement_moves_prediction_toward_observation(tiny_gqa):
-    from kvtier.restore.planner import Chunk, TierLink
-
-    prof = fake_profile("x")
-    pl = Planner(prof, model_shape(tiny_gqa), {"disk": TierLink(prof.tiers["disk"])})
-    chunks = [Chunk(0, 512, "disk")]
+    pl = _planner(tiny_gqa, fake_profile("x"))
+    chunks = _chunks(512)
     before = pl.plan(Method.KV, chunks, 8).predicted_s
     for _ in range(10):
         pl.observe(Method.KV, pl.plan(Method.KV, chunks, 8).predicted_s, before * 3)
     after = pl.plan(Method.KV, chunks, 8).predicted_s
     assert abs(after - before * 3) < abs(before - before * 3) * 0.1
-
-
-# ----- Cake adapts while it runs -----------------------------------------------------------------------
-def _cake_loaded(model, tmp_path, tag: str, start_bps: float, switch_bps: float | None, after_s: float) -> int:
-    ids = torch.randint(3, model.config.vocab_size, (640 + 4,), generator=torch.Generator().manual_seed(3)).tolist()
-    store = TieredStore.open(f"disk:{tmp_path}/{tag}:1GB", namespace(model), chunk_tokens=16)
-    state = context_state(model.module, ids[:640])
-    store.save(ids[:640], 0, state.k, state.v, None)
-    store.flush(30)
-    disk = store.tier("disk")
-    disk.throttle.emulation = Emulation(bandwidth=start_bps)
-    match = store.lookup(ids)
-    prof = fake_profile(model.fingerprint)
-    plan = Planner(prof, model_shape(model), links(store, prof)).plan(Method.CAKE, chunks_of(match), 4)
-    engine = Engine(model, EngineConfig(kv_cache_bytes=64 << 20))
-    blocks = engine.pool.allocate(-(-len(ids) // 16))
-    timer = None
-    if switch_bps is not None:
-        timer = threading.Timer(after_s, lambda: setattr(disk.throttle, "emulation", Emulation(bandwidth=switch_bps)))
-        timer.start()
-    logits, stats = Executor(engine.runner, compute_chunk_tokens=16).run(plan, store, match, ids, blocks)
-    if timer:
-        timer.cancel()
-    assert (logits - model.module(torch.tensor(ids))[-1]).abs().max().item() <= 1e-4
-    assert stats.chunks_loaded + stats.chunks_computed == len(match.chunks)
-    store.close()
-    return stats.chunks_loaded
-
-
-def test_cake_adapts_when_bandwidth_changes_mid_restore(tiny_gqa, tmp_path):
-    chunk_bytes = 4 * 16 * 2 * 32 * 4  # layers * tokens * (K+V) * kv_dim * fp32 = 16 KiB
-    fast, slow = chunk_bytes / 1e-4, chunk_bytes / 0.03  # 0.1 ms vs 30 ms per chunk
-    steady_fast = _cake_loaded(tiny_gqa, tmp_path, "a", fast, None, 0)
-    fast_then_slow = _cake_loaded(tiny_gqa, tmp_path, "b", fast, slow, 0.0)
-    steady_slow = _cake_loaded(tiny_gqa, tmp_path, "c", slow, None, 0)
-    slow_then_fast = _cake_loaded(tiny_gqa, tmp_path, "d", slow, fast, 0.01)
-    assert fast_then_slow < steady_fast
-    assert slow_then_fast > steady_slow
-
-
-@pytest.mark.parametrize("name", [Method.KV, Method.HIDDEN, Method.CAKE, "bubblefree-kv"])
-def test_restore_after_a_device_cached_prefix_never_writes_it(tiny_gqa, name):
-    """restore_history(start=40): [0, 40) are device-cached blocks (maybe shared with other
-    requests) and stay untouched even though the stored chunk [24, 48) straddles 40; everything
-    from 40 on equals a recompute."""
-    model, n = tiny_gqa, tiny_gqa.config.num_layers
-    ids = torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(4)).tolist()
-    layout = layouts(n)[name]
-    method = Method.BUBBLEFREE if name == "bubblefree-kv" else name
-    state = context_state(model.module, ids[:HIST])
-    engine = Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024))
-    runner = engine.runner
-    ref_blocks = engine.pool.allocate(-(-HIST // 16))
-    runner.execute([RunItem(ids[:HIST], 0, ref_blocks, False)])
-    with TieredStore.open("memory:1GB", namespace(model, layout), chunk_tokens=CHUNK) as store:
-        store.save(ids[:HIST], 0, state.k, state.v, state.h)
-        assert store.flush(30)
-        match = store.lookup(ids)
-        prof = fake_profile(model.fingerprint)
-        plan = Planner(prof, model_shape(model), links(store, prof)).plan(method, chunks_of(match), NEW, layout)
-        blocks = engine.pool.allocate(-(-HIST // 16))
-        cached, ref_cached = runner.slots(blocks, 0, 40), runner.slots(ref_blocks, 0, 40)
-        # The "device-cached" prefix: true values (Cake computes on top of them) marked by a tiny
-        # offset, so any write from the restore would show.
-        mark_k = runner.k_cache[:, ref_cached] + 1e-6
-        mark_v = runner.v_cache[:, ref_cached] + 1e-6
-        runner.k_cache[:, cached], runner.v_cache[:, cached] = mark_k, mark_v
-        Executor(runner, compute_chunk_tokens=48).restore_history(plan, store, match, ids, blocks, start=40)
-    assert torch.equal(runner.k_cache[:, cached], mark_k) and torch.equal(runner.v_cache[:, cached], mark_v)
-    got, ref = runner.slots(blocks, 40, HIST), runner.slots(ref_blocks, 40, HIST)
-    assert (runner.k_cache[:, got] - runner.k_cache[:, ref]).abs().max().item() <= 1e-4
-    assert (runner.v_cache[:, got] - runner.v_cache[:, ref]).abs().max().item() <= 1e-4

@@ -1,30 +1,29 @@
-"""Restore compute shares the step's token budget: exact chunk sizes with a scripted restorer."""
+"""Restore compute shares the step's token budget; the scheduler hands out restore tickets and
+starts nothing itself: exact chunk sizes and tickets with a scripted store side."""
 
 from __future__ import annotations
 
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import Probe, Scheduler
 
 
-class ScriptedRestorer:
-    """Restores every prompt of request "a" except its last token; its compute costs `debt` tokens."""
+class ScriptedStore:
+    """Offers every prompt of request "a" except its last token; that restore's compute costs
+    `debt` tokens before its new tokens can run (the scheduler pays what it can at once)."""
 
     def __init__(self, debt: int):
         self.debt = debt
-        self.started: list[str] = []
+        self.plan = object()
 
-    def probe(self, req: Request):
+    def probe(self, req: Request) -> Probe:
         if req.request_id != "a":
-            return 0, req.num_computed, None
-        return req.num_tokens - 1, req.num_computed, object()
+            return Probe(0, req.num_computed)
+        return Probe(req.num_tokens - 1, req.num_computed, self.plan, self.debt)
 
-    def start(self, req: Request, target: int, match) -> None:
-        self.started.append(req.request_id)
-
-    def charge(self, budget: int) -> int:
-        pay = min(self.debt, budget)
-        self.debt -= pay
+    def charge(self, budget: int) -> int:  # later steps: what the ticket still owed
+        pay = min(self.owed, budget)
+        self.owed -= pay
         return pay
 
 
@@ -37,29 +36,42 @@ def _sizes(out) -> dict[str, int]:
 
 
 def test_restore_compute_is_charged_before_waiting_prefills_but_after_decodes():
-    restorer = ScriptedRestorer(debt=150)
-    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, restorer=restorer)
+    store = ScriptedStore(debt=150)
+    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=store)
     dec = _req("d", 20)
     sched.add(dec)
-    assert _sizes(sched.schedule()) == {"d": 20}  # "d" prefills alone (the restorer passes on it)
+    assert _sizes(sched.schedule()) == {"d": 20}  # "d" prefills alone (the store passes on it)
     dec.num_computed, dec.status = 20, RequestStatus.DECODE
-    dec.output_ids.append(7)
+    dec.append_output(7)
 
-    sched.add(_req("a", 200))
+    a = _req("a", 200)
+    sched.add(a)
     sched.add(_req("bb", 40))
-    # Step 1: "d" decodes (1 token), "a" starts restoring and its compute takes the other 99.
+    # Step 1: "d" decodes (1 token), "a" gets a ticket and its compute takes the other 99 now.
     out = sched.schedule()
-    assert restorer.started == ["a"] and _sizes(out) == {"d": 1} and restorer.debt == 51
-    assert [r.request_id for r in sched.waiting] == ["bb"]
+    assert _sizes(out) == {"d": 1} and [r.request_id for r in sched.waiting] == ["bb"]
+    assert [(t.request_id, t.start, t.target, t.debt) for t in out.restores] == [("a", 0, 199, 51)]
+    assert out.restores[0].plan is store.plan and a.status is RequestStatus.RESTORING
+    assert len(a.block_ids) == 13  # blocks for [0, 200): the restore writes into them
+    store.owed = out.restores[0].debt  # what the caller's restore side now owes
     # Step 2: the decode again, the last 51 tokens of restore compute, then "bb" (40 tokens) fits in the 48 left.
     dec.num_computed += 1
-    dec.output_ids.append(8)
+    dec.append_output(8)
     out = sched.schedule()
-    assert _sizes(out) == {"d": 1, "bb": 40} and restorer.debt == 0
+    assert _sizes(out) == {"d": 1, "bb": 40} and store.owed == 0 and out.restores == ()
+    assert [r.request_id for r in sched.postprocess(out)] == ["d", "bb"]  # both sample a token now
+    dec.append_output(8)
+    sched.requests["bb"].append_output(9)
+    # The restore is ready: "a" computes its last prompt token, carrying 30 tokens of placement.
+    sched.restored(a, 199, {"memory": 199}, attach_tokens=30)
+    out = sched.schedule()
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("d", 22, 1), ("bb", 40, 1), ("a", 199, 1)]
+    assert a.attach_tokens == 0 and a.metrics.reused_by_tier == {"memory": 199} and a.metrics.prompt_tokens_reused == 199
 
 
 def test_without_restores_in_flight_nothing_is_charged():
-    restorer = ScriptedRestorer(debt=10**6)
-    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, restorer=restorer)
+    store = ScriptedStore(debt=10**6)
+    store.owed = 10**6
+    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=store)
     sched.add(_req("bb", 40))
-    assert _sizes(sched.schedule()) == {"bb": 40} and restorer.debt == 10**6
+    assert _sizes(sched.schedule()) == {"bb": 40} and store.owed == 10**6

@@ -9,8 +9,8 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.config import ReuseConfig
-from kvtier.restore.state import context_state
-from kvtier.restore.truncation import TruncationConfig, continuation_logits, kept_positions, truncation_fidelity
+from kvtier.bench.reference import context_state, continuation_logits, truncation_fidelity
+from kvtier.restore.truncation import TruncationConfig, kept_positions
 
 from kvtier_testlib import fake_profile
 
@@ -35,25 +35,25 @@ def test_engine_truncates_and_reuses_kv_at_new_positions(tiny_gqa, tmp_path):
     g = torch.Generator().manual_seed(11)
     first = torch.randint(3, vocab, (230,), generator=g).tolist()
     out1 = engine.generate([first], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
-    engine.state.store.flush(30)
+    engine.flush(30)
     turn2 = first + out1.output_ids + torch.randint(3, vocab, (40,), generator=g).tolist()  # 280 > 256
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out2 = engine.generate([turn2], params)[0]
-    saved_before = engine.state.counters["saves"]
+    saved_before = engine.stats().counters["saves"]
     engine.close()
     keep = kept_positions(len(turn2), 256 - 8, TruncationConfig(keep_prefix=8))
     assert out2.prompt_tokens == len(keep) and out2.prompt_tokens_reused > 0
     assert out2.reused_by_tier.get("disk", 0) == out2.prompt_tokens_reused
-    # Oracle: the stored pre-RoPE KV of the original context, kept tokens rotated at compact positions.
+    # Oracle: the stored KV of the original context, kept tokens' K moved to compact positions.
     r = out2.prompt_tokens_reused
     stored = context_state(tiny_gqa.module, turn2[: len(first) + len(out1.output_ids) - 1])
     idx = torch.tensor(keep[:r])
     rest, got = [turn2[i] for i in keep[r:]], []
     for _ in range(8):
-        logits = continuation_logits(tiny_gqa.module, stored.k[:, idx], stored.v[:, idx], torch.arange(r), rest + got, r)
+        logits = continuation_logits(tiny_gqa.module, stored.k[:, idx], stored.v[:, idx], torch.arange(r) - idx, rest + got)
         got.append(int(logits[-1].argmax()))
     assert out2.output_ids == got
-    assert saved_before == engine.state.counters["saves"]  # nothing saved after the truncated turn
+    assert saved_before == engine.stats().counters["saves"]  # nothing saved after the truncated turn
 
 
 @pytest.mark.slow

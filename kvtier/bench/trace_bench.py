@@ -235,9 +235,8 @@ def store_spec(cfg: RunConfig, args: argparse.Namespace, workdir: Path, redis: P
 
 def run_config(model, profile, workload, cfg: RunConfig, args: argparse.Namespace, workdir: Path,
                redis: PrivateRedis | None, log=print) -> tuple[list[TurnRecord], dict]:
-    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.config import EngineConfig, ReuseConfig
     from kvtier.engine.engine import Engine
-    from kvtier.engine.config import ReuseConfig
 
     spec = store_spec(cfg, args, workdir, redis)
     device_cache = cfg.device_cache or (args.device_cache and spec is not None)
@@ -251,11 +250,12 @@ def run_config(model, profile, workload, cfg: RunConfig, args: argparse.Namespac
     load0 = os.getloadavg()[0]
     try:
         records, totals = replay(engine, workload, engine.max_model_len, log)
-        if engine.state is not None:
-            engine.state.store.flush()
-            st = engine.state.store.stats()
-            totals["store"] = dict(spec=spec, counters=dict(engine.state.counters), tier_tokens=dict(engine.state.tier_tokens),
-                                   layout=sorted({r.value for r in engine.state.layout}),
+        if spec is not None:
+            engine.flush()
+            es = engine.stats()
+            st = es.store or {}
+            totals["store"] = dict(spec=spec, counters=es.counters, tier_tokens=es.reused_by_tier,
+                                   layout=sorted(set(es.layout)),
                                    writer=st.get("writer"), store=st.get("store"),
                                    tiers={k: {f: v.get(f) for f in ("hits", "misses", "evictions", "puts", "bytes_used",
                                                                      "capacity", "entries") if f in v}
@@ -272,10 +272,9 @@ def sequential_check(model, profile, wl, args, log=print) -> list[dict]:
     run by a recompute engine and by a reuse engine (kv over memory), both on the identical prompt
     (the conversation is carried on with the reuse engine's answers). Returns per-turn records
     (both engines) with output digests; TTFT here has no queueing at all."""
-    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.config import EngineConfig, ReuseConfig
     from kvtier.engine.engine import Engine
     from kvtier.engine.request import SamplingParams
-    from kvtier.engine.config import ReuseConfig
 
     econf = EngineConfig(kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
                          max_num_seqs=1, max_model_len=args.max_model_len, enable_prefix_cache=False)
@@ -305,7 +304,7 @@ def sequential_check(model, profile, wl, args, log=print) -> list[dict]:
                                      computed=o.prompt_tokens_computed, by_tier=dict(o.reused_by_tier),
                                      restore_method=o.restore_method, output_tokens=len(o.output_ids),
                                      finish_reason=o.finish_reason, output_digest=_digest(o.output_ids)))
-                reuse.state.store.flush()  # a think time lets the writer finish; here we wait for it
+                reuse.flush()  # a think time lets the writer finish; here we wait for it
                 a, b = outs[id(base)], outs[id(reuse)]
                 answers.append(b.text)
                 log(f"    {s.session_id} turn {turn}: prompt {len(ids)}, reused {b.prompt_tokens_reused}, TTFT "
@@ -691,8 +690,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.bench import workloads
-    from kvtier.models.loading import default_home, load_model
-    from kvtier.restore.profile import load_or_measure
+    from kvtier.engine.profiling import load_or_measure
+    from kvtier.models.loading import load_model
+    from kvtier.paths import home
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -722,7 +722,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             pdir = Path(tempfile.mkdtemp(prefix="profile-", dir=workdir))
             pspec = f"memory:1GB,disk:{pdir}:4GB" + (f",{redis.url('trace-profile')}" if redis else "")
             t = time.perf_counter()
-            profile = load_or_measure(model, Path(args.home) if args.home else default_home(), pspec)
+            profile = load_or_measure(model, Path(args.home) if args.home else home(), pspec)
             print(f"hardware profile ready in {time.perf_counter() - t:.1f} s (tiers: {sorted(profile.tiers)})",
                   flush=True)
         meta = dict(model=model.name, dtype=str(model.dtype).removeprefix("torch."), threads=torch.get_num_threads(),

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kvtier.bench.text import stdlib_text
 from kvtier.models.loading import load_model
-from kvtier.restore.truncation import TruncationConfig, truncation_fidelity
+from kvtier.bench.reference import truncation_fidelity
+from kvtier.restore.truncation import TruncationConfig
 
 
 def cmd(args: argparse.Namespace) -> int:

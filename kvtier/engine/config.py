@@ -1,8 +1,12 @@
-"""Engine configuration: one validated dataclass."""
+"""Engine configuration: validated dataclasses (the engine, and how it reuses state)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvtier.dtypes import canonical
+from kvtier.restore.plan import AUTO, METHOD_CHOICES, Method
+from kvtier.store.layout import Repr
 
 
 @dataclass(frozen=True)
@@ -25,28 +29,43 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
 
 
-METHODS = ("auto", "kv", "hidden", "bubblefree", "cake", "recompute")
-
-
 @dataclass(frozen=True)
 class ReuseConfig:
-    method: str = "auto"  # which restore method; auto = the planner's choice per request
+    """How the engine saves and restores state through the store."""
+
+    method: str = AUTO  # a restore method (kv, hidden, bubblefree, cake, recompute) or auto: the planner's choice
     chunk_tokens: int = 64
     save: bool = True
     lookahead: bool = True
     min_restore_tokens: int = 32  # restore only when the store adds at least this much over the device
     storage_dtype: str = ""  # "" = compute dtype (lossless)
+    # What the store keeps per layer ("kv", "hidden", "none"); None = chosen from the method and the
+    # hardware profile. Pinning it is for experiments and tests (e.g. a given bubble-free split).
+    layout: tuple[str, ...] | None = None
     # Recompute device-cached tokens the store lacks so their state is saved and the stored chain
     # has no hole. Off by default: the store matches whole chunks only, so a short prompt that is a
     # prefix of a stored chunk would lose its device reuse (see docs/architecture.md).
     fill_holes: bool = False
-    flush_wait_s: float = 1.0  # at admission, how long pending saves may take to land (see probe)
     # Delete what a session saved once it has been idle this long (requests without a session id,
     # and chunks another live session shares, are unaffected). None = keep until evicted.
     session_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHODS)}")
+        if self.method not in METHOD_CHOICES:
+            raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHOD_CHOICES)}")
         if self.session_ttl_s is not None and self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.storage_dtype:
+            object.__setattr__(self, "storage_dtype", canonical(self.storage_dtype))
+        if self.layout is not None:
+            try:
+                object.__setattr__(self, "layout", tuple(Repr(r).value for r in self.layout))
+            except ValueError:
+                raise ValueError(f"layout {self.layout!r}: each layer is one of kv, hidden, none") from None
+
+    @property
+    def fixed_method(self) -> Method | None:
+        """The method every restore uses, or None when the planner chooses (auto)."""
+        return None if self.method == AUTO else Method(self.method)

@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtier.engine.block_pool import BlockPool, block_hashes
-from kvtier.engine.config import EngineConfig
+from kvtier import paths
+from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
+from kvtier.engine.profiling import estimate, load_profile
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
 from kvtier.engine.runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
-from kvtier.engine.config import ReuseConfig
-from kvtier.engine.statecache import StateCache
-from kvtier.models.loading import LoadedModel, default_home, load_model
-from kvtier.restore.profile import HardwareProfile
+from kvtier.engine.statelink import NullStateLink, StateLink, open_store_link
+from kvtier.models.loading import LoadedModel
+from kvtier.restore.costs import HardwareProfile
 from kvtier.restore.truncation import TruncationConfig, kept_positions
+
+log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -54,6 +57,7 @@ class RequestOutput:
     prompt_tokens_computed: int
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     restore_method: str | None = None
+    restore_s: float | None = None  # the store restore's own time (open to last layer placed)
 
 
 @dataclass(frozen=True)
@@ -85,10 +89,11 @@ class _Live:
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
-                 reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None, home: Path | None = None,
+                 reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None,
                  truncation: TruncationConfig | None = None):
         """`store` is a tier spec (e.g. "memory:2GB,disk:/data:100GB"); with it every request's state
-        is saved and restored across requests. `profile` defaults to the measured one for this machine."""
+        is saved and restored across requests. `profile` defaults to the one `kvtier profile` saved
+        for this model, else a rough estimate (nothing is timed here)."""
         self.model = model
         self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
@@ -103,13 +108,18 @@ class Engine:
             )
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
-        self.state: StateCache | None = None
+        self.link: StateLink = NullStateLink()
         if store:
-            from kvtier.restore.profile import load_or_measure
-
-            profile = profile or load_or_measure(model, home or default_home(), store)
-            self.state = StateCache(model, self.runner, store, profile, reuse or ReuseConfig())
-        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.state)
+            if profile is None:
+                profile = load_profile(model, paths.home())
+            if profile is None:
+                log.info("no measured hardware profile for %s; planning with an estimate until "
+                         "`kvtier profile` measures this machine", model.name)
+                profile = estimate(model)
+            self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(), profile,
+                                        config.max_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.link,
+                                   prefix_cache=config.enable_prefix_cache)
         self.eos_ids = set(cfg.eos_token_ids)
         tok = model.tokenizer
         if tok is not None and tok.eos_token_id is not None:
@@ -120,10 +130,6 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
         self._steps = 0
-
-    @classmethod
-    def from_model(cls, name: str, dtype: str | None = "auto", **config: Any) -> "Engine":
-        return cls(load_model(name, dtype=dtype), EngineConfig(**config))
 
     # ----- requests -------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -145,10 +151,10 @@ class Engine:
     def validate(self, ids: Sequence[int]) -> None:
         if not ids:
             raise PromptError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len:  # a prompt that fills the window still yields one token
             raise PromptError(
-                f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
-                "(prompt plus at least one generated token); shorten the prompt"
+                f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len}; "
+                "shorten the prompt"
             )
         vocab = self.model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
@@ -166,7 +172,7 @@ class Engine:
         ids = self.encode(prompt)
         params = params or SamplingParams()
         source, kept = None, None
-        if self.truncation is not None and len(ids) >= self.max_model_len and ids:
+        if self.truncation is not None and len(ids) >= self.max_model_len:
             # Leave room to generate: at most max_tokens, at most half the window.
             limit = self.max_model_len - min(params.max_tokens, self.max_model_len // 2)
             source, kept = ids, kept_positions(len(ids), limit, self.truncation)
@@ -185,51 +191,92 @@ class Engine:
 
     # ----- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update: one forward over every scheduled run."""
         self._steps += 1
         outputs = self._drain_inbox()
-        if self.state is not None:
-            outputs += self._collect_restores()
-            self.state.look_ahead(list(itertools.islice(self.scheduler.waiting, 32)))
-            self.state.expire_sessions()
-        plan = self.scheduler.schedule()
-        if plan.chunks:
-            capture = None
-            if self.state is not None and self.state.config.save:
-                capture = self.state.capture_for([self._live[c.request_id].req for c in plan.chunks])
-            logits = self.runner.execute(self._run_items(plan), capture)
-            outputs += self._update(plan, logits)
-        elif self.scheduler.restoring and self.state is not None and self._inbox.empty():
-            self.state.wait_any(0.005)  # only restores in flight: sleep until one ends (or a new request may be in)
-        return outputs
+        out, restored = self._schedule()
+        logits, void = self._execute(out)
+        return outputs + restored + self._update(out, logits, void)
 
-    def _collect_restores(self) -> list[RequestOutput]:
+    def _schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """Restores that became ready rejoin the scheduler; tickets it issues start preparing."""
         outs = []
-        for req, ok, tokens, aborted in self.state.poll():
-            if aborted:
+        for done in self.link.before_schedule():
+            req = self._live[done.request_id].req
+            if done.aborted:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 outs.append(self._emit(self._live[req.request_id]))
             else:
-                self.scheduler.restored(req, ok, tokens)
+                self.scheduler.restored(req, done.tokens, done.tier_tokens, done.attach_tokens)
+        out = self.scheduler.schedule()
+        for rid in out.preempted:
+            self.link.abort(rid)  # a ready restore that will never be placed
+        self.link.start(out.restores, self.scheduler.requests)
+        self.link.after_schedule(list(itertools.islice(self.scheduler.waiting, 32)))
+        if not out.chunks and self.scheduler.restoring and self._inbox.empty():
+            self.link.idle_wait(0.005)  # only restores in flight: sleep until one may be ready
+        return out, outs
+
+    def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
+        """One forward of every scheduled run; restores attached to it are placed layer by layer.
+        -> (logits, requests whose result is void because their restore failed mid-step)."""
+        if not out.chunks:
+            return None, []
+        reqs = [self._live[c.request_id].req for c in out.chunks]
+        items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens)
+                 for r, c in zip(reqs, out.chunks)]
+        ids = [c.request_id for c in out.chunks]
+        logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
+        return logits, self.link.after_execute(ids)
+
+    def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: list[str]) -> list[RequestOutput]:
+        outs = []
+        now = time.perf_counter()
+        sampling = {r.request_id for r in self.scheduler.postprocess(out, void)}
+        row = 0
+        for c in out.chunks:
+            live = self._live[c.request_id]
+            req = live.req
+            if c.end == req.num_tokens:
+                row += 1  # this run's logits row, used or not
+            if c.request_id in void:
+                self.scheduler.void(req, req.metrics.reused_by_tier.get("device", 0))  # back to the device-cached part
+                continue
+            if c.request_id not in sampling:
+                self.link.after_step(req, finished=False)
+                continue  # a prefill chunk that is not the last one
+            token = sample(logits[row - 1], req.params, live.generator)
+            if req.metrics.first_token is None:
+                req.metrics.first_token = now
+                req.metrics.prompt_tokens_computed = len(req.prompt_ids) - req.metrics.prompt_tokens_reused
+            req.metrics.last_token = now
+            req.append_output(token)
+            live.delta_ids.append(token)
+            status = self._check_stop(live, token)
+            self.link.after_step(req, finished=status is not None)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                live.delta_text += live.detok.flush()
+            outs.append(self._emit(live))
         return outs
 
-    def stats(self) -> EngineStats:
-        st = self.state
-        return EngineStats(
-            steps=self._steps, preemptions=self.scheduler.num_preemptions, prefix_cache_hits=self.pool.hits,
-            counters=dict(st.counters) if st else {}, reused_by_method=dict(st.reused_by_method) if st else {},
-            reused_by_tier=dict(st.tier_tokens) if st else {},
-            layout=tuple(r.value for r in st.layout) if st else (),
-            stored_bytes_per_token=st.store.namespace.bytes_per_token() if st else 0,
-            store=st.store.stats() if st else None)
+    def stats(self, with_store: bool = True) -> EngineStats:
+        """What the engine did so far; `with_store=False` skips the store's own statistics (a
+        remote tier's may take a round trip)."""
+        st = self.link.stats(with_store)
+        return EngineStats(steps=self._steps, preemptions=self.scheduler.num_preemptions,
+                           prefix_cache_hits=self.pool.hits, counters=st.get("counters", {}),
+                           reused_by_method=st.get("reused_by_method", {}), reused_by_tier=st.get("reused_by_tier", {}),
+                           layout=st.get("layout", ()), stored_bytes_per_token=st.get("stored_bytes_per_token", 0),
+                           store=st.get("store"))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save handed to the store so far is written. False on timeout."""
-        return self.state.store.flush(timeout) if self.state is not None else True
+        return self.link.flush(timeout)
 
     def close(self) -> None:
-        """Drain pending saves and stop the restore thread."""
-        if self.state is not None:
-            self.state.close()
+        """Drain pending saves and stop the restore and writer threads."""
+        self.link.close()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outs = []
@@ -239,66 +286,14 @@ class Engine:
                 req, cb = arg
                 detok = Detokenizer(self.model.tokenizer, req.params.stop)
                 self._live[req.request_id] = _Live(req, detok, make_generator(req.params), cb)
-                if not self.config.enable_prefix_cache:
-                    req.block_hashes = []
-                if self.state is not None:
-                    self.state.session_arrived(req)
+                self.link.arrived(req)
                 self.scheduler.add(req)
             elif (live := self._live.get(arg)) is not None:
-                if self.state is not None and self.state.abort(arg):
+                if self.link.abort(arg):
                     continue  # its restore is writing into its blocks: finish once that is done
                 self.scheduler.finish(live.req, RequestStatus.FINISHED_ABORTED)
-                if self.state is not None:
-                    self.state.drop(arg)
                 outs.append(self._emit(live))
         return outs
-
-    def _run_items(self, plan: SchedulerOutput) -> list[RunItem]:
-        items = []
-        for c in plan.chunks:
-            req = self._live[c.request_id].req
-            ids = req.all_ids[c.start : c.end]
-            items.append(RunItem(ids, c.start, req.block_ids, want_logits=c.end == req.num_tokens))
-        return items
-
-    def _update(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        outs = []
-        row = 0
-        now = time.perf_counter()
-        for c in plan.chunks:
-            live = self._live[c.request_id]
-            req = live.req
-            req.num_computed = c.end
-            self._publish_blocks(req)
-            if c.end != req.num_tokens:
-                if self.state is not None:
-                    self.state.after_step(req, finished=False)
-                continue  # a prefill chunk that is not the last one
-            token = sample(logits[row], req.params, live.generator)
-            row += 1
-            if req.metrics.first_token is None:
-                req.metrics.first_token = now
-                req.metrics.prompt_tokens_computed = len(req.prompt_ids) - req.metrics.prompt_tokens_reused
-            req.metrics.last_token = now
-            req.status = RequestStatus.DECODE
-            req.output_ids.append(token)
-            live.delta_ids.append(token)
-            status = self._check_stop(live, token)
-            if self.state is not None:
-                self.state.after_step(req, finished=status is not None)
-            if status is not None:
-                self.scheduler.finish(req, status)
-                live.delta_text += live.detok.flush()
-            outs.append(self._emit(live))
-        return outs
-
-    def _publish_blocks(self, req: Request) -> None:
-        if not self.config.enable_prefix_cache:
-            return
-        bs = self.pool.block_size
-        req.block_hashes = block_hashes(req.all_ids[: req.num_computed], bs, req.block_hashes)
-        for i, h in enumerate(req.block_hashes[: req.num_computed // bs]):
-            self.pool.register(req.block_ids[i], h)
 
     def _check_stop(self, live: _Live, token: int) -> RequestStatus | None:
         req = live.req
@@ -329,12 +324,12 @@ class Engine:
             prompt_tokens_computed=m.prompt_tokens_computed,
             reused_by_tier=dict(m.reused_by_tier),
             restore_method=m.restore_method,
+            restore_s=m.restore_s,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:
             del self._live[req.request_id]
-            if self.state is not None:
-                self.state.session_finished(req)
+            self.link.finished(req)
             if req.session_id is not None:
                 st = self.session_stats.setdefault(req.session_id, dict(
                     requests=0, prompt_tokens=0, prompt_tokens_reused=0, output_tokens=0))

@@ -1,17 +1,25 @@
-"""Build an Engine from command-line style options (shared by the CLI, the server and benchmarks)."""
+"""Build an Engine from command-line style options (shared by the CLI, the server and benchmarks).
+
+Unlike `Engine(...)`, this is where a missing hardware profile gets measured (once, saved under
+KVTIER_HOME): commands that serve users should plan with this machine's real numbers.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvtier.engine.config import EngineConfig
+from kvtier import paths
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.config import ReuseConfig
+from kvtier.engine.profiling import load_or_measure
 from kvtier.models.loading import load_model
-from kvtier.restore.profile import HardwareProfile
+from kvtier.restore.costs import HardwareProfile
 
 
 def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,
                  profile: HardwareProfile | None = None, **config: Any) -> Engine:
     """Load `model` and wrap it in an Engine. `store` is a tier spec (see `kvtier store --help`)."""
-    return Engine(load_model(model, dtype=dtype), EngineConfig(**config), store=store, reuse=reuse, profile=profile)
+    loaded = load_model(model, dtype=dtype)
+    if store and profile is None:
+        profile = load_or_measure(loaded, paths.home(), store)
+    return Engine(loaded, EngineConfig(**config), store=store, reuse=reuse, profile=profile)

@@ -68,6 +68,17 @@ class RequestMetrics:
     prompt_tokens_computed: int = 0
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     restore_method: str | None = None  # how the store part was restored, if any
+    restore_s: float | None = None  # the store restore's own time (open to last layer placed)
+
+    def note_reuse(self, tier: str, tokens: int) -> None:
+        """Count `tokens` prompt tokens as reused from `tier` ("device": the device prefix cache)."""
+        if tokens:
+            self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + tokens
+            self.prompt_tokens_reused += tokens
+
+    def forget_reuse(self) -> None:
+        self.reused_by_tier.clear()
+        self.prompt_tokens_reused = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -100,11 +111,22 @@ class Request:
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.
     source_ids: list[int] | None = None
     kept: list[int] | None = None
+    num_published: int = 0  # full blocks already registered in the device prefix cache
+    attach_tokens: int = 0  # restore compute its next chunk carries (placement beside the new tokens)
+    _all: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all = list(self.prompt_ids) + list(self.output_ids)
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output tokens: the request's own list (read it, never modify it)."""
+        return self._all
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._all.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self._all)

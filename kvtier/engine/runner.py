@@ -1,9 +1,10 @@
 """The model runner: the paged KV tensors and one forward pass over a batch of token runs.
 
 A step's tokens from all requests are concatenated ("varlen"), so the projections and MLP run as
-one matmul per layer; attention runs per request over that request's blocks in the pool.
-K enters the pool with RoPE applied at its position (DESIGN invariant 1); the pre-RoPE K and V,
-and each layer's input, can be handed to an optional capture callback on the way.
+one matmul per layer; attention runs per request over that request's blocks in the pool (straight
+from the pool when its blocks are consecutive, else gathered), or, for decoding requests, in one
+padded batch. K enters the pool rotated at its position; a capture callback can take each layer's
+input and the K (rotated) and V computed for every run on the way, which is what the store saves.
 """
 
 from __future__ import annotations
@@ -16,27 +17,10 @@ import torch.nn.functional as F
 
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
-from kvtier.models.rope import Rope, rotate
+from kvtier.models.rope import Rope, rotate_into
 
-# capture(layer, request_index, h [n, hidden], k [n, kv_heads, hd], v [n, kv_heads, hd]); all pre-RoPE.
+# capture(layer, request_index, h [n, hidden], k [n, kv_heads, hd] rotated, v [n, kv_heads, hd]).
 CaptureFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """Index tensors for one step, built once and shared by every layer."""
-
-    items: tuple["RunItem", ...]
-    ids: torch.Tensor  # [tokens]
-    offsets: tuple[int, ...]  # run i is rows offsets[i]:offsets[i+1]
-    new_slots: torch.Tensor  # [tokens] pool slot of each token computed now
-    ctx_slots: tuple[torch.Tensor | None, ...]  # per run: slots of [0, end), None for fresh runs
-    cos: torch.Tensor  # [tokens, 1, head_dim]
-    sin: torch.Tensor
-    # Single-token runs with history (decodes) attend in one padded batch instead of one by one.
-    decode_rows: tuple[int, ...] = ()  # run indices
-    decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: slot 0)
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
 
 
 @dataclass(frozen=True)
@@ -47,6 +31,34 @@ class RunItem:
     start: int
     block_ids: Sequence[int]
     want_logits: bool
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Positions [pos, pos + length) of a request sit in consecutive pool slots from `slot`."""
+
+    pos: int
+    slot: int
+    length: int
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Index tensors for one step, built once and shared by every layer."""
+
+    items: tuple[RunItem, ...]
+    ids: torch.Tensor  # [tokens]
+    offsets: tuple[int, ...]  # run i is rows offsets[i]:offsets[i+1]
+    new_slots: torch.Tensor  # [tokens] pool slot of each token computed now
+    # Per run, where its context [0, end) is read from: a slot range (consecutive blocks: a view of
+    # the pool, no copy), a slot index tensor (gathered), or None (a fresh run attends to itself).
+    ctx: tuple[range | torch.Tensor | None, ...]
+    cos: torch.Tensor  # [tokens, 1, head_dim/2] RoPE half tables
+    sin: torch.Tensor
+    # Single-token runs with history (decodes) attend in one padded batch instead of one by one.
+    decode_rows: tuple[int, ...] = ()  # run indices
+    decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: slot 0)
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
 
 
 class ModelRunner:
@@ -67,19 +79,41 @@ class ModelRunner:
         cfg = model.cfg
         return 2 * cfg.num_layers * block_size * cfg.kv_dim * model.dtype.itemsize
 
+    # ----- slots ------------------------------------------------------------------------------
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Pool slot of every position in [start, end) for a request owning `block_ids`."""
         pos = torch.arange(start, end)
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, items: Sequence[RunItem]) -> "StepBatch":
+    def slot_runs(self, block_ids: Sequence[int], start: int, end: int) -> list[SlotRun]:
+        """[start, end) cut where the request's blocks stop being consecutive in the pool."""
+        bs, runs = self.block_size, []
+        pos = start
+        while pos < end:
+            b = pos // bs
+            last = b
+            while (last + 1) * bs < end and block_ids[last + 1] == block_ids[last] + 1:
+                last += 1
+            stop = min(end, (last + 1) * bs)
+            runs.append(SlotRun(pos, block_ids[b] * bs + pos % bs, stop - pos))
+            pos = stop
+        return runs
+
+    def _context(self, block_ids: Sequence[int], end: int) -> range | torch.Tensor:
+        runs = self.slot_runs(block_ids, 0, end)
+        if len(runs) == 1:
+            return range(runs[0].slot, runs[0].slot + end)
+        return self.slots(block_ids, 0, end)
+
+    # ----- one step ---------------------------------------------------------------------------
+    def prepare(self, items: Sequence[RunItem]) -> StepBatch:
         lens = [len(it.token_ids) for it in items]
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
         positions = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)])
-        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = self.rope.halves(positions)
         rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
         dec_slots = dec_mask = None
         if len(rows) > 1:
@@ -96,9 +130,8 @@ class ModelRunner:
             ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
             offsets=tuple(offsets),
             new_slots=torch.cat([self.slots(it.block_ids, it.start, it.start + n) for it, n in zip(items, lens)]),
-            # Requests with history read their whole context [0, end) back from the pool.
-            ctx_slots=tuple(self.slots(it.block_ids, 0, it.start + n) if it.start > 0 else None
-                            for it, n in zip(items, lens)),
+            ctx=tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.start + n)
+                      for i, (it, n) in enumerate(zip(items, lens))),
             cos=cos,
             sin=sin,
             decode_rows=rows,
@@ -106,15 +139,16 @@ class ModelRunner:
             decode_mask=dec_mask,
         )
 
-    def run_layer(self, li: int, h: torch.Tensor, b: "StepBatch", capture: CaptureFn | None = None) -> torch.Tensor:
+    def run_layer(self, li: int, h: torch.Tensor, b: StepBatch, capture: CaptureFn | None = None) -> torch.Tensor:
         """Layer `li` for every run in the batch: writes its K/V into the pool, returns the next h."""
         layer = self.model.layers[li]
-        q, k, v = layer.qkv(h)  # pre-RoPE
+        q, k, v = layer.qkv(h)  # [tokens, heads | kv_heads, hd], before RoPE
+        q = rotate_into(q, b.cos, b.sin, torch.empty_like(q))
+        k = rotate_into(k, b.cos, b.sin, torch.empty_like(k))  # fresh: captured views must outlive the step
         if capture is not None:
             for i in range(len(b.items)):
                 lo, hi = b.offsets[i], b.offsets[i + 1]
                 capture(li, i, h[lo:hi], k[lo:hi], v[lo:hi])
-        q, k = rotate(q, b.cos, b.sin), rotate(k, b.cos, b.sin)
         kc, vc = self.k_cache[li], self.v_cache[li]
         kc.index_copy_(0, b.new_slots, k)
         vc.index_copy_(0, b.new_slots, v)
@@ -127,26 +161,27 @@ class ModelRunner:
             if outs[i] is not None:
                 continue
             lo, hi = b.offsets[i], b.offsets[i + 1]
-            if b.ctx_slots[i] is None:  # fresh sequence: its K/V are exactly this run's
+            ctx = b.ctx[i]
+            if ctx is None:  # fresh sequence: its K/V are exactly this run's
                 outs[i] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0)
+            elif isinstance(ctx, range):  # consecutive blocks: attend straight from the pool
+                outs[i] = causal_attention(q[lo:hi], kc[ctx.start : ctx.stop], vc[ctx.start : ctx.stop], it.start)
             else:
-                ks, vs = kc.index_select(0, b.ctx_slots[i]), vc.index_select(0, b.ctx_slots[i])
-                outs[i] = causal_attention(q[lo:hi], ks, vs, it.start)
+                outs[i] = causal_attention(q[lo:hi], kc.index_select(0, ctx), vc.index_select(0, ctx), it.start)
         return layer.finish(h, torch.cat(outs) if len(outs) > 1 else outs[0])
 
-    def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: "StepBatch") -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch) -> torch.Tensor:
         """One SDPA call for every decoding run: contexts padded to the longest and masked."""
-        assert b.decode_slots is not None and b.decode_mask is not None
+        if b.decode_slots is None or b.decode_mask is None:
+            raise RuntimeError("decode attention without decode rows")
         n, width = b.decode_slots.shape
-        heads, kv_heads = q.shape[1], kc.shape[1]
+        kv_heads = kc.shape[1]
         qd = q[torch.tensor([b.offsets[i] for i in b.decode_rows])].unsqueeze(2)  # [n, heads, 1, hd]
         flat = b.decode_slots.reshape(-1)
         ks = kc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)  # [n, kv_heads, width, hd]
         vs = vc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)
-        if heads != kv_heads:
-            ks = ks.repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, width, hd]
-            vs = vs.repeat_interleave(heads // kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask)  # [n, heads, 1, hd]
+        out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask,
+                                             enable_gqa=q.shape[1] != kv_heads)  # [n, heads, 1, hd]
         return out.squeeze(2)
 
     @torch.inference_mode()
@@ -176,11 +211,31 @@ class ModelRunner:
             return torch.empty(0, model.cfg.vocab_size)
         return model.logits(h[torch.tensor(last)])  # [requests sampling, vocab]
 
+    # ----- placing restored state -----------------------------------------------------------
     @torch.inference_mode()
-    def place_kv(self, layer: int, slots: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Put externally produced pre-RoPE K [n, kv_heads, hd] and V into the pool at `slots`,
-        rotating K for the positions [start, start + n) it takes here (which may differ from where
-        it was computed)."""
-        cos, sin = self.rope.span(start, start + k.shape[0])
-        self.k_cache[layer].index_copy_(0, slots, rotate(k.to(self.k_cache.dtype), cos, sin))
+    def copy_in(self, layer: int, runs: Sequence[tuple[int, int]], k: Sequence[torch.Tensor],
+                v: Sequence[torch.Tensor]) -> None:
+        """Copy stored K (already rotated at these positions) and V pieces into the pool: piece i
+        ([n_i, kv_heads, hd]) goes to slots [runs[i][0], runs[i][0] + runs[i][1]). One call per
+        layer over every piece: torch's foreach copy, not a Python loop of kernels."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        dst = [kc[s : s + n] for s, n in runs] + [vc[s : s + n] for s, n in runs]
+        torch._foreach_copy_(dst, list(k) + list(v))
+
+    @torch.inference_mode()
+    def project_in(self, layer: int, h: torch.Tensor, positions: torch.Tensor | tuple[int, int],
+                   slots: torch.Tensor) -> None:
+        """Rebuild K/V of `layer` from stored layer inputs h [n, hidden] (HCache), rotate K at
+        `positions` (a tensor, or a (start, end) span) and write both into the pool at `slots`."""
+        k, v = self.model.layers[layer].kv(h.to(self.k_cache.dtype))  # [n, kv_heads, hd] before RoPE
+        cos, sin = self.rope.span(*positions) if isinstance(positions, tuple) else self.rope.halves(positions)
+        self.k_cache[layer].index_copy_(0, slots, rotate_into(k, cos, sin, torch.empty_like(k)))
+        self.v_cache[layer].index_copy_(0, slots, v)
+
+    @torch.inference_mode()
+    def shift_in(self, layer: int, k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor, slots: torch.Tensor) -> None:
+        """Place stored K rotated by `shift` more positions (context truncation moved its tokens)."""
+        cos, sin = self.rope.delta(shift)
+        k = k.to(self.k_cache.dtype)
+        self.k_cache[layer].index_copy_(0, slots, rotate_into(k, cos, sin, torch.empty_like(k)))
         self.v_cache[layer].index_copy_(0, slots, v.to(self.v_cache.dtype))

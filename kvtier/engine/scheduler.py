@@ -1,15 +1,22 @@
 """Continuous batching with a per-step token budget.
 
-Each step: running decodes first (one token each), then running chunked prefills, then the
-compute of restores in flight, then waiting requests fill what is left of the budget. When blocks run out, the most recently arrived running
-request is preempted: its blocks are released and it is recomputed later from its tokens (its
-full blocks usually survive in the device prefix cache, so resuming is cheap).
+Each step: running decodes first (one token each), then running chunked prefills (a request whose
+restore is ready computes its new tokens here, carrying the restore's placement cost), then the
+compute of restores still preparing, then waiting requests fill what is left of the budget. A
+waiting request whose stored prefix goes beyond the device prefix cache leaves the step as a
+`RestoreTicket`: the caller starts it; nothing here does I/O beyond the store's lookup. When
+blocks run out, the most recently arrived running request is preempted: its blocks are released
+and it is recomputed later from its tokens (its full blocks usually survive in the device prefix
+cache, so resuming is cheap).
+
+Plain values only: ints, token ids, hashes. No torch.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,36 +36,62 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """What the store offers for a request: restore [keep, target) by `plan`, keeping the device's
+    [0, keep); `compute_tokens` is the plan's compute before the new tokens can start."""
+
+    target: int  # 0: nothing worth restoring (or the plan is to recompute)
+    keep: int
+    plan: Any = None  # a restore Plan (opaque here), handed on to the restore untouched
+    compute_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RestoreTicket:
+    """Restore [start, target) of a request into its blocks by `plan`; its new tokens wait until
+    the restore is ready. `debt`: compute tokens not yet paid out of a step's budget."""
+
+    request_id: str
+    start: int  # device-cached positions before this are kept and never written
+    target: int
+    plan: Any
+    debt: int = 0
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[str, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    restores: tuple[RestoreTicket, ...] = ()
+    preempted: tuple[str, ...] = ()
 
 
-class Restorer(Protocol):
-    """What the scheduler needs from the store side (plain ints and opaque matches)."""
+@dataclass(frozen=True)
+class _Issued:
+    ticket: RestoreTicket
+    plan_paid: int
 
-    def probe(self, req: Request) -> tuple[int, int, Any]: ...
 
-    def start(self, req: Request, target: int, match: Any) -> None: ...
+class StoreProbe(Protocol):
+    """What the scheduler needs from the store side: a lookup and the restores' compute."""
+
+    def probe(self, req: Request) -> Probe: ...
 
     def charge(self, budget: int) -> int:
-        """Take up to `budget` tokens of this step for the compute of restores in flight."""
+        """Take up to `budget` tokens of this step for the compute of restores still preparing."""
         ...
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, restorer: Restorer | None = None):
+    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreProbe | None = None,
+                 prefix_cache: bool = True):
         self.pool = pool
-        self.restorer = restorer
-        self.restoring: list[Request] = []
+        self.store = store
+        self.prefix_cache = prefix_cache
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.restoring: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
@@ -69,6 +102,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.restoring)
 
+    # ----- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -76,11 +110,11 @@ class Scheduler:
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
         for req in decoding + prefilling:
-            if budget == 0:
+            if budget <= 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, max(budget - req.attach_tokens, 1))
             while not self._grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -90,17 +124,21 @@ class Scheduler:
             if req not in self.running:
                 continue
             chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
-            budget -= n
-        if self.restorer is not None and self.restoring:
-            # Restores compute on the same cores (projection, placement, recomputed layers):
-            # their work counts against the budget like a prefill that arrived before the queue.
-            budget -= self.restorer.charge(budget)
+            budget -= n + req.attach_tokens
+            req.attach_tokens = 0
+        if self.store is not None and self.restoring:
+            # Restores compute on the same cores (recomputed layers, Cake's front): their work
+            # counts against the budget like a prefill that arrived before the queue.
+            budget -= self.store.charge(max(budget, 0))
+        tickets: list[RestoreTicket] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_computed == 0:
                 self._match_prefix(req)
-                if self._try_restore(req):
-                    budget -= self.restorer.charge(budget)  # its compute starts in this step
+                ticket = self._try_restore(req, budget)
+                if ticket is not None:
+                    budget -= ticket.plan_paid
+                    tickets.append(ticket.ticket)
                     continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
@@ -108,75 +146,119 @@ class Scheduler:
                 self.pool.release(req.block_ids)
                 req.block_ids, req.num_computed = [], 0
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.PREFILL
-            req.metrics.first_scheduled = req.metrics.first_scheduled or time.perf_counter()
-            self.running.append(req)
+            self._admit(req, RequestStatus.PREFILL, self.running)
             chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
             budget -= n
-        return SchedulerOutput(tuple(chunks), tuple(preempted))
+        return SchedulerOutput(tuple(chunks), tuple(tickets), tuple(preempted))
 
-    def _try_restore(self, req: Request) -> bool:
-        """Send `req` to RESTORING when the store holds more of its prefix than the device does.
-        The restore runs in the background; the request rejoins at `restored`."""
-        if self.restorer is None or req.restore_tried:
-            return False
+    def _admit(self, req: Request, status: RequestStatus, into: list[Request]) -> None:
+        self.waiting.popleft()
+        req.status = status
+        req.metrics.first_scheduled = req.metrics.first_scheduled or time.perf_counter()
+        into.append(req)
+
+    def _try_restore(self, req: Request, budget: int) -> _Issued | None:
+        """A ticket when the store holds more of `req`'s prefix than the device does. Its compute
+        starts in this step: pay what the budget allows now, the rest in later steps."""
+        if self.store is None or req.restore_tried:
+            return None
         req.restore_tried = True
-        target, keep, match = self.restorer.probe(req)
-        if keep < req.num_computed:
+        probe = self.store.probe(req)
+        if probe.keep < req.num_computed:
             # The store lacks part of what the device cache holds: recompute that part once, so
             # its state is captured and the stored chain of chunks has no hole.
-            n = keep // self.pool.block_size
+            n = probe.keep // self.pool.block_size
             self.pool.release(req.block_ids[n:])
             req.block_ids = req.block_ids[:n]
             req.num_computed = n * self.pool.block_size
-            req.metrics.prompt_tokens_reused = req.num_computed
-            if req.num_computed:
-                req.metrics.reused_by_tier["device"] = req.num_computed
-            else:
-                req.metrics.reused_by_tier.pop("device", None)
-        if target <= req.num_computed:
-            return False
-        if not self._grow(req, target + 1):
-            return False  # not enough blocks now: prefill normally instead
-        self.waiting.popleft()
-        req.status = RequestStatus.RESTORING
-        req.metrics.first_scheduled = req.metrics.first_scheduled or time.perf_counter()
-        self.restoring.append(req)
-        self.restorer.start(req, target, match)
-        return True
+            req.metrics.forget_reuse()
+            req.metrics.note_reuse("device", req.num_computed)
+        if probe.target <= req.num_computed:
+            return None
+        if not self._grow(req, probe.target + 1):
+            return None  # not enough blocks now: prefill normally instead
+        self._admit(req, RequestStatus.RESTORING, self.restoring)
+        paid = min(max(budget, 0), probe.compute_tokens)
+        ticket = RestoreTicket(req.request_id, req.num_computed, probe.target, probe.plan, probe.compute_tokens - paid)
+        return _Issued(ticket, paid)
 
-    def restored(self, req: Request, ok: bool, tokens: int) -> None:
-        """A background restore ended: on success [0, tokens) are in the pool; prefill the rest."""
+    # ----- after a step ---------------------------------------------------------------------
+    def restored(self, req: Request, tokens: int | None, tier_tokens: dict[str, int] | None = None,
+                 attach_tokens: int = 0) -> None:
+        """A restore is ready (tokens: [0, tokens) will be in the pool once its first chunk runs,
+        which carries `attach_tokens` of its compute) or failed (None: prefill from the device part)."""
         self.restoring.remove(req)
-        if ok:
+        if tokens is not None:
             req.num_computed = tokens
-            req.metrics.prompt_tokens_reused = tokens
+            req.attach_tokens = attach_tokens
+            for tier, n in (tier_tokens or {}).items():
+                req.metrics.note_reuse(tier, n)
         req.status = RequestStatus.PREFILL
         self.running.append(req)
 
+    def void(self, req: Request, start: int) -> None:
+        """The step's result for `req` is void (its restore failed mid-step): recompute from `start`."""
+        device = req.metrics.reused_by_tier.get("device", 0)
+        req.metrics.forget_reuse()
+        req.metrics.note_reuse("device", min(device, start))
+        req.num_computed = start
+        req.status = RequestStatus.PREFILL
+
+    def postprocess(self, out: SchedulerOutput, void: Sequence[str] = ()) -> list[Request]:
+        """Advance computed counts and publish newly full blocks; -> requests whose chunk reached
+        the end of their tokens (they sample a token now)."""
+        done = []
+        for c in out.chunks:
+            req = self.requests.get(c.request_id)
+            if req is None or c.request_id in void:
+                continue
+            req.num_computed = c.end
+            self._publish(req)
+            if c.end == req.num_tokens:
+                req.status = RequestStatus.DECODE
+                done.append(req)
+        return done
+
+    def _publish(self, req: Request) -> None:
+        """Register the request's newly full blocks in the device prefix cache. Never for a
+        truncated context: its K/V are approximations and must not be reused as exact."""
+        if not self.prefix_cache or req.kept is not None:
+            return
+        full = req.num_computed // self.pool.block_size
+        if full <= req.num_published:
+            return
+        req.block_hashes = block_hashes(req.all_ids[: full * self.pool.block_size], self.pool.block_size,
+                                        req.block_hashes)
+        for i in range(req.num_published, full):
+            self.pool.register(req.block_ids[i], req.block_hashes[i])
+        req.num_published = full
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        if req in self.restoring:
-            self.restoring.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
+        for queue in (self.restoring, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
             self.waiting.remove(req)
         self.pool.release(req.block_ids)
         req.block_ids = []
         self.requests.pop(req.request_id, None)
 
+    # ----- blocks -----------------------------------------------------------------------------
     def _match_prefix(self, req: Request) -> None:
-        """Reuse device-cached full blocks; at least one prompt token is always computed (for logits)."""
+        """Reuse device-cached full blocks; at least one prompt token is always computed (for logits).
+        A truncated context never takes cached blocks: they would hold exact state at positions
+        its approximate rows also claim."""
+        req.block_ids, req.num_computed, req.num_published = [], 0, 0
+        if not self.prefix_cache or req.kept is not None:
+            return
         req.block_hashes = block_hashes(req.all_ids, self.pool.block_size, req.block_hashes)
         usable = (req.num_tokens - 1) // self.pool.block_size
         req.block_ids = self.pool.match_prefix(req.block_hashes[:usable])
+        req.num_published = len(req.block_ids)  # found in the cache: registered already
         req.num_computed = len(req.block_ids) * self.pool.block_size
         if req.metrics.first_scheduled is None:  # count reuse once, not again after a preemption
-            req.metrics.prompt_tokens_reused = req.num_computed
-            if req.num_computed:
-                req.metrics.reused_by_tier["device"] = req.num_computed
+            req.metrics.note_reuse("device", req.num_computed)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.pool.block_size) - len(req.block_ids)
@@ -192,7 +274,9 @@ class Scheduler:
         self.pool.release(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
+        req.num_published = 0
         req.restore_tried = False
+        req.attach_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1

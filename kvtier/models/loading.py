@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvtier import paths
+from kvtier.dtypes import COMPUTE_DTYPES, canonical, torch_dtype
 from kvtier.models.config import ModelConfig
 from kvtier.models.llama import CausalLM
 from kvtier.models.presets import PRESETS, random_state_dict
@@ -48,10 +49,6 @@ class LoadedModel:
         return self.module.dtype
 
 
-def default_home() -> Path:
-    return Path(os.environ.get("KVTIER_HOME", Path.home() / ".cache" / "kvtier"))
-
-
 def cpu_has_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -71,11 +68,9 @@ def parse_dtype(name: str | torch.dtype | None, device: str = "cpu") -> torch.dt
         return name
     if name in (None, "auto"):
         return default_dtype(device)
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; use one of auto, fp32, bf16, fp16")
-    return table[name]
+    if canonical(name) not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown compute dtype {name!r}; use one of auto, fp32, bf16, fp16")
+    return torch_dtype(name)
 
 
 def smollm2_gguf_path() -> Path | None:
@@ -194,7 +189,7 @@ def load_model(
     tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a model by preset name, `smollm2-135m`, HF directory or GGUF path."""
-    home = home or default_home()
+    home = home or paths.home()
     torch_dtype = parse_dtype(dtype, device)
     kind, path = resolve(name)
     if kind == "preset":

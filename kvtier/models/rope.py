@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE), including linear and Llama-3 frequency scaling.
 
-RoPE is applied to K only when K enters the device pool, at the position it takes there
-(DESIGN invariant 1), so everything here works on explicit position tensors.
+K is rotated at its token's position once, when it is computed; it is stored and restored that
+way. Only a restore that moves tokens (context truncation) rotates again, by the position
+difference: rotations compose, R(a)R(b) = R(a+b).
 """
 
 from __future__ import annotations
@@ -45,19 +46,48 @@ class Rope:
         emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+        half = cfg.head_dim // 2
+        # The two halves of cos/sin are equal (half-split layout): rotate_into needs one.
+        self.cos_h = self.cos[:, :half].contiguous()  # [positions, head_dim/2]
+        self.sin_h = self.sin[:, :half].contiguous()
         self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin shaped [tokens, 1, head_dim] for broadcasting over heads."""
+        """cos, sin shaped [tokens, 1, head_dim] for broadcasting over heads (for `rotate`)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
+    def halves(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half tables [tokens, 1, head_dim/2] at `positions` (for `rotate_into`)."""
+        return self.cos_h[positions].unsqueeze(1), self.sin_h[positions].unsqueeze(1)
+
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos_sin of the contiguous positions [start, end), as views (no gather)."""
-        return self.cos[start:end].unsqueeze(1), self.sin[start:end].unsqueeze(1)
+        """`halves` of the contiguous positions [start, end), as views (no gather)."""
+        return self.cos_h[start:end].unsqueeze(1), self.sin_h[start:end].unsqueeze(1)
+
+    def delta(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half tables [tokens, 1, head_dim/2] for rotating by `shift` positions (may be negative):
+        cos is even and sin odd in the angle, so R(-d) uses cos(d) and -sin(d)."""
+        mag = shift.abs()
+        sign = torch.where(shift < 0, -1.0, 1.0).to(self.sin_h.dtype).unsqueeze(1)  # [tokens, 1]
+        return self.cos_h[mag].unsqueeze(1), (self.sin_h[mag] * sign).unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim] (half-split layout, as HF Llama) rotated by cos/sin [tokens, 1, head_dim]."""
+    """x: [tokens, heads, head_dim] (half-split layout, as HF Llama) rotated by cos/sin [tokens, 1, head_dim].
+    The plain form HF uses; the engine uses `rotate_into`."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate_into(x: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rotate` written straight into `out` (which must not alias x), with no temporaries:
+    out1 = x1*c - x2*s, out2 = x2*c + x1*s per half. x, out: [tokens, heads, head_dim];
+    cos_h/sin_h: [tokens, 1, head_dim/2]."""
+    half = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos_h, out=o1)
+    o1.addcmul_(x2, sin_h, value=-1)
+    torch.mul(x2, cos_h, out=o2)
+    o2.addcmul_(x1, sin_h)
+    return out

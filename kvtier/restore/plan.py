@@ -1,33 +1,41 @@
-"""Restore plans: plain values the planner produces and the executor applies without re-deciding."""
+"""Restore plans: plain values the planner produces and the executor applies without re-deciding.
+
+A plan names every chunk it reads, the tier it reads it from and how many bytes that is, the
+representation read per layer, and the read-buffer depth; the executor reads exactly that (a chunk
+missing from its planned tier is a miss, never a read from elsewhere).
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from kvtier.store import Repr
+from kvtier.store.layout import Repr
 
 
 class Method(str, enum.Enum):
     RECOMPUTE = "recompute"  # prefill the history from its token ids
-    KV = "kv"  # load pre-RoPE K/V layer by layer (CachedAttention)
+    KV = "kv"  # load K/V layer by layer (CachedAttention)
     HIDDEN = "hidden"  # load layer inputs, project to K/V (HCache)
     BUBBLEFREE = "bubblefree"  # per-layer mix of hidden with KV load or token recompute (HCache §4.1)
     CAKE = "cake"  # compute chunks from the front while loading KV chunks from the back
-    AUTO = "auto"  # let the planner choose
 
 
-# Layer-wise methods read this many layers of a chunk per read call (layer-major chunks make them
-# one contiguous range): a few layers amortize the per-read latency without delaying the first.
-READ_GROUP_LAYERS = 4
+AUTO = "auto"  # a request for the planner's choice, not a method a plan carries
+METHOD_CHOICES = (AUTO,) + tuple(m.value for m in Method)
 
 
 @dataclass(frozen=True)
-class ChunkSource:
-    start: int
+class PlannedChunk:
+    key: str
+    start: int  # tokens [start, end) of the context
     end: int
-    tier: str  # tier the chunk is read from ("" when computed from tokens)
-    direction: str  # "load" (layer-wise), "front" (computed, Cake), "back" (loaded whole, Cake), "compute"
+    tier: str  # the tier the planner costed: the executor reads it from there
+    nbytes: int  # bytes the plan reads from this chunk (only the layers and parts it needs)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -35,12 +43,16 @@ class Plan:
     method: Method
     layer_reprs: tuple[Repr, ...]  # what is read per layer; leading NONE layers are recomputed
     history_tokens: int  # tokens [0, history_tokens) restored by this plan
-    chunks: tuple[ChunkSource, ...]
-    predicted_s: float  # restore time (new tokens excluded) predicted from the profile
+    chunks: tuple[PlannedChunk, ...]  # what is read, from where (empty for recompute)
+    predicted_s: float  # restore + new tokens' first step, predicted from the profile
     ideal_s: float  # max(bytes / bandwidth, compute seconds): no method of this kind can beat it
-    prefetch_layers: int = 2  # IO read-ahead depth in layers (CachedAttention §3.2.1 buffer)
-    bytes_read: int = 0
-    compute_tokens: int = 0  # the restore's compute (projection, placement, recomputed layers) in prefill tokens
+    read_buffer_layers: int = 2  # layers read ahead before the new tokens start (CachedAttention §3.2.1)
+    background_tokens: int = 0  # compute before the new tokens start (recomputed layers, Cake's front), in prefill tokens
+    attach_tokens: int = 0  # compute beside the new tokens (placement, projection), in prefill tokens
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
 
     @property
     def recompute_layers(self) -> int:

@@ -1,10 +1,14 @@
 """The planner: predict each restore method's time from the profile and pick the fastest.
 
-Pure: ints, floats and plain values in, a frozen Plan out. Per layer it works with four costs
-(HCache §4.1 names): IO_KV and IO_H (reading one layer of K/V or of hidden states for the whole
-history, summed over the tiers the chunks actually sit in), C_H (projecting one layer's hidden
-states to K/V) and C_Token (recomputing one layer from tokens). Online refinement: after a
-restore, `observe` folds the measured/predicted ratio into a per-method correction factor.
+Pure: ints, floats and plain values in, a frozen Plan out (no torch). Per layer it works with four
+costs (HCache §4.1 names): IO_KV and IO_H (reading one layer of K/V or of hidden states for the
+whole history, summed over the tiers the chunks actually sit in), C_H (projecting one layer's
+hidden states to K/V) and C_Token (recomputing one layer from tokens).
+
+What it predicts is the engine's own path: the plan's first `read_buffer_layers` layers are read
+while the request waits (plus any recomputed leading layers or Cake's race), then the new tokens
+run layer by layer, each layer's history placed just before that layer needs it. Online
+refinement: after a restore, `observe` folds the measured/predicted ratio into a per-method factor.
 """
 
 from __future__ import annotations
@@ -12,197 +16,192 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvtier.restore.plan import READ_GROUP_LAYERS, ChunkSource, Method, Plan
-from kvtier.restore.profile import HardwareProfile, TierRates
-from kvtier.store import Repr
+from kvtier.restore.costs import HardwareProfile, ModelShape, TierLink, read_buffer_layers
+from kvtier.restore.plan import Method, Plan, PlannedChunk
+from kvtier.store.layout import Repr
 
 
-@dataclass(frozen=True)
-class TierLink:
-    """Effective read cost of one tier: measured rates plus any emulated bandwidth/latency."""
-
-    rates: TierRates
-    emulated_bps: float | None = None
-    emulated_latency_s: float = 0.0
-
-    def read_s(self, nbytes: int, whole_chunk: bool) -> float:
-        return sum(self.read_parts(nbytes, whole_chunk))
-
-    def read_parts(self, nbytes: int, whole_chunk: bool) -> tuple[float, float]:
-        """(busy, waiting) seconds of reading one chunk whole, or one layer of it: the raw device
-        read, which occupies a core, and what an emulated limit adds on top as pure waiting.
-        Layers are read READ_GROUP_LAYERS at a time, so a layer pays that share of a call's latency."""
-        bps = self.rates.chunk_bps if whole_chunk else self.rates.layer_bps
-        calls = 1.0 if whole_chunk else 1.0 / READ_GROUP_LAYERS
-        wait = calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
-        return nbytes / bps + calls * self.rates.read_latency_s, wait
-
-    def stolen_s(self, nbytes: int, whole_chunk: bool) -> float:
-        """Compute time a read takes away from work running beside it (its unhidden busy part)."""
-        return (1.0 - self.rates.overlap) * self.read_parts(nbytes, whole_chunk)[0]
+class StoredChunk(Protocol):
+    """A stored chunk as lookup reports it (store.index.ChunkRef satisfies this)."""
 
     @property
-    def bandwidth(self) -> float:
-        """Bytes/s the ideal bound is computed with."""
-        raw = self.rates.chunk_bps
-        return raw if not self.emulated_bps else 1.0 / (1.0 / raw + 1.0 / self.emulated_bps)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A stored chunk as the planner sees it."""
-
-    start: int
-    end: int
-    tier: str
-
+    def key(self) -> str: ...
     @property
-    def tokens(self) -> int:
-        return self.end - self.start
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def tier(self) -> str: ...
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    kv_bytes_per_token_layer: int  # K and V
-    hidden_bytes_per_token_layer: int
+class LayerCosts:
+    """Seconds per layer for the whole history (HCache §4.1 names)."""
+
+    io_kv: float  # reading one layer of K/V (busy + waiting)
+    io_h: float  # reading one layer of hidden states
+    steal_kv: float  # compute time a K/V layer read takes from the compute beside it
+    steal_h: float
+    c_h: float  # projecting one layer of hidden states to K/V (with RoPE and placement)
+    place: float  # copying one layer of K/V into the pool
+    c_token: float  # recomputing one layer from tokens
 
 
-def read_buffer_layers(load_s_per_token: float, prefill_s_per_token: float, hist: int, new: int,
-                       layer_bytes: int, bandwidth: float) -> int:
-    """CachedAttention §3.2.1: S_buf = B * (T_load * L_hist - T_pref * L_new), in layers (at least 1)."""
-    gap = load_s_per_token * hist - prefill_s_per_token * new
-    if gap <= 0 or layer_bytes <= 0:
-        return 1
-    return max(1, math.ceil(bandwidth * gap / layer_bytes))
+def _tokens(chunks: Sequence[StoredChunk]) -> int:
+    return chunks[-1].end if chunks else 0
 
 
 class Planner:
     def __init__(self, profile: HardwareProfile, shape: ModelShape, links: Mapping[str, TierLink],
-                 compute_chunk_tokens: int = 512):
+                 compute_chunk_tokens: int = 512, prefill_chunk_tokens: int = 2048):
         self.profile = profile
-        self.compute_chunk_tokens = compute_chunk_tokens  # the executor's prefill step (Cake's front)
         self.shape = shape
         self.links = dict(links)
+        self.compute_chunk_tokens = compute_chunk_tokens  # Cake's front step (the executor's)
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # the engine's per-step token budget
         self.correction: dict[Method, float] = {}
 
     # ----- per-layer costs ----------------------------------------------------------------
-    def _io_layer(self, chunks: Sequence[Chunk], bytes_per_token: int) -> float:
-        return sum(self.links[c.tier].read_s(c.tokens * bytes_per_token, whole_chunk=False) for c in chunks)
+    def _link(self, tier: str) -> TierLink:
+        link = self.links.get(tier)
+        if link is None:
+            link = self.links[tier] = TierLink(self.profile.rates(tier))
+        return link
 
-    def _stolen_layer(self, chunks: Sequence[Chunk], bytes_per_token: int) -> float:
-        return sum(self.links[c.tier].stolen_s(c.tokens * bytes_per_token, whole_chunk=False) for c in chunks)
+    def _per_layer(self, chunks: Sequence[StoredChunk], bytes_per_token: int) -> tuple[float, float]:
+        io = steal = 0.0
+        for c in chunks:
+            link, nbytes = self._link(c.tier), (c.end - c.start) * bytes_per_token
+            io += link.read_s(nbytes, whole_chunk=False)
+            steal += link.stolen_s(nbytes, whole_chunk=False)
+        return io, steal
 
-    def layer_costs(self, chunks: Sequence[Chunk]) -> dict[str, float]:
-        hist = chunks[-1].end if chunks else 0
-        p, s = self.profile, self.shape
-        return {
-            "io_kv": self._io_layer(chunks, s.kv_bytes_per_token_layer),
-            "io_h": self._io_layer(chunks, s.hidden_bytes_per_token_layer),
-            # Reading a layer slows the compute beside it by this much (no copy engine: see TierRates).
-            "steal_kv": self._stolen_layer(chunks, s.kv_bytes_per_token_layer),
-            "steal_h": self._stolen_layer(chunks, s.hidden_bytes_per_token_layer),
-            "c_h": p.project_s * hist,
-            "place": p.place_s * hist,
-            "c_token": p.prefill_s(0, hist) / s.num_layers,
-        }
+    def layer_costs(self, chunks: Sequence[StoredChunk]) -> LayerCosts:
+        p, s, hist = self.profile, self.shape, _tokens(chunks)
+        io_kv, steal_kv = self._per_layer(chunks, s.kv_bytes_per_token_layer)
+        io_h, steal_h = self._per_layer(chunks, s.hidden_bytes_per_token_layer)
+        return LayerCosts(io_kv, io_h, steal_kv, steal_h, c_h=p.project_s * hist, place=p.place_s * hist,
+                          c_token=self.prefill_chunks_s(0, hist) / s.num_layers)
+
+    def prefill_chunks_s(self, start: int, end: int) -> float:
+        """Seconds to compute [start, end) as the engine does: in steps of the token budget."""
+        step, t = self.prefill_chunk_tokens, 0.0
+        for a in range(start, end, step):
+            t += self.profile.prefill_s(a, min(end, a + step))
+        return t
 
     # ----- HCache §4.1.2 partition ----------------------------------------------------------
-    def partition(self, chunks: Sequence[Chunk]) -> tuple[Repr, ...]:
+    def partition(self, chunks: Sequence[StoredChunk]) -> tuple[Repr, ...]:
         """L_H hidden layers plus L_O layers of the complementary method, balanced so IO and
         compute finish together: KV load when projection is the bottleneck (C_H > IO_H), token
         recompute of the first layers when IO is."""
-        n = self.shape.num_layers
-        c = self.layer_costs(chunks)
-        c_h = c["c_h"] + c["steal_h"]  # projection slowed by the reads running beside it
-        if c_h > c["io_h"]:
-            denom = c["io_kv"] + c_h - c["io_h"]
-            l_h = min(n, math.ceil(n * c["io_kv"] / denom)) if denom > 0 else n
+        n, c = self.shape.num_layers, self.layer_costs(chunks)
+        c_h = c.c_h + c.steal_h  # projection slowed by the reads running beside it
+        if c_h > c.io_h:
+            denom = c.io_kv + c_h - c.io_h
+            l_h = min(n, math.ceil(n * c.io_kv / denom)) if denom > 0 else n
             return (Repr.HIDDEN,) * l_h + (Repr.KV,) * (n - l_h)
-        denom = c["c_token"] + c["io_h"] - c_h
-        l_h = min(n, math.ceil(n * c["c_token"] / denom)) if denom > 0 else n
+        denom = c.c_token + c.io_h - c_h
+        l_h = min(n, math.ceil(n * c.c_token / denom)) if denom > 0 else n
         return (Repr.NONE,) * (n - l_h) + (Repr.HIDDEN,) * l_h
 
     # ----- predictions ----------------------------------------------------------------------
-    def _pipeline(self, io: Sequence[float], comp: Sequence[float], lead_compute: float) -> float:
-        """Layer-wise pipeline: IO streams layers in order; layer l's compute starts when its IO
-        is done and layer l-1's compute is done. `lead_compute` runs first (recomputed layers),
-        while IO already streams the later layers."""
-        io_done, t = 0.0, lead_compute
-        for i, c in zip(io, comp):
-            io_done += i
-            t = max(t, io_done) + c
+    @staticmethod
+    def _pipeline(io: Sequence[float], comp: Sequence[float], lead: float, depth: int) -> float:
+        """The engine's restore: IO streams the stored layers in order from t=0 while `lead`
+        (recomputed layers) computes; the new tokens start once `depth` stored layers are read
+        (the read buffer) and the lead is done; then layer l computes once its IO is done."""
+        done, acc = [], 0.0
+        for x in io:
+            acc += x
+            done.append(acc)
+        stored = [i for i, x in enumerate(io) if x > 0]
+        ready = done[stored[min(depth, len(stored)) - 1]] if stored else 0.0
+        t = max(lead, ready)
+        for d, c in zip(done, comp):
+            t = max(t, d) + c
         return t
 
-    def predict(self, method: Method, chunks: Sequence[Chunk], new: int,
-                layout: Sequence[Repr] | None = None) -> tuple[float, float, int, float]:
-        """-> (predicted seconds, ideal seconds, bytes read, restore compute seconds) to restore
-        `chunks` and compute `new` tokens. The last is the compute (recomputed layers, projection,
-        placement) the restore runs on the cores the step loop uses, new tokens excluded."""
-        p, s = self.profile, self.shape
-        hist = chunks[-1].end if chunks else 0
-        new_s = p.prefill_s(hist, hist + new)
+    def predict(self, method: Method, chunks: Sequence[StoredChunk], new: int,
+                layout: Sequence[Repr]) -> tuple[float, float, float, float, int]:
+        """-> (predicted seconds to the first token, ideal seconds, background compute seconds,
+        attach compute seconds, read-buffer depth) to restore `chunks` and compute `new` tokens."""
+        p, s, hist = self.profile, self.shape, _tokens(chunks)
+        new_s = self.prefill_chunks_s(hist, hist + new)
         if method is Method.RECOMPUTE or not chunks:
-            t = p.prefill_s(0, hist + new)
-            return t, t, 0, p.prefill_s(0, hist)
-        c = self.layer_costs(chunks)
-        n = s.num_layers
+            t = self.prefill_chunks_s(0, hist + new)
+            return t, t, 0.0, 0.0, 0
         bw = self._bandwidth(chunks)
         if method is Method.CAKE:
             t, nbytes, comp = self._cake(chunks)
-            # Ideal: the loaded part at full bandwidth, the computed part at full compute rate.
-            return t + new_s, max(nbytes / bw, comp + new_s), nbytes, comp + p.place_s * nbytes / max(
-                s.kv_bytes_per_token_layer, 1)
-        if layout is None:
-            layout = {Method.KV: (Repr.KV,) * n, Method.HIDDEN: (Repr.HIDDEN,) * n}.get(method) or self.partition(chunks)
-        io, comp, steal, lead, nbytes = [], [], [], 0.0, 0
+            return t + new_s, max(nbytes / bw, comp + new_s), comp, 0.0, 0
+        c, n = self.layer_costs(chunks), s.num_layers
+        io, comp, lead, nbytes = [], [], 0.0, 0
         for r in layout:
             if r is Repr.NONE:
-                lead += c["c_token"]
+                lead += c.c_token
                 io.append(0.0)
                 comp.append(new_s / n)
-                steal.append(0.0)
             elif r is Repr.KV:
-                io.append(c["io_kv"])
-                comp.append(c["place"] + new_s / n)
-                steal.append(c["steal_kv"])
+                io.append(c.io_kv)
+                comp.append(c.place + c.steal_kv + new_s / n)
                 nbytes += hist * s.kv_bytes_per_token_layer
             else:
-                io.append(c["io_h"])
-                comp.append(c["c_h"] + new_s / n)
-                steal.append(c["steal_h"])
+                io.append(c.io_h)
+                comp.append(c.c_h + c.steal_h + new_s / n)
                 nbytes += hist * s.hidden_bytes_per_token_layer
-        t = self._pipeline(io, [x + y for x, y in zip(comp, steal)], lead)
-        ideal = max(nbytes / bw, lead + sum(comp))
-        return t, ideal, nbytes, lead + sum(comp) - new_s
+        depth = self._read_buffer(chunks, layout, new, c)
+        t = self._pipeline(io, comp, lead, depth)
+        attach = sum(comp) - new_s
+        return t, max(nbytes / bw, lead + sum(comp)), lead, attach, depth
 
-    def _bandwidth(self, chunks: Sequence[Chunk]) -> float:
-        tot = sum(ch.tokens for ch in chunks)
+    def _read_buffer(self, chunks: Sequence[StoredChunk], layout: Sequence[Repr], new: int, c: LayerCosts) -> int:
+        """CachedAttention §3.2.1 in layers: S_buf = B (T_load L_hist - T_pref L_new) bytes are what
+        loading the whole history takes beyond computing the new tokens; read that much before the
+        new tokens start and the rest hides under them. A plan that recomputes leading layers reads
+        every stored layer ahead: IO must keep streaming through the whole lead compute."""
+        n, hist = self.shape.num_layers, _tokens(chunks)
+        stored = sum(1 for r in layout if r is not Repr.NONE)
+        if stored < n:
+            return stored
+        io = sum(c.io_kv if r is Repr.KV else c.io_h for r in layout)  # the whole history, every layer
+        sizes = {Repr.KV: self.shape.kv_bytes_per_token_layer, Repr.HIDDEN: self.shape.hidden_bytes_per_token_layer}
+        layer_bytes = hist * sum(sizes[r] for r in layout) // n
+        pref = self.prefill_chunks_s(hist, hist + new) / max(new, 1)
+        depth = read_buffer_layers(io / max(hist, 1), pref, hist, new, layer_bytes, self._bandwidth(chunks))
+        return min(n, depth)
+
+    def _bandwidth(self, chunks: Sequence[StoredChunk]) -> float:
+        tot = sum(ch.end - ch.start for ch in chunks)
         # Token-weighted harmonic mean: time per byte adds up across the tiers the chunks sit in.
-        return 1.0 / sum(ch.tokens / tot / self.links[ch.tier].bandwidth for ch in chunks)
+        return 1.0 / sum((ch.end - ch.start) / tot / self._link(ch.tier).bandwidth for ch in chunks)
 
-    def _cake(self, chunks: Sequence[Chunk]) -> tuple[float, int, float]:
+    def _cake(self, chunks: Sequence[StoredChunk]) -> tuple[float, int, float]:
         """Simulate the executor's two pointers: whichever side is free first claims work; the
         compute side takes `compute_chunk_tokens` worth of chunks from the front per step, the IO
         side loads one whole KV chunk from the back at a time."""
         s, p = self.shape, self.profile
-        per_step = max(1, self.compute_chunk_tokens // max(1, chunks[0].tokens)) if chunks else 1
         front, back = 0, len(chunks) - 1
         tf = tb = 0.0
         nbytes, comp = 0, 0.0
         while front <= back:
             if tf <= tb:
-                n = min(per_step, back - front + 1)
-                cf = p.prefill_s(chunks[front].start, chunks[front + n - 1].end)
+                b, taken = front, 0
+                while b <= back and (taken == 0 or taken + chunks[b].end - chunks[b].start <= self.compute_chunk_tokens):
+                    taken += chunks[b].end - chunks[b].start
+                    b += 1
+                cf = p.prefill_s(chunks[front].start, chunks[b - 1].end)
                 tf += cf
                 comp += cf
-                front += n
+                front = b
             else:
                 ch = chunks[back]
-                size = ch.tokens * s.kv_bytes_per_token_layer * s.num_layers
-                link = self.links[ch.tier]
-                place = p.place_s * ch.tokens * s.num_layers
+                tokens = ch.end - ch.start
+                size = tokens * s.kv_bytes_per_token_layer * s.num_layers
+                link = self._link(ch.tier)
+                place = p.place_s * tokens * s.num_layers
                 tb += link.read_s(size, whole_chunk=True) + place
                 # The loader's copies and placement run on the compute side's cores too.
                 tf += link.stolen_s(size, whole_chunk=True) + (1.0 - link.rates.overlap) * place
@@ -211,48 +210,61 @@ class Planner:
         return max(tf, tb), nbytes, comp
 
     # ----- choosing -------------------------------------------------------------------------
-    def plan(self, method: Method, chunks: Sequence[Chunk], new: int,
-             layout: Sequence[Repr] | None = None) -> Plan:
+    def layout_for(self, method: Method, chunks: Sequence[StoredChunk], stored: Sequence[Repr] | None) -> tuple[Repr, ...]:
+        """What `method` reads per layer given the stored layout (None: what it would prefer)."""
         n = self.shape.num_layers
         if method is Method.RECOMPUTE:
-            layout = (Repr.NONE,) * n
-        elif method is Method.CAKE or method is Method.KV:
-            layout = (Repr.KV,) * n
-        elif method is Method.HIDDEN:
-            layout = (Repr.HIDDEN,) * n
-        elif layout is None:
-            layout = self.partition(chunks)
-        t, ideal, nbytes, compute_s = self.predict(method, chunks, new, layout)
-        t *= self.correction.get(method, 1.0)
-        hist = chunks[-1].end if chunks else 0
-        direction = {Method.RECOMPUTE: "compute", Method.CAKE: "race"}.get(method, "load")
-        sources = tuple(ChunkSource(c.start, c.end, c.tier, direction) for c in chunks)
-        prefetch = 2
-        if chunks and method is not Method.RECOMPUTE:
-            per_tok = t / max(hist, 1) / n
-            layer_bytes = hist * self.shape.kv_bytes_per_token_layer
-            prefetch = read_buffer_layers(per_tok, self.profile.prefill_s(hist, hist + new) / max(new, 1) / n,
-                                          hist, new, layer_bytes, self._bandwidth(chunks))
-            prefetch = min(max(prefetch, 2), n)
-            lead = sum(1 for r in layout if r is Repr.NONE)
-            if lead:
-                # Bubble-free with recompute is chosen when IO is the bottleneck: the IO thread must
-                # keep reading while the first layers are recomputed, so the buffer takes every
-                # stored layer (a bounded one would stall IO for the whole lead compute).
-                prefetch = max(prefetch, n - lead)
-        # The restore's own compute in prefill-token equivalents: what the engine charges to the
-        # step budget while it runs (it shares the cores with the step loop).
-        compute_tokens = math.ceil(compute_s / self.profile.prefill_a) if self.profile.prefill_a > 0 else 0
-        return Plan(method, tuple(layout), hist, sources, t, ideal, prefetch, nbytes, compute_tokens)
+            return (Repr.NONE,) * n
+        if method in (Method.KV, Method.CAKE):
+            return (Repr.KV,) * n
+        if method is Method.HIDDEN:
+            return (Repr.HIDDEN,) * n
+        return tuple(stored) if stored is not None else self.partition(chunks)
 
-    def choose(self, chunks: Sequence[Chunk], new: int, layouts: Mapping[Method, Sequence[Repr]]) -> Plan:
-        """The fastest predicted plan among recompute and the methods whose layout is stored."""
+    def plan(self, method: Method, chunks: Sequence[StoredChunk], new: int,
+             stored: Sequence[Repr] | None = None) -> Plan:
+        """The plan for `method` over `chunks` (each read from the tier named on it)."""
+        layout = self.layout_for(method, chunks, stored)
+        t, ideal, background, attach, depth = self.predict(method, chunks, new, layout)
+        t *= self.correction.get(method, 1.0)
+        per_token = {Repr.KV: self.shape.kv_bytes_per_token_layer, Repr.HIDDEN: self.shape.hidden_bytes_per_token_layer}
+        if method is Method.RECOMPUTE:
+            planned: tuple[PlannedChunk, ...] = ()
+        else:
+            row = sum(per_token.get(r, 0) for r in layout)  # bytes of one token over the layers read
+            planned = tuple(PlannedChunk(c.key, c.start, c.end, c.tier, (c.end - c.start) * row) for c in chunks)
+        a = self.profile.prefill_a
+        # The restore's compute in prefill-token equivalents: what the engine charges to the step
+        # budgets while it runs, since it shares the cores with the step loop.
+        return Plan(method, tuple(layout), _tokens(chunks), planned, t, ideal,
+                    read_buffer_layers=max(depth, 1),
+                    background_tokens=math.ceil(background / a) if a > 0 else 0,
+                    attach_tokens=math.ceil(attach / a) if a > 0 else 0)
+
+    def choose(self, chunks: Sequence[StoredChunk], new: int, allowed: Mapping[Method, Sequence[Repr]]) -> Plan:
+        """The fastest predicted plan among recompute and the methods the stored layout allows
+        (`allowed` maps each method to the stored layout it would read)."""
         plans = [self.plan(Method.RECOMPUTE, chunks, new)]
-        for m, layout in layouts.items():
-            if chunks:
-                plans.append(self.plan(m, chunks, new, layout))
-        best = min(plans, key=lambda pl: pl.predicted_s)
-        return best
+        if chunks:
+            plans += [self.plan(m, chunks, new, layout) for m, layout in allowed.items()]
+        return min(plans, key=lambda pl: pl.predicted_s)
+
+    def choose_layout(self, method: Method | None, tier: str, chunk_tokens: int) -> tuple[Repr, ...]:
+        """What to store per layer. Fixed by the method when there is one; for auto, decide once,
+        for a typical 1024-token history on `tier` (the slowest of the stack), whether HCache's
+        bubble-free partition beats plain KV loading."""
+        n = self.shape.num_layers
+        if method is Method.HIDDEN:
+            return (Repr.HIDDEN,) * n
+        if method in (Method.KV, Method.CAKE, Method.RECOMPUTE):
+            return (Repr.KV,) * n
+        probe = [PlannedChunk(str(a), a, a + chunk_tokens, tier, 0) for a in range(0, 1024, chunk_tokens)]
+        partition = self.partition(probe)
+        if method is Method.BUBBLEFREE:
+            return partition
+        kv = self.plan(Method.KV, probe, 64).predicted_s
+        bf = self.plan(Method.BUBBLEFREE, probe, 64, partition).predicted_s
+        return partition if bf < kv else (Repr.KV,) * n
 
     def observe(self, method: Method, predicted_s: float, actual_s: float, weight: float = 0.3) -> None:
         """Refine online: move the method's correction factor toward the observed/predicted ratio."""

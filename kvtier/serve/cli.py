@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.engine.config import METHODS
+from kvtier.restore.plan import METHOD_CHOICES
 from kvtier.models.loading import DEFAULT_MODEL
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
 
@@ -74,7 +74,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("state store (reuse across requests)")
     _add_store_argument(g)
     g.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
-    g.add_argument("--restore-method", default="auto", choices=list(METHODS),
+    g.add_argument("--restore-method", default="auto", choices=list(METHOD_CHOICES),
                    help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
                         "bubblefree, cake, recompute (default: auto)")
     g.add_argument("--chunk-tokens", type=_positive_int, default=64, help="tokens per stored chunk (default: 64)")
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     )
     app = create_app(engine, config=config)
     name = config.served_model_name or engine.model.name
-    store = "no store" if engine.state is None else f"store {args.store}"
+    store = "no store" if args.no_store or not args.store else f"store {args.store}"
     print(
         f"kvtier serving {name} ({engine.model.dtype}, context {engine.max_model_len}, {store}) on "
         f"http://{args.host}:{args.port}/v1" + (" (API key required)" if config.api_key else ""),

@@ -91,10 +91,9 @@ def reused_by_method(out: RequestOutput) -> dict[str, int]:
 
 
 def engine_store(engine: Engine) -> Any:
-    """The engine's TieredStore when it runs with one (`engine.state.store`), else None. A plain
-    `engine.store` attribute is honoured too (tests attach a fake one)."""
-    state = getattr(engine, "state", None)
-    return getattr(state, "store", None) if state is not None else getattr(engine, "store", None)
+    """The engine's TieredStore when it runs with one, else None. A plain `engine.store`
+    attribute is honoured first (tests attach a fake one)."""
+    return getattr(engine, "store", None) or getattr(engine.link, "store", None)
 
 
 class EngineCollector(Collector):
@@ -117,7 +116,7 @@ class EngineCollector(Collector):
         yield _counter("kvtier_engine_steps", "Engine steps run", bg.steps)
         yield _counter("kvtier_engine_step_errors", "Engine steps that raised (their requests were failed)", bg.errors)
         yield _gauge("kvtier_engine_alive", "1 while the engine step loop runs", int(bg.alive))
-        counters = getattr(getattr(eng, "state", None), "counters", None) or {}
+        counters = eng.stats(with_store=False).counters
         yield _counter("kvtier_restores", "Requests whose prompt prefix was restored from the store",
                        counters.get("restores", 0))
         yield _counter("kvtier_restore_failures", "Store restores that failed (the prefix was recomputed)",

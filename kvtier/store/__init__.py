@@ -1,17 +1,27 @@
 """Tiered state store: content-addressed chunks of KV / hidden state across memory, disks and Redis.
 
-Entry point: `TieredStore.open(spec, namespace)`. See docs/store.md.
+Entry point: `TieredStore.open(spec, namespace)`. See docs/store.md. Names are loaded on first
+use, so `from kvtier.store import Repr` (or the keys, index and policies) does not import torch.
 """
-from .format import FormatError, LayerState
-from .index import ChunkRef, PrefixMatch
-from .keys import chunk_key, chunk_spans, store_digest
-from .layout import Repr, StoreNamespace
-from .policy import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
-from .spec import SpecError, parse_spec
-from .tiered import TieredStore, VerifyReport
+from __future__ import annotations
 
-__all__ = [
-    "ChunkRef", "EvictionPolicy", "FIFOPolicy", "FormatError", "LFUPolicy", "LRUPolicy",
-    "LayerState", "PrefixMatch", "Repr", "SpecError", "StoreNamespace", "TieredStore",
-    "VerifyReport", "chunk_key", "chunk_spans", "make_policy", "parse_spec", "store_digest",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FormatError": ".format", "LayerState": ".format",
+    "ChunkRef": ".index", "PrefixMatch": ".index",
+    "chunk_key": ".keys", "chunk_spans": ".keys", "store_digest": ".keys",
+    "Repr": ".layout", "StoreNamespace": ".layout",
+    "EvictionPolicy": ".policy", "FIFOPolicy": ".policy", "LFUPolicy": ".policy", "LRUPolicy": ".policy",
+    "make_policy": ".policy",
+    "SpecError": ".spec", "parse_spec": ".spec",
+    "TieredStore": ".tiered", "VerifyReport": ".tiered",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvtier.store' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -1,23 +1,20 @@
 """`kvtier store stats|verify|clear` and the shared `--store SPEC` option.
 
-This is the CLI layer: the only place in the store that reads environment variables.
+This is the CLI layer; the home directory comes from kvtier.paths.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from kvtier import paths
 
 from .spec import SPEC_HELP, SpecError, parse_spec
 
 
-def kvtier_home() -> str:
-    return os.environ.get("KVTIER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
-
-
 def default_store_spec(home: str | None = None) -> str:
-    return f"memory:2GB,disk:{home or kvtier_home()}/store:20GB"
+    return f"memory:2GB,disk:{home or paths.home()}/store:20GB"
 
 
 def _spec_type(text: str) -> str:

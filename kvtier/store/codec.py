@@ -3,12 +3,7 @@ from __future__ import annotations
 
 import torch
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-}
+from kvtier.dtypes import torch_dtype
 
 
 def encode(t: torch.Tensor, storage: str) -> list[tuple[str, torch.Tensor]]:
@@ -20,7 +15,7 @@ def encode(t: torch.Tensor, storage: str) -> list[tuple[str, torch.Tensor]]:
     """
     t = t.detach().to("cpu")
     if storage != "int8":
-        data = t.to(TORCH_DTYPES[storage]).contiguous()
+        data = t.to(torch_dtype(storage)).contiguous()
         return [("", data.view(torch.uint8).reshape(-1))]
     x = t.to(torch.float32)
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0  # [..., 1]
@@ -38,9 +33,9 @@ def decode(data: torch.Tensor, storage: str, shape: tuple[int, ...], compute: st
     With copy=True the result never aliases `data`, so a caller may mutate what it gets without
     touching a cached copy (the memory tier); copy=False is for buffers the read owns.
     """
-    out_dtype = TORCH_DTYPES[compute]
+    out_dtype = torch_dtype(compute)
     if storage != "int8":
-        t = data.view(TORCH_DTYPES[storage]).reshape(shape)
+        t = data.view(torch_dtype(storage)).reshape(shape)
         if t.dtype != out_dtype:
             return t.to(out_dtype)
         if not copy:

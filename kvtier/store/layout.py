@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-FORMAT_VERSION = 1
+from kvtier.dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, WIDTH
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+# 2: K is stored rotated at its canonical position (the chunk key fixes every token's position),
+#    so a restore copies it into the pool as is; segments carry xxh3-64 checksums.
+FORMAT_VERSION = 2
 
 
 class Repr(str, Enum):
-    KV = "kv"  # pre-RoPE K and V of the layer
+    KV = "kv"  # K (RoPE applied at the token's position in its context) and V of the layer
     HIDDEN = "hidden"  # the layer input (residual stream before the input norm)
     NONE = "none"  # nothing stored: the layer is recomputed
 
@@ -81,13 +83,16 @@ class StoreNamespace:
         raise ValueError(f"unknown part {part!r}")
 
     def bytes_per_token(self) -> int:
-        """Stored payload bytes per token (scales excluded), for sizing and benchmarks."""
-        width = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[self.storage_dtype]
+        """Stored payload bytes per token over all layers (int8 scales included)."""
+        return sum(self.layer_bytes_per_token(r) for r in self.layer_reprs)
+
+    def layer_bytes_per_token(self, rep: Repr) -> int:
+        """Stored bytes of one token in one layer stored as `rep`; int8 adds an fp32 scale per row."""
         total = 0
-        for r in self.layer_reprs:
-            for p in r.parts():
-                n = 1
-                for d in self.part_shape(p, 1):
-                    n *= d
-                total += n * width
+        for p in rep.parts():
+            shape = self.part_shape(p, 1)  # [1, kv_heads, hd] or [1, hidden]
+            values = math.prod(shape)
+            total += values * WIDTH[self.storage_dtype]
+            if self.storage_dtype == "int8":
+                total += 4 * (values // shape[-1])  # one fp32 scale per row of the last dimension
         return total

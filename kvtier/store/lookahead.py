@@ -7,7 +7,7 @@ With no look-ahead information this is exactly the base policy.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .policy import EvictionPolicy
 
@@ -45,3 +45,11 @@ class LookAheadPolicy:
                 return
             freed += self.base.size(key)
             yield key
+
+
+def window(sizes: Sequence[int], free_bytes: int) -> int:
+    """CachedAttention §3.3: how many queued requests' states the look-ahead window covers: free
+    memory over the mean state size of the queued requests that have stored state (at least one)."""
+    held = [s for s in sizes if s]
+    mean = sum(held) / len(held) if held else 1.0
+    return max(1, int(free_bytes // max(mean, 1.0)))

@@ -85,6 +85,11 @@ class StoreSpec:
     redis: RedisSpec | None = None
     text: str = field(default="", compare=False)
 
+    def tiers(self) -> list[tuple[str, Emulation]]:
+        """(tier name, emulated limits) of each tier present, fastest first."""
+        entries = (("memory", self.memory), ("disk", self.disk), ("redis", self.redis))
+        return [(name, t.emulation) for name, t in entries if t is not None]
+
 
 def _emulation(opts: dict[str, str], entry: str) -> Emulation:
     bw = opts.pop("bw", None)

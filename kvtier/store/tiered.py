@@ -18,14 +18,16 @@ from .index import ChunkRef, PrefixMatch, longest_prefix
 from .keys import chunk_key, chunk_spans, store_digest
 from .layout import StoreNamespace
 from .policy import make_policy
+from .reads import PlannedChunkRef, PlannedReads
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
 from .spec import parse_spec
+from .staging import Staging
 from .tiers.base import Expect, Tier
 from .tiers.disk import DiskTier
 from .tiers.memory import MemoryTier
 from .writer import BackgroundWriter
 
-log = logging.getLogger("kvtier.store")
+log = logging.getLogger(__name__)
 DEFAULT_QUEUE_BYTES = 1 << 30
 
 
@@ -63,6 +65,7 @@ class TieredStore:
         self.counters = dict(saves=0, chunks_written=0, chunks_skipped=0, partials_superseded=0, discarded=0,
                              promotions=0)
         self._promoting: set[str] = set()
+        self.staging = Staging()  # aligned read buffers, kept for the next restore
         self.writer = BackgroundWriter(self._process, writer_queue_bytes)
 
     # --- construction -------------------------------------------------------------------------
@@ -74,10 +77,8 @@ class TieredStore:
         make_policy(policy)  # validate the name before touching any tier
         ns = store_digest(namespace.digest(), chunk_tokens) if namespace else None
         tiers: list[Tier] = []
-        only_memory = parsed.disk is None and parsed.redis is None
         if parsed.memory:
-            tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy),
-                                    parsed.memory.emulation, durable=only_memory))
+            tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy), parsed.memory.emulation))
         if parsed.disk:
             tiers.append(DiskTier(list(parsed.disk.paths), list(parsed.disk.capacities), ns,
                                   lambda: make_policy(policy), parsed.disk.emulation, fsync))
@@ -147,6 +148,18 @@ class TieredStore:
             want = range(len(data.header.layer_reprs)) if layers is None else layers
             return fmt.decode_layers(data.header, data.segments, want, parts, copy=copy and not t.owned_buffers)
         return None
+
+    def planned_reads(self, chunks: Sequence[PlannedChunkRef]) -> PlannedReads:
+        """Reads of exactly `chunks`, each from the tier named on it (a restore plan's contract)."""
+        self._ns()
+        return PlannedReads(self.tiers, self._expect, chunks, self.staging)
+
+    def promote(self, chunks: Sequence[PlannedChunkRef]) -> None:
+        """Copy chunks a restore read from below the memory tier into it, in the background (after
+        the restore, so the copy never competes with it)."""
+        for c in chunks:
+            if self.memory is not None and c.tier != self.memory.name:
+                self._schedule_promotion(c.key, self.tier(c.tier))
 
     def prefetch(self, ref: ChunkRef) -> bool:
         """Bring a chunk into the memory tier in the background (look-ahead); True if queued."""

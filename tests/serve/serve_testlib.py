@@ -17,7 +17,7 @@ from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.config import ReuseConfig
-from kvtier.restore.profile import HardwareProfile, TierRates
+from kvtier.restore.costs import HardwareProfile, TierRates
 from kvtier.serve import create_app
 from kvtier.serve.server import ServerThread
 

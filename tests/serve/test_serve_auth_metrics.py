@@ -116,7 +116,7 @@ def test_store_reuse_is_reported(tiny_model) -> None:
             resp = client.chat.completions.create(model=TINY, messages=messages, max_tokens=6, temperature=0)
             messages.append({"role": "assistant", "content": resp.choices[0].message.content})
             cached.append(resp.usage.prompt_tokens_details.cached_tokens)
-            assert served.engine.state.store.flush(30)  # this turn's saves are stored before the next
+            assert served.engine.flush(30)  # this turn's saves are stored before the next
         assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1], cached
         s = _samples(httpx.get(served.url + "/metrics").text)
         assert _value(s, "kvtier_prompt_tokens_reused_total", tier="memory") == sum(cached)

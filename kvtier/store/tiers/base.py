@@ -1,25 +1,31 @@
 """The interface every tier implements, and the read/verify logic they share.
 
 A tier stores packed chunks (see format.py) by key. Subclasses provide raw access (`_open` a
-reader, `_put_bytes`, `_delete`, `_keys`, `partials`); this base turns that into checked reads:
-any header/checksum mismatch, truncation, or a header naming another key, namespace or model is
+reader, `put`, `delete`, `contains`, `partials`); this base turns that into checked reads: any
+header/checksum mismatch, truncation, or a header naming another key, namespace or model is
 treated as a miss, the entry is removed, a counter goes up and a warning is logged.
+
+Reads go through an `OpenChunk`: the header is read and checked once when the chunk is opened,
+then any number of layer ranges are read from the same version of it (a restore reads a chunk
+group of layers by group of layers), optionally into a caller's staging buffer.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
-from ..format import (PREAMBLE, ChunkHeader, FormatError, PackedChunk, check_segment,
-                      header_length, parse_header)
+from ..format import PREAMBLE, ChunkHeader, FormatError, PackedChunk, Segment, check_segment, header_length, parse_header
 from ..throttle import Emulation, Throttle
 
-log = logging.getLogger("kvtier.store")
+log = logging.getLogger(__name__)
+
+Segments = dict[tuple[int, str], torch.Tensor]  # (layer, part) -> uint8 bytes of that segment
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ class Expect:
 @dataclass(frozen=True)
 class ChunkData:
     header: ChunkHeader
-    segments: dict  # (layer, part) -> uint8 tensor, checked against its crc
+    segments: Segments  # checked against their digests (when the tier verifies)
     nbytes: int  # bytes read from the tier
     whole: torch.Tensor | None = None  # uint8 [size]: the whole value, for whole-chunk reads
 
@@ -43,15 +49,74 @@ class Reader(ABC):
     size: int
 
     @abstractmethod
-    def read(self, offset: int, nbytes: int) -> torch.Tensor: ...  # uint8 [nbytes]
+    def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [nbytes] at `offset` (shorter at the end of the value). With `out` (a page-aligned
+        buffer of at least `span(offset, nbytes)` bytes) the bytes land there, else in new memory
+        or a view of the tier's own."""
+
+    def span(self, offset: int, nbytes: int) -> int:
+        """Bytes of `out` a read of (offset, nbytes) needs (direct I/O rounds to whole pages)."""
+        return nbytes
 
     def close(self) -> None:
         pass
 
 
+def _runs(segs: Sequence[Segment]) -> list[list[Segment]]:
+    """Adjacent segments (layer-major layout: a layer group is contiguous) as single ranged reads."""
+    runs: list[list[Segment]] = []
+    for s in segs:
+        if runs and s.offset - (runs[-1][-1].offset + runs[-1][-1].nbytes) < 64:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
+class OpenChunk:
+    """One chunk opened on one tier: its checked header and a reader of that version of it."""
+
+    def __init__(self, tier: "Tier", expect: Expect, reader: Reader, header: ChunkHeader, verify: bool) -> None:
+        self.tier, self.expect, self.reader, self.header, self.verify = tier, expect, reader, header, verify
+
+    def plan_read(self, layers: Iterable[int], parts: Iterable[str]) -> list[list[Segment]]:
+        layers = list(layers)
+        if any(li < 0 or li >= len(self.header.layer_reprs) for li in layers):
+            raise FormatError("layer out of range")  # a caller bug, but never return wrong data
+        return _runs(self.header.segments_for(layers, parts))
+
+    def staging_bytes(self, runs: list[list[Segment]]) -> int:
+        return sum(self.reader.span(r[0].offset, r[-1].offset + r[-1].nbytes - r[0].offset) for r in runs)
+
+    def read(self, runs: list[list[Segment]], out: torch.Tensor | None = None) -> tuple[Segments, int]:
+        """Read planned runs (into `out` if given), verify them; -> (segments, bytes read).
+        Raises FormatError/OSError: the caller turns that into a miss."""
+        segments: Segments = {}
+        nbytes = pos = 0
+        for run in runs:
+            lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
+            dest = None
+            if out is not None:
+                need = self.reader.span(lo, hi - lo)
+                dest = out[pos:pos + need]
+                pos += need
+            buf = self.reader.read(lo, hi - lo, dest)
+            if buf.numel() != hi - lo:
+                raise FormatError("truncated payload")
+            nbytes += buf.numel()
+            for s in run:
+                view = buf[s.offset - lo:s.offset - lo + s.nbytes]
+                if self.verify:
+                    check_segment(s, view)
+                segments[(s.layer, s.part)] = view
+        return segments, nbytes
+
+    def close(self) -> None:
+        self.reader.close()
+
+
 class Tier(ABC):
     name: str = "tier"
-    durable: bool = True
     verify_reads: bool = True  # memory skips checksums: its bytes never left this process
     owned_buffers: bool = True  # reads return fresh memory (False: views of cached bytes)
 
@@ -96,66 +161,118 @@ class Tier(ABC):
     def close(self) -> None:
         pass
 
+    def _known_header(self, key: str) -> ChunkHeader | None:
+        """A header the tier already holds parsed (the memory tier keeps one per entry)."""
+        return None
+
     # --- shared reads -------------------------------------------------------------------------
-    def read(self, expect: Expect, layers: Iterable[int] | None = None,
-             parts: Iterable[str] = ("k", "v", "h"), verify: bool | None = None) -> ChunkData | None:
-        """Read (and check) all of a chunk, or only `parts` of `layers`. None on miss/corruption."""
+    def open_chunk(self, expect: Expect, verify: bool | None = None) -> OpenChunk | None:
+        """Open a chunk for ranged reads: None if missing or corrupt (then removed)."""
         verify = self.verify_reads if verify is None else verify
-        layers = None if layers is None else list(layers)
-        parts = tuple(parts)
-        err: FormatError | None = None
+        err: Exception | None = None
         for _attempt in range(2):  # a concurrent overwrite can change the value between reads
             reader = self._open(expect.key)
             if reader is None:
                 self.counters["misses"] += 1
                 return None
             try:
-                data = self._read_checked(reader, expect, layers, parts, verify)
-            except FormatError as e:
-                err = e
-                continue
-            except OSError as e:
-                err = FormatError(f"unreadable: {e}")
-                continue
-            finally:
+                header = self._known_header(expect.key) or self._header(reader)
+                self._check_header(header, expect, reader.size)
+                return OpenChunk(self, expect, reader, header, verify)
+            except (FormatError, OSError) as e:
                 reader.close()
-            self.throttle.read(data.nbytes)
-            self.counters["hits"] += 1
-            self.counters["bytes_read"] += data.nbytes
-            self.touch(expect.key)
-            return data
+                err = e
         self.discard_corrupt(expect.key, str(err))
         return None
 
+    def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
+                  out: Sequence[torch.Tensor | None]) -> list[Segments] | None:
+        """Read planned runs of several open chunks of this tier (one call per layer group of a
+        restore; a tier with round trips batches them). None if any is missing or corrupt."""
+        got = []
+        for oc, r, o in zip(opened, runs, out):
+            try:
+                segs, nbytes = oc.read(r, o)
+            except (FormatError, OSError) as e:
+                self.discard_corrupt(oc.expect.key, str(e))
+                return None
+            self._count_read(oc.expect.key, nbytes)
+            got.append(segs)
+        return got
+
+    def _count_read(self, key: str, nbytes: int) -> None:
+        self.throttle.read(nbytes)
+        self.counters["hits"] += 1
+        self.counters["bytes_read"] += nbytes
+        self.touch(key)
+
+    def read(self, expect: Expect, layers: Iterable[int] | None = None,
+             parts: Iterable[str] = ("k", "v", "h"), verify: bool | None = None) -> ChunkData | None:
+        """Read (and check) all of a chunk, or only `parts` of `layers`. None on miss/corruption."""
+        if layers is None:
+            return self._read_whole(expect, self.verify_reads if verify is None else verify)[0]
+        oc = self.open_chunk(expect, verify)
+        if oc is None:
+            return None
+        try:
+            runs = oc.plan_read(layers, parts)
+            got = self.read_runs([oc], [runs], [None])
+        except FormatError as e:
+            self.discard_corrupt(expect.key, str(e))
+            return None
+        finally:
+            oc.close()
+        if got is None:
+            return None
+        return ChunkData(oc.header, got[0], sum(v.numel() for v in got[0].values()))
+
+    def _read_whole(self, expect: Expect, verify: bool) -> tuple[ChunkData | None, str]:
+        """One sequential read of the whole value (promotion, demotion, verify). -> (data, or
+        None and why: "missing" or the corruption found, after which the chunk is removed)."""
+        err: Exception | None = None
+        for _attempt in range(2):
+            reader = self._open(expect.key)
+            if reader is None:
+                self.counters["misses"] += 1
+                return None, "missing"
+            try:
+                whole = reader.read(0, reader.size)
+                header = parse_header(memoryview(whole.numpy()), reader.size)
+                self._check_header(header, expect, reader.size)
+                segs: Segments = {}
+                for s in header.segments:
+                    view = whole[s.offset:s.offset + s.nbytes]
+                    if verify:
+                        check_segment(s, view)
+                    segs[(s.layer, s.part)] = view
+            except (FormatError, OSError) as e:
+                err = e
+                continue
+            finally:
+                reader.close()
+            self._count_read(expect.key, whole.numel())
+            return ChunkData(header, segs, whole.numel(), whole), ""
+        why = str(err) or type(err).__name__
+        self.discard_corrupt(expect.key, why)
+        return None, why
+
     def check(self, expect: Expect) -> str | None:
         """Read and checksum the whole chunk. None if intact, "missing", or why it was removed."""
-        reader = self._open(expect.key)
-        if reader is None:
-            return "missing"
-        why = None
-        try:
-            self._read_checked(reader, expect, None, (), True)
-        except (FormatError, OSError) as e:
-            why = str(e) or type(e).__name__
-        finally:
-            reader.close()
-        if why is not None:
-            self.discard_corrupt(expect.key, why)
-        return why
+        data, why = self._read_whole(expect, True)
+        return None if data is not None else why
 
     @abstractmethod
     def clear(self) -> int:
         """Remove every chunk (of this namespace; of all in admin mode). Returns how many."""
 
     def discard_corrupt(self, key: str, why: str) -> None:
-        log.warning("kvtier store: %s tier: chunk %s is corrupt (%s); removed, will recompute",
-                    self.name, key, why)
+        log.warning("%s tier: chunk %s is corrupt (%s); removed, will recompute", self.name, key, why)
         self.counters["corrupt"] += 1
         self.counters["misses"] += 1
         try:
             self.delete(key)
         except Exception as e:  # removal is best effort; the entry stays a miss for this read
-            log.warning("kvtier store: could not remove corrupt chunk %s: %s", key, e)
+            log.warning("could not remove corrupt chunk %s: %s", key, e)
 
     def _header(self, reader: Reader) -> ChunkHeader:
         first = reader.read(0, min(reader.size, 4096))
@@ -164,48 +281,16 @@ class Tier(ABC):
             first = reader.read(0, n)
         return parse_header(memoryview(first.numpy()), reader.size)
 
-    def _read_checked(self, reader: Reader, expect: Expect, layers: list[int] | None,
-                      parts: tuple[str, ...], verify: bool) -> ChunkData:
-        whole = None
-        if layers is None:
-            whole = reader.read(0, reader.size)  # one sequential read of the whole value
-            header = parse_header(memoryview(whole.numpy()), reader.size)
-            segs = list(header.segments)
-        else:
-            header = self._header(reader)
-            segs = header.segments_for(layers, parts)
+    @staticmethod
+    def _check_header(header: ChunkHeader, expect: Expect, size: int) -> None:
         if header.key != expect.key:
             raise FormatError(f"header names chunk {header.key}")
         if expect.ns is not None and header.ns != expect.ns:
             raise FormatError("chunk belongs to another namespace (model, layout or dtype)")
         if expect.model is not None and header.model != expect.model:
             raise FormatError("chunk belongs to another model fingerprint")
-        if layers is not None and any(l < 0 or l >= len(header.layer_reprs) for l in layers):
-            raise FormatError("layer out of range")  # a caller bug, but never return wrong data
-        out: dict = {}
-        nbytes = 0 if whole is None else whole.numel()
-        # Coalesce adjacent segments (layer-major layout) into single ranged reads.
-        runs: list[list] = []
-        for s in segs:
-            if runs and s.offset - (runs[-1][-1].offset + runs[-1][-1].nbytes) < 64:
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-        for run in runs:
-            lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
-            if whole is not None:
-                buf = whole[lo:hi]
-            else:
-                buf = reader.read(lo, hi - lo)
-                nbytes += buf.numel()
-            if buf.numel() != hi - lo:
-                raise FormatError("truncated payload")
-            for s in run:
-                view = buf[s.offset - lo:s.offset - lo + s.nbytes]
-                if verify:
-                    check_segment(s, view)
-                out[(s.layer, s.part)] = view
-        return ChunkData(header, out, nbytes, whole)
+        if size < max(s.offset + s.nbytes for s in header.segments):
+            raise FormatError("truncated payload")
 
     def stats(self) -> dict:
         d = dict(self.counters)

@@ -23,8 +23,9 @@ class _MemReader(Reader):
         self.blob = blob
         self.size = blob.numel()
 
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.blob[offset:offset + nbytes]
+    def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        view = self.blob[offset:offset + nbytes]  # zero-copy: the blob is never written again
+        return view if out is None else out[:view.numel()].copy_(view)
 
 
 class MemoryTier(Tier):
@@ -33,11 +34,10 @@ class MemoryTier(Tier):
     owned_buffers = False  # reads are views of the cached blob: decoding must copy
 
     def __init__(self, capacity: int, policy: EvictionPolicy | None = None,
-                 emulation: Emulation = Emulation(), durable: bool = False) -> None:
+                 emulation: Emulation = Emulation()) -> None:
         super().__init__(emulation)
         self.capacity = capacity
         self.policy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
-        self.durable = durable  # true only when memory is the sole tier
         self._entries: dict[str, _Entry] = {}
         self._partials: dict[str, dict[str, int]] = {}  # parent -> {key: tokens}
         self.used = 0
@@ -52,6 +52,8 @@ class MemoryTier(Tier):
     def header(self, key: str) -> ChunkHeader | None:
         e = self._entries.get(key)
         return None if e is None else e.header
+
+    _known_header = header  # parsed once on the way in: reads never parse it again
 
     def contains(self, key: str) -> bool:
         return key in self._entries

@@ -3,20 +3,33 @@
 Keys (prefix configurable, `ns` = store digest so models never mix):
     {prefix}:{ns}:c:{key}       the packed chunk (one SET: readers see all of it or none)
     {prefix}:{ns}:p:{parent}    set of "tokens:key" for the partial chunks under `parent`
-Layer reads use GETRANGE, so one layer (or K without V) costs only its bytes on the wire. Works with
-a single server or Redis Cluster; capacity is Redis's own (maxmemory) plus an optional TTL.
+Layer reads use GETRANGE, so one layer (or K without V) costs only its bytes on the wire; a
+restore's reads of one layer group over all its chunks go out as one pipeline (one round trip).
+Works with a single server or Redis Cluster; capacity is Redis's own (maxmemory) plus an optional TTL.
 """
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 from typing import Iterator
 
 import redis
 import torch
 
-from ..format import PackedChunk
+from ..format import FormatError, PackedChunk, Segment, check_segment
 from ..spec import RedisSpec
-from .base import Reader, Tier, log
+from .base import OpenChunk, Reader, Segments, Tier, log
+
+# Reads only ever read what they get: a tensor over the reply's immutable bytes needs no copy.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _tensor(raw: bytes, out: torch.Tensor | None) -> torch.Tensor:
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8)
+    t = torch.frombuffer(raw, dtype=torch.uint8)
+    return t if out is None else out[:t.numel()].copy_(t)
 
 
 class _RedisReader(Reader):
@@ -25,12 +38,10 @@ class _RedisReader(Reader):
         self.rkey = rkey
         self.size = size
 
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+    def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if nbytes <= 0:
             return torch.empty(0, dtype=torch.uint8)
-        raw = self.client.getrange(self.rkey, offset, offset + nbytes - 1)
-        # bytearray: a writable buffer we own, so tensors built on it need no further copy.
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return _tensor(self.client.getrange(self.rkey, offset, offset + nbytes - 1), out)
 
 
 class RedisTier(Tier):
@@ -103,6 +114,43 @@ class RedisTier(Tier):
             return rk.decode()
         return None
 
+    def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
+                  out: Sequence[torch.Tensor | None]) -> list[Segments] | None:
+        """Every range of every chunk in one pipeline: a layer group costs one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for oc, rs in zip(opened, runs):
+            for run in rs:
+                lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
+                pipe.getrange(oc.reader.rkey, lo, hi - 1)  # type: ignore[attr-defined]
+        try:
+            replies = iter(pipe.execute())
+        except redis.RedisError as e:
+            log.warning("redis read failed: %s", e)
+            self.counters["misses"] += len(opened)
+            return None
+        got: list[Segments] = []
+        for oc, rs, o in zip(opened, runs, out):
+            segs: Segments = {}
+            pos = nbytes = 0
+            try:
+                for run in rs:
+                    lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
+                    buf = _tensor(next(replies), None if o is None else o[pos:pos + hi - lo])
+                    pos += hi - lo
+                    if buf.numel() != hi - lo:
+                        raise FormatError("truncated payload")
+                    nbytes += buf.numel()
+                    for s in run:
+                        view = buf[s.offset - lo:s.offset - lo + s.nbytes]
+                        check_segment(s, view)
+                        segs[(s.layer, s.part)] = view
+            except FormatError as e:
+                self.discard_corrupt(oc.expect.key, str(e))
+                return None
+            self._count_read(oc.expect.key, nbytes)
+            got.append(segs)
+        return got
+
     def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
         if self.ns is None:
             raise RuntimeError("admin-mode store cannot write chunks")
@@ -116,7 +164,7 @@ class RedisTier(Tier):
                     pipe.expire(self._p(h.parent), self.ex)
             pipe.execute()
         except redis.RedisError as e:
-            log.warning("kvtier store: redis write of %s failed: %s", h.key, e)
+            log.warning("redis write of %s failed: %s", h.key, e)
             self.counters["put_errors"] += 1
             return False
         self.counters["bytes_written"] += packed.nbytes

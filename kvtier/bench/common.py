@@ -1,0 +1,237 @@
+"""Helpers any benchmark can share: a private redis-server, cold-cache disk reads, timing and output.
+
+Nothing here imports torch or the engine, so tests of report code stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_READ_BLOCK = 1 << 20  # 1 MiB: large enough that per-call overhead does not hide the device's bandwidth
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port: no persistence, stopped on close.
+
+    `with RedisServer() as srv: ... srv.url ...`. Large values are allowed (`proto-max-bulk-len`
+    2 GB) so a whole serialized KV cache fits in one SET.
+    """
+
+    def __init__(self, binary: str | None = None, startup_s: float = 10.0) -> None:
+        self.binary = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.startup_s = startup_s
+        self.port = 0
+        self.dir: str | None = None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        import redis
+
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")  # its cwd: nothing is written with --save ""
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--proto-max-bulk-len", "2gb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + self.startup_s
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"redis-server ({self.binary}) did not answer PING on port {self.port}")
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _files(root: str | os.PathLike) -> Iterable[str]:
+    """`root` itself if it is a file, else every file below it."""
+    if os.path.isfile(root):
+        yield os.fspath(root)
+        return
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            yield os.path.join(dirpath, n)
+
+
+def drop_page_cache(root: str | os.PathLike) -> int:
+    """Evict a file, or every file under a directory, from the page cache so the next read comes
+    from the device. Works without root, unlike /proc/sys/vm/drop_caches. Returns files handled."""
+    n = 0
+    for path in _files(root):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # vanished meanwhile (a writer's temp file): nothing to evict
+        try:
+            os.fdatasync(fd)  # dirty pages cannot be dropped: write them first
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median, NaN for no samples (a missing measurement stays visible instead of raising)."""
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """(wall seconds, result) of one call."""
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:
+    """Write JSON through a temp file and a rename: a reader (or a kill) never sees half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(p)
+
+
+def csv_arg(text: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge the numbers: CPU, cores, native bf16, torch threads, load."""
+    flags = _cpu_flags()
+    info: dict[str, Any] = dict(
+        cpu_model=_cpu_model(), cpu_count=os.cpu_count(),
+        cpu_native_bf16=bool(flags & {"avx512_bf16", "amx_bf16"}),
+        cpu_bf16_flags=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
+        python=sys.version.split()[0], platform=platform.platform(),
+        date=time.strftime("%Y-%m-%d %H:%M:%S %z"), argv=list(sys.argv),
+        loadavg_start=[round(x, 2) for x in os.getloadavg()])
+    try:
+        import torch  # optional: report code can run without it
+
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    except ImportError:
+        pass
+    return info
+
+
+def _read_direct(path: str, buf: mmap.mmap) -> int:
+    """Read a file once with O_DIRECT into an aligned buffer; raises OSError if refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        n = 0
+        while True:
+            got = os.readv(fd, [buf])
+            n += got
+            if got < len(buf):
+                return n  # EOF (O_DIRECT returns a short read for an unaligned tail)
+    finally:
+        os.close(fd)
+
+
+def _read_buffered(path: str) -> int:
+    drop_page_cache(path)
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_READ_BLOCK):
+            n += len(chunk)
+    return n
+
+
+def read_bandwidth(paths: Iterable[str | os.PathLike]) -> float:
+    """The device's cold sequential read bandwidth over `paths` in bytes/s: each file read once,
+    1 MiB at a time, with O_DIRECT (bypasses the page cache; mmap memory is page aligned as
+    O_DIRECT requires), or buffered after evicting its pages where O_DIRECT is refused."""
+    buf = mmap.mmap(-1, _READ_BLOCK)
+    total, seconds = 0, 0.0
+    try:
+        for p in paths:
+            path = os.fspath(p)
+            t = time.perf_counter()
+            try:
+                n = _read_direct(path, buf)
+            except OSError:  # e.g. tmpfs or a filesystem without O_DIRECT
+                t = time.perf_counter()
+                n = _read_buffered(path)
+            seconds += time.perf_counter() - t
+            total += n
+    finally:
+        buf.close()
+    return total / seconds if seconds > 0 else float("nan")

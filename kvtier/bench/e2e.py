@@ -1,0 +1,646 @@
+"""`kvtier bench e2e`: a returning context through the public API, beside peers measured in the same run.
+
+For each compute dtype and history length H, fresh random contexts (H history tokens + N new ones,
+the same token ids for every peer) come back, and each peer produces the first new token:
+
+    hf_recompute        HF transformers: one forward of the whole prompt
+    hf_floor            HF with the history's DynamicCache still in RAM: forward of the new tokens only
+    hf_load_bytes       torch.load of the saved cache from bytes in RAM, then the new tokens
+    hf_load_cold_file   torch.load from a file whose pages were evicted, then the new tokens
+    hf_load_redis       GET from Redis + torch.load, then the new tokens
+    kvtier_recompute    Engine without a store: engine.generate(prompt)
+    kvtier_device_cache Engine with the device prefix cache on (the history is still on the device)
+    kvtier_memory       Engine with store memory:8GB, prefix cache off: the history is restored from memory
+    kvtier_disk_cold    the history saved by one Engine, restored by a new one (restart) from disk, cold
+    kvtier_redis        the same through a Redis-only store
+
+TTFT = median over --contexts of the wall time of the timed call (kvtier: `generate` with
+max_tokens=1, so what a user waits for), after one untimed warm-up context per peer. Every peer's
+first token is checked against its family's recompute. Goals are judged from the rows only
+(`evaluate_goals`), so `report` re-judges a saved JSON. bf16 rows only mean something on a CPU with
+native bf16 (avx512_bf16 / amx_bf16); `meta.cpu_native_bf16` says whether this one has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.common import (RedisServer, csv_arg, drop_page_cache, machine_info, median, read_bandwidth, timed,
+                                 write_json_atomic)
+
+HF_PEERS = ("hf_recompute", "hf_floor", "hf_load_bytes", "hf_load_cold_file", "hf_load_redis")
+KV_PEERS = ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory", "kvtier_disk_cold", "kvtier_redis")
+PEERS = HF_PEERS + KV_PEERS
+# The tier a peer needs (--tiers filters peers); recompute peers need none.
+PEER_TIER = {"hf_floor": "memory", "hf_load_bytes": "memory", "hf_load_cold_file": "disk", "hf_load_redis": "redis",
+             "kvtier_device_cache": "memory", "kvtier_memory": "memory", "kvtier_disk_cold": "disk",
+             "kvtier_redis": "redis"}
+# Plot order and colours: hatched HF bar beside the kvtier peer it is compared with.
+PLOT_STYLE = {"hf_recompute": "tab:blue", "kvtier_recompute": "tab:blue", "hf_floor": "tab:orange",
+              "kvtier_device_cache": "tab:orange", "hf_load_bytes": "tab:green", "kvtier_memory": "tab:green",
+              "hf_load_cold_file": "tab:red", "kvtier_disk_cold": "tab:red", "hf_load_redis": "tab:purple",
+              "kvtier_redis": "tab:purple"}
+LONG_H = 4096  # the disk goal is stricter from this history length on
+
+
+# ----- goals: a pure function of the rows ---------------------------------------------------------
+def _cells(rows: Sequence[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    """(dtype, history) -> {peer: row}, in the order rows were measured."""
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["dtype"], r["history"]), {})[r["peer"]] = r
+    return cells
+
+
+def _ttft(cell: dict[str, dict], peer: str) -> float | None:
+    t = (cell.get(peer) or {}).get("ttft_s")
+    return None if t is None or t != t else t  # NaN (no sample) counts as not measured
+
+
+def disk_bound(cell: dict[str, dict]) -> float | None:
+    """max(hf_floor, bytes restored / raw cold disk bandwidth): no restore from disk can beat it."""
+    floor, d = _ttft(cell, "hf_floor"), cell.get("kvtier_disk_cold")
+    if floor is None or not d or not d.get("disk_read_bps") or d.get("bytes_restored") is None:
+        return None
+    return max(floor, d["bytes_restored"] / d["disk_read_bps"])
+
+
+# ratio column -> (numerator peer, denominator from the cell)
+RATIOS: dict[str, tuple[str, Callable[[dict], float | None]]] = {
+    "mem/floor": ("kvtier_memory", lambda c: _ttft(c, "hf_floor")),
+    "disk/cold_file": ("kvtier_disk_cold", lambda c: _ttft(c, "hf_load_cold_file")),
+    "disk/bound": ("kvtier_disk_cold", disk_bound),
+    "redis/hf_redis": ("kvtier_redis", lambda c: _ttft(c, "hf_load_redis")),
+    "recompute/hf": ("kvtier_recompute", lambda c: _ttft(c, "hf_recompute")),
+}
+
+
+@dataclass(frozen=True)
+class GoalSpec:
+    text: str
+    ratio: str  # a RATIOS key
+    target: float
+    applies: Callable[[int], bool] = lambda h: True
+
+
+GOALS = (
+    GoalSpec("from the memory tier: TTFT <= 1.10 x hf_floor at every H", "mem/floor", 1.10),
+    GoalSpec(f"from disk after a restart, cold, H >= {LONG_H}: TTFT <= 0.8 x hf_load_cold_file", "disk/cold_file",
+             0.8, lambda h: h >= LONG_H),
+    GoalSpec(f"from disk after a restart, cold, H >= {LONG_H}: TTFT <= 1.15 x max(hf_floor, bytes/disk_read_bps)",
+             "disk/bound", 1.15, lambda h: h >= LONG_H),
+    GoalSpec(f"from disk after a restart, cold, H < {LONG_H}: TTFT <= 1.0 x hf_load_cold_file", "disk/cold_file",
+             1.0, lambda h: h < LONG_H),
+    GoalSpec("from Redis: TTFT <= 0.9 x hf_load_redis", "redis/hf_redis", 0.9),
+    GoalSpec("kvtier_recompute <= 1.0 x hf_recompute", "recompute/hf", 1.0),
+)
+
+
+def ratio(cell: dict[str, dict], name: str) -> float | None:
+    peer, den = RATIOS[name]
+    num, d = _ttft(cell, peer), den(cell)
+    return num / d if num is not None and d else None
+
+
+def evaluate_goals(rows: Sequence[dict]) -> list[dict]:
+    """One goal per (dtype, goal): met when every measured H meets the target (an H missing a peer
+    is listed as not measured); met=None when no H of this dtype has both sides. value = the worst
+    ratio. Plus an exactness goal per dtype (value = rows whose first tokens differ)."""
+    cells = _cells(rows)
+    goals = []
+    for dtype in dict.fromkeys(k[0] for k in cells):
+        hs = sorted(h for d, h in cells if d == dtype)
+        for g in GOALS:
+            pts = [(h, ratio(cells[(dtype, h)], g.ratio)) for h in hs if g.applies(h)]
+            detail = ", ".join(f"H={h}: {'not measured' if r is None else f'{r:.3f}'}" for h, r in pts)
+            worst = max((r for _, r in pts if r is not None), default=None)
+            goals.append(dict(goal=f"{dtype}: {g.text}", dtype=dtype, ratio=g.ratio, target=g.target,
+                              value=None if worst is None else round(worst, 4),
+                              met=None if worst is None else bool(worst <= g.target),
+                              detail=detail or "no such history length measured"))
+        judged = [r for r in rows if r["dtype"] == dtype and r.get("first_token_match") is not None]
+        bad = [f"{r['peer']}@H={r['history']}" for r in judged if r["first_token_match"] is False]
+        goals.append(dict(goal=f"{dtype}: exactness: first token equals the recompute's (kvtier vs kvtier_recompute, "
+                               "HF vs hf_recompute)", dtype=dtype, ratio=None, target=0, value=len(bad),
+                          met=(not bad) if judged else None, detail=", ".join(bad) or f"{len(judged)} rows match"))
+    return goals
+
+
+# ----- reports ------------------------------------------------------------------------------------
+def _s(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None or x != x else f"{x:.{nd}f}"
+
+
+def _met(g: dict) -> str:
+    return "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
+
+
+def pivot(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
+    """One line per (dtype, H): median TTFT of each measured peer, the goals' ratios, disk bandwidth."""
+    cells = _cells(rows)
+    peers = [p for p in PEERS if any(p in c for c in cells.values())]
+    head = ["dtype", "H"] + [f"{p} s" for p in peers] + list(RATIOS) + ["disk MB/s"]
+    body = []
+    for (dtype, h), c in cells.items():
+        d = c.get("kvtier_disk_cold") or {}
+        bw = d.get("disk_read_bps")
+        body.append([dtype, str(h)] + [_s(_ttft(c, p)) for p in peers] + [_s(ratio(c, n), 2) for n in RATIOS]
+                    + [_s(bw / 1e6 if bw else None, 0)])
+    return head, body
+
+
+def markdown(rows: Sequence[dict], goals: Sequence[dict], meta: dict | None = None) -> str:
+    meta = meta or {}
+    bf16 = meta.get("cpu_native_bf16")
+    lines = [f"End-to-end returning context: median TTFT in seconds over {meta.get('contexts', '?')} contexts "
+             f"(+1 warm-up), {meta.get('new_tokens', '?')} new tokens, model {meta.get('model', '?')}.", "",
+             f"Machine: {meta.get('cpu_model', '?')}, {meta.get('cpu_count', '?')} cores, torch "
+             f"{meta.get('torch', '?')} ({meta.get('torch_threads', '?')} threads), load "
+             f"{meta.get('loadavg_start', '?')} -> {meta.get('loadavg_end', '?')}, {meta.get('date', '?')}.",
+             "bf16 rows only mean something on a CPU with native bf16 (avx512_bf16/amx_bf16): this CPU "
+             + ("has it." if bf16 else "does NOT have it: bf16 rows are emulated and slow." if bf16 is False
+                else "was not recorded."),
+             "Ratios: numerator / denominator of each goal; disk/bound = kvtier_disk_cold / max(hf_floor, "
+             "bytes restored / raw cold disk read bandwidth).", ""]
+    head, body = pivot(rows)
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(b) + " |" for b in body]
+    lines += ["", "kvtier rows (restore method, tokens reused by tier, bytes restored, engine-measured TTFT):", "",
+              "| dtype | H | peer | method | reused by tier | MB restored | out.ttft s | first token match |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["peer"].startswith("kvtier"):
+            mb = r.get("bytes_restored")
+            lines.append(f"| {r['dtype']} | {r['history']} | {r['peer']} | {r.get('restore_method') or '-'} | "
+                         f"{r.get('reused_by_tier') or {}} | {_s(mb / 1e6 if mb else None, 1)} | "
+                         f"{_s(r.get('engine_ttft_s'))} | {r.get('first_token_match')} |")
+    lines += ["", "Goals:", ""]
+    for g in goals:
+        lines.append(f"- **{_met(g)}**: {g['goal']}: value {g['value']} (target {g['target']}); {g['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def rich_table(rows: Sequence[dict]):
+    from rich.table import Table
+
+    head, body = pivot(rows)  # transposed: one column per (dtype, H) fits a terminal
+    t = Table(title="e2e: median TTFT (s), ratios")
+    t.add_column("peer / ratio")
+    for b in body:
+        t.add_column(f"{b[0]} H={b[1]}", justify="right")
+    for i, name in enumerate(head[2:], start=2):
+        t.add_row(name, *(b[i] for b in body))
+    return t
+
+
+def plot(rows: Sequence[dict], path: str) -> None:
+    """Grouped bars: one panel per dtype, groups by H, one bar per peer, log y."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = _cells(rows)
+    dtypes = list(dict.fromkeys(k[0] for k in cells))
+    if not dtypes:
+        return
+    peers = [p for p in PLOT_STYLE if any(p in c for c in cells.values())]  # HF peer beside its kvtier pair
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 4.8), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        hs = sorted(h for d, h in cells if d == dtype)
+        width = 0.8 / max(1, len(peers))
+        for i, p in enumerate(peers):
+            ys = [_ttft(cells[(dtype, h)], p) for h in hs]
+            xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(hs))]
+            ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], width, label=p, color=PLOT_STYLE[p],
+                   hatch="//" if p.startswith("hf") else None, edgecolor="white")
+        ax.set_xticks(range(len(hs)), [f"H={h}" for h in hs])
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (s, median)")
+        ax.set_title(f"{dtype}")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----- measurement --------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    seconds: float  # wall time of the timed part
+    token: int  # the first generated token
+    out: Any = None  # kvtier: the RequestOutput
+    stats: Any = None  # kvtier: engine.stats() right after the timed run
+
+
+class HFPeers:
+    """The HF transformers peers on one context. The history's DynamicCache is prefilled once
+    (untimed) and saved the usual way (torch.save: bytes, a file, a Redis value); each peer method
+    is the timed part and returns the first new token."""
+
+    def __init__(self, hf, ids: list[int], hist: int, peers: Sequence[str], path: Path, redis_client, key: str):
+        import torch
+
+        self.torch, self.hf, self.path, self.redis, self.key = torch, hf, path, redis_client, key
+        self.prompt = torch.tensor([ids])  # [1, H + new]
+        self.new, self.pos = self.prompt[:, hist:], torch.arange(hist, len(ids))[None]  # new tokens, positions
+        self.cache, self.blob = None, b""
+        if set(peers) - {"hf_recompute"}:
+            with torch.inference_mode():
+                self.cache = hf(self.prompt[:, :hist], use_cache=True, logits_to_keep=1).past_key_values
+            buf = io.BytesIO()
+            torch.save(self.cache, buf)
+            self.blob = buf.getvalue()
+        if "hf_load_cold_file" in peers:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self.blob)
+        if "hf_load_redis" in peers:
+            redis_client.set(key, self.blob)
+
+    def _new_tokens(self, cache) -> int:
+        with self.torch.inference_mode():
+            logits = self.hf(self.new, past_key_values=cache, use_cache=True, position_ids=self.pos,
+                             cache_position=self.pos[0], logits_to_keep=1).logits
+        return int(logits[0, -1].argmax())
+
+    def hf_recompute(self) -> int:
+        with self.torch.inference_mode():
+            return int(self.hf(self.prompt, use_cache=False, logits_to_keep=1).logits[0, -1].argmax())
+
+    def hf_floor(self) -> int:
+        token = self._new_tokens(self.cache)
+        self.cache.crop(-self.new.shape[1])  # back to the history only (a negative count in transformers 5)
+        return token
+
+    def hf_load_bytes(self) -> int:
+        return self._new_tokens(self.torch.load(io.BytesIO(self.blob), weights_only=False))
+
+    def hf_load_cold_file(self) -> int:
+        return self._new_tokens(self.torch.load(self.path, weights_only=False))
+
+    def hf_load_redis(self) -> int:
+        return self._new_tokens(self.torch.load(io.BytesIO(self.redis.get(self.key)), weights_only=False))
+
+    def before(self, peer: str) -> None:
+        """Untimed: the file's pages leave the page cache before each cold load."""
+        if peer == "hf_load_cold_file":
+            drop_page_cache(self.path)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        if self.redis is not None:
+            self.redis.delete(self.key)
+
+
+class KvtierPeers:
+    """The kvtier peers for one (model, H), through the public API only. Each returns the timed
+    samples of contexts[1:] (contexts[0] is the warm-up)."""
+
+    def __init__(self, bench: "E2EBench", loaded, hist: int, tag: str):
+        from kvtier.engine.request import SamplingParams
+
+        self.bench, self.loaded, self.hist, self.tag = bench, loaded, hist, tag
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.disk_dir = bench.workdir / "disk" / tag
+
+    def engine(self, store: str | None = None, prefix_cache: bool = False):
+        from kvtier.engine.config import EngineConfig, ReuseConfig
+        from kvtier.engine.engine import Engine
+
+        a = self.bench.args
+        extra = {"max_batched_tokens": a.max_batched_tokens} if a.max_batched_tokens else {}
+        cfg = EngineConfig(kv_cache_bytes=self.bench.kv_bytes, enable_prefix_cache=prefix_cache,
+                           max_model_len=min(self.hist + a.new_tokens + 16, self.loaded.config.max_position_embeddings),
+                           **extra)
+        return Engine(self.loaded, cfg, store=store, reuse=ReuseConfig(method=a.method) if store else None)
+
+    def _timed(self, peer: str, i: int, engine, ids: list[int]) -> Sample:
+        seconds, outs = timed(lambda: engine.generate([ids], self.params))
+        return self.bench.progress(peer, self.tag, i, Sample(seconds, outs[0].output_ids[0], outs[0], engine.stats()))
+
+    def _save(self, engine, ids: list[int]) -> None:
+        engine.generate([ids[: self.hist]], self.params)  # the history's state is saved on the way
+        engine.flush()  # ... and written before the context returns
+
+    def persistent(self, peer: str, ctxs: list[list[int]], store: str | None, prefix_cache: bool) -> list[Sample]:
+        """One engine for every context (recompute, device cache, memory tier)."""
+        engine = self.engine(store, prefix_cache)
+        try:
+            samples = []
+            for i, ids in enumerate(ctxs):
+                if store:
+                    self._save(engine, ids)
+                samples.append(self._timed(peer, i, engine, ids))
+            return samples[1:]
+        finally:
+            engine.close()
+
+    def restarted(self, peer: str, ctxs: list[list[int]], store: str, evict: Callable[[], Any]) -> list[Sample]:
+        """Engine A saves the history and closes; a new Engine B (empty memory tier) restores it."""
+        samples = []
+        for i, ids in enumerate(ctxs):
+            a = self.engine(store)
+            try:
+                self._save(a, ids)
+            finally:
+                a.close()
+            b = self.engine(store)
+            try:
+                evict()  # after B opened the store, so nothing B did at open warms the pages it reads
+                samples.append(self._timed(peer, i, b, ids))
+            finally:
+                b.close()
+        return samples[1:]
+
+    def run(self, peer: str, ctxs: list[list[int]]) -> list[Sample]:
+        if peer in ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory"):
+            store = None if peer == "kvtier_recompute" else "memory:8GB"
+            return self.persistent(peer, ctxs, store, prefix_cache=peer == "kvtier_device_cache")
+        if peer == "kvtier_disk_cold":
+            spec = f"memory:8GB,disk:{self.disk_dir}:20GB"
+            return self.restarted(peer, ctxs, spec, lambda: drop_page_cache(self.disk_dir))
+        return self.restarted(peer, ctxs, self.bench.redis_spec(self.tag), lambda: None)  # kvtier_redis
+
+
+def kvtier_fields(samples: list[Sample], tier: str | None) -> dict:
+    """Row fields only kvtier runs have; bytes restored = tokens read from `tier` x stored bytes/token."""
+    last = samples[-1]
+    stats = dataclasses.asdict(last.stats)
+    from_tier = median([s.out.reused_by_tier.get(tier, 0) if tier else 0 for s in samples])
+    # restore_s: the restore's own time, a newer RequestOutput field (None where the engine lacks it)
+    restore_s = [r for s in samples if (r := getattr(s.out, "restore_s", None)) is not None]
+    return dict(engine_ttft_s=median([s.out.ttft for s in samples if s.out.ttft is not None]),
+                restore_s=median(restore_s) if restore_s else None,
+                restore_method=last.out.restore_method, tokens_reused=[s.out.prompt_tokens_reused for s in samples],
+                reused_by_tier=last.out.reused_by_tier, tokens_from_tier=from_tier,
+                bytes_restored=from_tier * last.stats.stored_bytes_per_token,
+                stored_bytes_per_token=last.stats.stored_bytes_per_token, layout=list(stats["layout"]),
+                counters=stats["counters"], store=stats["store"])
+
+
+class E2EBench:
+    def __init__(self, args: argparse.Namespace, console) -> None:
+        from kvtier.store.spec import parse_size
+
+        self.args, self.console = args, console
+        self.kv_bytes = parse_size(args.kv_cache)
+        self.workdir = Path(args.workdir)
+        self.peers = [p for p in PEERS if p in args.peers and PEER_TIER.get(p, "any") in args.tiers + ["any"]]
+        self.rows: list[dict] = []
+        self.meta: dict = dict(machine_info(), model=args.model, contexts=args.contexts, new_tokens=args.new_tokens,
+                               options={k: v for k, v in vars(args).items() if k != "func"})
+        self.redis_url: str | None = args.redis_url
+        self.redis_client = None
+        self.key_prefix = f"kvtier-e2e-{os.getpid()}"  # our Redis keys, also on a shared server
+
+    def progress(self, peer: str, tag: str, i: int, s: Sample) -> Sample:
+        what = "warm-up" if i == 0 else f"{i}/{self.args.contexts}"
+        o = s.out
+        more = f" reused {o.prompt_tokens_reused} {o.reused_by_tier} via {o.restore_method or '-'}" if o else ""
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {tag} [bold]{peer}[/bold] {what}: "
+                           f"{s.seconds:.3f}s token {s.token}{more}")
+        return s
+
+    def save(self) -> None:
+        self.meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        if self.args.json:
+            write_json_atomic(self.args.json, dict(rows=self.rows, goals=evaluate_goals(self.rows), meta=self.meta))
+
+    def redis_spec(self, tag: str) -> str:
+        return f"{self.redis_url}{'&' if '?' in self.redis_url else '?'}prefix={self.key_prefix}-{tag}"
+
+    def run(self) -> list[dict]:
+        import redis
+
+        for sub in ("disk", "hf"):  # only what we write there: stale chunks would be restored
+            shutil.rmtree(self.workdir / sub, ignore_errors=True)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        server = None
+        try:
+            if any(PEER_TIER.get(p) == "redis" for p in self.peers):
+                if self.redis_url is None:
+                    server = RedisServer().start()
+                    self.redis_url = server.url
+                    self.console.print(f"started redis-server on port {server.port}")
+                self.redis_client = redis.Redis.from_url(self.redis_url.split("?")[0])
+            for dtype in self.args.dtype:
+                self.run_dtype(dtype)
+        finally:
+            if server is not None:
+                server.close()
+            self.save()
+        return self.rows
+
+    def run_dtype(self, dtype: str) -> None:
+        from kvtier.bench.restore_bench import build_hf
+        from kvtier.models.loading import load_model
+
+        self.console.print(f"[bold]loading {self.args.model} ({dtype})[/bold]")
+        loaded = load_model(self.args.model, dtype=dtype, tokenizer=False)
+        window, new = loaded.config.max_position_embeddings, self.args.new_tokens
+        if bad := [h for h in self.args.history if h + new >= window]:
+            raise ValueError(f"history {bad} + {new} new tokens leaves no room for a generated token in "
+                             f"{self.args.model}'s {window}-token window: use H <= {window - new - 1}")
+        self.open_all_tiers(loaded)
+        hf = build_hf(loaded) if any(p in HF_PEERS for p in self.peers) else None
+        for h in self.args.history:
+            self.run_cell(loaded, hf, dtype, h)
+
+    def open_all_tiers(self, loaded) -> None:
+        """The engine measures its hardware profile (kept per model and dtype) on its first use with a
+        store, over that store's tiers only: open one engine over every tier of this run first, so
+        the disk and Redis tiers are in it."""
+        tiers = {PEER_TIER[p] for p in self.peers if p in KV_PEERS and p in PEER_TIER}
+        if not tiers:
+            return
+        kv = KvtierPeers(self, loaded, min(self.args.history), "profile")
+        spec = ["memory:8GB"]
+        if "disk" in tiers:
+            spec.append(f"disk:{kv.disk_dir}:20GB")
+        if "redis" in tiers:
+            spec.append(self.redis_spec("profile"))
+        kv.engine(",".join(spec)).close()
+        shutil.rmtree(kv.disk_dir, ignore_errors=True)
+        self.clear_redis("profile")
+
+    def clear_redis(self, tag: str) -> None:
+        if self.redis_client is not None:
+            for k in self.redis_client.scan_iter(match=f"{self.key_prefix}-{tag}:*", count=1000):
+                self.redis_client.delete(k)
+
+    def contexts(self, vocab: int, hist: int) -> list[list[int]]:
+        """Warm-up + --contexts fresh random prompts, the same for every peer and dtype."""
+        import torch
+
+        gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + hist)
+        shape = (self.args.contexts + 1, hist + self.args.new_tokens)
+        return torch.randint(100, vocab, shape, generator=gen).tolist()
+
+    def run_cell(self, loaded, hf, dtype: str, hist: int) -> None:
+        tag = f"{dtype}-H{hist}"
+        ctxs = self.contexts(loaded.config.vocab_size, hist)
+        samples: dict[str, list[Sample]] = {}
+        if hf_peers := [p for p in self.peers if p in HF_PEERS]:
+            blob_bytes = self.run_hf(hf, tag, hist, ctxs, hf_peers, samples)
+            for p in hf_peers:
+                self.add_row(dtype, hist, p, samples, {} if p == "hf_recompute" else dict(blob_bytes=blob_bytes))
+        kv = KvtierPeers(self, loaded, hist, tag)
+        for peer in [p for p in self.peers if p in KV_PEERS]:
+            samples[peer] = kv.run(peer, ctxs)
+            extra = kvtier_fields(samples[peer], PEER_TIER.get(peer))
+            if peer == "kvtier_disk_cold":  # the raw device bandwidth, over the very chunk files just read
+                extra["disk_read_bps"] = read_bandwidth(sorted(kv.disk_dir.rglob("*.kvc")))
+                shutil.rmtree(kv.disk_dir, ignore_errors=True)
+                self.console.print(f"{tag} raw cold disk read (O_DIRECT): {extra['disk_read_bps'] / 1e6:.0f} MB/s")
+            if peer == "kvtier_redis":
+                self.clear_redis(tag)
+            self.add_row(dtype, hist, peer, samples, extra)
+
+    def run_hf(self, hf, tag: str, hist: int, ctxs: list[list[int]], peers: list[str],
+               samples: dict[str, list[Sample]]) -> int:
+        """Every HF peer on each context in turn (the history is prefilled once per context).
+        Fills samples[peer] with the timed samples; returns the size of the saved cache in bytes."""
+        blob_bytes = 0
+        timed_runs: dict[str, list[Sample]] = {p: [] for p in peers}
+        for i, ids in enumerate(ctxs):
+            ctx = HFPeers(hf, ids, hist, peers, self.workdir / "hf" / f"{tag}.pt", self.redis_client,
+                          f"{self.key_prefix}-hf-{tag}")
+            try:
+                blob_bytes = len(ctx.blob)
+                for p in peers:
+                    ctx.before(p)
+                    timed_runs[p].append(self.progress(p, tag, i, Sample(*timed(getattr(ctx, p)))))
+            finally:
+                ctx.close()
+        samples.update({p: s[1:] for p, s in timed_runs.items()})  # contexts[0] was the warm-up
+        return blob_bytes
+
+    def add_row(self, dtype: str, hist: int, peer: str, samples: dict[str, list[Sample]], extra: dict) -> None:
+        mine = samples[peer]
+        tokens = [s.token for s in mine]
+        ref_peer = "hf_recompute" if peer.startswith("hf") else "kvtier_recompute"
+        ref = samples.get(ref_peer) if peer != ref_peer else None
+        if peer == "kvtier_recompute" and "hf_recompute" in samples:  # information only: our model vs HF's
+            extra = dict(extra, matches_hf_recompute=tokens == [s.token for s in samples["hf_recompute"]])
+        self.rows.append(dict(
+            model=self.args.model, dtype=dtype, history=hist, new_tokens=self.args.new_tokens, peer=peer,
+            tier=PEER_TIER.get(peer, "-"), contexts=len(mine), ttft_s=median([s.seconds for s in mine]),
+            ttft_all_s=[round(s.seconds, 6) for s in mine], first_tokens=tokens,
+            first_token_match=None if ref is None else tokens == [s.token for s in ref], **extra))
+        self.save()  # partial JSON after every row: an interrupted run keeps what it measured
+
+
+# ----- command line -------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
+    a("--dtype", type=csv_arg, default="fp32,bf16", help="comma-separated compute dtypes (default: %(default)s)")
+    a("--history", type=lambda t: [int(x) for x in csv_arg(t)], default="1024,4096,8064",
+      help="comma-separated history lengths H; H + new tokens must leave one generated token in the model's "
+           "window (smollm2: H <= 8127) (default: %(default)s)")
+    a("--new-tokens", type=int, default=64, help="new tokens after the history (default: %(default)s)")
+    a("--contexts", type=int, default=3, help="timed random contexts per cell, plus one warm-up (default: %(default)s)")
+    a("--tiers", type=csv_arg, default="memory,disk,redis", help="tiers to measure (default: %(default)s)")
+    a("--peers", type=csv_arg, default=",".join(PEERS), help="subset of peers (default: %(default)s)")
+    a("--method", default="auto", help="kvtier restore method, as ReuseConfig(method=...) takes it: auto, kv, "
+                                       "hidden, bubblefree, cake, recompute (default: %(default)s)")
+    a("--kv-cache", default="4GB", help="Engine KV budget (default: %(default)s)")
+    a("--max-batched-tokens", type=int, default=None,
+      help="Engine per-step token budget (default: the EngineConfig default)")
+    a("--workdir", default="out/e2e-work", help="disk tier and HF files; wiped at start (default: %(default)s)")
+    a("--redis-url", default=None, help="Redis server (default: %(default)s = start a private redis-server)")
+    a("--json", default=None, help="JSON output, rewritten after every row (default: %(default)s)")
+    a("--markdown", default=None, help="markdown table + goals (default: %(default)s)")
+    a("--plot", default=None, help="PNG of TTFT per peer (default: %(default)s)")
+    a("--seed", type=int, default=0, help="seed of the random contexts (default: %(default)s)")
+
+
+def render(rows: list[dict], meta: dict, markdown_path: str | None, plot_path: str | None, console) -> list[dict]:
+    goals = evaluate_goals(rows)
+    console.print(rich_table(rows))
+    for g in goals:
+        color = {True: "green", False: "red", None: "yellow"}[g["met"]]
+        console.print(f"[{color}]{_met(g)}[/{color}]: {g['goal']}: value {g['value']} (target {g['target']}); "
+                      f"{g['detail']}")
+    if markdown_path:
+        Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(markdown_path).write_text(markdown(rows, goals, meta))
+    if plot_path:
+        plot(rows, plot_path)
+    return goals
+
+
+def cmd_e2e(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    if getattr(args, "sub", None) == "report":
+        doc = json.loads(Path(args.json_in).read_text())
+        render(doc["rows"], doc.get("meta", {}), args.report_markdown, args.report_plot, console)
+        return 0
+    if args.contexts < 1 or args.new_tokens < 1:
+        raise ValueError("--contexts and --new-tokens must be at least 1")
+    for p in args.peers:
+        if p not in PEERS:
+            raise ValueError(f"unknown peer {p!r}: use {', '.join(PEERS)}")
+    from kvtier.engine.config import ReuseConfig
+
+    ReuseConfig(method=args.method)  # a bad method fails now, not after the HF peers ran
+    # SIGTERM unwinds through the finally blocks: engines closed, redis-server stopped, JSON kept.
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    bench = E2EBench(args, console)
+    bench.run()
+    render(bench.rows, bench.meta, args.markdown, args.plot, console)
+    return 0
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="sub")
+    rp = sub.add_parser("report", help="re-render the table, goals, markdown and plot from a JSON file")
+    rp.add_argument("json_in", help="JSON written by a run")
+    rp.add_argument("--markdown", dest="report_markdown", default=None, help="markdown output (default: %(default)s)")
+    rp.add_argument("--plot", dest="report_plot", default=None, help="PNG output (default: %(default)s)")
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser("e2e", help="returning-context TTFT through the public API vs HF peers",
+                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    _add_report(p)
+    p.set_defaults(func=cmd_e2e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    _add_report(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return cmd_e2e(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Measuring this machine for the planner: compute rates and each tier's read rates, through the
+very code paths a restore runs (the runner, `PlannedReads`, the pool placements).
+
+`measure()` times, for one model and dtype: prefill of growing contexts (fitted as a*L + b*L^2
+seconds) and of a few tokens continuing a history (g per history token), copying stored K/V into
+the pool and projecting hidden states into it (per token and layer, at restore sizes), and for
+each tier of a store spec its read rates (whole chunks, and layer groups of all chunks as a
+restore reads them) and how much of its read time hides under compute running beside it.
+
+Nothing here runs unless asked: `kvtier profile` and the engine factory call `load_or_measure`;
+an `Engine` built directly uses a saved profile or, without one, a rough estimate.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.dtypes import name_of
+from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.runner import ModelRunner, RunItem
+from kvtier.models.loading import LoadedModel
+from kvtier.restore.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
+from kvtier.restore.plan import PlannedChunk
+from kvtier.store.layout import Repr, StoreNamespace
+from kvtier.store.spec import parse_spec
+from kvtier.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def _time(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def _runner(model: LoadedModel, max_len: int) -> tuple[ModelRunner, list[int]]:
+    """A bare runner with one sequence's worth of blocks (consecutive, as a fresh engine gives)."""
+    block = 16
+    n = -(-max_len // block)
+    runner = ModelRunner(model.module, n, block, max_len)
+    return runner, BlockPool(n, block).allocate(n)
+
+
+def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (256, 1024, 2048), new: int = 64) -> dict:
+    cfg = model.config
+    runner, blocks = _runner(model, max(lengths) + new)
+    points = []
+    for n in lengths:
+        item = RunItem(torch.randint(100, cfg.vocab_size, (n,)).tolist(), 0, blocks, want_logits=False)
+        points.append((n, _time(lambda: runner.execute([item]), repeats=2 if n > 512 else 3)))
+    ls = np.array([p[0] for p in points], dtype=float)
+    ts = np.array([p[1] for p in points])
+    (a, b), *_ = np.linalg.lstsq(np.stack([ls, ls * ls], 1), ts, rcond=None)
+    if b < 0:  # noise on a near-linear curve: keep the linear fit
+        a, b = float(np.dot(ls, ts) / np.dot(ls, ls)), 0.0
+    # `new` tokens continuing the longest prefill: what they cost beyond a*n + b*n^2 is the
+    # per-history-token term g (the shape of a restore's new tokens and of chunked prefill).
+    hist = max(lengths)
+    cont = RunItem(torch.randint(100, cfg.vocab_size, (new,)).tolist(), hist, blocks, want_logits=False)
+    t_cont = _time(lambda: runner.execute([cont]), repeats=3)
+    g = max(0.0, float(t_cont - a * new - b * ((hist + new) ** 2 - hist ** 2)) / hist)
+    place, project = _measure_placement(model, runner, blocks, min(1024, hist))
+    return dict(prefill_a=float(a), prefill_b=float(b), prefill_g=g, project_s=project, place_s=place,
+                points=tuple(points))
+
+
+def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int], n: int) -> tuple[float, float]:
+    """Seconds per token per layer to copy stored K/V into the pool (from 64-token chunk pieces, as
+    a restore does) and to project stored hidden states into it, at restore sizes: a separate
+    source per layer, so caches are as cold as in a real restore."""
+    cfg, layers = model.config, model.config.num_layers
+    kv = torch.randn(layers, 2, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype)
+    runs = [(s, min(64, n - s)) for s in range(0, n, 64)]
+    slots = runner.slots(blocks, 0, n)
+
+    def copy_all() -> None:
+        for li in range(layers):
+            runner.copy_in(li, runs, [kv[li, 0, s:s + m] for s, m in runs], [kv[li, 1, s:s + m] for s, m in runs])
+
+    place = _time(copy_all) / (n * layers)
+    project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
+    return place, project
+
+
+def _overlap(read: Callable[[], object], compute: Callable[[], object]) -> float:
+    """Share of the read time hidden when `read` runs on a thread beside `compute`."""
+    t_read, t_comp = _time(read, repeats=2), _time(compute, repeats=2)
+    th = threading.Thread(target=read)
+    t = time.perf_counter()
+    th.start()
+    compute()
+    th.join()
+    both = time.perf_counter() - t
+    return float(min(1.0, max(0.0, (t_read + t_comp - both) / max(min(t_read, t_comp), 1e-9))))
+
+
+def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: int = 16,
+                  compute: Callable[[], object] | None = None) -> dict[str, TierRates]:
+    """Write `chunks` KV chunks into a scratch namespace of each tier and time reading them back
+    the way a restore does (alone, and beside `compute` for the overlap)."""
+    cfg = model.config
+    # A scratch namespace: its keys can never collide with real state of this model.
+    ns = StoreNamespace(f"profile-{model.fingerprint}", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.hidden_size, compute_dtype=name_of(model.dtype), layer_reprs=(Repr.KV,) * cfg.num_layers)
+    n = chunks * chunk_tokens
+    ids = list(range(1000, 1000 + n))
+    k = torch.randn(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    groups = [range(g, min(g + READ_GROUP_LAYERS, cfg.num_layers)) for g in range(0, cfg.num_layers, READ_GROUP_LAYERS)]
+    out: dict[str, TierRates] = {}
+    for single in (part.strip() for part in spec.split(",") if part.strip()):
+        # Each tier alone, so a disk read is never served by a memory tier above it.
+        name = parse_spec(single).tiers()[0][0]
+        store = TieredStore.open(single, ns, chunk_tokens=chunk_tokens)
+        try:
+            store.save(ids, 0, k, k, None)
+            store.flush()
+            match = store.lookup(ids)
+            planned = [PlannedChunk(c.key, c.start, c.end, c.tier, c.nbytes) for c in match.chunks]
+            if not planned:
+                continue
+
+            def read_groups() -> None:
+                reads = store.planned_reads(planned)
+                reads.open()
+                for layers in groups:
+                    reads.release(reads.read(layers, ("k", "v")))
+                reads.close()
+
+            def read_whole() -> None:
+                reads = store.planned_reads(planned)
+                reads.open()
+                for j in range(len(planned)):
+                    reads.release(reads.read(range(cfg.num_layers), ("k", "v"), only=[j]))
+                reads.close()
+
+            def read_small() -> None:
+                reads = store.planned_reads(planned)
+                reads.open()
+                reads.release(reads.read([0], ("k",)))
+                reads.close()
+
+            total = n * ns.bytes_per_token()
+            t_group, t_whole = _time(read_groups, repeats=2), _time(read_whole, repeats=2)
+            lat = _time(read_small, repeats=3) / len(planned)
+            calls = len(planned) * len(groups)
+            # Per-byte time net of call latency; the floor keeps timer noise from claiming free reads.
+            out[name] = TierRates(chunk_bps=total / t_whole,
+                                  layer_bps=total / max(t_group - lat * calls, 0.25 * t_group),
+                                  read_latency_s=lat,
+                                  overlap=_overlap(read_groups, compute) if compute else 1.0)
+            store.discard(c.key for c in planned)  # only the scratch chunks: the tier may hold real state
+        finally:
+            store.close()
+    return out
+
+
+def measure(model: LoadedModel, spec: str | None = None) -> HardwareProfile:
+    compute = measure_compute(model)
+    runner, blocks = _runner(model, 256)
+    item = RunItem(torch.randint(100, model.config.vocab_size, (256,)).tolist(), 0, blocks, want_logits=False)
+
+    def busy() -> None:  # compute to overlap reads with
+        runner.execute([item])
+
+    if spec is None:
+        with tempfile.TemporaryDirectory() as d:
+            tiers = measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=busy)
+    else:
+        tiers = measure_tiers(model, spec, compute=busy)
+    return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(), tiers=tiers, **compute)
+
+
+def estimate(model: LoadedModel) -> HardwareProfile:
+    """A profile from the model's shape and round machine rates, without timing anything: what an
+    Engine plans with until `kvtier profile` has measured this machine (the online correction
+    adapts it meanwhile)."""
+    cfg, width = model.config, model.dtype.itemsize
+    flops_per_s, copy_bps = 100e9, 5e9
+    layer_params = 2 * cfg.hidden_size * (cfg.num_heads * cfg.head_dim) + 2 * cfg.hidden_size * cfg.kv_dim \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # flops per (query, key) pair
+    return HardwareProfile(
+        model.fingerprint, name_of(model.dtype), torch.get_num_threads(),
+        prefill_a=2 * layer_params * cfg.num_layers / flops_per_s, prefill_b=attn / 2 / flops_per_s,
+        prefill_g=attn / flops_per_s,
+        project_s=4 * cfg.hidden_size * cfg.kv_dim / flops_per_s + 2 * cfg.kv_dim * width / copy_bps,
+        place_s=2 * cfg.kv_dim * width / copy_bps,
+        tiers={"memory": TierRates(20e9, 20e9, 2e-5, 1.0), "disk": TierRates(1e9, 1e9, 2e-4, 0.8),
+               "redis": TierRates(0.5e9, 0.5e9, 2e-4, 0.3)})
+
+
+def profile_path(home: Path, model: LoadedModel) -> Path:
+    return home / "profiles" / f"{model.fingerprint}-{name_of(model.dtype)}-t{torch.get_num_threads()}-v{PROFILE_VERSION}.json"
+
+
+def load_profile(model: LoadedModel, home: Path) -> HardwareProfile | None:
+    """The profile `kvtier profile` saved for this model, dtype and thread count, if any."""
+    path = profile_path(home, model)
+    if not path.exists():
+        return None
+    try:
+        return HardwareProfile.from_json(path.read_text())
+    except (ValueError, TypeError, KeyError) as e:
+        log.warning("ignoring unreadable profile %s (%s)", path, e)
+        return None
+
+
+def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> HardwareProfile:
+    """The saved profile, or measure one now (under a minute) and save it."""
+    prof = load_profile(model, home)
+    if prof is not None:
+        return prof
+    log.warning("no hardware profile for this model/dtype yet: measuring (under a minute)")
+    prof = measure(model, spec)
+    save_profile(prof, profile_path(home, model))
+    return prof
+
+
+def save_profile(prof: HardwareProfile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(prof.to_json())
+    tmp.replace(path)

@@ -1,0 +1,378 @@
+"""The one restore path: a `Restore` applies a Plan to one request's pool blocks.
+
+Its life is the engine's (tests and benchmarks drive it through the engine too):
+
+    prepare()   open the plan's chunks on their planned tiers and start the LayerReader (the IO
+                side, on its own thread); recompute the leading layers of a bubble-free plan, or
+                run Cake's race to the end. Runs on the engine's restore worker.
+    ready()     the read buffer holds `plan.read_buffer_layers` layers (CachedAttention §3.2.1):
+                the request's new tokens may now be scheduled.
+    place(l)    called by the runner right before the new tokens' layer l: copy (or project)
+                layer l's history into the pool, waiting for its read if it is not in yet.
+    finish()    the reader is done; raises RestoreMiss if anything failed (the request is then
+                recomputed and nothing it computed on top is kept).
+
+Reads land where they are needed with as few copies as the tier allows: memory-tier reads are
+views of the stored bytes, placed into the pool by one foreach copy per layer over all chunks;
+disk and Redis reads land in reused, aligned staging buffers (direct I/O for disk). K is stored
+rotated at its position, so placing it is a copy; only a truncated context rotates it again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.engine.runner import ModelRunner, RunItem
+from kvtier.restore.costs import READ_GROUP_LAYERS
+from kvtier.restore.plan import Method, Plan
+from kvtier.store.format import LayerState
+from kvtier.store.layout import Repr
+from kvtier.store.reads import LayerGroup, PlannedReads
+from kvtier.store.tiered import TieredStore
+
+
+class RestoreMiss(RuntimeError):
+    """A chunk the plan relied on could not be read intact; recompute instead."""
+
+
+@dataclass
+class RestoreStats:
+    seconds: float = 0.0  # prepare() start to finish(): the restore's own time
+    bytes_read: int = 0
+    chunks_loaded: int = 0
+    chunks_computed: int = 0  # Cake's front chunks computed from tokens
+    wait_s: float = 0.0  # time place() waited for reads (IO not hidden under compute)
+    layers_by_repr: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [offset, offset + length) of planned chunk `chunk` go to pool slots [slot, slot + length)."""
+
+    chunk: int
+    offset: int
+    slot: int
+    length: int
+
+
+def pieces(chunk_spans: Sequence[tuple[int, int]], runs: Sequence, start: int) -> list[Piece]:
+    """Cut chunks [a, b) at `start` and at the request's block runs (runner.slot_runs)."""
+    out = []
+    for ci, (a, b) in enumerate(chunk_spans):
+        for r in runs:
+            lo, hi = max(a, start, r.pos), min(b, r.pos + r.length)
+            if lo < hi:
+                out.append(Piece(ci, lo - a, r.slot + lo - r.pos, hi - lo))
+    return out
+
+
+class LayerReader:
+    """The IO side of a layer-wise restore: layer groups of every planned chunk, in layer order,
+    at most `depth` layers ahead of placement (the read buffer). On its own thread, unless every
+    read is a view of memory the tier holds (then reading is instant and needs no thread)."""
+
+    def __init__(self, reads: PlannedReads, layout: Sequence[Repr], first: int, depth: int, threaded: bool) -> None:
+        self.reads, self.layout, self.depth = reads, tuple(layout), max(1, depth)
+        n = len(layout)
+        self.groups = [tuple(range(g, min(g + READ_GROUP_LAYERS, n))) for g in range(first, n, READ_GROUP_LAYERS)]
+        self._got: dict[int, LayerGroup] = {}  # group index -> data
+        self._read_layers = 0  # layers read so far
+        self._placed = first  # layers placed so far (leading recomputed layers count as placed)
+        self._error: str | None = None
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvtier-restore-io", daemon=True) if threaded else None
+        self.nbytes = 0
+
+    def start(self) -> None:
+        if self._thread is not None:
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        for gi, layers in enumerate(self.groups):
+            with self._cv:
+                # The read buffer: stay at most `depth` layers ahead of placement.
+                while not self._closed and self._thread is not None and \
+                        self._read_layers - self._placed >= self.depth:
+                    self._cv.wait()
+                if self._closed:
+                    return
+            parts = tuple(dict.fromkeys(p for li in layers for p in self.layout[li].parts()))
+            try:
+                group = self.reads.read(layers, parts)
+            except Exception as e:  # any failure is a miss for this restore, never a dead thread
+                group, why = None, f"{type(e).__name__}: {e}"
+            else:
+                why = f"layers {layers[0]}-{layers[-1]} of a stored chunk could not be read intact"
+            with self._cv:
+                if group is None:
+                    self._error = why
+                else:
+                    self._got[gi] = group
+                    self._read_layers += len(layers)
+                    self.nbytes += group.nbytes
+                self._cv.notify_all()
+                if group is None:
+                    return
+
+    def primed(self) -> bool:
+        """The read buffer is full (or everything is read, or a read failed)."""
+        with self._cv:
+            total = sum(len(g) for g in self.groups)
+            return self._error is not None or self._read_layers >= min(self.depth, total)
+
+    def take(self, layer: int) -> list[LayerState]:
+        """Layer `layer` of every chunk (waits for its read). Raises RestoreMiss."""
+        gi = next(i for i, g in enumerate(self.groups) if layer in g)
+        with self._cv:
+            while gi not in self._got and self._error is None:
+                self._cv.wait()
+            if gi not in self._got:
+                raise RestoreMiss(self._error)
+            group = self._got[gi]
+        i = group.layers.index(layer)
+        return [states[i] for states in group.states]
+
+    def placed(self, layer: int) -> None:
+        """Layer `layer` is in the pool: free its group's buffers after its last layer."""
+        gi = next(i for i, g in enumerate(self.groups) if layer in g)
+        with self._cv:
+            self._placed = layer + 1
+            if layer == self.groups[gi][-1]:
+                self.reads.release(self._got.pop(gi))
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join()
+        for g in self._got.values():
+            self.reads.release(g)
+        self._got.clear()
+        self.reads.close()
+
+
+@dataclass
+class TwoEndedCursor:
+    """Cake's two pointers over the plan's chunks: compute claims from the front, loading from
+    the back, until they meet (each chunk is claimed by exactly one side)."""
+
+    front: int
+    back: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim_front(self, tokens: Sequence[int], budget: int) -> range:
+        """Chunks from the front worth up to `budget` tokens (at least one), or an empty range."""
+        with self.lock:
+            i, taken = self.front, 0
+            while i <= self.back and (i == self.front or taken + tokens[i] <= budget):
+                taken += tokens[i]
+                i += 1
+            claimed = range(self.front, i)
+            self.front = i
+            return claimed
+
+    def claim_back(self) -> int | None:
+        with self.lock:
+            if self.back < self.front:
+                return None
+            self.back -= 1
+            return self.back + 1
+
+
+class Restore:
+    """Restore [start, plan.history_tokens) of a request into its blocks (see the module docstring).
+    `source`, for a truncated context, maps each restored position to the stored token it takes."""
+
+    def __init__(self, plan: Plan, store: TieredStore, runner: ModelRunner, token_ids: Sequence[int],
+                 block_ids: Sequence[int], start: int = 0, source: Sequence[int] | None = None,
+                 compute_chunk_tokens: int = 512) -> None:
+        if plan.method is Method.RECOMPUTE:
+            raise ValueError("a recompute plan restores nothing: prefill the tokens instead")
+        self.plan, self.store, self.runner = plan, store, runner
+        self.token_ids, self.block_ids, self.start = list(token_ids), list(block_ids), start
+        self.source = list(source) if source is not None else None
+        self.compute_chunk_tokens = compute_chunk_tokens
+        self.stats = RestoreStats()
+        self.reads = store.planned_reads(plan.chunks)
+        self.reader: LayerReader | None = None
+        self._prepared = threading.Event()
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._t0 = 0.0
+        hist = plan.history_tokens
+        spans = [(c.start, c.end) for c in plan.chunks]
+        if self.source is None:
+            self.pieces = pieces(spans, runner.slot_runs(self.block_ids, start, hist), start)
+            self.slots = runner.slots(self.block_ids, start, hist)  # [hist - start] for projected layers
+        else:  # truncation: stored rows source[i] (taken from the concatenated chunks) go to position i
+            first = spans[0][0] if spans else 0
+            self.rows = torch.tensor(self.source[start:hist]) - first
+            self.shift = torch.arange(start, hist) - torch.tensor(self.source[start:hist])
+            self.slots = runner.slots(self.block_ids, start, hist)
+        self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
+
+    # ----- background part --------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Open the chunks and start reading; recompute leading layers or run Cake. Raises RestoreMiss."""
+        self._t0 = time.perf_counter()
+        try:
+            if not self.reads.open():
+                raise RestoreMiss("a planned chunk is missing or corrupt on its planned tier")
+            self.stats.chunks_loaded = len(self.plan.chunks)
+            if self.plan.method is Method.CAKE:
+                self._cake()
+                return
+            lead = self.plan.recompute_layers
+            zero_copy = all(not t.owned_buffers and not t.emulation.active for t in self.reads.tiers)
+            self.reader = LayerReader(self.reads, self.plan.layer_reprs, lead, self.plan.read_buffer_layers,
+                                      threaded=not zero_copy)
+            self.reader.start()
+            if lead:  # bubble-free with recompute: the first layers from tokens while IO streams
+                self._compute(0, self.plan.history_tokens, layers=range(lead))
+        except BaseException as e:
+            self._error = str(e) or type(e).__name__
+            raise RestoreMiss(self._error) from e
+        finally:
+            self._prepared.set()
+
+    def ready(self) -> bool:
+        """The new tokens may start: prepared, and the read buffer primed (or no reader)."""
+        return self._prepared.is_set() and (self.reader is None or self.reader.primed())
+
+    def wait_ready(self, poll_s: float = 0.001) -> None:
+        self._prepared.wait()
+        while not self.ready():
+            time.sleep(poll_s)
+
+    # ----- the new tokens' forward ------------------------------------------------------------
+    def place(self, layer: int) -> None:
+        """The runner's before_layer hook. Never raises: a failure is kept for finish()."""
+        if self.reader is None or layer < self.plan.recompute_layers or self._error is not None:
+            return
+        t = time.perf_counter()
+        try:
+            states = self.reader.take(layer)
+            self.stats.wait_s += time.perf_counter() - t
+            self._place(layer, states)
+            self.reader.placed(layer)
+        except Exception as e:  # the step goes on for every other request in it
+            self._error = str(e) or type(e).__name__
+            return
+        rep = self.plan.layer_reprs[layer].value
+        self.stats.layers_by_repr[rep] = self.stats.layers_by_repr.get(rep, 0) + 1
+
+    def place_all(self) -> None:
+        """Place every layer now (a restore with no new tokens computed on top)."""
+        for li in range(len(self.plan.layer_reprs)):
+            self.place(li)
+
+    @torch.inference_mode()
+    def _place(self, layer: int, states: list[LayerState]) -> None:
+        rep, runner = self.plan.layer_reprs[layer], self.runner
+        if self.source is not None:
+            self._place_remapped(layer, rep, states)
+        elif rep is Repr.KV:
+            ps = self.pieces
+            runner.copy_in(layer, [(p.slot, p.length) for p in ps],
+                           [states[p.chunk].k[p.offset:p.offset + p.length] for p in ps],  # [n, kv_heads, hd]
+                           [states[p.chunk].v[p.offset:p.offset + p.length] for p in ps])
+        else:  # hidden: project the layer inputs of every chunk in one matmul
+            skip = self._lo - self.plan.chunks[0].start
+            hs = [s.h for s in states]
+            h = hs[0][skip:] if len(hs) == 1 else torch.cat([hs[0][skip:]] + hs[1:])  # [hist - lo, hidden]
+            runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
+
+    def _place_remapped(self, layer: int, rep: Repr, states: list[LayerState]) -> None:
+        if rep is Repr.KV:
+            k = torch.cat([s.k for s in states]).index_select(0, self.rows)  # [kept, kv_heads, hd]
+            v = torch.cat([s.v for s in states]).index_select(0, self.rows)
+            self.runner.shift_in(layer, k, v, self.shift, self.slots)
+        else:
+            h = torch.cat([s.h for s in states]).index_select(0, self.rows)
+            self.runner.project_in(layer, h, (self.start, self.plan.history_tokens), self.slots)
+
+    def finish(self) -> RestoreStats:
+        """End the restore; raises RestoreMiss if any part failed."""
+        self._prepared.wait()
+        if self.reader is not None:
+            self.stats.bytes_read += self.reader.nbytes
+            self.reader.close()
+        else:
+            self.reads.close()
+        self.stats.seconds = time.perf_counter() - self._t0
+        if self._error is not None:
+            raise RestoreMiss(self._error)
+        self.store.promote(self.plan.chunks)
+        return self.stats
+
+    def abort(self) -> None:
+        """Stop reading (the restore is then finished by whoever waits on prepare)."""
+        self._stop.set()
+        self._error = self._error or "aborted"
+        if self.reader is not None:
+            self.reader.close()
+
+    # ----- compute from tokens -----------------------------------------------------------------
+    def _compute(self, a: int, b: int, layers: range | None = None) -> None:
+        step = self.compute_chunk_tokens
+        for x in range(max(a, self.start), b, step):
+            item = RunItem(self.token_ids[x:min(b, x + step)], x, self.block_ids, want_logits=False)
+            self.runner.execute([item], layers=layers)
+
+    # ----- Cake: bidirectional ------------------------------------------------------------------
+    def _cake(self) -> None:
+        """Compute chunks from the front while a loader thread reads whole chunks from the back,
+        until they meet. Positions before `start` (device-cached, maybe shared) are never written."""
+        chunks = self.plan.chunks
+        tokens = [c.end - c.start for c in chunks]
+        cursor = TwoEndedCursor(0, len(chunks) - 1)
+        failed: list[str] = []
+        loaded = threading.Thread(target=self._cake_loader, args=(cursor, failed), name="kvtier-cake-io", daemon=True)
+        loaded.start()
+        try:
+            while not failed and not self._stop.is_set():
+                claimed = cursor.claim_front(tokens, self.compute_chunk_tokens)
+                if not claimed:
+                    break
+                self._compute(chunks[claimed.start].start, chunks[claimed.stop - 1].end)
+                self.stats.chunks_computed += len(claimed)
+        finally:
+            loaded.join()
+        self.stats.chunks_loaded = len(chunks) - self.stats.chunks_computed
+        if failed:
+            raise RestoreMiss(failed[0])
+
+    def _cake_loader(self, cursor: TwoEndedCursor, failed: list[str]) -> None:
+        # One intra-op thread (a per-thread setting): a second full team of workers beside the
+        # compute side's would oversubscribe the cores both share.
+        torch.set_num_threads(1)
+        n = len(self.plan.layer_reprs)
+        while not self._stop.is_set():
+            j = cursor.claim_back()
+            if j is None:
+                return
+            c = self.plan.chunks[j]
+            group = self.reads.read(range(n), ("k", "v"), only=[j])
+            if group is None:
+                failed.append(f"chunk {c.key[:12]} could not be read intact")
+                return
+            ps = pieces([(c.start, c.end)], self.runner.slot_runs(self.block_ids, max(c.start, self.start), c.end),
+                        self.start)
+            with torch.inference_mode():
+                for li in range(n):
+                    st = group.states[0][li]
+                    self.runner.copy_in(li, [(p.slot, p.length) for p in ps],
+                                        [st.k[p.offset:p.offset + p.length] for p in ps],
+                                        [st.v[p.offset:p.offset + p.length] for p in ps])
+            self.stats.bytes_read += group.nbytes
+            self.reads.release(group)

@@ -1,0 +1,258 @@
+"""Restoring inside the engine: tickets in, ready restores out, each placed by its request's step.
+
+The scheduler decides (a `RestoreTicket`); `start` plans it (a frozen Plan) and prepares it on the
+restore worker while the step loop serves everyone else (the RESTORING phase). Once its read
+buffer is primed, `poll` hands the request back to the scheduler, whose next step computes its
+new tokens; that step's `hook` places each layer of history just before the layer runs, and
+`finish` closes the restore. A restore that fails before that is simply recomputed; one that fails
+inside its step voids that request's result for the step (nothing computed on it is kept).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.request import Request
+from kvtier.engine.restore_exec import Restore, RestoreMiss
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.scheduler import Probe, RestoreTicket
+from kvtier.restore.plan import Method, Plan
+from kvtier.restore.planner import Planner
+from kvtier.store.layout import Repr
+from kvtier.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreDone:
+    """A restore left the RESTORING phase: ready (tokens will be in the pool once its step runs)
+    or failed (tokens None: the request prefills from its device part)."""
+
+    request_id: str
+    tokens: int | None
+    tier_tokens: dict[str, int]
+    attach_tokens: int
+    aborted: bool
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a ticket carries from probe to start (opaque to the scheduler)."""
+
+    plan: Plan
+    source: list[int] | None  # truncated context: the stored token each restored position takes
+    tier_tokens: dict[str, int]  # restored tokens by the tier they are read from
+
+
+@dataclass
+class _Job:
+    req: Request
+    plan: Plan
+    restore: Restore
+    future: Future
+    tier_tokens: dict[str, int]
+    debt: int  # background compute (prefill-token equivalents) not yet charged to a step budget
+    started: float = field(default_factory=time.perf_counter)
+    aborted: bool = False
+
+
+class Restorer:
+    def __init__(self, store: TieredStore, runner: ModelRunner, planner: Planner, layout: Sequence[Repr],
+                 config: ReuseConfig, counters: dict[str, int], compute_chunk_tokens: int = 512) -> None:
+        self.store, self.runner, self.planner = store, runner, planner
+        self.layout = tuple(layout)
+        self.config = config
+        self.counters = counters
+        self.compute_chunk_tokens = compute_chunk_tokens
+        self.jobs: dict[str, _Job] = {}  # preparing
+        self.attached: dict[str, _Job] = {}  # ready: placed by their request's next step
+        self.reused_by_method: dict[str, int] = {}
+        self.tier_tokens: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-restore")
+        all_kv = all(r is Repr.KV for r in self.layout)
+        # The methods the stored layout allows: all-KV state loads layer by layer or races compute
+        # from the front (Cake); any other layout only as what it is.
+        if all_kv:
+            self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}
+        elif all(r is Repr.HIDDEN for r in self.layout):
+            self.allowed = {Method.HIDDEN: self.layout, Method.BUBBLEFREE: self.layout}
+        else:
+            self.allowed = {Method.BUBBLEFREE: self.layout}
+
+    # ----- the scheduler's side -----------------------------------------------------------------
+    def probe(self, req: Request) -> Probe:
+        """Look the request up in the store (a lookup; never waits on the writer) and plan its
+        restore. Restoring is capped so one prompt token is left to compute. When filling holes,
+        device-cached tokens beyond what the store holds are not kept, so their state is captured."""
+        if self.config.fixed_method is Method.RECOMPUTE:
+            return Probe(0, req.num_computed)
+        if req.kept is not None:
+            return self._probe_truncated(req)
+        match = self.store.lookup(req.all_ids)
+        keep = min(req.num_computed, match.num_tokens) if self.config.save and self.config.fill_holes \
+            else req.num_computed
+        usable = [c for c in match.chunks if keep < c.end <= req.num_tokens - 1]
+        end = usable[-1].end if usable else 0
+        if end - keep < self.config.min_restore_tokens:
+            return Probe(0, keep)
+        new = req.num_tokens - end
+        fixed = self.config.fixed_method
+        if fixed is None:
+            plan = self.planner.choose(usable, new, self.allowed)
+        else:  # a method the stored layout cannot serve (e.g. cake over hidden states) reads it as stored
+            method = fixed if fixed in self.allowed else next(iter(self.allowed))
+            plan = self.planner.plan(method, usable, new, self.allowed[method])
+        if plan.method is Method.RECOMPUTE:
+            return Probe(0, keep)
+        tiers: dict[str, int] = {}
+        for c in usable:
+            tiers[c.tier] = tiers.get(c.tier, 0) + c.end - max(c.start, keep)
+        return Probe(end, keep, _Planned(plan, None, tiers), plan.background_tokens)
+
+    def _probe_truncated(self, req: Request) -> Probe:
+        """Kept tokens take new, compacted positions (CachedAttention §3.4): every chunk holding one
+        of the first `target` kept tokens is read, its rows picked and K rotated by the shift."""
+        if Repr.NONE in self.layout:
+            return Probe(0, req.num_computed)  # recomputed layers cannot be rebuilt at new positions
+        match = self.store.lookup(req.source_ids)
+        kept = req.kept or []
+        target = min(bisect.bisect_left(kept, match.num_tokens), req.num_tokens - 1)
+        if target < self.config.min_restore_tokens:
+            return Probe(0, req.num_computed)
+        source = kept[:target]
+        chunks = [c for c in match.chunks if c.end > source[0] and c.start <= source[-1]]
+        method = Method.KV if all(r is Repr.KV for r in self.layout) else Method.BUBBLEFREE
+        base = self.planner.plan(method, chunks, req.num_tokens - target, self.layout)
+        plan = Plan(method, self.layout, target, base.chunks, base.predicted_s, base.ideal_s,
+                    read_buffer_layers=len(self.layout), attach_tokens=base.attach_tokens)
+        tiers: dict[str, int] = {}
+        for c in chunks:
+            tiers[c.tier] = tiers.get(c.tier, 0) + bisect.bisect_left(source, c.end) - bisect.bisect_left(source, c.start)
+        return Probe(target, req.num_computed, _Planned(plan, source, tiers), 0)
+
+    def charge(self, budget: int) -> int:
+        """Pay restore compute out of this step's token budget, oldest job first."""
+        taken = 0
+        for job in self.jobs.values():
+            pay = min(job.debt, budget - taken)
+            job.debt -= pay
+            taken += pay
+        self.counters["restore_tokens_charged"] += taken
+        return taken
+
+    # ----- starting -------------------------------------------------------------------------
+    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
+        """Start preparing each ticket's restore on the restore worker."""
+        for t in tickets:
+            req, planned = requests[t.request_id], t.plan
+            restore = Restore(planned.plan, self.store, self.runner, req.all_ids, req.block_ids, t.start,
+                              planned.source, self.compute_chunk_tokens)
+            self.jobs[t.request_id] = _Job(req, planned.plan, restore, self._pool.submit(restore.prepare),
+                                           planned.tier_tokens, t.debt)
+            self.counters["restore_tokens_charged"] += planned.plan.background_tokens - t.debt
+
+    # ----- progress ---------------------------------------------------------------------------
+    def poll(self) -> list[RestoreDone]:
+        """Restores that left the RESTORING phase since the last poll."""
+        done = []
+        for rid, job in list(self.jobs.items()):
+            if not job.future.done():
+                continue
+            failed = job.future.exception() is not None or job.aborted
+            if not failed and not job.restore.ready():
+                continue
+            del self.jobs[rid]
+            if failed:
+                self._close(job, ok=False)
+                done.append(RestoreDone(rid, None, {}, 0, job.aborted))
+                continue
+            self.attached[rid] = job
+            done.append(RestoreDone(rid, job.plan.history_tokens, dict(job.tier_tokens), job.plan.attach_tokens, False))
+        return done
+
+    def hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
+        """The runner's before_layer for a step: place layer l of every restore attached to it."""
+        restores = [self.attached[r].restore for r in request_ids if r in self.attached]
+        if not restores:
+            return None
+
+        def place(layer: int) -> None:
+            for r in restores:
+                r.place(layer)
+
+        return place
+
+    def finish(self, request_ids: Sequence[str]) -> list[str]:
+        """Close the restores placed by this step; -> ids of requests whose restore failed in it."""
+        failed = []
+        for rid in request_ids:
+            job = self.attached.pop(rid, None)
+            if job is not None and not self._close(job, ok=True):
+                failed.append(rid)
+        return failed
+
+    def _close(self, job: _Job, ok: bool) -> bool:
+        """Finish a restore; count it. -> whether it succeeded."""
+        try:
+            stats = job.restore.finish()
+        except RestoreMiss as e:
+            if ok:  # (a restore failed before its step was reported when it failed)
+                log.warning("restore of %s failed (%s); recomputing", job.req.request_id, e)
+            stats, ok = None, False
+        if not ok:
+            if not job.aborted:
+                self.counters["restore_failures"] += 1
+            return False
+        self.counters["restores"] += 1
+        gained = sum(job.tier_tokens.values())
+        self.counters["restored_tokens"] += gained
+        method = job.plan.method.value
+        self.reused_by_method[method] = self.reused_by_method.get(method, 0) + gained
+        for tier, n in job.tier_tokens.items():
+            self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
+        job.req.metrics.restore_method = method
+        job.req.metrics.restore_s = stats.seconds
+        if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
+            self.planner.observe(job.plan.method, job.plan.predicted_s, time.perf_counter() - job.started)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a restore of a request that is going away; True if one was in flight (its blocks
+        are released once `poll` reports it)."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            job.aborted = True
+            job.restore.abort()
+            return True
+        job = self.attached.pop(request_id, None)
+        if job is not None:  # ready but never placed (preempted or aborted): just close it
+            job.aborted = True
+            job.restore.abort()
+            self._close(job, ok=False)
+        return False
+
+    def wait_any(self, timeout: float) -> None:
+        """Block (without holding the GIL) until a restore may have become ready, or `timeout`."""
+        pending = [j.future for j in self.jobs.values() if not j.future.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        elif self.jobs:
+            time.sleep(min(timeout, 0.001))  # prepared, waiting for the read buffer to fill
+
+    def close(self) -> None:
+        for rid in list(self.jobs) + list(self.attached):
+            self.abort(rid)
+        self._pool.shutdown(wait=True)
+        for job in self.jobs.values():
+            try:
+                job.restore.finish()
+            except RestoreMiss:
+                pass
+        self.jobs.clear()

@@ -1,0 +1,265 @@
+"""The engine's link to the tiered store. It caches nothing: it wires the parts that do.
+
+    Saver       capture every computed token's state, hand chunks to the store's writer
+    Restorer    plan and run restores (tickets from the scheduler), place them in their step
+    sessions    optional per-session TTL of what a conversation saved
+    look-ahead  prefetch what queued requests need into memory and keep it from eviction
+                (CachedAttention §3.3)
+
+`NullStateLink` is the same interface without a store, so the engine never asks "is there one?".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from kvtier.dtypes import name_of
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.request import Request
+from kvtier.engine.restorer import RestoreDone, Restorer
+from kvtier.engine.runner import CaptureFn, ModelRunner
+from kvtier.engine.saver import Saver
+from kvtier.engine.scheduler import Probe, RestoreTicket
+from kvtier.engine.sessions import SessionRetention
+from kvtier.models.loading import LoadedModel
+from kvtier.restore.costs import HardwareProfile, ModelShape, links
+from kvtier.restore.planner import Planner
+from kvtier.store import lookahead
+from kvtier.store.layout import Repr, StoreNamespace
+from kvtier.store.lookahead import LookAheadPolicy
+from kvtier.store.spec import parse_spec
+from kvtier.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class StateLink(Protocol):
+    def probe(self, req: Request) -> Probe: ...
+    def charge(self, budget: int) -> int: ...
+    def arrived(self, req: Request) -> None: ...
+    def before_schedule(self) -> list[RestoreDone]: ...
+    def after_schedule(self, waiting: Sequence[Request]) -> None: ...
+    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None: ...
+    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None: ...
+    def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None: ...
+    def after_execute(self, request_ids: Sequence[str]) -> list[str]: ...
+    def after_step(self, req: Request, finished: bool) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
+    def finished(self, req: Request) -> None: ...
+    def idle_wait(self, timeout: float) -> None: ...
+    def flush(self, timeout: float | None) -> bool: ...
+    def stats(self, with_store: bool = True) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class NullStateLink:
+    """No store: nothing is saved or restored."""
+
+    def probe(self, req: Request) -> Probe:
+        return Probe(0, req.num_computed)
+
+    def charge(self, budget: int) -> int:
+        return 0
+
+    def arrived(self, req: Request) -> None:
+        pass
+
+    def before_schedule(self) -> list[RestoreDone]:
+        return []
+
+    def after_schedule(self, waiting: Sequence[Request]) -> None:
+        pass
+
+    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
+        pass
+
+    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
+        return None
+
+    def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
+        return None
+
+    def after_execute(self, request_ids: Sequence[str]) -> list[str]:
+        return []
+
+    def after_step(self, req: Request, finished: bool) -> None:
+        pass
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def finished(self, req: Request) -> None:
+        pass
+
+    def idle_wait(self, timeout: float) -> None:
+        pass
+
+    def flush(self, timeout: float | None) -> bool:
+        return True
+
+    def stats(self, with_store: bool = True) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class StoreLink:
+    def __init__(self, store: TieredStore, layout: Sequence[Repr], runner: ModelRunner, planner: Planner,
+                 config: ReuseConfig) -> None:
+        self.store = store
+        self.layout = tuple(layout)
+        self.config = config
+        self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, prefetches=0,
+                             restore_tokens_charged=0, sessions_expired=0)
+        self.saver = Saver(store, self.layout, config.chunk_tokens)
+        self.restorer = Restorer(store, runner, planner, self.layout, config, self.counters)
+        self.sessions = SessionRetention(config.session_ttl_s) if config.session_ttl_s else None
+        self._next_expiry = 0.0
+        self.lookahead = self._steer_eviction() if config.lookahead else []
+
+    def _steer_eviction(self) -> list[LookAheadPolicy]:
+        """Wrap every tier's eviction policy so the look-ahead window can steer it."""
+        out = []
+        for t in self.store.tiers:
+            for holder in [t] + list(getattr(t, "dirs", [])):
+                if getattr(holder, "policy", None) is not None:
+                    holder.policy = LookAheadPolicy(holder.policy)
+                    out.append(holder.policy)
+        return out
+
+    # ----- scheduling -------------------------------------------------------------------------
+    def probe(self, req: Request) -> Probe:
+        return self.restorer.probe(req)
+
+    def charge(self, budget: int) -> int:
+        return self.restorer.charge(budget)
+
+    def arrived(self, req: Request) -> None:
+        # The prompt's chunks count as the session's from arrival on, so a chunk this request is
+        # about to restore is not deleted under it because another session that saved it expired.
+        if self.sessions is not None and req.session_id is not None:
+            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids), time.monotonic())
+
+    def before_schedule(self) -> list[RestoreDone]:
+        """Expire idle sessions; -> restores that left RESTORING."""
+        self.expire_sessions()
+        return self.restorer.poll()
+
+    def after_schedule(self, waiting: Sequence[Request]) -> None:
+        """Look ahead at what is still queued (what was just admitted is being read already)."""
+        self.look_ahead(waiting)
+
+    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
+        self.restorer.start(tickets, requests)
+
+    # ----- a step -----------------------------------------------------------------------------
+    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
+        return self.saver.capture_for(reqs) if self.config.save else None
+
+    def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
+        return self.restorer.hook(request_ids)
+
+    def after_execute(self, request_ids: Sequence[str]) -> list[str]:
+        """Close the restores this step placed; -> requests whose result is void (and not saved)."""
+        failed = self.restorer.finish(request_ids)
+        for rid in failed:
+            self.saver.drop(rid)
+        return failed
+
+    def after_step(self, req: Request, finished: bool) -> None:
+        if self.config.save:
+            self.saver.after_step(req, finished)
+
+    def abort(self, request_id: str) -> bool:
+        """-> True if a restore is writing into the request's blocks (finish it once that ends)."""
+        self.saver.drop(request_id)
+        return self.restorer.abort(request_id)
+
+    def finished(self, req: Request) -> None:
+        """A request ended (any reason): what it saved belongs to its session."""
+        if self.sessions is not None and req.session_id is not None:
+            saved = self.store.keys_for(req.all_ids[: req.num_computed]) if req.kept is None else []
+            self.sessions.finished(req.session_id, saved, time.monotonic())
+
+    def idle_wait(self, timeout: float) -> None:
+        self.restorer.wait_any(timeout)
+
+    # ----- retention and look-ahead -----------------------------------------------------------
+    def expire_sessions(self, now: float | None = None) -> int:
+        """Delete the state of sessions idle past the TTL (checked at most once a second). -> chunks removed."""
+        if self.sessions is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        if now < self._next_expiry:
+            return 0
+        self._next_expiry = now + min(1.0, self.sessions.ttl_s)
+        gone, keys = self.sessions.expire(now)
+        if not gone:
+            return 0
+        n = self.store.discard(keys)
+        self.counters["sessions_expired"] += len(gone)
+        log.info("expired %d idle session(s): removed %d stored chunks", len(gone), n)
+        return n
+
+    def look_ahead(self, waiting: Sequence[Request]) -> None:
+        """Prefetch into memory what the next queued requests need; protect it from eviction."""
+        mem = self.store.memory
+        if not self.lookahead or mem is None or not waiting:
+            return
+        matches = [self.store.lookup(r.all_ids) for r in waiting[:32]]
+        next_use: dict[str, int] = {}
+        for pos, m in enumerate(matches):
+            for c in m.chunks:
+                next_use.setdefault(c.key, pos)
+        n = lookahead.window([sum(c.nbytes for c in m.chunks) for m in matches], max(mem.capacity - mem.used, 0))
+        keys = {c.key for m in matches[:n] for c in m.chunks}
+        for p in self.lookahead:
+            p.set_future(next_use, keys)
+        for m in matches[:n]:
+            for c in m.chunks:
+                if c.tier != mem.name and self.store.prefetch(c):
+                    self.counters["prefetches"] += 1
+
+    # ----- lifecycle --------------------------------------------------------------------------
+    def flush(self, timeout: float | None) -> bool:
+        return self.store.flush(timeout)
+
+    def stats(self, with_store: bool = True) -> dict[str, Any]:
+        return dict(counters=dict(self.counters, saves=self.saver.saves),
+                    reused_by_method=dict(self.restorer.reused_by_method),
+                    reused_by_tier=dict(self.restorer.tier_tokens), layout=tuple(r.value for r in self.layout),
+                    stored_bytes_per_token=self.store.namespace.bytes_per_token() if self.store.namespace else 0,
+                    store=self.store.stats() if with_store else None)
+
+    def close(self) -> None:
+        self.restorer.close()
+        self.store.close()
+
+
+def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: ReuseConfig, profile: HardwareProfile,
+                    prefill_chunk_tokens: int) -> StoreLink:
+    """Choose what to store per layer, open the store in that namespace, wire the planner."""
+    cfg = model.config
+    tiers = parse_spec(spec).tiers()
+
+    def namespace(layout: Sequence[Repr]) -> StoreNamespace:
+        return StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                              compute_dtype=name_of(model.dtype), storage_dtype=reuse.storage_dtype,
+                              layer_reprs=tuple(layout))
+
+    probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
+    shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))
+    planner = Planner(profile, shape, links(profile, [(n, em.bandwidth, em.latency) for n, em in tiers]),
+                      prefill_chunk_tokens=prefill_chunk_tokens)
+    if reuse.layout is not None:
+        if len(reuse.layout) != cfg.num_layers:
+            raise ValueError(f"ReuseConfig.layout has {len(reuse.layout)} entries; {model.name} has {cfg.num_layers} layers")
+        layout = tuple(Repr(r) for r in reuse.layout)
+    else:  # decided for the slowest tier of the stack
+        layout = planner.choose_layout(reuse.fixed_method, tiers[-1][0], reuse.chunk_tokens)
+    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens)
+    return StoreLink(store, layout, runner, planner, reuse)
