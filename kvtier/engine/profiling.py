@@ -83,14 +83,16 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     a restore does) and to project stored hidden states into it, at restore sizes: a separate
     source per layer, so caches are as cold as in a real restore."""
     cfg, layers = model.config, model.config.num_layers
-    kv = torch.randn(layers, 2, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
-    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype)
     runs = [(s, min(64, n - s)) for s in range(0, n, 64)]
+    # One layer-major buffer per 64-token chunk, as the store keeps them: [layers, K|V, tokens, kv_heads, hd].
+    chunks = [torch.randn(layers, 2, m, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype) for _, m in runs]
+    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype)
     slots = runner.slots(blocks, 0, n)
 
     def copy_all() -> None:
-        for li in range(layers):
-            runner.copy_in(li, runs, [kv[li, 0, s:s + m] for s, m in runs], [kv[li, 1, s:s + m] for s, m in runs])
+        for g in range(0, layers, READ_GROUP_LAYERS):
+            group = range(g, min(layers, g + READ_GROUP_LAYERS))
+            runner.copy_in(group, runs, [c[g:group.stop, 0] for c in chunks], [c[g:group.stop, 1] for c in chunks])
 
     place = _time(copy_all) / (n * layers)
     project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)

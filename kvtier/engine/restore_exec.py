@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +30,9 @@ import torch
 from kvtier.engine.runner import ModelRunner, RunItem
 from kvtier.restore.costs import READ_GROUP_LAYERS
 from kvtier.restore.plan import Method, Plan
-from kvtier.store.format import LayerState
 from kvtier.store.layout import Repr
 from kvtier.store.reads import LayerGroup, PlannedReads
+from kvtier.store.tiers.base import PoolTarget
 from kvtier.store.tiered import TieredStore
 
 
@@ -47,6 +47,7 @@ class RestoreStats:
     chunks_loaded: int = 0
     chunks_computed: int = 0  # Cake's front chunks computed from tokens
     wait_s: float = 0.0  # time place() waited for reads (IO not hidden under compute)
+    place_s: float = 0.0  # time place() spent copying or projecting into the pool
     layers_by_repr: dict[str, int] = field(default_factory=dict)
 
 
@@ -71,15 +72,31 @@ def pieces(chunk_spans: Sequence[tuple[int, int]], runs: Sequence, start: int) -
     return out
 
 
+def layer_groups(layout: Sequence[Repr], first: int, size: int) -> list[tuple[int, ...]]:
+    """Consecutive layers from `first` on, cut every `size` layers and wherever the stored
+    representation changes (a group is read, and placed, as one strided block per chunk)."""
+    groups: list[list[int]] = []
+    for li in range(first, len(layout)):
+        if groups and len(groups[-1]) < size and layout[groups[-1][-1]] is layout[li]:
+            groups[-1].append(li)
+        else:
+            groups.append([li])
+    return [tuple(g) for g in groups]
+
+
 class LayerReader:
     """The IO side of a layer-wise restore: layer groups of every planned chunk, in layer order,
-    at most `depth` layers ahead of placement (the read buffer). On its own thread, unless every
-    read is a view of memory the tier holds (then reading is instant and needs no thread)."""
+    at most `depth` layers ahead of placement (the read buffer, never under two groups so reading
+    goes on while a group is placed). On its own thread, unless every read is a view of memory
+    the tier holds: then reading is instant, needs no thread, and one group takes every layer."""
 
-    def __init__(self, reads: PlannedReads, layout: Sequence[Repr], first: int, depth: int, threaded: bool) -> None:
-        self.reads, self.layout, self.depth = reads, tuple(layout), max(1, depth)
-        n = len(layout)
-        self.groups = [tuple(range(g, min(g + READ_GROUP_LAYERS, n))) for g in range(first, n, READ_GROUP_LAYERS)]
+    def __init__(self, reads: PlannedReads, layout: Sequence[Repr], first: int, depth: int, threaded: bool,
+                 into: Callable[[tuple[int, ...]], list[PoolTarget | None] | None] | None = None) -> None:
+        self.reads, self.layout, self.into = reads, tuple(layout), into
+        size = READ_GROUP_LAYERS if threaded else len(layout)
+        self.ready_layers = depth  # what the new tokens wait for (at least the first group)
+        self.depth = max(depth, 2 * size)  # how far reading may run ahead of placement
+        self.groups = layer_groups(self.layout, first, size)
         self._got: dict[int, LayerGroup] = {}  # group index -> data
         self._read_layers = 0  # layers read so far
         self._placed = first  # layers placed so far (leading recomputed layers count as placed)
@@ -106,7 +123,7 @@ class LayerReader:
                     return
             parts = tuple(dict.fromkeys(p for li in layers for p in self.layout[li].parts()))
             try:
-                group = self.reads.read(layers, parts)
+                group = self.reads.read(layers, parts, into=self.into(layers) if self.into else None)
             except Exception as e:  # any failure is a miss for this restore, never a dead thread
                 group, why = None, f"{type(e).__name__}: {e}"
             else:
@@ -123,22 +140,20 @@ class LayerReader:
                     return
 
     def primed(self) -> bool:
-        """The read buffer is full (or everything is read, or a read failed)."""
+        """The read buffer holds `ready_layers` (or everything is read, or a read failed)."""
         with self._cv:
             total = sum(len(g) for g in self.groups)
-            return self._error is not None or self._read_layers >= min(self.depth, total)
+            return self._error is not None or self._read_layers >= min(self.ready_layers, total)
 
-    def take(self, layer: int) -> list[LayerState]:
-        """Layer `layer` of every chunk (waits for its read). Raises RestoreMiss."""
+    def take(self, layer: int) -> LayerGroup:
+        """The group holding `layer` (waits for its read). Raises RestoreMiss."""
         gi = next(i for i, g in enumerate(self.groups) if layer in g)
         with self._cv:
             while gi not in self._got and self._error is None:
                 self._cv.wait()
             if gi not in self._got:
                 raise RestoreMiss(self._error)
-            group = self._got[gi]
-        i = group.layers.index(layer)
-        return [states[i] for states in group.states]
+            return self._got[gi]
 
     def placed(self, layer: int) -> None:
         """Layer `layer` is in the pool: free its group's buffers after its last layer."""
@@ -220,6 +235,10 @@ class Restore:
             self.shift = torch.arange(start, hist) - torch.tensor(self.source[start:hist])
             self.slots = runner.slots(self.block_ids, start, hist)
         self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
+        # Per chunk: (first slot, tokens) when the whole chunk is one piece, else (None, 0).
+        whole = {p.chunk: p for p in getattr(self, "pieces", []) if p.offset == 0}
+        self._targets = [runner.pool_target(whole[i].slot) if i in whole and whole[i].length == b - a else None
+                         for i, (a, b) in enumerate(spans)]
 
     # ----- background part --------------------------------------------------------------------
     def prepare(self) -> None:
@@ -235,7 +254,7 @@ class Restore:
             lead = self.plan.recompute_layers
             zero_copy = all(not t.owned_buffers and not t.emulation.active for t in self.reads.tiers)
             self.reader = LayerReader(self.reads, self.plan.layer_reprs, lead, self.plan.read_buffer_layers,
-                                      threaded=not zero_copy)
+                                      threaded=not zero_copy, into=self._into)
             self.reader.start()
             if lead:  # bubble-free with recompute: the first layers from tokens while IO streams
                 self._compute(0, self.plan.history_tokens, layers=range(lead))
@@ -244,6 +263,13 @@ class Restore:
             raise RestoreMiss(self._error) from e
         finally:
             self._prepared.set()
+
+    def _into(self, layers: tuple[int, ...]) -> list[PoolTarget | None] | None:
+        """Where each chunk's K/V of `layers` may be read straight into: its pool slots, for
+        chunks that lie whole, after `start`, in consecutive slots (placement then copies nothing)."""
+        if self.source is not None or self.plan.layer_reprs[layers[0]] is not Repr.KV:
+            return None
+        return self._targets
 
     def ready(self) -> bool:
         """The new tokens may start: prepared, and the read buffer primed (or no reader)."""
@@ -261,10 +287,12 @@ class Restore:
             return
         t = time.perf_counter()
         try:
-            states = self.reader.take(layer)
-            self.stats.wait_s += time.perf_counter() - t
-            self._place(layer, states)
+            group = self.reader.take(layer)
+            t1 = time.perf_counter()
+            self.stats.wait_s += t1 - t
+            self._place(layer, group)
             self.reader.placed(layer)
+            self.stats.place_s += time.perf_counter() - t1
         except Exception as e:  # the step goes on for every other request in it
             self._error = str(e) or type(e).__name__
             return
@@ -277,28 +305,31 @@ class Restore:
             self.place(li)
 
     @torch.inference_mode()
-    def _place(self, layer: int, states: list[LayerState]) -> None:
-        rep, runner = self.plan.layer_reprs[layer], self.runner
+    def _place(self, layer: int, group: LayerGroup) -> None:
+        rep, runner, i = self.plan.layer_reprs[layer], self.runner, group.layers.index(layer)
         if self.source is not None:
-            self._place_remapped(layer, rep, states)
+            self._place_remapped(layer, rep, group, i)
         elif rep is Repr.KV:
-            ps = self.pieces
-            runner.copy_in(layer, [(p.slot, p.length) for p in ps],
-                           [states[p.chunk].k[p.offset:p.offset + p.length] for p in ps],  # [n, kv_heads, hd]
-                           [states[p.chunk].v[p.offset:p.offset + p.length] for p in ps])
-        else:  # hidden: project the layer inputs of every chunk in one matmul
+            if i == 0:  # the whole group at its first layer: one strided copy per piece and part
+                layers = range(group.layers[0], group.layers[-1] + 1)
+                ks, vs = group.parts["k"], group.parts["v"]
+                ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
+                runner.copy_in(layers, [(p.slot, p.length) for p in ps],
+                               [ks[p.chunk][:, p.offset:p.offset + p.length] for p in ps],  # [layers, n, kv_heads, hd]
+                               [vs[p.chunk][:, p.offset:p.offset + p.length] for p in ps])
+        else:  # hidden: project this layer's inputs over every chunk in one matmul
             skip = self._lo - self.plan.chunks[0].start
-            hs = [s.h for s in states]
+            hs = [h[i] for h in group.parts["h"]]  # [tokens, hidden] per chunk
             h = hs[0][skip:] if len(hs) == 1 else torch.cat([hs[0][skip:]] + hs[1:])  # [hist - lo, hidden]
             runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
 
-    def _place_remapped(self, layer: int, rep: Repr, states: list[LayerState]) -> None:
+    def _place_remapped(self, layer: int, rep: Repr, group: LayerGroup, i: int) -> None:
         if rep is Repr.KV:
-            k = torch.cat([s.k for s in states]).index_select(0, self.rows)  # [kept, kv_heads, hd]
-            v = torch.cat([s.v for s in states]).index_select(0, self.rows)
+            k = torch.cat([k[i] for k in group.parts["k"]]).index_select(0, self.rows)  # [kept, kv_heads, hd]
+            v = torch.cat([v[i] for v in group.parts["v"]]).index_select(0, self.rows)
             self.runner.shift_in(layer, k, v, self.shift, self.slots)
         else:
-            h = torch.cat([s.h for s in states]).index_select(0, self.rows)
+            h = torch.cat([h[i] for h in group.parts["h"]]).index_select(0, self.rows)
             self.runner.project_in(layer, h, (self.start, self.plan.history_tokens), self.slots)
 
     def finish(self) -> RestoreStats:
@@ -368,11 +399,9 @@ class Restore:
                 return
             ps = pieces([(c.start, c.end)], self.runner.slot_runs(self.block_ids, max(c.start, self.start), c.end),
                         self.start)
-            with torch.inference_mode():
-                for li in range(n):
-                    st = group.states[0][li]
-                    self.runner.copy_in(li, [(p.slot, p.length) for p in ps],
-                                        [st.k[p.offset:p.offset + p.length] for p in ps],
-                                        [st.v[p.offset:p.offset + p.length] for p in ps])
+            k, v = group.parts["k"][0], group.parts["v"][0]  # [layers, tokens, kv_heads, hd]
+            self.runner.copy_in(range(n), [(p.slot, p.length) for p in ps],
+                                [k[:, p.offset:p.offset + p.length] for p in ps],
+                                [v[:, p.offset:p.offset + p.length] for p in ps])
             self.stats.bytes_read += group.nbytes
             self.reads.release(group)

@@ -12,12 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
 from kvtier.models.rope import Rope, rotate_into
+from kvtier.store.staging import aligned_empty
+from kvtier.store.tiers.base import PoolTarget
 
 # capture(layer, request_index, h [n, hidden], k [n, kv_heads, hd] rotated, v [n, kv_heads, hd]).
 CaptureFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -67,12 +71,20 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.rope = Rope(cfg, max_positions, model.dtype)
-        device = model.lm_head.weight.device
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        # torch.empty, not zeros: zeros writes every page, while a slot is always written before it
-        # is read, so an unused part of the budget never becomes resident memory.
-        self.k_cache = torch.empty(shape, dtype=model.dtype, device=device)  # [layers, slots, kv_heads, hd]
-        self.v_cache = torch.empty(shape, dtype=model.dtype, device=device)
+        # Uninitialised, not zeros: zeros writes every page, while a slot is always written before
+        # it is read, so an unused part of the budget never becomes resident memory. Page-aligned,
+        # so a block-aligned run of slots can be the target of a direct-I/O disk read.
+        device = model.lm_head.weight.device
+
+        def pool() -> torch.Tensor:
+            if device.type != "cpu":
+                return torch.empty(shape, dtype=model.dtype, device=device)
+            return aligned_empty(math.prod(shape) * model.dtype.itemsize).view(model.dtype).view(shape)
+
+        self.k_cache = pool()  # [layers, slots, kv_heads, hd]
+        self.v_cache = pool()
+        self._flat: tuple | None = None  # the pool as flat uint8 arrays, for direct reads
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -213,14 +225,24 @@ class ModelRunner:
 
     # ----- placing restored state -----------------------------------------------------------
     @torch.inference_mode()
-    def copy_in(self, layer: int, runs: Sequence[tuple[int, int]], k: Sequence[torch.Tensor],
+    def copy_in(self, layers: range, runs: Sequence[tuple[int, int]], k: Sequence[torch.Tensor],
                 v: Sequence[torch.Tensor]) -> None:
-        """Copy stored K (already rotated at these positions) and V pieces into the pool: piece i
-        ([n_i, kv_heads, hd]) goes to slots [runs[i][0], runs[i][0] + runs[i][1]). One call per
-        layer over every piece: torch's foreach copy, not a Python loop of kernels."""
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        dst = [kc[s : s + n] for s, n in runs] + [vc[s : s + n] for s, n in runs]
-        torch._foreach_copy_(dst, list(k) + list(v))
+        """Copy stored K (already rotated at these positions) and V into the pool for consecutive
+        `layers`: piece i ([len(layers), n_i, kv_heads, hd], any strides) goes to slots
+        [runs[i][0], runs[i][0] + runs[i][1]) of every one of them. One foreach copy for all
+        pieces, each piece one strided copy covering every layer: no Python loop of kernels."""
+        a, b = layers.start, layers.stop
+        dst = [self.k_cache[a:b, s : s + n] for s, n in runs] + [self.v_cache[a:b, s : s + n] for s, n in runs]
+        if dst:
+            torch._foreach_copy_(dst, list(k) + list(v))
+
+    def pool_target(self, slot: int) -> PoolTarget:
+        """Where a direct read may land a stored chunk whose tokens take slots from `slot` on."""
+        if self._flat is None:
+            self._flat = tuple(memoryview(c.view(-1).view(torch.uint8).numpy()) for c in (self.k_cache, self.v_cache))
+        align = math.gcd(4096, self.k_cache.data_ptr(), self.v_cache.data_ptr())
+        return PoolTarget(*self._flat, align=align, layer_bytes=self.k_cache[0].nbytes,
+                          slot_bytes=self.k_cache[0, 0].nbytes, slot=slot)
 
     @torch.inference_mode()
     def project_in(self, layer: int, h: torch.Tensor, positions: torch.Tensor | tuple[int, int],

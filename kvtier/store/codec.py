@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.dtypes import torch_dtype
+from kvtier.dtypes import STORAGE_DTYPES
+
+_TORCH = {name: getattr(torch, name) for name in STORAGE_DTYPES}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH[name]
 
 
 def encode(t: torch.Tensor, storage: str) -> list[tuple[str, torch.Tensor]]:

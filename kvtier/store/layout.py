@@ -16,7 +16,8 @@ from enum import Enum
 from kvtier.dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, WIDTH
 
 # 2: K is stored rotated at its canonical position (the chunk key fixes every token's position),
-#    so a restore copies it into the pool as is; segments carry xxh3-64 checksums.
+#    so a restore copies it into the pool as is; segments carry CRC-32C checksums and start on
+#    512-byte boundaries (a disk read may land straight in the KV pool).
 FORMAT_VERSION = 2
 
 

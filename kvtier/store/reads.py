@@ -16,7 +16,7 @@ import torch
 
 from . import format as fmt
 from .staging import Staging
-from .tiers.base import Expect, OpenChunk, Tier
+from .tiers.base import Expect, OpenChunk, PoolTarget, Tier
 
 
 class PlannedChunkRef(Protocol):
@@ -28,12 +28,14 @@ class PlannedChunkRef(Protocol):
 
 @dataclass
 class LayerGroup:
-    """One layer group read for every chunk: states[c][i] is layer layers[i] of chunk c."""
+    """Consecutive layers read for every chunk: parts[p][c] is part p ("k", "v" or "h") of those
+    layers of chunk c, shaped [len(layers), tokens, ...] (a strided view of the read bytes where
+    they allow it), or None where the read put it straight into its pool slots."""
 
     layers: tuple[int, ...]
-    states: list[list[fmt.LayerState]]
+    parts: dict[str, list[torch.Tensor | None]]
     nbytes: int
-    buffers: list[torch.Tensor] = field(default_factory=list)  # staging memory the states view
+    buffers: list[torch.Tensor] = field(default_factory=list)  # staging memory the parts view
 
 
 class PlannedReads:
@@ -51,22 +53,28 @@ class PlannedReads:
 
     def open(self) -> bool:
         """Open every planned chunk on its planned tier; False (all closed) if any is missing."""
-        for c, t in zip(self.chunks, self.tiers):
-            oc = t.open_chunk(self._expect(c.key))
-            if oc is None:
-                self.close()
-                return False
-            self.opened.append(oc)
+        opened: dict[int, OpenChunk | None] = {}
+        for tier in dict.fromkeys(self.tiers):
+            idx = [i for i, t in enumerate(self.tiers) if t is tier]
+            opened.update(zip(idx, tier.open_chunks([self._expect(self.chunks[i].key) for i in idx])))
+        self.opened = [oc for _, oc in sorted(opened.items()) if oc is not None]
+        if len(self.opened) < len(self.chunks):
+            self.close()
+            return False
         return True
 
-    def read(self, layers: Sequence[int], parts: Sequence[str], only: Sequence[int] | None = None) -> LayerGroup | None:
-        """`parts` of `layers` of every chunk (or of the chunks at indices `only`), decoded to the
-        compute dtype (views where the bytes allow). None if any read fails (the chunk is then
-        removed from its tier as corrupt)."""
+    def read(self, layers: Sequence[int], parts: Sequence[str], only: Sequence[int] | None = None,
+             into: Sequence[PoolTarget | None] | None = None) -> LayerGroup | None:
+        """`parts` of consecutive `layers` (each stored with every one of `parts`) of every chunk,
+        or of the chunks at indices `only`, in the compute dtype. None if any read fails (the
+        chunk is then removed from its tier as corrupt).
+
+        `into[c]` may offer chunk c's pool slots: a tier that can read K/V straight there does
+        (direct I/O), and that part of the group is then None."""
         layers = tuple(layers)
         wanted = range(len(self.opened)) if only is None else only
-        states: dict[int, list[fmt.LayerState]] = {}
-        group = LayerGroup(layers, [], 0)
+        decoded: dict[int, dict[str, torch.Tensor | None]] = {}
+        group = LayerGroup(layers, {}, 0)
         for tier in dict.fromkeys(self.tiers[i] for i in wanted):
             idx = [i for i in wanted if self.tiers[i] is tier]
             opened = [self.opened[i] for i in idx]
@@ -76,20 +84,23 @@ class PlannedReads:
                 tier.discard_corrupt(opened[0].expect.key, str(e))
                 return None
             outs = self._staging_for(tier, opened, runs, group)
-            got = tier.read_runs(opened, runs, outs)
+            dests = [into[i] if into and oc.header.storage_dtype == oc.header.compute_dtype else None
+                     for i, oc in zip(idx, opened)]
+            got = tier.read_runs(opened, runs, outs, dests)
             if got is None:
                 self.release(group)
                 return None
-            for i, oc, segs in zip(idx, opened, got):
-                group.nbytes += sum(v.numel() for v in segs.values())
-                states[i] = fmt.decode_layers(oc.header, segs, layers, parts, copy=False)
-        group.states = [states[i] for i in wanted]
+            for i, oc, segs, r in zip(idx, opened, got, runs):
+                group.nbytes += sum(s.nbytes for run in r for s in run)
+                decoded[i] = {p: fmt.decode_run(oc.header, segs, layers, p) if (layers[0], p) in segs else None
+                              for p in parts}
+        group.parts = {p: [decoded[i][p] for i in wanted] for p in parts}
         return group
 
     def _staging_for(self, tier: Tier, opened: list[OpenChunk], runs: list, group: LayerGroup) -> list[torch.Tensor | None]:
         """One staging buffer for this tier's part of the group, cut per chunk at page multiples."""
-        if not tier.owned_buffers:
-            return [None] * len(opened)  # views of the tier's own memory: nothing to stage
+        if not tier.stages_reads:
+            return [None] * len(opened)  # the read's own memory serves (views of RAM, or a reply's bytes)
         sizes = [oc.staging_bytes(r) for oc, r in zip(opened, runs)]
         buf = self.staging.take(sum(sizes))
         group.buffers.append(buf)
@@ -104,7 +115,7 @@ class PlannedReads:
         for b in group.buffers:
             self.staging.give(b)
         group.buffers.clear()
-        group.states = []
+        group.parts = {}
 
     def close(self) -> None:
         for oc in self.opened:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from ..format import PREAMBLE, ChunkHeader, FormatError, PackedChunk, Segment, check_segment, header_length, parse_header
@@ -26,6 +27,27 @@ from ..throttle import Emulation, Throttle
 log = logging.getLogger(__name__)
 
 Segments = dict[tuple[int, str], torch.Tensor]  # (layer, part) -> uint8 bytes of that segment
+
+
+@dataclass(frozen=True)
+class PoolTarget:
+    """Where one chunk's K and V may land directly: flat byte views of the whole pool buffers,
+    with layer l's tokens at byte l * layer_bytes + slot * slot_bytes. Plain byte arithmetic: a
+    direct read of a chunk needs no tensor op per segment."""
+
+    k: memoryview
+    v: memoryview
+    align: int  # the largest power of two (up to 4096) both buffers' start addresses are aligned to
+    layer_bytes: int
+    slot_bytes: int
+    slot: int
+
+    def offset(self, layer: int) -> int:
+        return layer * self.layer_bytes + self.slot * self.slot_bytes
+
+    def dest(self, layer: int, part: str, nbytes: int) -> memoryview:
+        off = self.offset(layer)
+        return (self.k if part == "k" else self.v)[off:off + nbytes]
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,12 @@ class Reader(ABC):
         """Bytes of `out` a read of (offset, nbytes) needs (direct I/O rounds to whole pages)."""
         return nbytes
 
+    direct_align = 0  # readers that can read straight into aligned memory (direct I/O) set this
+
+    def scatter(self, offset: int, dests: Sequence[memoryview]) -> None:
+        """Read consecutive bytes from `offset` straight into `dests` (aligned to `direct_align`)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -83,18 +111,24 @@ class OpenChunk:
         layers = list(layers)
         if any(li < 0 or li >= len(self.header.layer_reprs) for li in layers):
             raise FormatError("layer out of range")  # a caller bug, but never return wrong data
-        return _runs(self.header.segments_for(layers, parts))
+        return _runs(self.header.segments_of(layers, parts))
 
     def staging_bytes(self, runs: list[list[Segment]]) -> int:
         return sum(self.reader.span(r[0].offset, r[-1].offset + r[-1].nbytes - r[0].offset) for r in runs)
 
-    def read(self, runs: list[list[Segment]], out: torch.Tensor | None = None) -> tuple[Segments, int]:
+    def read(self, runs: list[list[Segment]], out: torch.Tensor | None = None,
+             into: PoolTarget | None = None) -> tuple[Segments, int]:
         """Read planned runs (into `out` if given), verify them; -> (segments, bytes read).
-        Raises FormatError/OSError: the caller turns that into a miss."""
+        K/V runs the reader can put straight into their pool slots `into` (direct I/O) land
+        there and are left out of the segments returned. Raises FormatError/OSError: the caller
+        turns that into a miss."""
         segments: Segments = {}
         nbytes = pos = 0
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
+            if into is not None and self._scatter(run, into):
+                nbytes += hi - lo
+                continue
             dest = None
             if out is not None:
                 need = self.reader.span(lo, hi - lo)
@@ -111,6 +145,20 @@ class OpenChunk:
                 segments[(s.layer, s.part)] = view
         return segments, nbytes
 
+    def _scatter(self, run: list[Segment], into: PoolTarget) -> bool:
+        """One read of a gapless K/V run straight into the pool slots; verified there."""
+        a = self.reader.direct_align
+        if not a or into.align % a or run[0].offset % a or \
+                any(s.part not in ("k", "v") or s.nbytes % a or into.offset(s.layer) % a for s in run) or \
+                any(x.offset + x.nbytes != y.offset for x, y in zip(run, run[1:])):
+            return False
+        dests = [into.dest(s.layer, s.part, s.nbytes) for s in run]
+        self.reader.scatter(run[0].offset, dests)
+        if self.verify:
+            for s, d in zip(run, dests):
+                check_segment(s, d)
+        return True
+
     def close(self) -> None:
         self.reader.close()
 
@@ -119,6 +167,7 @@ class Tier(ABC):
     name: str = "tier"
     verify_reads: bool = True  # memory skips checksums: its bytes never left this process
     owned_buffers: bool = True  # reads return fresh memory (False: views of cached bytes)
+    stages_reads: bool = False  # a restore reads it into reused aligned buffers (direct I/O needs them)
 
     def __init__(self, emulation: Emulation = Emulation()) -> None:
         self.emulation = emulation
@@ -185,19 +234,33 @@ class Tier(ABC):
         self.discard_corrupt(expect.key, str(err))
         return None
 
+    def open_chunks(self, expects: Sequence[Expect]) -> list[OpenChunk | None]:
+        """Open several chunks (a tier with per-read latency overlaps them)."""
+        return [self.open_chunk(e) for e in expects]
+
     def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
-                  out: Sequence[torch.Tensor | None]) -> list[Segments] | None:
+                  out: Sequence[torch.Tensor | None], into: Sequence[PoolTarget | None] | None = None) -> list[Segments] | None:
         """Read planned runs of several open chunks of this tier (one call per layer group of a
         restore; a tier with round trips batches them). None if any is missing or corrupt."""
+        into = into or [None] * len(opened)
+        return self._collect(opened, [self._try_read(oc, r, o, i) for oc, r, o, i in zip(opened, runs, out, into)])
+
+    @staticmethod
+    def _try_read(oc: OpenChunk, runs: list[list[Segment]], out: torch.Tensor | None,
+                  into: PoolTarget | None = None) -> tuple[Segments, int] | str:
+        try:
+            return oc.read(runs, out, into)
+        except (FormatError, OSError) as e:
+            return str(e) or type(e).__name__
+
+    def _collect(self, opened: Sequence[OpenChunk], results: Sequence[tuple[Segments, int] | str]) -> list[Segments] | None:
         got = []
-        for oc, r, o in zip(opened, runs, out):
-            try:
-                segs, nbytes = oc.read(r, o)
-            except (FormatError, OSError) as e:
-                self.discard_corrupt(oc.expect.key, str(e))
+        for oc, res in zip(opened, results):
+            if isinstance(res, str):
+                self.discard_corrupt(oc.expect.key, res)
                 return None
-            self._count_read(oc.expect.key, nbytes)
-            got.append(segs)
+            self._count_read(oc.expect.key, res[1])
+            got.append(res[0])
         return got
 
     def _count_read(self, key: str, nbytes: int) -> None:
@@ -275,7 +338,7 @@ class Tier(ABC):
             log.warning("could not remove corrupt chunk %s: %s", key, e)
 
     def _header(self, reader: Reader) -> ChunkHeader:
-        first = reader.read(0, min(reader.size, 4096))
+        first = reader.read(0, min(reader.size, 16384))  # a header fits: one read, not two
         n = header_length(bytes(first[:PREAMBLE.size].numpy()))  # raises on bad magic/version
         if n > first.numel():
             first = reader.read(0, n)

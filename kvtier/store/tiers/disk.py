@@ -18,16 +18,23 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from ..format import PackedChunk
+from ..format import PackedChunk, Segment
 from ..policy import EvictionPolicy
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
-from .base import Reader, Tier, log
+from .base import Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, log
+
+# Reads in flight at once: a device serves several requests faster than one at a time (queue
+# depth), and the threads wait in the kernel without the GIL.
+IO_DEPTH = 4
+T = TypeVar("T")
 
 SUFFIX = ".kvc"
 
@@ -52,10 +59,20 @@ def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
 
 
 class _FileReader(Reader):
-    def __init__(self, path: str, direct: bool) -> None:
-        self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        self.direct = direct
+    def __init__(self, path: str, align: int) -> None:
+        """`align`: the direct-I/O alignment of the file's device (0: buffered reads)."""
+        self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if align else 0))
+        self.direct = align > 0
+        self.direct_align = align
         self.size = os.fstat(self.fd).st_size
+
+    def scatter(self, offset: int, dests: Sequence[memoryview]) -> None:
+        """Read the bytes at `offset` straight into consecutive `dests`: one syscall, the device's
+        DMA does the copy (the caller checked direct I/O's alignment rules)."""
+        want = sum(d.nbytes for d in dests)
+        got = os.preadv(self.fd, dests, offset)
+        if got != want:
+            raise OSError(f"short direct read: {got} of {want} bytes")
 
     def span(self, offset: int, nbytes: int) -> int:
         if not self.direct:
@@ -80,21 +97,37 @@ class _FileReader(Reader):
         os.close(self.fd)
 
 
-def direct_io_works(directory: str) -> bool:
-    """Whether O_DIRECT reads work on the filesystem of `directory` (tmpfs and some overlays refuse)."""
+def direct_io_alignment(directory: str) -> int:
+    """The alignment O_DIRECT reads need on the filesystem of `directory` (512 or 4096; 0 when it
+    refuses direct I/O, as tmpfs and some overlays do)."""
     if not hasattr(os, "O_DIRECT"):
-        return False
+        return 0
     try:
         with tempfile.NamedTemporaryFile(dir=directory) as f:
-            f.write(b"\0" * PAGE)
+            f.write(b"\0" * 2 * PAGE)
             f.flush()
             fd = os.open(f.name, os.O_RDONLY | os.O_DIRECT)
             try:
-                return _pread_into(fd, aligned_empty(PAGE), 0) == PAGE
+                buf = aligned_empty(2 * PAGE)
+                for align in (512, PAGE):
+                    try:
+                        if os.preadv(fd, [memoryview(buf[align:2 * align].numpy())], align) == align:
+                            return align
+                    except OSError:
+                        continue
+                return 0
             finally:
                 os.close(fd)
     except OSError:
-        return False
+        return 0
+
+
+def _in_batches(pool: ThreadPoolExecutor, fn: Callable[[int], T], n: int) -> list[T]:
+    """fn(0..n-1) over IO_DEPTH workers, each taking a contiguous batch (one hand-off per worker,
+    not per item: the items are many and small)."""
+    step = -(-n // IO_DEPTH) if n else 1
+    batches = pool.map(lambda a: [fn(i) for i in range(a, min(n, a + step))], range(0, n, step))
+    return [x for b in batches for x in b]
 
 
 class _Dir:
@@ -117,6 +150,7 @@ def _pid_alive(pid: int) -> bool:
 
 class DiskTier(Tier):
     name = "disk"
+    stages_reads = True
 
     def __init__(self, roots: list[str], capacities: list[int], ns: str | None,
                  make_policy: Callable[[], EvictionPolicy], emulation: Emulation = Emulation(),
@@ -130,8 +164,10 @@ class DiskTier(Tier):
         for i, d in enumerate(self.dirs):
             os.makedirs(d.root, exist_ok=True)
             self._rebuild(i)
-        self.direct = all(direct_io_works(d.root) for d in self.dirs)
-        if not self.direct:
+        aligns = [direct_io_alignment(d.root) for d in self.dirs]
+        self.direct_align = 0 if 0 in aligns else max(aligns)
+        self._io = ThreadPoolExecutor(max_workers=IO_DEPTH, thread_name_prefix="kvtier-disk-io")
+        if not self.direct_align:
             log.info("disk tier: direct I/O is not available on %s; reading through the page cache",
                      ", ".join(d.root for d in self.dirs))
         for i in range(len(self.dirs)):  # a smaller cap than last time: trim to it now
@@ -251,11 +287,23 @@ class DiskTier(Tier):
         if f is None:
             return None
         try:
-            return _FileReader(f.path, self.direct)
+            return _FileReader(f.path, self.direct_align)
         except FileNotFoundError:  # removed by another process: forget it
             with self.lock:
                 self._forget(key)
             return None
+
+    def open_chunks(self, expects: Sequence[Expect]) -> list[OpenChunk | None]:
+        return _in_batches(self._io, lambda i: self.open_chunk(expects[i]), len(expects))
+
+    def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
+                  out: Sequence[torch.Tensor | None], into: Sequence[PoolTarget | None] | None = None) -> list[Segments] | None:
+        into = into or [None] * len(opened)
+        return self._collect(opened, _in_batches(self._io, lambda i: self._try_read(opened[i], runs[i], out[i], into[i]),
+                                                 len(opened)))
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
 
     def path_of(self, key: str) -> str | None:
         f = self._files.get(key)

@@ -19,7 +19,7 @@ import torch
 
 from ..format import FormatError, PackedChunk, Segment, check_segment
 from ..spec import RedisSpec
-from .base import OpenChunk, Reader, Segments, Tier, log
+from .base import OpenChunk, PoolTarget, Reader, Segments, Tier, log
 
 # Reads only ever read what they get: a tensor over the reply's immutable bytes needs no copy.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -115,7 +115,7 @@ class RedisTier(Tier):
         return None
 
     def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
-                  out: Sequence[torch.Tensor | None]) -> list[Segments] | None:
+                  out: Sequence[torch.Tensor | None], into: Sequence[PoolTarget | None] | None = None) -> list[Segments] | None:
         """Every range of every chunk in one pipeline: a layer group costs one round trip."""
         pipe = self.client.pipeline(transaction=False)
         for oc, rs in zip(opened, runs):
