@@ -42,10 +42,12 @@ def _imports(path: Path) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                found.add(".".join(base + ([node.module] if node.module else [])))
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([node.module] if node.module else []))
+                found.add(base)
+                found |= {f"{base}.{a.name}" for a in node.names}  # `from . import format` names a module
             elif node.module:
                 found.add(node.module)
+                found |= {f"{node.module}.{a.name}" for a in node.names}
     return {m for m in found if m.startswith("kvtier")}
 
 
