@@ -65,3 +65,27 @@ def test_truncation_perplexity_rerope_vs_token_truncation_vs_naive(smollm2_fp32)
     # The benchmark (kvtier bench truncation) averages several windows against the 2% goal.
     assert abs(f.rerope_vs_tokens) < 0.05, f
     assert f.ppl_kv_naive > 2 * f.ppl_kv_rerope, f
+
+
+def test_truncated_state_never_enters_the_device_prefix_cache(tiny_gqa, tmp_path):
+    """A truncated context's K/V are approximations (kept tokens once saw the dropped ones). A later
+    request made of exactly the kept token ids must not reuse them as if they were exact: no device
+    prefix-cache hit, and its output equals a fresh engine's."""
+    vocab = tiny_gqa.config.vocab_size
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, max_model_len=256), store=f"disk:{tmp_path}/s:1GB",
+                    profile=fake_profile(tiny_gqa.fingerprint, compute_scale=50.0), reuse=ReuseConfig(method="kv"),
+                    truncation=TruncationConfig(keep_prefix=8))
+    g = torch.Generator().manual_seed(12)
+    first = torch.randint(3, vocab, (230,), generator=g).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out1 = engine.generate([first], params)[0]
+    engine.flush(30)
+    turn2 = first + out1.output_ids + torch.randint(3, vocab, (40,), generator=g).tolist()
+    out2 = engine.generate([turn2], params)[0]
+    assert out2.prompt_tokens_reused > 0 and "device" not in out2.reused_by_tier  # restored, approximately
+    kept = [turn2[i] for i in kept_positions(len(turn2), 256 - 8, TruncationConfig(keep_prefix=8))]
+    again = engine.generate([kept], params)[0]
+    engine.close()
+    assert again.reused_by_tier.get("device", 0) == 0 and engine.pool.hits == 0
+    fresh = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, max_model_len=256)).generate([kept], params)[0]
+    assert again.output_ids == fresh.output_ids

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.hf import HFPeers
 from kvtier.bench.common import (RedisServer, csv_arg, drop_page_cache, machine_info, median, read_bandwidth, timed,
                                  write_json_atomic)
 
@@ -249,65 +249,6 @@ class Sample:
     stats: Any = None  # kvtier: engine.stats() right after the timed run
 
 
-class HFPeers:
-    """The HF transformers peers on one context. The history's DynamicCache is prefilled once
-    (untimed) and saved the usual way (torch.save: bytes, a file, a Redis value); each peer method
-    is the timed part and returns the first new token."""
-
-    def __init__(self, hf, ids: list[int], hist: int, peers: Sequence[str], path: Path, redis_client, key: str):
-        import torch
-
-        self.torch, self.hf, self.path, self.redis, self.key = torch, hf, path, redis_client, key
-        self.prompt = torch.tensor([ids])  # [1, H + new]
-        self.new, self.pos = self.prompt[:, hist:], torch.arange(hist, len(ids))[None]  # new tokens, positions
-        self.cache, self.blob = None, b""
-        if set(peers) - {"hf_recompute"}:
-            with torch.inference_mode():
-                self.cache = hf(self.prompt[:, :hist], use_cache=True, logits_to_keep=1).past_key_values
-            buf = io.BytesIO()
-            torch.save(self.cache, buf)
-            self.blob = buf.getvalue()
-        if "hf_load_cold_file" in peers:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(self.blob)
-        if "hf_load_redis" in peers:
-            redis_client.set(key, self.blob)
-
-    def _new_tokens(self, cache) -> int:
-        with self.torch.inference_mode():
-            logits = self.hf(self.new, past_key_values=cache, use_cache=True, position_ids=self.pos,
-                             cache_position=self.pos[0], logits_to_keep=1).logits
-        return int(logits[0, -1].argmax())
-
-    def hf_recompute(self) -> int:
-        with self.torch.inference_mode():
-            return int(self.hf(self.prompt, use_cache=False, logits_to_keep=1).logits[0, -1].argmax())
-
-    def hf_floor(self) -> int:
-        token = self._new_tokens(self.cache)
-        self.cache.crop(-self.new.shape[1])  # back to the history only (a negative count in transformers 5)
-        return token
-
-    def hf_load_bytes(self) -> int:
-        return self._new_tokens(self.torch.load(io.BytesIO(self.blob), weights_only=False))
-
-    def hf_load_cold_file(self) -> int:
-        return self._new_tokens(self.torch.load(self.path, weights_only=False))
-
-    def hf_load_redis(self) -> int:
-        return self._new_tokens(self.torch.load(io.BytesIO(self.redis.get(self.key)), weights_only=False))
-
-    def before(self, peer: str) -> None:
-        """Untimed: the file's pages leave the page cache before each cold load."""
-        if peer == "hf_load_cold_file":
-            drop_page_cache(self.path)
-
-    def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-        if self.redis is not None:
-            self.redis.delete(self.key)
-
-
 class KvtierPeers:
     """The kvtier peers for one (model, H), through the public API only. Each returns the timed
     samples of contexts[1:] (contexts[0] is the warm-up)."""
@@ -326,9 +267,10 @@ class KvtierPeers:
         a = self.bench.args
         extra = {"max_batched_tokens": a.max_batched_tokens} if a.max_batched_tokens else {}
         cfg = EngineConfig(kv_cache_bytes=self.bench.kv_bytes, enable_prefix_cache=prefix_cache,
-                           max_model_len=min(self.hist + a.new_tokens + 16, self.loaded.config.max_position_embeddings),
+                           max_model_len=min(self.hist + a.new_tokens, self.loaded.config.max_position_embeddings),
                            **extra)
-        return Engine(self.loaded, cfg, store=store, reuse=ReuseConfig(method=a.method) if store else None)
+        return Engine(self.loaded, cfg, store=store, reuse=ReuseConfig(method=a.method) if store else None,
+                      profile=self.bench.profile if store else None)
 
     def _timed(self, peer: str, i: int, engine, ids: list[int]) -> Sample:
         seconds, outs = timed(lambda: engine.generate([ids], self.params))
@@ -383,10 +325,12 @@ def kvtier_fields(samples: list[Sample], tier: str | None) -> dict:
     last = samples[-1]
     stats = dataclasses.asdict(last.stats)
     from_tier = median([s.out.reused_by_tier.get(tier, 0) if tier else 0 for s in samples])
-    # restore_s: the restore's own time, a newer RequestOutput field (None where the engine lacks it)
-    restore_s = [r for s in samples if (r := getattr(s.out, "restore_s", None)) is not None]
+    # The restore's own time and the plan's prediction of it (RequestOutput.restore; None without one).
+    restore_s = [s.out.restore.seconds for s in samples if s.out.restore is not None]
+    predicted = [s.out.restore.predicted_s for s in samples if s.out.restore is not None]
     return dict(engine_ttft_s=median([s.out.ttft for s in samples if s.out.ttft is not None]),
                 restore_s=median(restore_s) if restore_s else None,
+                predicted_s=median(predicted) if predicted else None,
                 restore_method=last.out.restore_method, tokens_reused=[s.out.prompt_tokens_reused for s in samples],
                 reused_by_tier=last.out.reused_by_tier, tokens_from_tier=from_tier,
                 bytes_restored=from_tier * last.stats.stored_bytes_per_token,
@@ -407,6 +351,7 @@ class E2EBench:
                                options={k: v for k, v in vars(args).items() if k != "func"})
         self.redis_url: str | None = args.redis_url
         self.redis_client = None
+        self.profile = None
         self.key_prefix = f"kvtier-e2e-{os.getpid()}"  # our Redis keys, also on a shared server
 
     def progress(self, peer: str, tag: str, i: int, s: Sample) -> Sample:
@@ -448,36 +393,37 @@ class E2EBench:
         return self.rows
 
     def run_dtype(self, dtype: str) -> None:
-        from kvtier.bench.restore_bench import build_hf
+        from kvtier.bench.hf import build_hf
         from kvtier.models.loading import load_model
 
         self.console.print(f"[bold]loading {self.args.model} ({dtype})[/bold]")
         loaded = load_model(self.args.model, dtype=dtype, tokenizer=False)
         window, new = loaded.config.max_position_embeddings, self.args.new_tokens
-        if bad := [h for h in self.args.history if h + new >= window]:
-            raise ValueError(f"history {bad} + {new} new tokens leaves no room for a generated token in "
-                             f"{self.args.model}'s {window}-token window: use H <= {window - new - 1}")
-        self.open_all_tiers(loaded)
+        if bad := [h for h in self.args.history if h + new > window]:
+            raise ValueError(f"history {bad} + {new} new tokens does not fit {self.args.model}'s "
+                             f"{window}-token window: use H <= {window - new}")
+        self.profile = self.measure_profile(loaded)
         hf = build_hf(loaded) if any(p in HF_PEERS for p in self.peers) else None
         for h in self.args.history:
             self.run_cell(loaded, hf, dtype, h)
 
-    def open_all_tiers(self, loaded) -> None:
-        """The engine measures its hardware profile (kept per model and dtype) on its first use with a
-        store, over that store's tiers only: open one engine over every tier of this run first, so
-        the disk and Redis tiers are in it."""
+    def measure_profile(self, loaded):
+        """This machine's profile for the model over every tier of the run (measured once, kept
+        under KVTIER_HOME), so `auto` plans with real numbers, as `kvtier serve` would."""
+        from kvtier.engine.profiling import load_or_measure
+        from kvtier.paths import home
+
         tiers = {PEER_TIER[p] for p in self.peers if p in KV_PEERS and p in PEER_TIER}
-        if not tiers:
-            return
         kv = KvtierPeers(self, loaded, min(self.args.history), "profile")
         spec = ["memory:8GB"]
         if "disk" in tiers:
             spec.append(f"disk:{kv.disk_dir}:20GB")
         if "redis" in tiers:
             spec.append(self.redis_spec("profile"))
-        kv.engine(",".join(spec)).close()
+        profile = load_or_measure(loaded, home(), ",".join(spec))
         shutil.rmtree(kv.disk_dir, ignore_errors=True)
         self.clear_redis("profile")
+        return profile
 
     def clear_redis(self, tag: str) -> None:
         if self.redis_client is not None:
@@ -551,9 +497,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
     a("--dtype", type=csv_arg, default="fp32,bf16", help="comma-separated compute dtypes (default: %(default)s)")
-    a("--history", type=lambda t: [int(x) for x in csv_arg(t)], default="1024,4096,8064",
-      help="comma-separated history lengths H; H + new tokens must leave one generated token in the model's "
-           "window (smollm2: H <= 8127) (default: %(default)s)")
+    a("--history", type=lambda t: [int(x) for x in csv_arg(t)], default="1024,4096,8128",
+      help="comma-separated history lengths H; H + new tokens must fit the model's window "
+           "(smollm2: H <= 8128) (default: %(default)s)")
     a("--new-tokens", type=int, default=64, help="new tokens after the history (default: %(default)s)")
     a("--contexts", type=int, default=3, help="timed random contexts per cell, plus one warm-up (default: %(default)s)")
     a("--tiers", type=csv_arg, default="memory,disk,redis", help="tiers to measure (default: %(default)s)")

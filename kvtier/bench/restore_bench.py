@@ -1,11 +1,12 @@
 """`kvtier bench restore`: time-to-first-token of every restore method against tier and bandwidth.
 
-For each model, context length, tier and (optionally emulated) read bandwidth, the context's state
-is saved once per layout it needs (all-KV, all-hidden, the planner's bubble-free partition), then
-every method restores it and computes the new tokens on top, back to back in one process:
+For each model, context length, tier and (optionally emulated) read bandwidth, every method runs
+through the Engine, as a user meets it: an engine pinned to the method (and to the layout the
+method reads) saves the history once, then a returning request (history + new tokens) restores it
+and produces its first token, --repeats times after --warmup untimed runs:
 
     recompute   prefill history + new tokens from token ids
-    kv          layer-wise load of pre-RoPE K/V (CachedAttention)
+    kv          layer-wise load of K/V (CachedAttention)
     hidden      layer-wise load of layer inputs, projected to K/V (HCache)
     bubblefree  HCache's per-layer mix (hidden + KV load, or recompute + hidden)
     cake        compute chunks from the front while loading KV chunks from the back
@@ -15,12 +16,13 @@ and two baselines with HF transformers on the same weights and dtype: `hf_recomp
 of the whole prompt) and `hf_torch_save` (the usual workaround: `torch.save` a `DynamicCache`,
 `torch.load` it back from the same tier and prefill the new tokens on top).
 
-Timing: medians of --repeats after one untimed warm-up per (model, context, method). Disk reads
-are made cold before every run by dropping the chunk files' pages (posix_fadvise DONTNEED), and
-the disk spec has no memory tier above it. Bandwidth limits other than `none` are emulated by the
+Timing: TTFT is the engine's own (arrival to first token), medians over --repeats. Each row also
+has the plan's prediction (the planner's model of that very restore), its ideal bound, the
+restore's own time and the bytes it read. Disk reads are direct I/O (cold by construction; the
+spec has no memory tier above the disk). Bandwidth limits other than `none` are emulated by the
 store's read throttle and labelled `(emulated)` in every row. Exactness: max abs difference of the
-next-token logits against a full forward of our module, and whether greedy continuations of
---greedy-tokens tokens equal those after a recompute.
+first token's logits against a full forward of our module, and whether --greedy-tokens greedy
+tokens equal a recompute's.
 
 Writes partial JSON after each cell, so an interrupted run keeps what it measured.
 """
@@ -28,15 +30,11 @@ Writes partial JSON after each cell, so an interrupted run keeps what it measure
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,13 +42,16 @@ from pathlib import Path
 
 import torch
 
+from kvtier import dtypes
+from kvtier.bench.common import RedisServer, csv_arg, machine_info, timed, write_json_atomic
+from kvtier.store.spec import parse_spec
+from kvtier.store.throttle import Emulation, Throttle
+
 METHODS = ("recompute", "kv", "hidden", "bubblefree", "cake", "auto")
 BASELINES = ("hf_recompute", "hf_torch_save")
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
             "max_logit_diff", "greedy_match", "repeats", "plan")
-STORAGE_NAMES = {"": "", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-                 "fp16": "float16", "float16": "float16", "int8": "int8"}
 
 
 # ----- small helpers ----------------------------------------------------------------------------
@@ -66,65 +67,8 @@ def bw_label(text: str) -> str:
     return "none" if parse_bandwidth(t) is None else f"{t} (emulated)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
-
-
-def drop_page_cache(root: str | os.PathLike) -> int:
-    """Evict every file under `root` from the page cache (so disk reads come from the device).
-    Returns the number of files handled; works without root, unlike /proc/sys/vm/drop_caches."""
-    n = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-    return n
-
-
-class RedisServer:
-    """A throwaway redis-server (no persistence) on a free local port."""
-
-    def __init__(self, binary: str = "redis-server") -> None:
-        self.port = _free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
-                                      "--dir", self.dir, "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        self.client = client
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ----- configuration ----------------------------------------------------------------------------
@@ -149,7 +93,6 @@ class BenchConfig:
     markdown_path: str | None = None
     plot_path: str | None = None
     seed: int = 0
-    drop_cache: bool = True
 
 
 def tier_spec(tier: str, bw: float | None, workdir: Path, redis_url: str | None, tag: str) -> str:
@@ -166,80 +109,23 @@ def tier_spec(tier: str, bw: float | None, workdir: Path, redis_url: str | None,
     raise ValueError(f"unknown tier {tier!r}: use memory, disk or redis")
 
 
-# ----- HF baselines -----------------------------------------------------------------------------
-def build_hf(loaded):
-    """An HF transformers model holding the very weights of `loaded`, in the same dtype."""
-    import transformers
-
-    dtype = loaded.dtype
-    if loaded.source and Path(loaded.source).is_dir() and (Path(loaded.source) / "config.json").exists():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.source, dtype=dtype)
-    else:
-        cfg = loaded.config
-        hf = transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype)
-        state = {k: v for k, v in loaded.module.state_dict().items()}
-        if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        missing, unexpected = hf.load_state_dict(state, strict=False)
-        bad = [k for k in missing if k != "lm_head.weight"]
-        if bad or unexpected:
-            raise RuntimeError(f"HF baseline weights do not match: missing {bad[:4]}, unexpected {unexpected[:4]}")
-        if cfg.tie_word_embeddings:
-            hf.tie_weights()
-    return hf.eval()
-
-
-class HFBaseline:
-    def __init__(self, loaded, ids: list[int], hist: int, repeats: int, warmup: int):
-        self.hf = build_hf(loaded)
-        self.ids, self.hist, self.repeats, self.warmup = ids, hist, repeats, warmup
-        self.prompt = torch.tensor([ids])  # [1, tokens]
-        self.new = torch.tensor([ids[hist:]])  # [1, new]
-        self._blob: bytes | None = None
-        self._warm = False
-
-    @torch.inference_mode()
-    def recompute(self) -> tuple[float, torch.Tensor]:
-        def once():
-            return self.hf(self.prompt, use_cache=False).logits[0, -1].float()
-
-        for _ in range(self.warmup):
-            once()
-        ts, logits = [], None
-        for _ in range(self.repeats):
-            t = time.perf_counter()
-            logits = once()
-            int(logits.argmax())
-            ts.append(time.perf_counter() - t)
-        return _median(ts), logits
-
-    @torch.inference_mode()
-    def blob(self) -> bytes:
-        """The user's workaround, step 1: prefill the history and torch.save the DynamicCache."""
-        if self._blob is None:
-            out = self.hf(self.prompt[:, : self.hist], use_cache=True)
-            buf = io.BytesIO()
-            torch.save(out.past_key_values, buf)
-            self._blob = buf.getvalue()
-        return self._blob
-
-    @torch.inference_mode()
-    def load_and_prefill(self, fetch) -> tuple[float, float, torch.Tensor]:
-        """Step 2 (timed): get the bytes back, torch.load them and prefill the new tokens.
-        -> (restore seconds, TTFT seconds, logits)."""
-        t0 = time.perf_counter()
-        raw = fetch()
-        cache = torch.load(io.BytesIO(raw) if isinstance(raw, (bytes, bytearray, memoryview)) else raw,
-                           weights_only=False)
-        t1 = time.perf_counter()
-        pos = torch.arange(self.hist, len(self.ids))[None]
-        logits = self.hf(self.new, past_key_values=cache, use_cache=True, position_ids=pos,
-                         cache_position=pos[0]).logits[0, -1].float()
-        int(logits.argmax())
-        return t1 - t0, time.perf_counter() - t0, logits
-
-
 # ----- the benchmark ----------------------------------------------------------------------------
+@dataclass
+class Context:
+    """One history and what every method is checked against."""
+
+    ids: list[int]  # history + new tokens
+    hist: int
+    ref_logits: "torch.Tensor"  # next-token logits [vocab] of a full forward
+    ref_greedy: list[int]  # greedy tokens after the prompt, from a recomputing engine
+
+
+def _layout_for(method: str, n: int, partition: tuple) -> tuple[str, ...] | None:
+    """What each method's engine stores per layer (auto: the engine decides)."""
+    return {"kv": ("kv",) * n, "cake": ("kv",) * n, "recompute": ("kv",) * n, "hidden": ("hidden",) * n,
+            "bubblefree": tuple(r.value for r in partition)}.get(method)
+
+
 class RestoreBench:
     def __init__(self, cfg: BenchConfig, console=None):
         from rich.console import Console
@@ -247,12 +133,12 @@ class RestoreBench:
         self.cfg = cfg
         self.console = console or Console()
         self.rows: list[dict] = []
-        self.meta: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "torch_threads": torch.get_num_threads(),
-                           "argv": sys.argv, "profiles": {}, "notes": []}
+        self.meta: dict = dict(machine_info(), started=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv,
+                               profiles={}, notes=[])
         self.workdir = Path(cfg.workdir)
         self._redis: RedisServer | None = None
+        self._redis_url = cfg.redis_url
 
-    # -- output
     def log(self, msg: str) -> None:
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
 
@@ -263,31 +149,22 @@ class RestoreBench:
         if self.cfg.json_path:
             write_json(self.cfg.json_path, self.rows, evaluate_goals(self.rows), self.meta)
 
-    # -- setup
     def redis_url(self) -> str | None:
-        if self.cfg.redis_url:
-            return self.cfg.redis_url
-        if "redis" not in self.cfg.tiers:
-            return None
-        if self._redis is None:
-            binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-            self._redis = RedisServer(binary)
+        if self._redis_url is None and "redis" in self.cfg.tiers:
+            self._redis = RedisServer().start()
+            self._redis_url = self._redis.url
             self.log(f"started redis-server on port {self._redis.port}")
-        return self._redis.url
+        return self._redis_url
 
     def run(self) -> list[dict]:
         from kvtier.models.loading import load_model
 
-        if self.workdir.exists():
-            shutil.rmtree(self.workdir / "disk", ignore_errors=True)
+        shutil.rmtree(self.workdir / "disk", ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(self.cfg.seed)
         try:
             for name in self.cfg.models:
                 self.log(f"[bold]loading {name} ({self.cfg.dtype})[/bold]")
-                loaded = load_model(name, dtype=self.cfg.dtype, tokenizer=False)
-                self.run_model(loaded)
-                del loaded
+                self.run_model(load_model(name, dtype=self.cfg.dtype, tokenizer=False))
         finally:
             if self._redis is not None:
                 self._redis.close()
@@ -295,257 +172,183 @@ class RestoreBench:
         return self.rows
 
     def run_model(self, loaded) -> None:
-        from kvtier.engine.config import EngineConfig
-        from kvtier.engine.engine import Engine
-        from kvtier.engine.runner import ModelRunner
-        from kvtier.restore.profile import measure
+        from kvtier.bench.hf import build_hf
+        from kvtier.engine.profiling import load_or_measure
+        from kvtier.paths import home
 
-        cfg = self.cfg
-        max_len = max(cfg.contexts) + cfg.new_tokens + cfg.greedy_tokens + 16
-        per_block = ModelRunner.bytes_per_block(loaded.module, 16)
-        engine = Engine(loaded, EngineConfig(kv_cache_bytes=per_block * (max_len // 16 + 4), max_model_len=max_len,
-                                             max_batched_tokens=2048, enable_prefix_cache=False))
-        spec = ",".join(tier_spec(t, None, self.workdir, self.redis_url(), "profile") for t in cfg.tiers)
-        self.log(f"measuring the hardware profile of {loaded.name} on {spec}")
-        t = time.perf_counter()
-        profile = measure(loaded, spec)
-        self.log(f"profile in {time.perf_counter() - t:.0f}s: prefill a={profile.prefill_a * 1e3:.3f} ms/tok "
-                 f"b={profile.prefill_b * 1e6:.4f} us/tok^2; tiers "
-                 + ", ".join(f"{n} {r.chunk_bps / 1e9:.2f} GB/s" for n, r in profile.tiers.items()))
+        spec = ",".join(tier_spec(t, None, self.workdir, self.redis_url(), "profile") for t in self.cfg.tiers)
+        self.log(f"hardware profile of {loaded.name} over {spec} (measured unless saved)")
+        profile = load_or_measure(loaded, home(), spec)
         self.meta["profiles"][f"{loaded.name}/{self.cfg.dtype}"] = json.loads(profile.to_json())
         shutil.rmtree(self.workdir / "disk" / "profile", ignore_errors=True)
-        for ctx in cfg.contexts:
-            self.run_context(loaded, engine, profile, ctx)
+        hf = build_hf(loaded) if self.cfg.baselines else None
+        for ctx in self.cfg.contexts:
+            self.run_context(loaded, profile, hf, ctx)
 
-    def run_context(self, loaded, engine, profile, ctx: int) -> None:
-        from kvtier.engine.runner import RunItem
-        from kvtier.restore.state import context_state
+    def engine(self, loaded, ctx: int, spec: str | None = None, reuse=None, profile=None):
+        from kvtier.engine.config import EngineConfig
+        from kvtier.engine.engine import Engine
+
+        from kvtier.engine.runner import ModelRunner
+
+        max_len = min(ctx + self.cfg.new_tokens + self.cfg.greedy_tokens, loaded.config.max_position_embeddings)
+        kv_bytes = ModelRunner.bytes_per_block(loaded.module, 16) * (max_len // 16 + 2)  # one sequence
+        return Engine(loaded, EngineConfig(kv_cache_bytes=kv_bytes, max_model_len=max_len, enable_prefix_cache=False),
+                      store=spec, reuse=reuse, profile=profile)
+
+    def run_context(self, loaded, profile, hf, ctx: int) -> None:
+        from kvtier.engine.request import SamplingParams
 
         cfg = self.cfg
+        if ctx % cfg.chunk_tokens or cfg.new_tokens > cfg.chunk_tokens:
+            raise ValueError(f"context {ctx} must be a multiple of --chunk-tokens {cfg.chunk_tokens} and --new-tokens "
+                             "at most one chunk: the timed prompt then restores exactly the history every time")
         gen = torch.Generator().manual_seed(cfg.seed + ctx)
-        vocab = loaded.config.vocab_size
-        ids = torch.randint(100, vocab, (ctx + cfg.new_tokens,), generator=gen).tolist()
-        self.log(f"[bold]{loaded.name} context {ctx} + {cfg.new_tokens} new tokens[/bold]: state and reference")
-        t = time.perf_counter()
-        state = context_state(loaded.module, ids[:ctx])
+        ids = torch.randint(100, loaded.config.vocab_size, (ctx + cfg.new_tokens,), generator=gen).tolist()
+        self.log(f"[bold]{loaded.name} context {ctx} + {cfg.new_tokens} new tokens[/bold]: reference")
         with torch.inference_mode():
             ref_logits = loaded.module(torch.tensor(ids))[-1].float()  # [vocab] full recompute
-        self.log(f"state + reference forward in {time.perf_counter() - t:.1f}s")
-        blocks = engine.pool.allocate(-(-(len(ids) + cfg.greedy_tokens + 1) // engine.pool.block_size))
-        runner = engine.runner
-        # Time to prefill only the new tokens on top of a ready cache: restore_s = ttft_s - this.
-        RunItem_ = RunItem
-        with torch.inference_mode():
-            from kvtier.restore.executor import Executor
+        plain = self.engine(loaded, ctx)
+        greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True)
+        info = Context(ids, ctx, ref_logits, plain.generate([ids], greedy)[0].output_ids)
+        plain.close()
+        if hf is not None:
+            self.hf_recompute(loaded, hf, info)
+        for storage in cfg.storage:
+            for tier in cfg.tiers:
+                for bw in cfg.bandwidths:
+                    self.run_cell(loaded, profile, hf, info, storage, tier, bw)
+                    self.write_partial()
 
-            ex = Executor(runner)
-            ex._compute(ids[:ctx], 0, blocks, _Stats())
-            item = RunItem_(ids[ctx:], ctx, blocks, True)
-            runner.execute([item])
-            ts = []
-            for _ in range(max(1, cfg.repeats)):
-                t = time.perf_counter()
-                runner.execute([item])
-                ts.append(time.perf_counter() - t)
-            new_prefill_s = _median(ts)
-        ref_greedy = greedy(runner, blocks, len(ids), int(ref_logits.argmax()), cfg.greedy_tokens)
-        ctxinfo = dict(ids=ids, state=state, ref_logits=ref_logits, ref_greedy=ref_greedy, blocks=blocks,
-                       new_prefill_s=new_prefill_s, warmed=set(), recompute_row=None)
-        hfb = None
-        if cfg.baselines:
-            hfb = HFBaseline(loaded, ids, ctx, cfg.repeats, cfg.warmup)
-            secs, logits = hfb.recompute()
-            self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=ctx,
-                          new_tokens=cfg.new_tokens, tier="-", bandwidth="-", method="hf_recompute",
-                          restore_s=secs - 0.0, ttft_s=secs, bytes_read=0, stored_bytes_per_token=0, ideal_s=None,
-                          predicted_s=None, max_logit_diff=float((logits - ref_logits).abs().max()),
-                          greedy_match=int(logits.argmax()) == int(ref_logits.argmax()), repeats=cfg.repeats,
-                          plan="HF transformers forward of the whole prompt (greedy_match: next token only)"))
-            self.log(f"hf_recompute {secs:.3f}s")
-            self.write_partial()
-        try:
-            for storage in cfg.storage:
-                for tier in cfg.tiers:
-                    for bw in cfg.bandwidths:
-                        self.run_cell(loaded, engine, profile, ctx, storage, tier, bw, ctxinfo, hfb)
-                        self.write_partial()
-        finally:
-            engine.pool.release(blocks)
-            if hfb is not None:
-                del hfb
-
-    # -- one cell: (model, context, storage, tier, bandwidth)
-    def run_cell(self, loaded, engine, profile, ctx, storage, tier, bw_text, info, hfb) -> None:
-        from kvtier.restore.executor import Executor
-        from kvtier.restore.glue import chunks_of, links, model_shape, namespace
-        from kvtier.restore.plan import Method
+    def run_cell(self, loaded, profile, hf, info: Context, storage: str, tier: str, bw_text: str) -> None:
+        from kvtier.engine.config import ReuseConfig
+        from kvtier.restore.costs import ModelShape, links
+        from kvtier.restore.plan import PlannedChunk
         from kvtier.restore.planner import Planner
-        from kvtier.store import Repr, TieredStore
+        from kvtier.store.layout import Repr, StoreNamespace
 
         cfg = self.cfg
-        n_layers = loaded.config.num_layers
-        bw = parse_bandwidth(bw_text)
-        label = bw_label(bw_text)
-        sdt = STORAGE_NAMES[storage]
-        ids, st = info["ids"], info["state"]
-        hist_ids = ids[:ctx]
-        cell = f"{loaded.name} ctx={ctx} tier={tier} bw={label}" + (f" storage={sdt}" if sdt else "")
-        self.log(f"[cyan]cell {cell}[/cyan]")
-        stores: dict[tuple, TieredStore] = {}
+        bw, label = parse_bandwidth(bw_text), bw_label(bw_text)
+        sdt = storage
+        self.log(f"[cyan]cell {loaded.name} ctx={info.hist} tier={tier} bw={label}{' storage=' + sdt if sdt else ''}[/cyan]")
+        c, n = loaded.config, loaded.config.num_layers
+        ns = StoreNamespace(loaded.fingerprint, n, c.num_kv_heads, c.head_dim, c.hidden_size,
+                            compute_dtype=dtypes.name_of(loaded.dtype), storage_dtype=sdt)
+        shape = ModelShape(n, ns.layer_bytes_per_token(Repr.KV), ns.layer_bytes_per_token(Repr.HIDDEN))
+        em = parse_spec(tier_spec(tier, bw, self.workdir, self.redis_url(), "x")).tiers()[0][1]
+        planner = Planner(profile, shape, links(profile, [(tier, em.bandwidth, em.latency)]))
+        chunks = [PlannedChunk("", a, a + cfg.chunk_tokens, tier, 0) for a in range(0, info.hist, cfg.chunk_tokens)]
+        partition = planner.partition(chunks)
+        for method in cfg.methods:
+            layout = _layout_for(method, n, partition)
+            tag = f"{method}-{sdt or 'c'}-{info.hist}-{time.monotonic_ns()}"
+            spec = tier_spec(tier, bw, self.workdir, self.redis_url(), tag)
+            reuse = ReuseConfig(method=method, chunk_tokens=cfg.chunk_tokens, layout=layout, storage_dtype=sdt,
+                                lookahead=False)
+            row = self.measure(loaded, profile, info, spec, reuse)
+            predicted = planner.prefill_chunks_s(0, len(info.ids)) if method == "recompute" else row.pop("predicted")
+            ideal = planner.prefill_chunks_s(0, len(info.ids)) if method == "recompute" else row.pop("ideal")
+            row.pop("predicted", None)
+            row.pop("ideal", None)
+            self.add(dict(row, model=loaded.name, dtype=cfg.dtype, storage=sdt, context_tokens=info.hist,
+                          new_tokens=cfg.new_tokens, tier=tier, bandwidth=label, method=method, predicted_s=predicted,
+                          ideal_s=ideal))
+            self.write_partial()  # a slow cell keeps every method it finished
+            r = self.rows[-1]
+            self.log(f"  {method:10s} ttft {r['ttft_s']:7.3f}s  pred {_f(r['predicted_s'])}s  ideal {_f(r['ideal_s'])}s  "
+                     f"read {r['bytes_read'] / 1e6:8.1f} MB  diff {r['max_logit_diff']:.2e}  "
+                     f"greedy {'ok' if r['greedy_match'] else 'DIFF'}  {r['plan']}")
+            if tier == "disk":
+                shutil.rmtree(self.workdir / "disk" / tag, ignore_errors=True)
+        if hf is not None and not sdt:
+            self.hf_torch_save(loaded, hf, info, tier, bw, label)
 
-        def store_for(layout: tuple) -> tuple[TieredStore, object]:
-            if layout not in stores:
-                ns = namespace(loaded, layout, storage_dtype=sdt)
-                tag = ns.digest()[:10]
-                spec = tier_spec(tier, bw, self.workdir, self.redis_url(), tag)
-                s = TieredStore.open(spec, ns, chunk_tokens=cfg.chunk_tokens, writer_queue_bytes=1 << 40)
-                need_kv = Repr.KV in layout
-                need_h = Repr.HIDDEN in layout
-                if s.lookup(hist_ids).num_tokens < ctx:
-                    s.save(hist_ids, 0, st.k if need_kv else None, st.v if need_kv else None, st.h if need_h else None)
-                    s.flush()
-                stores[layout] = s
-            s = stores[layout]
-            return s, s.lookup(hist_ids)
+    def measure(self, loaded, profile, info: Context, spec: str, reuse) -> dict:
+        """One method on one cell: save the history, then restore it --warmup + --repeats times."""
+        from kvtier.engine.request import SamplingParams
 
-        kv_layout = (Repr.KV,) * n_layers
-        h_layout = (Repr.HIDDEN,) * n_layers
+        cfg = self.cfg
+        engine = self.engine(loaded, info.hist, spec, reuse, profile)
         try:
-            kv_store, kv_match = store_for(kv_layout)
-            if kv_match.num_tokens != ctx:
-                self.console.print(f"[red]store holds {kv_match.num_tokens} of {ctx} tokens; skipping cell[/red]")
-                return
-            planner = Planner(profile, model_shape(loaded, sdt), links(kv_store, profile))
-            chunks = chunks_of(kv_match)
-            bf_layout = tuple(planner.partition(chunks))
-            layouts = {Method.KV: kv_layout, Method.HIDDEN: h_layout, Method.BUBBLEFREE: bf_layout,
-                       Method.CAKE: kv_layout}
-            ex = Executor(engine.runner)
-            width_ratio = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[sdt or str(loaded.dtype)[6:]] \
-                / loaded.dtype.itemsize
-            for mname in cfg.methods:
-                method = Method(mname)
-                if method is Method.RECOMPUTE and info["recompute_row"] is not None:
-                    row = dict(info["recompute_row"], tier=tier, bandwidth=label, storage=sdt)
-                    self.add(row)
-                    continue
-                if method is Method.AUTO:
-                    plan = planner.choose(chunks, cfg.new_tokens, layouts)
-                    layout = plan.layer_reprs if plan.method is not Method.RECOMPUTE else kv_layout
-                else:
-                    layout = layouts.get(method, kv_layout)
-                    plan = planner.plan(method, chunks, cfg.new_tokens, layout if method is Method.BUBBLEFREE else None)
-                store, match = store_for(tuple(layout) if plan.method is not Method.CAKE else kv_layout)
-                if Repr.NONE in layout and plan.method is not Method.RECOMPUTE:
-                    store, match = store_for(tuple(layout))
-                runs = []
-                key = (method, sdt)
-                n_warm = cfg.warmup if key not in info["warmed"] else 0
-                info["warmed"].add(key)
-                for i in range(n_warm + cfg.repeats):
-                    if tier == "disk" and cfg.drop_cache:
-                        drop_page_cache(self.workdir / "disk")
-                    t0 = time.perf_counter()
-                    logits, stats = ex.run(plan, store, match, ids, info["blocks"])
-                    nxt = int(logits.argmax())
-                    dt = time.perf_counter() - t0
-                    if i >= n_warm:
-                        runs.append((dt, stats, logits, nxt))
-                ttft = _median([r[0] for r in runs])
-                _, stats, logits, nxt = runs[-1]
-                g = greedy(engine.runner, info["blocks"], len(ids), nxt, cfg.greedy_tokens)
-                used_ns = namespace(loaded, layout, storage_dtype=sdt)
-                row = dict(model=loaded.name, dtype=cfg.dtype, storage=sdt, context_tokens=ctx,
-                           new_tokens=cfg.new_tokens, tier=tier, bandwidth=label, method=mname,
-                           restore_s=max(ttft - info["new_prefill_s"], 0.0), ttft_s=ttft,
-                           bytes_read=int(stats.bytes_read * width_ratio),
-                           stored_bytes_per_token=0 if plan.method is Method.RECOMPUTE else used_ns.bytes_per_token(),
-                           ideal_s=plan.ideal_s, predicted_s=plan.predicted_s,
-                           max_logit_diff=float((logits - info["ref_logits"]).abs().max()),
-                           greedy_match=g == info["ref_greedy"], repeats=len(runs), plan=plan.describe())
-                self.add(row)
-                self.write_partial()  # a slow cell keeps every method it finished
-                if method is Method.RECOMPUTE:
-                    info["recompute_row"] = {k: v for k, v in row.items()}
-                    info["recompute_row"]["plan"] = plan.describe() + " (measured once per model/context)"
-                self.log(f"  {mname:10s} ttft {ttft:7.3f}s  ideal {plan.ideal_s:7.3f}s  pred {plan.predicted_s:7.3f}s  "
-                         f"read {row['bytes_read'] / 1e6:8.1f} MB  diff {row['max_logit_diff']:.2e}  "
-                         f"greedy {'ok' if row['greedy_match'] else 'DIFF'}  {plan.describe()}")
-            if hfb is not None and not sdt:
-                self.hf_cell(loaded, ctx, tier, bw, label, hfb, info)
+            engine.generate([info.ids[: info.hist]], SamplingParams(max_tokens=1, temperature=0.0))
+            engine.flush()
+            logits: list[torch.Tensor] = []
+            execute = engine.runner.execute
+
+            def spy(*a, **kw):  # the first token's logits, as the engine's own step returned them
+                out = execute(*a, **kw)
+                if out.numel() and len(logits) == 0:
+                    logits.append(out[0].clone())
+                return out
+
+            engine.runner.execute = spy
+            greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True)
+            runs = []
+            for i in range(cfg.warmup + cfg.repeats):
+                logits.clear()
+                out = engine.generate([info.ids], greedy)[0]
+                engine.flush()  # the new tokens' saves land before the next run, untimed
+                if i >= cfg.warmup:
+                    runs.append((out, logits[0]))
+            stats = engine.stats()
         finally:
-            for s in stores.values():
-                s.close()
+            engine.close()
+        out, first = runs[-1]
+        rep = out.restore
+        return dict(ttft_s=_median([o.ttft for o, _ in runs]),
+                    restore_s=_median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
+                    bytes_read=rep.bytes_read if rep else 0, stored_bytes_per_token=stats.stored_bytes_per_token,
+                    predicted=rep.predicted_s if rep else None, ideal=rep.ideal_s if rep else None,
+                    max_logit_diff=float((first - info.ref_logits).abs().max()),
+                    greedy_match=out.output_ids == info.ref_greedy, repeats=len(runs),
+                    plan=f"{rep.method} [{rep.layout}]" if rep else "recompute (no restore)")
 
-    def hf_cell(self, loaded, ctx, tier, bw, label, hfb: HFBaseline, info) -> None:
-        from kvtier.store.throttle import Emulation, Throttle
+    def hf_recompute(self, loaded, hf, info: Context) -> None:
+        from kvtier.bench.hf import HFPeers
 
-        cfg = self.cfg
-        blob = hfb.blob()
+        peer = HFPeers(hf, info.ids, info.hist, ["hf_recompute"], self.workdir / "hf.pt", None, "")
+        for _ in range(self.cfg.warmup):
+            peer.hf_recompute()
+        secs = _median([timed(peer.hf_recompute)[0] for _ in range(self.cfg.repeats)])
+        self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
+                      new_tokens=self.cfg.new_tokens, tier="-", bandwidth="-", method="hf_recompute", restore_s=secs,
+                      ttft_s=secs, bytes_read=0, stored_bytes_per_token=0, max_logit_diff=0.0,
+                      greedy_match=peer.hf_recompute() == int(info.ref_logits.argmax()), repeats=self.cfg.repeats,
+                      plan="HF transformers forward of the whole prompt (greedy_match: next token only)"))
+        self.log(f"hf_recompute {secs:.3f}s")
+
+    def hf_torch_save(self, loaded, hf, info: Context, tier: str, bw: float | None, label: str) -> None:
+        """The workaround from the same tier: torch.save'd DynamicCache bytes, a cold file or a
+        Redis value (with the same emulated bandwidth), torch.load, then the new tokens."""
+        import redis
+
+        from kvtier.bench.hf import HFPeers
+
+        name = {"memory": "hf_load_bytes", "disk": "hf_load_cold_file", "redis": "hf_load_redis"}[tier]
+        client = redis.Redis.from_url(self.redis_url().split("?")[0]) if tier == "redis" else None
+        peer = HFPeers(hf, info.ids, info.hist, [name], self.workdir / "hf_dynamic_cache.pt", client, "kvbench-hf")
         throttle = Throttle(Emulation(bw))
-        if tier == "memory":
-            def fetch():
-                data = bytes(blob)  # a copy, as a read from a host cache would be
-                throttle.read(len(data))
-                return data
-        elif tier == "disk":
-            path = self.workdir / "disk" / "hf_dynamic_cache.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(blob)
+        try:
+            def once() -> int:
+                peer.before(name)
+                t = time.perf_counter()
+                token = getattr(peer, name)()
+                throttle.read(len(peer.blob))  # the emulated limit on the bytes it fetched
+                return time.perf_counter() - t, token
 
-            def fetch():
-                with open(path, "rb") as f:
-                    data = f.read()
-                throttle.read(len(data))
-                return data
-        else:
-            client = self._redis.client if self._redis else __import__("redis").Redis.from_url(self.redis_url())
-            client.set("kvbench-hf-cache", blob)
-
-            def fetch():
-                data = client.get("kvbench-hf-cache")
-                throttle.read(len(data))
-                return data
-
-        key = ("hf_torch_save", "")
-        n_warm = cfg.warmup if key not in info["warmed"] else 0
-        info["warmed"].add(key)
-        runs = []
-        for i in range(n_warm + cfg.repeats):
-            if tier == "disk" and cfg.drop_cache:
-                drop_page_cache(self.workdir / "disk")
-            r = hfb.load_and_prefill(fetch)
-            if i >= n_warm:
-                runs.append(r)
-        logits = runs[-1][2]
-        ttft = _median([r[1] for r in runs])
-        self.add(dict(model=loaded.name, dtype=cfg.dtype, storage="", context_tokens=ctx, new_tokens=cfg.new_tokens,
-                      tier=tier, bandwidth=label, method="hf_torch_save", restore_s=_median([r[0] for r in runs]),
-                      ttft_s=ttft, bytes_read=len(blob), stored_bytes_per_token=len(blob) // ctx, ideal_s=None,
-                      predicted_s=None, max_logit_diff=float((logits - info["ref_logits"]).abs().max()),
-                      greedy_match=int(logits.argmax()) == int(info["ref_logits"].argmax()), repeats=len(runs),
-                      plan="torch.save(DynamicCache) -> torch.load -> HF prefill of the new tokens "
-                           "(greedy_match: next token only)"))
-        if tier == "disk":
-            (self.workdir / "disk" / "hf_dynamic_cache.pt").unlink(missing_ok=True)
-        self.log(f"  hf_torch_save ttft {ttft:7.3f}s  (restore {runs[-1][0]:.3f}s, {len(blob) / 1e6:.1f} MB)")
-
-
-class _Stats:
-    bytes_read = 0
-    chunks_computed = 0
-
-
-@torch.inference_mode()
-def greedy(runner, blocks, pos: int, first: int, n: int) -> list[int]:
-    """`n` greedy tokens after `first` (placed at `pos`), decoding on the pool as restored."""
-    from kvtier.engine.runner import RunItem
-
-    out = [first]
-    for i in range(n - 1):
-        logits = runner.execute([RunItem([out[-1]], pos + i, blocks, True)])
-        out.append(int(logits[0].argmax()))
-    return out
+            for _ in range(self.cfg.warmup):
+                once()
+            runs = [once() for _ in range(self.cfg.repeats)]
+        finally:
+            peer.close()
+        ttft = _median([r[0] for r in runs])
+        self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
+                      new_tokens=self.cfg.new_tokens, tier=tier, bandwidth=label, method="hf_torch_save", restore_s=None,
+                      ttft_s=ttft, bytes_read=len(peer.blob), stored_bytes_per_token=len(peer.blob) // info.hist,
+                      max_logit_diff=0.0, greedy_match=runs[-1][1] == int(info.ref_logits.argmax()),
+                      repeats=len(runs), plan="torch.save(DynamicCache) -> torch.load -> HF prefill of the new tokens "
+                                              "(greedy_match: next token only)"))
+        self.log(f"  hf_torch_save ttft {ttft:7.3f}s  ({len(peer.blob) / 1e6:.1f} MB)")
 
 
 # ----- goals ------------------------------------------------------------------------------------
@@ -587,6 +390,21 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
         goals.append(dict(goal="auto within 15% of the best method in every cell", met=not bad,
                           summary=f"worst auto/best = {worst:.2f}; {len(detail) - len(bad)}/{len(detail)} cells within 15%",
                           failing=bad, cells=detail))
+    # 1b. the planner's predictions within 20% of the measured TTFT, every method in every cell
+    det = []
+    for k, m in cells.items():
+        for name, r in m.items():
+            if name in KVTIER + ("auto",) and r.get("predicted_s"):
+                ratio = r["predicted_s"] / r["ttft_s"]
+                det.append(dict(cell=_fmt_cell(k), method=name, predicted_s=r["predicted_s"], ttft_s=r["ttft_s"],
+                                ratio=round(ratio, 3), met=abs(ratio - 1) <= 0.2))
+    if det:
+        bad = [d for d in det if not d["met"]]
+        worst = max(det, key=lambda d: abs(d["ratio"] - 1))
+        goals.append(dict(goal="planner predictions within 20% of the measured TTFT in every cell", met=not bad,
+                          summary=f"{len(det) - len(bad)}/{len(det)} rows within 20%; worst predicted/measured "
+                                  f"{worst['ratio']:.2f} ({worst['method']}, {worst['cell']})",
+                          failing=bad, cells=det))
     # 2. bubblefree and cake within 15% of their own ideal bound
     for name in ("bubblefree", "cake"):
         det = []
@@ -675,11 +493,7 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
 
 # ----- reports ----------------------------------------------------------------------------------
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps({"rows": rows, "goals": goals, "meta": meta}, indent=1, default=str))
-    tmp.replace(p)
+    write_json_atomic(path, {"rows": rows, "goals": goals, "meta": meta})
 
 
 def _f(x, nd=3) -> str:
@@ -718,7 +532,7 @@ def markdown(rows: list[dict], goals: list[dict]) -> str:
     for g in goals:
         lines.append(f"- **{'met' if g['met'] else 'NOT met'}**: {g['goal']}: {g['summary']}")
         for d in g.get("failing", [])[:12]:
-            lines.append(f"  - failing: {d['cell']} ratio {d['ratio']}")
+            lines.append(f"  - failing: {d['cell']}{' ' + d['method'] if 'method' in d else ''} ratio {d['ratio']}")
     return "\n".join(lines) + "\n"
 
 
@@ -793,10 +607,6 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 # ----- command line -----------------------------------------------------------------------------
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="comma-separated model names (default: %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "auto"], help="compute dtype")
@@ -815,7 +625,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=64)
     p.add_argument("--workdir", default="out/restore-work", help="disk tier directory (wiped at start)")
     p.add_argument("--redis-url", default=None, help="redis server to use (default: start a private redis-server)")
-    p.add_argument("--no-drop-cache", action="store_true", help="keep disk pages cached between runs")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG path of TTFT vs bandwidth per method")
@@ -823,25 +632,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    storage = [STORAGE_NAMES[s] if s in STORAGE_NAMES else s for s in _csv(args.storage_dtype)] or [""]
-    for s in storage:
-        if s not in STORAGE_NAMES.values():
-            raise ValueError(f"unknown storage dtype {s!r}")
-    methods = _csv(args.methods)
+    storage = [dtypes.canonical(s) for s in csv_arg(args.storage_dtype)] or [""]
+    methods = csv_arg(args.methods)
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}: use {', '.join(METHODS)}")
     if "recompute" in methods:  # measured first: every other method is compared with it
         methods = ["recompute"] + [m for m in methods if m != "recompute"]
-    for b in _csv(args.bandwidth):
+    for b in csv_arg(args.bandwidth):
         parse_bandwidth(b)
-    return BenchConfig(models=_csv(args.model), dtype=args.dtype, storage=storage,
-                       contexts=[int(c) for c in _csv(args.context)], new_tokens=args.new_tokens,
-                       tiers=_csv(args.tier), bandwidths=_csv(args.bandwidth), methods=methods,
+    return BenchConfig(models=csv_arg(args.model), dtype=args.dtype, storage=storage,
+                       contexts=[int(c) for c in csv_arg(args.context)], new_tokens=args.new_tokens,
+                       tiers=csv_arg(args.tier), bandwidths=csv_arg(args.bandwidth), methods=methods,
                        baselines=not args.no_baselines, repeats=args.repeats, warmup=args.warmup,
                        greedy_tokens=args.greedy_tokens, chunk_tokens=args.chunk_tokens, workdir=args.workdir,
                        redis_url=args.redis_url, json_path=args.json, markdown_path=args.markdown,
-                       plot_path=args.plot, seed=args.seed, drop_cache=not args.no_drop_cache)
+                       plot_path=args.plot, seed=args.seed)
 
 
 def cmd_restore(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
 from kvtier.engine.profiling import estimate, load_profile
-from kvtier.engine.request import Request, RequestStatus, SamplingParams
+from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
@@ -57,7 +57,7 @@ class RequestOutput:
     prompt_tokens_computed: int
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     restore_method: str | None = None
-    restore_s: float | None = None  # the store restore's own time (open to last layer placed)
+    restore: RestoreReport | None = None  # what the restore from the store did and was predicted to take
 
 
 @dataclass(frozen=True)
@@ -324,7 +324,7 @@ class Engine:
             prompt_tokens_computed=m.prompt_tokens_computed,
             reused_by_tier=dict(m.reused_by_tier),
             restore_method=m.restore_method,
-            restore_s=m.restore_s,
+            restore=m.restore,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:

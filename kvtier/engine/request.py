@@ -58,6 +58,19 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a request's restore from the store did, beside what its plan predicted."""
+
+    method: str
+    layout: str  # stored representation per layer, e.g. "kv=30" or "none=4, hidden=26"
+    predicted_s: float  # the plan's restore + first step of the new tokens
+    ideal_s: float  # the plan's bound: max(bytes / bandwidth, compute)
+    seconds: float  # measured: the restore's start to the end of its first step
+    bytes_read: int
+    wait_s: float  # time the new tokens' layers waited for reads
+
+
 @dataclass
 class RequestMetrics:
     arrival: float = field(default_factory=time.perf_counter)
@@ -67,8 +80,11 @@ class RequestMetrics:
     prompt_tokens_reused: int = 0  # restored (device prefix cache or store) instead of computed
     prompt_tokens_computed: int = 0
     reused_by_tier: dict[str, int] = field(default_factory=dict)
-    restore_method: str | None = None  # how the store part was restored, if any
-    restore_s: float | None = None  # the store restore's own time (open to last layer placed)
+    restore: RestoreReport | None = None  # how the store part was restored, if it was
+
+    @property
+    def restore_method(self) -> str | None:
+        return self.restore.method if self.restore else None
 
     def note_reuse(self, tier: str, tokens: int) -> None:
         """Count `tokens` prompt tokens as reused from `tier` ("device": the device prefix cache)."""

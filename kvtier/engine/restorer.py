@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvtier.engine.config import ReuseConfig
-from kvtier.engine.request import Request
+from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore_exec import Restore, RestoreMiss
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Probe, RestoreTicket
@@ -217,10 +217,11 @@ class Restorer:
         self.reused_by_method[method] = self.reused_by_method.get(method, 0) + gained
         for tier, n in job.tier_tokens.items():
             self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
-        job.req.metrics.restore_method = method
-        job.req.metrics.restore_s = stats.seconds
+        seconds = time.perf_counter() - job.started
+        job.req.metrics.restore = RestoreReport(method, job.plan.describe_layout(), job.plan.predicted_s,
+                                                job.plan.ideal_s, seconds, stats.bytes_read, stats.wait_s)
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
-            self.planner.observe(job.plan.method, job.plan.predicted_s, time.perf_counter() - job.started)
+            self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
         return True
 
     def abort(self, request_id: str) -> bool:

@@ -64,7 +64,10 @@ class Plan:
             n += 1
         return n
 
-    def describe(self) -> str:
+    def describe_layout(self) -> str:
         counts = {r.value: sum(1 for x in self.layer_reprs if x is r) for r in Repr}
-        mix = ", ".join(f"{k}={v}" for k, v in counts.items() if v)
-        return f"{self.method.value} [{mix}] predicted {self.predicted_s * 1000:.0f} ms, ideal {self.ideal_s * 1000:.0f} ms"
+        return ", ".join(f"{k}={v}" for k, v in counts.items() if v)
+
+    def describe(self) -> str:
+        return (f"{self.method.value} [{self.describe_layout()}] predicted {self.predicted_s * 1000:.0f} ms, "
+                f"ideal {self.ideal_s * 1000:.0f} ms")

@@ -1,0 +1,90 @@
+"""HF transformers on the very weights of a kvtier model: the peers every benchmark compares with."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.bench.common import drop_page_cache
+
+
+def build_hf(loaded):
+    """An HF transformers model holding the very weights of `loaded`, in the same dtype."""
+    import transformers
+
+    dtype = loaded.dtype
+    if loaded.source and Path(loaded.source).is_dir() and (Path(loaded.source) / "config.json").exists():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.source, dtype=dtype)
+    else:
+        cfg = loaded.config
+        hf = transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype)
+        state = {k: v for k, v in loaded.module.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+        bad = [k for k in missing if k != "lm_head.weight"]
+        if bad or unexpected:
+            raise RuntimeError(f"HF baseline weights do not match: missing {bad[:4]}, unexpected {unexpected[:4]}")
+        if cfg.tie_word_embeddings:
+            hf.tie_weights()
+    return hf.eval()
+
+
+class HFPeers:
+    """The HF transformers peers on one context. The history's DynamicCache is prefilled once
+    (untimed) and saved the usual way (torch.save: bytes, a file, a Redis value); each peer method
+    is the timed part and returns the first new token."""
+
+    def __init__(self, hf, ids: list[int], hist: int, peers: Sequence[str], path: Path, redis_client, key: str):
+        import torch
+
+        self.torch, self.hf, self.path, self.redis, self.key = torch, hf, path, redis_client, key
+        self.prompt = torch.tensor([ids])  # [1, H + new]
+        self.new, self.pos = self.prompt[:, hist:], torch.arange(hist, len(ids))[None]  # new tokens, positions
+        self.cache, self.blob = None, b""
+        if set(peers) - {"hf_recompute"}:
+            with torch.inference_mode():
+                self.cache = hf(self.prompt[:, :hist], use_cache=True, logits_to_keep=1).past_key_values
+            buf = io.BytesIO()
+            torch.save(self.cache, buf)
+            self.blob = buf.getvalue()
+        if "hf_load_cold_file" in peers:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self.blob)
+        if "hf_load_redis" in peers:
+            redis_client.set(key, self.blob)
+
+    def _new_tokens(self, cache) -> int:
+        with self.torch.inference_mode():
+            logits = self.hf(self.new, past_key_values=cache, use_cache=True, position_ids=self.pos,
+                             cache_position=self.pos[0], logits_to_keep=1).logits
+        return int(logits[0, -1].argmax())
+
+    def hf_recompute(self) -> int:
+        with self.torch.inference_mode():
+            return int(self.hf(self.prompt, use_cache=False, logits_to_keep=1).logits[0, -1].argmax())
+
+    def hf_floor(self) -> int:
+        token = self._new_tokens(self.cache)
+        self.cache.crop(-self.new.shape[1])  # back to the history only (a negative count in transformers 5)
+        return token
+
+    def hf_load_bytes(self) -> int:
+        return self._new_tokens(self.torch.load(io.BytesIO(self.blob), weights_only=False))
+
+    def hf_load_cold_file(self) -> int:
+        return self._new_tokens(self.torch.load(self.path, weights_only=False))
+
+    def hf_load_redis(self) -> int:
+        return self._new_tokens(self.torch.load(io.BytesIO(self.redis.get(self.key)), weights_only=False))
+
+    def before(self, peer: str) -> None:
+        """Untimed: the file's pages leave the page cache before each cold load."""
+        if peer == "hf_load_cold_file":
+            drop_page_cache(self.path)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        if self.redis is not None:
+            self.redis.delete(self.key)
