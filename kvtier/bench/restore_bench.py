@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from rich.markup import escape
+
 from kvtier import dtypes
 from kvtier.bench.common import RedisServer, csv_arg, machine_info, timed, write_json_atomic
 from kvtier.store.spec import parse_spec
@@ -139,7 +141,7 @@ class RestoreBench:
         self._redis: RedisServer | None = None
         self._redis_url = cfg.redis_url
 
-    def log(self, msg: str) -> None:
+    def log(self, msg: str) -> None:  # rich markup: escape([...]) where brackets are data
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
 
     def add(self, row: dict) -> None:
@@ -257,7 +259,7 @@ class RestoreBench:
             r = self.rows[-1]
             self.log(f"  {method:10s} ttft {r['ttft_s']:7.3f}s  pred {_f(r['predicted_s'])}s  ideal {_f(r['ideal_s'])}s  "
                      f"read {r['bytes_read'] / 1e6:8.1f} MB  diff {r['max_logit_diff']:.2e}  "
-                     f"greedy {'ok' if r['greedy_match'] else 'DIFF'}  {r['plan']}")
+                     f"greedy {'ok' if r['greedy_match'] else 'DIFF'}  {escape(r['plan'])}")
             if tier == "disk":
                 shutil.rmtree(self.workdir / "disk" / tag, ignore_errors=True)
         if hf is not None and not sdt:

@@ -61,7 +61,7 @@ def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (256, 1024, 2
     points = []
     for n in lengths:
         item = RunItem(torch.randint(100, cfg.vocab_size, (n,)).tolist(), 0, blocks, want_logits=False)
-        points.append((n, _time(lambda: runner.execute([item]), repeats=2 if n > 512 else 3)))
+        points.append((n, _time(lambda: runner.execute([item]), repeats=3)))  # medians: one slow run skews the fit
     ls = np.array([p[0] for p in points], dtype=float)
     ts = np.array([p[1] for p in points])
     (a, b), *_ = np.linalg.lstsq(np.stack([ls, ls * ls], 1), ts, rcond=None)

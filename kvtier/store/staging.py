@@ -32,11 +32,9 @@ class Staging:
     def take(self, nbytes: int) -> torch.Tensor:
         """An aligned uint8 buffer of at least `nbytes` (its size is what `give` gets back)."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
-                return best
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # by index: list.remove would compare tensors element by element
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return aligned_empty(-(-max(nbytes, 1) // _GRAIN) * _GRAIN)
 
     def give(self, buf: torch.Tensor) -> None:

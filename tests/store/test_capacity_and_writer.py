@@ -111,3 +111,17 @@ def test_emulated_bandwidth_is_reported(tmp_path, ns):
         t = _save(store, 0)
         assert store.read_chunk(store.lookup(t).chunks[0]) is not None
         assert "emulated" in store.stats()["tiers"]["disk"]["emulated"]
+
+
+def test_staging_hands_out_aligned_buffers_and_reuses_them():
+    from kvtier.store.staging import PAGE, Staging
+
+    st = Staging(max_bytes=64 << 20)
+    a, b = st.take(3 << 20), st.take(5 << 20)
+    assert a.data_ptr() % PAGE == 0 and b.data_ptr() % PAGE == 0 and a.numel() >= 3 << 20
+    st.give(a)
+    st.give(b)
+    assert st.take(4 << 20).data_ptr() == b.data_ptr()  # the smallest that fits, not a new one
+    assert st.take(1 << 20).data_ptr() == a.data_ptr()
+    st.give(st.take(100 << 20))  # over the idle cap: not kept
+    assert st.idle_bytes == 0
