@@ -47,11 +47,12 @@ def test_wraps_any_base_policy():
 
 
 def test_prefetch_brings_exactly_the_window_into_memory(tiny_gqa, tmp_path):
-    """Three queued requests, each with 2 chunks on disk only; memory fits 2.5 requests' state, so
-    the window holds the first two requests: their 4 chunks are prefetched, the third's are not."""
+    """Three queued requests, each with 2 chunks on a slow disk only; memory fits 2.5 requests'
+    state, so the window holds the first two requests: their 4 chunks are prefetched, the third's
+    are not."""
     chunk = 64
     per_chunk = 4 * chunk * 2 * 32 * 4  # layers * tokens * (K+V) * kv_dim * fp32 bytes of payload
-    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=16 << 20), store=f"memory:{int(per_chunk * 5.3)}B,disk:{tmp_path}/d:1GB",
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=16 << 20), store=f"memory:{int(per_chunk * 5.3)}B,disk:{tmp_path}/d:1GB:bw=20MB/s",
                     profile=fake_profile(tiny_gqa.fingerprint), reuse=ReuseConfig(method="kv", chunk_tokens=chunk))
     store = engine.link.store
     reqs = []
@@ -75,3 +76,23 @@ def test_prefetch_brings_exactly_the_window_into_memory(tiny_gqa, tmp_path):
     mem_policy = store.tier("memory").policy
     assert window <= mem_policy.window and not set(mem_policy.victims(1 << 40)) & window
     engine.close()
+
+
+def test_prefetch_only_where_it_pays():
+    """Copying a chunk up costs a read and a write on the compute cores; it saves what the restore
+    would not hide under compute. Waiting on a slow link pays for it; reads that hide do not."""
+    import dataclasses
+
+    from kvtier.restore.costs import ModelShape, TierLink
+    from kvtier.restore.planner import Planner
+
+    prof = fake_profile("x", io_bps=1e9)
+    hidden = dataclasses.replace(prof.tiers["disk"], overlap=1.0)
+    shared = dataclasses.replace(prof.tiers["disk"], overlap=0.0)
+    mem = TierLink(prof.tiers["memory"])
+    shape = ModelShape(4, 256, 256)
+    nbytes = 1 << 20
+    assert not Planner(prof, shape, {"memory": mem, "disk": TierLink(hidden)}).prefetch_pays("disk", nbytes)
+    assert not Planner(prof, shape, {"memory": mem, "disk": TierLink(shared)}).prefetch_pays("disk", nbytes)
+    slow = TierLink(hidden, emulated_bps=1e7)  # 0.1 s of waiting per MB
+    assert Planner(prof, shape, {"memory": mem, "disk": slow}).prefetch_pays("disk", nbytes)

@@ -66,10 +66,7 @@ def continuation_logits(model: CausalLM, k_ctx: torch.Tensor, v_ctx: torch.Tenso
     slots = runner.slots(blocks, 0, ctx)
     for li in range(model.cfg.num_layers):
         runner.shift_in(li, k_ctx[li], v_ctx[li], shift, slots)
-    logits = []
-    for i, t in enumerate(new_ids):  # one token per step: logits at every position
-        logits.append(runner.execute([RunItem([t], ctx + i, blocks, want_logits=True)])[0])
-    return torch.stack(logits)
+    return runner.execute([RunItem(list(new_ids), ctx, blocks, want_logits=True)], every_token=True)
 
 
 def continuation_nll(model: CausalLM, k_ctx: torch.Tensor, v_ctx: torch.Tensor, shift: torch.Tensor,

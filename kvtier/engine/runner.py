@@ -203,8 +203,10 @@ class ModelRunner:
         capture: CaptureFn | None = None,
         layers: range | None = None,
         before_layer: Callable[[int], None] | None = None,
+        every_token: bool = False,
     ) -> torch.Tensor:
-        """Run one step. Returns fp32 logits [num items with want_logits, vocab] (last token of each).
+        """Run one step. Returns fp32 logits [num items with want_logits, vocab] (last token of each;
+        with `every_token`, [tokens, vocab] for every token of the step: scoring a continuation).
 
         `layers` limits the pass to a prefix of the layers (restoring by recomputing the first
         layers only; no logits then). `before_layer(l)` runs before layer l, which is how a restore
@@ -218,6 +220,8 @@ class ModelRunner:
             if before_layer is not None:
                 before_layer(li)
             h = self.run_layer(li, h, b, capture)
+        if every_token and layers.stop == model.cfg.num_layers:
+            return model.logits(h)  # [tokens, vocab]
         last = [b.offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
         if not last or layers.stop != model.cfg.num_layers:
             return torch.empty(0, model.cfg.vocab_size)

@@ -116,6 +116,7 @@ class StoreLink:
         self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, prefetches=0,
                              restore_tokens_charged=0, sessions_expired=0)
         self.saver = Saver(store, self.layout, config.chunk_tokens)
+        self.planner = planner
         self.restorer = Restorer(store, runner, planner, self.layout, config, self.counters)
         self.sessions = SessionRetention(config.session_ttl_s) if config.session_ttl_s else None
         self._next_expiry = 0.0
@@ -206,7 +207,8 @@ class StoreLink:
         return n
 
     def look_ahead(self, waiting: Sequence[Request]) -> None:
-        """Prefetch into memory what the next queued requests need; protect it from eviction."""
+        """Protect from eviction what the next queued requests need; prefetch it into memory where
+        the planner says the copy-up pays for itself (`Planner.prefetch_pays`)."""
         mem = self.store.memory
         if not self.lookahead or mem is None or not waiting:
             return
@@ -221,7 +223,8 @@ class StoreLink:
             p.set_future(next_use, keys)
         for m in matches[:n]:
             for c in m.chunks:
-                if c.tier != mem.name and self.store.prefetch(c):
+                if c.tier != mem.name and self.planner.prefetch_pays(c.tier, c.nbytes, mem.name) \
+                        and self.store.prefetch(c):
                     self.counters["prefetches"] += 1
 
     # ----- lifecycle --------------------------------------------------------------------------

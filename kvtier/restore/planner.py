@@ -266,6 +266,18 @@ class Planner:
         bf = self.plan(Method.BUBBLEFREE, probe, 64, partition).predicted_s
         return partition if bf < kv else (Repr.KV,) * n
 
+    def prefetch_pays(self, tier: str, nbytes: int, memory: str = "memory") -> bool:
+        """Whether copying a chunk up into the memory tier ahead of its request saves more time
+        than it costs (CachedAttention §3.3 prefetching, judged on this machine): the restore
+        later saves what reading it from `tier` would not hide under compute (the unhidden busy
+        part and any waiting); the copy-up takes a read plus a write into memory on the cores the
+        step loop computes on. On a CPU whose disk reads mostly hide under compute, it does not."""
+        src, mem = self._link(tier), self._link(memory)
+        busy, wait = src.read_parts(nbytes, whole_chunk=True)
+        saved = src.stolen_s(nbytes, whole_chunk=True) + wait - mem.stolen_s(nbytes, whole_chunk=True)
+        cost = busy + mem.read_s(nbytes, whole_chunk=True)
+        return saved > cost
+
     def observe(self, method: Method, predicted_s: float, actual_s: float, weight: float = 0.3) -> None:
         """Refine online: move the method's correction factor toward the observed/predicted ratio."""
         if predicted_s <= 0 or actual_s <= 0:
