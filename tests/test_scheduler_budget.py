@@ -75,3 +75,25 @@ def test_without_restores_in_flight_nothing_is_charged():
     sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=store)
     sched.add(_req("bb", 40))
     assert _sizes(sched.schedule()) == {"bb": 40} and store.owed == 10**6
+
+
+def test_an_instant_restore_runs_its_new_tokens_in_the_same_step():
+    """Memory the store holds needs no RESTORING phase: the request's new tokens are a chunk of this
+    very step, starting at the restored position and carrying the placement's cost."""
+
+    class Instant(ScriptedStore):
+        def probe(self, req: Request) -> Probe:
+            if req.request_id != "a":
+                return Probe(0, req.num_computed)
+            return Probe(req.num_tokens - 8, req.num_computed, self.plan, 0, instant=True,
+                         tier_tokens={"memory": req.num_tokens - 8}, attach_tokens=30)
+
+    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=Instant(debt=0))
+    a = _req("a", 200)
+    sched.add(a)
+    sched.add(_req("bb", 70))
+    out = sched.schedule()
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 192, 8), ("bb", 0, 62)]
+    assert [(t.request_id, t.start, t.target, t.instant) for t in out.restores] == [("a", 0, 192, True)]
+    assert a.status is RequestStatus.PREFILL and not sched.restoring and len(a.block_ids) == 13
+    assert a.metrics.reused_by_tier == {"memory": 192} and a.attach_tokens == 0

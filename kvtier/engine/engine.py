@@ -6,6 +6,7 @@ import itertools
 import logging
 import queue
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,9 @@ class Engine:
                 profile = estimate(model)
             self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(), profile,
                                         config.max_batched_tokens)
+        # Drain saves and stop the store's threads when the engine is dropped or the interpreter
+        # exits without close(): a thread still in torch code at shutdown aborts the process.
+        self._closer = weakref.finalize(self, self.link.close)
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.link,
                                    prefix_cache=config.enable_prefix_cache)
         self.eos_ids = set(cfg.eos_token_ids)
@@ -275,8 +279,8 @@ class Engine:
         return self.link.flush(timeout)
 
     def close(self) -> None:
-        """Drain pending saves and stop the restore and writer threads."""
-        self.link.close()
+        """Drain pending saves and stop the restore and writer threads (once; later calls do nothing)."""
+        self._closer()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outs = []

@@ -114,7 +114,18 @@ class Restorer:
         tiers: dict[str, int] = {}
         for c in usable:
             tiers[c.tier] = tiers.get(c.tier, 0) + c.end - max(c.start, keep)
-        return Probe(end, keep, _Planned(plan, None, tiers), plan.background_tokens)
+        planned = _Planned(plan, None, tiers)
+        if self._instant(plan):
+            return Probe(end, keep, planned, 0, instant=True, tier_tokens=tiers, attach_tokens=plan.attach_tokens)
+        return Probe(end, keep, planned, plan.background_tokens)
+
+    def _instant(self, plan: Plan) -> bool:
+        """A layer-wise plan over memory the store holds (views, no waiting) with no compute
+        before the new tokens: nothing to wait for, so no RESTORING phase."""
+        if plan.method is Method.CAKE or plan.recompute_layers:
+            return False
+        tiers = {t.name: t for t in self.store.tiers}
+        return all(not tiers[c.tier].owned_buffers and not tiers[c.tier].emulation.active for c in plan.chunks)
 
     def _probe_truncated(self, req: Request) -> Probe:
         """Kept tokens take new, compacted positions (CachedAttention §3.4): every chunk holding one
@@ -149,11 +160,21 @@ class Restorer:
 
     # ----- starting -------------------------------------------------------------------------
     def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
-        """Start preparing each ticket's restore on the restore worker."""
+        """Start preparing each ticket's restore on the restore worker; an instant one is prepared
+        here and placed by this very step (a failure then voids the request's result in it)."""
         for t in tickets:
             req, planned = requests[t.request_id], t.plan
             restore = Restore(planned.plan, self.store, self.runner, req.all_ids, req.block_ids, t.start,
                               planned.source, self.compute_chunk_tokens)
+            if t.instant:
+                done: Future = Future()
+                try:
+                    restore.prepare()
+                    done.set_result(None)
+                except RestoreMiss as e:
+                    done.set_exception(e)  # finish() raises it again: the step's result is void
+                self.attached[t.request_id] = _Job(req, planned.plan, restore, done, planned.tier_tokens, 0)
+                continue
             self.jobs[t.request_id] = _Job(req, planned.plan, restore, self._pool.submit(restore.prepare),
                                            planned.tier_tokens, t.debt)
             self.counters["restore_tokens_charged"] += planned.plan.background_tokens - t.debt

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.engine.block_pool import BlockPool, block_hashes
@@ -44,6 +44,11 @@ class Probe:
     keep: int
     plan: Any = None  # a restore Plan (opaque here), handed on to the restore untouched
     compute_tokens: int = 0
+    # Instant: nothing to wait for (views of memory, no compute before the new tokens), so the
+    # new tokens run in this very step and the restore is placed layer by layer inside it.
+    instant: bool = False
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # restored tokens by tier (instant only)
+    attach_tokens: int = 0  # placement beside the new tokens, in prefill tokens (instant only)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class RestoreTicket:
     target: int
     plan: Any
     debt: int = 0
+    instant: bool = False  # its new tokens are in the same step's chunks
 
 
 @dataclass(frozen=True)
@@ -133,22 +139,31 @@ class Scheduler:
         tickets: list[RestoreTicket] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs:
             req = self.waiting[0]
+            instant = None
             if req.num_computed == 0:
                 self._match_prefix(req)
-                ticket = self._try_restore(req, budget)
-                if ticket is not None:
-                    budget -= ticket.plan_paid
-                    tickets.append(ticket.ticket)
-                    continue
-            n = min(req.num_tokens - req.num_computed, budget)
+                issued = self._try_restore(req, budget)
+                if issued is not None:
+                    budget -= issued.plan_paid
+                    if not issued.ticket.instant:
+                        tickets.append(issued.ticket)
+                        continue
+                    instant = issued.ticket
+            n = min(req.num_tokens - req.num_computed, max(budget - req.attach_tokens, 1))
             if not self._grow(req, req.num_computed + n):
                 # Wait for running requests to free blocks; hold nothing meanwhile.
                 self.pool.release(req.block_ids)
-                req.block_ids, req.num_computed = [], 0
+                req.block_ids, req.num_computed, req.attach_tokens = [], 0, 0
+                if instant is not None:  # probe the store again when it can run
+                    req.restore_tried = False
+                    req.metrics.forget_reuse()
                 break
             self._admit(req, RequestStatus.PREFILL, self.running)
             chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
-            budget -= n
+            if instant is not None:
+                tickets.append(instant)
+            budget -= n + req.attach_tokens
+            req.attach_tokens = 0
         return SchedulerOutput(tuple(chunks), tuple(tickets), tuple(preempted))
 
     def _admit(self, req: Request, status: RequestStatus, into: list[Request]) -> None:
@@ -177,9 +192,15 @@ class Scheduler:
             return None
         if not self._grow(req, probe.target + 1):
             return None  # not enough blocks now: prefill normally instead
+        start = req.num_computed
+        if probe.instant:  # the caller schedules its new tokens in this step, placement beside them
+            req.num_computed, req.attach_tokens = probe.target, probe.attach_tokens
+            for tier, n in probe.tier_tokens.items():
+                req.metrics.note_reuse(tier, n)
+            return _Issued(RestoreTicket(req.request_id, start, probe.target, probe.plan, instant=True), 0)
         self._admit(req, RequestStatus.RESTORING, self.restoring)
         paid = min(max(budget, 0), probe.compute_tokens)
-        ticket = RestoreTicket(req.request_id, req.num_computed, probe.target, probe.plan, probe.compute_tokens - paid)
+        ticket = RestoreTicket(req.request_id, start, probe.target, probe.plan, probe.compute_tokens - paid)
         return _Issued(ticket, paid)
 
     # ----- after a step ---------------------------------------------------------------------

@@ -254,6 +254,27 @@ def decode_layers(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tens
     return out
 
 
+def strided_run(header: ChunkHeader, blob: torch.Tensor, layers: Sequence[int], part: str) -> torch.Tensor | None:
+    """`part` of consecutive `layers` as one strided view of a whole stored value `blob` (uint8),
+    from the header's offsets alone (no tensor op per segment), or None where the bytes are not in
+    the compute dtype or not evenly spaced (then `decode_run` on read segments serves)."""
+    if header.storage_dtype != header.compute_dtype:
+        return None
+    segs = [header.by_part[(li, part)] for li in layers]
+    first = segs[0]
+    step = segs[1].offset - first.offset if len(segs) > 1 else first.nbytes
+    dtype = codec.torch_dtype(first.dtype)
+    width = dtype.itemsize
+    if step <= 0 or step % width or first.offset % width or \
+            any(s.offset - first.offset != i * step or s.shape != first.shape for i, s in enumerate(segs)):
+        return None
+    inner = [1] * len(first.shape)
+    for i in range(len(first.shape) - 2, -1, -1):
+        inner[i] = inner[i + 1] * first.shape[i + 1]
+    base = blob.view(dtype)  # the blob is a whole stored value: offsets are from its start
+    return base.as_strided((len(segs), *first.shape), (step // width, *inner), base.storage_offset() + first.offset // width)
+
+
 def decode_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor], layers: Sequence[int],
                part: str) -> torch.Tensor:
     """`part` of consecutive `layers` as one tensor [len(layers), *part shape] in the compute dtype.

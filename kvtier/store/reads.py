@@ -77,6 +77,8 @@ class PlannedReads:
         group = LayerGroup(layers, {}, 0)
         for tier in dict.fromkeys(self.tiers[i] for i in wanted):
             idx = [i for i in wanted if self.tiers[i] is tier]
+            if self._views(tier, idx, layers, parts, decoded, group):
+                continue
             opened = [self.opened[i] for i in idx]
             try:
                 runs = [oc.plan_read(layers, parts) for oc in opened]
@@ -96,6 +98,29 @@ class PlannedReads:
                               for p in parts}
         group.parts = {p: [decoded[i][p] for i in wanted] for p in parts}
         return group
+
+    def _views(self, tier: Tier, idx: list[int], layers: tuple[int, ...], parts: Sequence[str],
+               decoded: dict, group: LayerGroup) -> bool:
+        """Memory the tier holds: each part of the layer range of a chunk is one strided view of its
+        stored bytes, built from the header alone. False when the tier or the bytes do not allow it."""
+        if tier.verify_reads or tier.owned_buffers or tier.emulation.active:
+            return False
+        views: dict[int, dict[str, torch.Tensor | None]] = {}
+        for i in idx:
+            oc = self.opened[i]
+            blob = getattr(oc.reader, "blob", None)
+            if blob is None:
+                return False
+            parts_i = {p: fmt.strided_run(oc.header, blob, layers, p) for p in parts}
+            if any(v is None for v in parts_i.values()):
+                return False
+            views[i] = parts_i
+        for i, v in views.items():
+            decoded[i] = v
+            nbytes = sum(t.nbytes for t in v.values())
+            group.nbytes += nbytes
+            tier._count_read(self.chunks[i].key, nbytes)
+        return True
 
     def _staging_for(self, tier: Tier, opened: list[OpenChunk], runs: list, group: LayerGroup) -> list[torch.Tensor | None]:
         """One staging buffer for this tier's part of the group, cut per chunk at page multiples."""
