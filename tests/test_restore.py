@@ -316,3 +316,25 @@ def test_online_refinement_moves_prediction_toward_observation(tiny_gqa):
         pl.observe(Method.KV, pl.plan(Method.KV, chunks, 8).predicted_s, before * 3)
     after = pl.plan(Method.KV, chunks, 8).predicted_s
     assert abs(after - before * 3) < abs(before - before * 3) * 0.1
+
+
+def test_a_cake_loader_that_dies_fails_the_restore(tiny_gqa, tmp_path):
+    """Any error on Cake's loading side (not only a failed read) fails the restore: a chunk claimed
+    from the back and never placed must not pass for restored history."""
+    ids = _ids(tiny_gqa)[:HIST]
+    store = _stored(tiny_gqa, f"disk:{tmp_path}/d:1GB", ids)
+    prof = fake_profile(tiny_gqa.fingerprint)
+    plan = Planner(prof, _shape(tiny_gqa), links(prof, [("disk", None, 0.0)]), compute_chunk_tokens=24) \
+        .plan(Method.CAKE, store.lookup(ids + [1]).chunks, 1)
+    runner, blocks = _runner(tiny_gqa, HIST + 1)
+
+    def broken(*a, **kw):
+        raise RuntimeError("boom")
+
+    runner.copy_in = broken
+    restore = Restore(plan, store, runner, ids, blocks, compute_chunk_tokens=24)
+    with pytest.raises(Exception, match="boom"):
+        restore.prepare()
+    with pytest.raises(Exception):
+        restore.finish()
+    store.close()

@@ -97,3 +97,21 @@ def test_an_instant_restore_runs_its_new_tokens_in_the_same_step():
     assert [(t.request_id, t.start, t.target, t.instant) for t in out.restores] == [("a", 0, 192, True)]
     assert a.status is RequestStatus.PREFILL and not sched.restoring and len(a.block_ids) == 13
     assert a.metrics.reused_by_tier == {"memory": 192} and a.attach_tokens == 0
+
+
+def test_preemption_never_takes_a_request_already_in_the_step():
+    """Running = [P (a long prefill, admitted first), D (decoding)]. Decodes go first, so D's chunk
+    is in the step when P's blocks run out: the victim must be P itself, not D (whose chunk would
+    then run on released blocks)."""
+    sched = Scheduler(BlockPool(6, 16), max_batched_tokens=64, max_num_seqs=8)
+    p, d = _req("p", 200), _req("d", 20)
+    sched.add(p)
+    sched.add(d)
+    sched.running = [p, d]
+    sched.waiting.clear()
+    p.block_ids, p.num_computed, p.status = sched.pool.allocate(4), 64, RequestStatus.PREFILL
+    d.block_ids, d.num_computed, d.status = sched.pool.allocate(2), 20, RequestStatus.DECODE
+    d.append_output(5)
+    out = sched.schedule()
+    assert out.preempted == ("p",) and [c.request_id for c in out.chunks] == ["d"]
+    assert d.block_ids and d in sched.running and p.status is RequestStatus.PREEMPTED

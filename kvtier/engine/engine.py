@@ -213,19 +213,17 @@ class Engine:
             else:
                 self.scheduler.restored(req, done.tokens, done.tier_tokens, done.attach_tokens)
         out = self.scheduler.schedule()
-        for rid in out.preempted:
-            self.link.abort(rid)  # a ready restore that will never be placed
         self.link.start(out.restores, self.scheduler.requests)
         self.link.after_schedule(list(itertools.islice(self.scheduler.waiting, 32)))
         if not out.chunks and self.scheduler.restoring and self._inbox.empty():
             self.link.idle_wait(0.005)  # only restores in flight: sleep until one may be ready
         return out, outs
 
-    def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
+    def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, dict[str, int]]:
         """One forward of every scheduled run; restores attached to it are placed layer by layer.
-        -> (logits, requests whose result is void because their restore failed mid-step)."""
+        -> (logits, {request: restart position} for those whose restore failed mid-step)."""
         if not out.chunks:
-            return None, []
+            return None, {}
         reqs = [self._live[c.request_id].req for c in out.chunks]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens)
                  for r, c in zip(reqs, out.chunks)]
@@ -233,7 +231,7 @@ class Engine:
         logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
         return logits, self.link.after_execute(ids)
 
-    def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: list[str]) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: dict[str, int]) -> list[RequestOutput]:
         outs = []
         now = time.perf_counter()
         sampling = {r.request_id for r in self.scheduler.postprocess(out, void)}
@@ -244,7 +242,7 @@ class Engine:
             if c.end == req.num_tokens:
                 row += 1  # this run's logits row, used or not
             if c.request_id in void:
-                self.scheduler.void(req, req.metrics.reused_by_tier.get("device", 0))  # back to the device-cached part
+                self.scheduler.void(req, void[c.request_id])  # its step computed on garbage: not sampled
                 continue
             if c.request_id not in sampling:
                 self.link.after_step(req, finished=False)

@@ -13,9 +13,10 @@ Its life is the engine's (tests and benchmarks drive it through the engine too):
                 recomputed and nothing it computed on top is kept).
 
 Reads land where they are needed with as few copies as the tier allows: memory-tier reads are
-views of the stored bytes, placed into the pool by one foreach copy per layer over all chunks;
-disk and Redis reads land in reused, aligned staging buffers (direct I/O for disk). K is stored
-rotated at its position, so placing it is a copy; only a truncated context rotates it again.
+strided views of the stored bytes, copied into the pool once (one strided copy per chunk and layer
+group); disk reads go straight into the pool slots by direct I/O where alignment allows (else into
+reused staging buffers); Redis replies are viewed in place and copied once. K is stored rotated at
+its position, so placing it is a copy; only a truncated context rotates it again.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class RestoreStats:
     chunks_computed: int = 0  # Cake's front chunks computed from tokens
     wait_s: float = 0.0  # time place() waited for reads (IO not hidden under compute)
     place_s: float = 0.0  # time place() spent copying or projecting into the pool
-    layers_by_repr: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,8 @@ class LayerReader:
         self.depth = max(depth, 2 * size)  # how far reading may run ahead of placement
         self.groups = layer_groups(self.layout, first, size)
         self._got: dict[int, LayerGroup] = {}  # group index -> data
-        self._read_layers = 0  # layers read so far
-        self._placed = first  # layers placed so far (leading recomputed layers count as placed)
+        self._read_layers = first  # layers read so far (leading recomputed layers count as read ...)
+        self._placed = first  # ... and as placed: both count from layer 0
         self._error: str | None = None
         self._closed = False
         self._cv = threading.Condition()
@@ -142,8 +142,13 @@ class LayerReader:
     def primed(self) -> bool:
         """The read buffer holds `ready_layers` (or everything is read, or a read failed)."""
         with self._cv:
+            first = self.groups[0][0] if self.groups else 0
             total = sum(len(g) for g in self.groups)
-            return self._error is not None or self._read_layers >= min(self.ready_layers, total)
+            return self._error is not None or self._read_layers - first >= min(self.ready_layers, total)
+
+    @property
+    def error(self) -> str | None:
+        return self._error
 
     def take(self, layer: int) -> LayerGroup:
         """The group holding `layer` (waits for its read). Raises RestoreMiss."""
@@ -226,25 +231,28 @@ class Restore:
         self._t0 = 0.0
         hist = plan.history_tokens
         spans = [(c.start, c.end) for c in plan.chunks]
+        self.slots = runner.slots(self.block_ids, start, hist)  # [hist - start]: projected or remapped layers
+        self.pieces: list[Piece] = []
         if self.source is None:
             self.pieces = pieces(spans, runner.slot_runs(self.block_ids, start, hist), start)
-            self.slots = runner.slots(self.block_ids, start, hist)  # [hist - start] for projected layers
         else:  # truncation: stored rows source[i] (taken from the concatenated chunks) go to position i
             first = spans[0][0] if spans else 0
             self.rows = torch.tensor(self.source[start:hist]) - first
             self.shift = torch.arange(start, hist) - torch.tensor(self.source[start:hist])
-            self.slots = runner.slots(self.block_ids, start, hist)
         self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
-        # Per chunk: (first slot, tokens) when the whole chunk is one piece, else (None, 0).
-        whole = {p.chunk: p for p in getattr(self, "pieces", []) if p.offset == 0}
-        self._targets = [runner.pool_target(whole[i].slot) if i in whole and whole[i].length == b - a else None
-                         for i, (a, b) in enumerate(spans)]
+        # Per chunk, where a direct read may put it: its pool slots when the whole chunk is one piece.
+        whole = {p.chunk: p for p in self.pieces if p.offset == 0}
+        direct = any(t.stages_reads for t in self.reads.tiers) and runner.k_cache.device.type == "cpu"
+        self._targets = [runner.pool_target(whole[i].slot) if direct and i in whole and whole[i].length == b - a
+                         else None for i, (a, b) in enumerate(spans)]
 
     # ----- background part --------------------------------------------------------------------
     def prepare(self) -> None:
         """Open the chunks and start reading; recompute leading layers or run Cake. Raises RestoreMiss."""
         self._t0 = time.perf_counter()
         try:
+            if self._stop.is_set():
+                raise RestoreMiss("aborted before it started")
             if not self.reads.open():
                 raise RestoreMiss("a planned chunk is missing or corrupt on its planned tier")
             self.stats.chunks_loaded = len(self.plan.chunks)
@@ -252,7 +260,7 @@ class Restore:
                 self._cake()
                 return
             lead = self.plan.recompute_layers
-            zero_copy = all(not t.owned_buffers and not t.emulation.active for t in self.reads.tiers)
+            zero_copy = all(t.zero_copy for t in self.reads.tiers)
             self.reader = LayerReader(self.reads, self.plan.layer_reprs, lead, self.plan.read_buffer_layers,
                                       threaded=not zero_copy, into=self._into)
             self.reader.start()
@@ -275,10 +283,10 @@ class Restore:
         """The new tokens may start: prepared, and the read buffer primed (or no reader)."""
         return self._prepared.is_set() and (self.reader is None or self.reader.primed())
 
-    def wait_ready(self, poll_s: float = 0.001) -> None:
-        self._prepared.wait()
-        while not self.ready():
-            time.sleep(poll_s)
+    @property
+    def failed(self) -> bool:
+        """Already known to fail (no need to run the new tokens on it first)."""
+        return self._error is not None or (self.reader is not None and self.reader.error is not None)
 
     # ----- the new tokens' forward ------------------------------------------------------------
     def place(self, layer: int) -> None:
@@ -295,14 +303,6 @@ class Restore:
             self.stats.place_s += time.perf_counter() - t1
         except Exception as e:  # the step goes on for every other request in it
             self._error = str(e) or type(e).__name__
-            return
-        rep = self.plan.layer_reprs[layer].value
-        self.stats.layers_by_repr[rep] = self.stats.layers_by_repr.get(rep, 0) + 1
-
-    def place_all(self) -> None:
-        """Place every layer now (a restore with no new tokens computed on top)."""
-        for li in range(len(self.plan.layer_reprs)):
-            self.place(li)
 
     @torch.inference_mode()
     def _place(self, layer: int, group: LayerGroup) -> None:
@@ -313,6 +313,8 @@ class Restore:
             if i == 0:  # the whole group at its first layer: one strided copy per piece and part
                 layers = range(group.layers[0], group.layers[-1] + 1)
                 ks, vs = group.parts["k"], group.parts["v"]
+                if any((k is None) != (v is None) for k, v in zip(ks, vs)):
+                    raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
                 ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
                 runner.copy_in(layers, [(p.slot, p.length) for p in ps],
                                [ks[p.chunk][:, p.offset:p.offset + p.length] for p in ps],  # [layers, n, kv_heads, hd]
@@ -384,9 +386,13 @@ class Restore:
             raise RestoreMiss(failed[0])
 
     def _cake_loader(self, cursor: TwoEndedCursor, failed: list[str]) -> None:
-        # One intra-op thread (a per-thread setting): a second full team of workers beside the
-        # compute side's would oversubscribe the cores both share.
-        torch.set_num_threads(1)
+        try:
+            self._load_from_back(cursor, failed)
+        except Exception as e:  # a chunk claimed and not loaded must fail the restore, never pass
+            failed.append(f"{type(e).__name__}: {e}")
+            self._stop.set()
+
+    def _load_from_back(self, cursor: TwoEndedCursor, failed: list[str]) -> None:
         n = len(self.plan.layer_reprs)
         while not self._stop.is_set():
             j = cursor.claim_back()

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.engine.config import ReuseConfig
 from kvtier.engine.request import Request, RestoreReport
@@ -59,7 +59,7 @@ class _Job:
     future: Future
     tier_tokens: dict[str, int]
     debt: int  # background compute (prefill-token equivalents) not yet charged to a step budget
-    started: float = field(default_factory=time.perf_counter)
+    started: float  # when the ticket was started (perf_counter)
     aborted: bool = False
 
 
@@ -125,7 +125,7 @@ class Restorer:
         if plan.method is Method.CAKE or plan.recompute_layers:
             return False
         tiers = {t.name: t for t in self.store.tiers}
-        return all(not tiers[c.tier].owned_buffers and not tiers[c.tier].emulation.active for c in plan.chunks)
+        return all(tiers[c.tier].zero_copy for c in plan.chunks)
 
     def _probe_truncated(self, req: Request) -> Probe:
         """Kept tokens take new, compacted positions (CachedAttention §3.4): every chunk holding one
@@ -152,6 +152,8 @@ class Restorer:
         """Pay restore compute out of this step's token budget, oldest job first."""
         taken = 0
         for job in self.jobs.values():
+            if job.future.done():
+                continue  # prepared: its compute is over
             pay = min(job.debt, budget - taken)
             job.debt -= pay
             taken += pay
@@ -163,7 +165,7 @@ class Restorer:
         """Start preparing each ticket's restore on the restore worker; an instant one is prepared
         here and placed by this very step (a failure then voids the request's result in it)."""
         for t in tickets:
-            req, planned = requests[t.request_id], t.plan
+            req, planned, started = requests[t.request_id], t.plan, time.perf_counter()
             restore = Restore(planned.plan, self.store, self.runner, req.all_ids, req.block_ids, t.start,
                               planned.source, self.compute_chunk_tokens)
             if t.instant:
@@ -173,10 +175,10 @@ class Restorer:
                     done.set_result(None)
                 except RestoreMiss as e:
                     done.set_exception(e)  # finish() raises it again: the step's result is void
-                self.attached[t.request_id] = _Job(req, planned.plan, restore, done, planned.tier_tokens, 0)
+                self.attached[t.request_id] = _Job(req, planned.plan, restore, done, planned.tier_tokens, 0, started)
                 continue
             self.jobs[t.request_id] = _Job(req, planned.plan, restore, self._pool.submit(restore.prepare),
-                                           planned.tier_tokens, t.debt)
+                                           planned.tier_tokens, t.debt, started)
             self.counters["restore_tokens_charged"] += planned.plan.background_tokens - t.debt
 
     # ----- progress ---------------------------------------------------------------------------
@@ -186,7 +188,7 @@ class Restorer:
         for rid, job in list(self.jobs.items()):
             if not job.future.done():
                 continue
-            failed = job.future.exception() is not None or job.aborted
+            failed = job.future.exception() is not None or job.aborted or job.restore.failed
             if not failed and not job.restore.ready():
                 continue
             del self.jobs[rid]
@@ -210,13 +212,14 @@ class Restorer:
 
         return place
 
-    def finish(self, request_ids: Sequence[str]) -> list[str]:
-        """Close the restores placed by this step; -> ids of requests whose restore failed in it."""
-        failed = []
+    def finish(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """Close the restores placed by this step; -> {request: its restore's start} for those
+        whose restore failed in it (they recompute from there)."""
+        failed = {}
         for rid in request_ids:
             job = self.attached.pop(rid, None)
             if job is not None and not self._close(job, ok=True):
-                failed.append(rid)
+                failed[rid] = job.restore.start
         return failed
 
     def _close(self, job: _Job, ok: bool) -> bool:

@@ -86,6 +86,10 @@ class StoreProbe(Protocol):
         """Take up to `budget` tokens of this step for the compute of restores still preparing."""
         ...
 
+    def abort(self, request_id: str) -> bool:
+        """A request is preempted: stop any restore into its blocks before they are released."""
+        ...
+
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreProbe | None = None,
@@ -115,6 +119,7 @@ class Scheduler:
         preempted: list[str] = []
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
+        scheduled: set[str] = set()
         for req in decoding + prefilling:
             if budget <= 0:
                 break
@@ -122,7 +127,8 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed, max(budget - req.attach_tokens, 1))
             while not self._grow(req, req.num_computed + n):
-                victim = self.running[-1]
+                # The most recently arrived request not already in this step (`req` itself at worst).
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -130,6 +136,7 @@ class Scheduler:
             if req not in self.running:
                 continue
             chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
+            scheduled.add(req.request_id)
             budget -= n + req.attach_tokens
             req.attach_tokens = 0
         if self.store is not None and self.restoring:
@@ -139,6 +146,8 @@ class Scheduler:
         tickets: list[RestoreTicket] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.request_id in preempted:
+                break  # it just gave its blocks up for lack of room: not back in the same step
             instant = None
             if req.num_computed == 0:
                 self._match_prefix(req)
@@ -218,10 +227,10 @@ class Scheduler:
         self.running.append(req)
 
     def void(self, req: Request, start: int) -> None:
-        """The step's result for `req` is void (its restore failed mid-step): recompute from `start`."""
-        device = req.metrics.reused_by_tier.get("device", 0)
+        """The step's result for `req` is void (its restore failed mid-step): recompute from
+        `start`, the restore's own start (what the device held before it)."""
         req.metrics.forget_reuse()
-        req.metrics.note_reuse("device", min(device, start))
+        req.metrics.note_reuse("device", start)
         req.num_computed = start
         req.status = RequestStatus.PREFILL
 
@@ -278,8 +287,7 @@ class Scheduler:
         req.block_ids = self.pool.match_prefix(req.block_hashes[:usable])
         req.num_published = len(req.block_ids)  # found in the cache: registered already
         req.num_computed = len(req.block_ids) * self.pool.block_size
-        if req.metrics.first_scheduled is None:  # count reuse once, not again after a preemption
-            req.metrics.note_reuse("device", req.num_computed)
+        req.metrics.note_reuse("device", req.num_computed)  # reuse counts what this admission found
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.pool.block_size) - len(req.block_ids)
@@ -291,7 +299,10 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        if self.store is not None:
+            self.store.abort(req.request_id)  # a restore still reading into its blocks stops first
         self.running.remove(req)
+        req.metrics.forget_reuse()
         self.pool.release(req.block_ids)
         req.block_ids = []
         req.num_computed = 0

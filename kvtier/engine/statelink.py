@@ -45,7 +45,7 @@ class StateLink(Protocol):
     def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None: ...
     def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None: ...
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None: ...
-    def after_execute(self, request_ids: Sequence[str]) -> list[str]: ...
+    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]: ...
     def after_step(self, req: Request, finished: bool) -> None: ...
     def abort(self, request_id: str) -> bool: ...
     def finished(self, req: Request) -> None: ...
@@ -82,8 +82,8 @@ class NullStateLink:
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
         return None
 
-    def after_execute(self, request_ids: Sequence[str]) -> list[str]:
-        return []
+    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
+        return {}
 
     def after_step(self, req: Request, finished: bool) -> None:
         pass
@@ -164,8 +164,9 @@ class StoreLink:
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
         return self.restorer.hook(request_ids)
 
-    def after_execute(self, request_ids: Sequence[str]) -> list[str]:
-        """Close the restores this step placed; -> requests whose result is void (and not saved)."""
+    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """Close the restores this step placed; -> {request: restart position} for those whose
+        result is void (and not saved)."""
         failed = self.restorer.finish(request_ids)
         for rid in failed:
             self.saver.drop(rid)

@@ -79,7 +79,8 @@ class ChunkHeader:
         return self.by_part.get((layer, part))
 
     def segments_of(self, layers: Iterable[int], parts: Iterable[str]) -> list[Segment]:
-        """`segments_for` by lookup (no scan): for a read of a few layers of a many-layer chunk."""
+        """Segments holding `parts` of `layers`, with the int8 scales they need, in file order
+        (looked up, not scanned: a read of a few layers of a many-layer chunk)."""
         out = []
         for li in layers:
             for part in self.layer_reprs[li].parts():
@@ -90,13 +91,6 @@ class ChunkHeader:
                         out.append(scale)
         out.sort(key=lambda s: s.offset)
         return out
-
-    def segments_for(self, layers: Iterable[int], parts: Iterable[str]) -> list[Segment]:
-        """Segments holding `parts` of `layers`, with the int8 scales they need, in file order."""
-        want_layers = set(layers)
-        want_parts = set(parts)
-        return [s for s in self.segments
-                if s.layer in want_layers and s.part.split(".")[0] in want_parts]
 
 
 @dataclass(frozen=True)
@@ -268,11 +262,16 @@ def strided_run(header: ChunkHeader, blob: torch.Tensor, layers: Sequence[int], 
     if step <= 0 or step % width or first.offset % width or \
             any(s.offset - first.offset != i * step or s.shape != first.shape for i, s in enumerate(segs)):
         return None
-    inner = [1] * len(first.shape)
-    for i in range(len(first.shape) - 2, -1, -1):
-        inner[i] = inner[i + 1] * first.shape[i + 1]
     base = blob.view(dtype)  # the blob is a whole stored value: offsets are from its start
-    return base.as_strided((len(segs), *first.shape), (step // width, *inner), base.storage_offset() + first.offset // width)
+    return base.as_strided((len(segs), *first.shape), (step // width, *_contiguous_strides(first.shape)),
+                           base.storage_offset() + first.offset // width)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return tuple(strides)
 
 
 def decode_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor], layers: Sequence[int],
@@ -292,10 +291,7 @@ def decode_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor]
         even = all(b.untyped_storage().data_ptr() == bufs[0].untyped_storage().data_ptr() and
                    b.data_ptr() - bufs[0].data_ptr() == i * step for i, b in enumerate(bufs))
         if even and step > 0 and step % base.element_size() == 0 and all(s.shape == first.shape for s in segs):
-            inner = [1] * len(first.shape)
-            for i in range(len(first.shape) - 2, -1, -1):
-                inner[i] = inner[i + 1] * first.shape[i + 1]
-            return base.as_strided((len(layers), *first.shape), (step // base.element_size(), *inner),
-                                   base.storage_offset())
+            return base.as_strided((len(layers), *first.shape),
+                                   (step // base.element_size(), *_contiguous_strides(first.shape)), base.storage_offset())
     states = decode_layers(header, data, layers, (part,), copy=False)
     return torch.stack([getattr(st, part) for st in states])

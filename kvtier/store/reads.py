@@ -1,10 +1,10 @@
 """A restore's reads: the chunks a plan names, opened once each on the tier the plan names.
 
 `PlannedReads` opens every chunk of a restore up front (one header read and check per chunk),
-then reads one layer group of all of them per call: one batched call per tier (a Redis pipeline,
-direct-I/O reads of every file into one staging buffer, views of the memory tier's bytes). A
-chunk missing from its planned tier is a miss: nothing is read from another tier behind the
-plan's back.
+then reads one layer group of all of them per call: one batched call per tier (strided views of
+the memory tier's bytes; disk reads straight into the chunks' pool slots where direct I/O allows,
+else into a reused staging buffer; a Redis pipeline whose replies are viewed in place). A chunk
+missing from its planned tier is a miss: nothing is read from another tier behind the plan's back.
 """
 from __future__ import annotations
 
@@ -80,11 +80,14 @@ class PlannedReads:
             if self._views(tier, idx, layers, parts, decoded, group):
                 continue
             opened = [self.opened[i] for i in idx]
-            try:
-                runs = [oc.plan_read(layers, parts) for oc in opened]
-            except fmt.FormatError as e:
-                tier.discard_corrupt(opened[0].expect.key, str(e))
-                return None
+            runs = []
+            for oc in opened:
+                try:
+                    runs.append(oc.plan_read(layers, parts))
+                except fmt.FormatError as e:
+                    tier.discard_corrupt(oc.expect.key, str(e))
+                    self.release(group)
+                    return None
             outs = self._staging_for(tier, opened, runs, group)
             dests = [into[i] if into and oc.header.storage_dtype == oc.header.compute_dtype else None
                      for i, oc in zip(idx, opened)]
@@ -103,7 +106,7 @@ class PlannedReads:
                decoded: dict, group: LayerGroup) -> bool:
         """Memory the tier holds: each part of the layer range of a chunk is one strided view of its
         stored bytes, built from the header alone. False when the tier or the bytes do not allow it."""
-        if tier.verify_reads or tier.owned_buffers or tier.emulation.active:
+        if not tier.zero_copy:
             return False
         views: dict[int, dict[str, torch.Tensor | None]] = {}
         for i in idx:

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import numpy as np
 import torch
 
 from ..format import PREAMBLE, ChunkHeader, FormatError, PackedChunk, Segment, check_segment, header_length, parse_header
@@ -148,7 +147,8 @@ class OpenChunk:
     def _scatter(self, run: list[Segment], into: PoolTarget) -> bool:
         """One read of a gapless K/V run straight into the pool slots; verified there."""
         a = self.reader.direct_align
-        if not a or into.align % a or run[0].offset % a or \
+        want = self.header.tokens * into.slot_bytes  # what a chunk's K or V of one layer takes in the pool
+        if not a or into.align % a or run[0].offset % a or any(s.nbytes != want for s in run) or \
                 any(s.part not in ("k", "v") or s.nbytes % a or into.offset(s.layer) % a for s in run) or \
                 any(x.offset + x.nbytes != y.offset for x, y in zip(run, run[1:])):
             return False
@@ -168,6 +168,11 @@ class Tier(ABC):
     verify_reads: bool = True  # memory skips checksums: its bytes never left this process
     owned_buffers: bool = True  # reads return fresh memory (False: views of cached bytes)
     stages_reads: bool = False  # a restore reads it into reused aligned buffers (direct I/O needs them)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Reads are views of bytes this tier holds, with nothing to wait for: reading is instant."""
+        return not self.owned_buffers and not self.verify_reads and not self.emulation.active
 
     def __init__(self, emulation: Emulation = Emulation()) -> None:
         self.emulation = emulation
