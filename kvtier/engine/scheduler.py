@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -234,7 +234,7 @@ class Scheduler:
         req.num_computed = start
         req.status = RequestStatus.PREFILL
 
-    def postprocess(self, out: SchedulerOutput, void: Sequence[str] = ()) -> list[Request]:
+    def postprocess(self, out: SchedulerOutput, void: Collection[str] = ()) -> list[Request]:
         """Advance computed counts and publish newly full blocks; -> requests whose chunk reached
         the end of their tokens (they sample a token now)."""
         done = []
