@@ -191,8 +191,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out = Path(args.json) if args.json else profile_path(home(), model)
     save_profile(prof, out)
     print(f"prefill: {prof.prefill_a * 1e3:.3f} ms/token + {prof.prefill_b * 1e6:.4f} us/token^2 "
-          f"+ {prof.prefill_g * 1e6:.3f} us per history token "
-          f"({', '.join(f'{n} tok {t:.3f}s' for n, t in prof.points)})")
+          f"+ {prof.prefill_g * 1e6:.3f} us per history token + {prof.prefill_c * 1e3:.1f} ms per step "
+          f"({', '.join(f'{a}->{b} {t:.3f}s' for a, b, t in prof.points)})")
     print(f"K/V copy into the pool: {prof.place_s * 1e9:.1f} ns/token/layer; hidden->K/V projection: "
           f"{prof.project_s * 1e6:.2f} us/token/layer")
     for name, r in prof.tiers.items():

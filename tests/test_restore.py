@@ -17,6 +17,7 @@ from kvtier.bench.reference import context_state
 from kvtier.engine.block_pool import block_hashes
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.profiling import COMPUTE_POINTS, fit_compute
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore_exec import Restore
 from kvtier.engine.runner import ModelRunner
@@ -306,6 +307,17 @@ def test_continuing_a_history_costs_its_length():
     p = dataclasses.replace(fake_profile("x"), prefill_g=1e-5)
     assert p.prefill_s(4096, 4160) - fake_profile("x").prefill_s(4096, 4160) == pytest.approx(4096 * 1e-5)
     assert p.prefill_s(0, 64) == fake_profile("x").prefill_s(0, 64)
+
+
+def test_compute_fit_recovers_the_step_model():
+    """The profile's fit over the engine's step shapes gives back the coefficients that made them,
+    and drops a term the data would make negative instead of predicting negative time."""
+    a, b, g, c = 5e-4, 3e-8, 2e-6, 0.02
+    true = dataclasses.replace(fake_profile("x"), prefill_a=a, prefill_b=b, prefill_g=g, prefill_c=c)
+    points = [(s, e, true.prefill_s(s, e)) for s, e in COMPUTE_POINTS]
+    assert fit_compute(points) == pytest.approx((a, b, g, c), rel=1e-6)
+    linear = [(s, e, 1e-3 * (e - s) * (1 - 1e-5 * e)) for s, e in COMPUTE_POINTS]  # slightly sublinear
+    assert all(c >= 0 for c in fit_compute(linear)) and fit_compute(linear)[0] > 0
 
 
 def test_online_refinement_moves_prediction_toward_observation(tiny_gqa):

@@ -1,11 +1,12 @@
 """Measuring this machine for the planner: compute rates and each tier's read rates, through the
 very code paths a restore runs (the runner, `PlannedReads`, the pool placements).
 
-`measure()` times, for one model and dtype: prefill of growing contexts (fitted as a*L + b*L^2
-seconds) and of a few tokens continuing a history (g per history token), copying stored K/V into
-the pool and projecting hidden states into it (per token and layer, at restore sizes), and for
-each tier of a store spec its read rates (whole chunks, and layer groups of all chunks as a
-restore reads them) and how much of its read time hides under compute running beside it.
+`measure()` times, for one model and dtype: prefill steps of the shapes the engine runs (from
+position 0, a chunk continuing a history, a few new tokens on a long history; fitted as
+a*n + b*(end^2 - start^2) + g*start + c seconds), copying stored K/V into the pool and projecting
+hidden states into it (per token and layer, at restore sizes), and for each tier of a store spec
+its read rates (whole chunks, and layer groups of all chunks as a restore reads them) and how
+much of its read time hides under compute running beside it.
 
 Nothing here runs unless asked: `kvtier profile` and the engine factory call `load_or_measure`;
 an `Engine` built directly uses a saved profile or, without one, a rough estimate.
@@ -13,11 +14,12 @@ an `Engine` built directly uses a saved profile or, without one, a rough estimat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,27 +57,43 @@ def _runner(model: LoadedModel, max_len: int) -> tuple[ModelRunner, list[int]]:
     return runner, BlockPool(n, block).allocate(n)
 
 
-def measure_compute(model: LoadedModel, lengths: tuple[int, ...] = (256, 1024, 2048), new: int = 64) -> dict:
+# Prefill steps timed for the compute fit, as (history already in the pool, tokens computed to):
+# prefills from position 0, a chunk continuing a history as the engine's chunked prefill runs it,
+# and a few new tokens on a history, the shape of a restore's new tokens.
+COMPUTE_POINTS = ((0, 256), (0, 1024), (0, 2048), (2048, 4096), (1024, 1088), (2048, 2112))
+
+
+def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+    """(a, b, g, c) of seconds(start, end) = a*(end-start) + b*(end^2-start^2) + g*start + c,
+    least squares on relative error (so short steps count as much as long ones); a term the data
+    would make negative is noise on a near-linear curve and is dropped."""
+    x = np.array([[e - s, e * e - s * s, s, 1.0] for s, e, _ in points], dtype=float)
+    t = np.array([p[2] for p in points], dtype=float)
+    keep = [0, 1, 2, 3]
+    while True:
+        w = x[:, keep] / t[:, None]  # each row divided by its own time: relative residuals
+        coef, *_ = np.linalg.lstsq(w, np.ones(len(t)), rcond=None)
+        if all(c >= 0 for c in coef) or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = [0.0] * 4
+    for i, c in zip(keep, coef):
+        out[i] = max(float(c), 0.0)
+    return out[0], out[1], out[2], out[3]
+
+
+def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] = COMPUTE_POINTS) -> dict:
     cfg = model.config
-    runner, blocks = _runner(model, max(lengths) + new)
-    points = []
-    for n in lengths:
-        item = RunItem(torch.randint(100, cfg.vocab_size, (n,)).tolist(), 0, blocks, want_logits=False)
-        points.append((n, _time(lambda: runner.execute([item]), repeats=3)))  # medians: one slow run skews the fit
-    ls = np.array([p[0] for p in points], dtype=float)
-    ts = np.array([p[1] for p in points])
-    (a, b), *_ = np.linalg.lstsq(np.stack([ls, ls * ls], 1), ts, rcond=None)
-    if b < 0:  # noise on a near-linear curve: keep the linear fit
-        a, b = float(np.dot(ls, ts) / np.dot(ls, ls)), 0.0
-    # `new` tokens continuing the longest prefill: what they cost beyond a*n + b*n^2 is the
-    # per-history-token term g (the shape of a restore's new tokens and of chunked prefill).
-    hist = max(lengths)
-    cont = RunItem(torch.randint(100, cfg.vocab_size, (new,)).tolist(), hist, blocks, want_logits=False)
-    t_cont = _time(lambda: runner.execute([cont]), repeats=3)
-    g = max(0.0, float(t_cont - a * new - b * ((hist + new) ** 2 - hist ** 2)) / hist)
-    place, project = _measure_placement(model, runner, blocks, min(1024, hist))
-    return dict(prefill_a=float(a), prefill_b=float(b), prefill_g=g, project_s=project, place_s=place,
-                points=tuple(points))
+    runner, blocks = _runner(model, max(e for _, e in points))
+    timed = []
+    for s, e in points:  # the history's K/V in the pool is whatever is there: timing does not care
+        item = RunItem(torch.randint(100, cfg.vocab_size, (e - s,)).tolist(), s, blocks, want_logits=False)
+        # medians: one slow run skews the fit; the long steps take seconds, two repeats suffice
+        timed.append((s, e, _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)))
+    a, b, g, c = fit_compute(timed)
+    place, project = _measure_placement(model, runner, blocks, 1024)
+    return dict(prefill_a=a, prefill_b=b, prefill_g=g, prefill_c=c, project_s=project, place_s=place,
+                points=tuple(timed))
 
 
 def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int], n: int) -> tuple[float, float]:
@@ -171,20 +189,24 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
     return out
 
 
-def measure(model: LoadedModel, spec: str | None = None) -> HardwareProfile:
-    compute = measure_compute(model)
+def _busy(model: LoadedModel) -> Callable[[], object]:
+    """Compute to overlap reads with: one 256-token prefill."""
     runner, blocks = _runner(model, 256)
     item = RunItem(torch.randint(100, model.config.vocab_size, (256,)).tolist(), 0, blocks, want_logits=False)
+    return lambda: runner.execute([item])
 
-    def busy() -> None:  # compute to overlap reads with
-        runner.execute([item])
 
-    if spec is None:
-        with tempfile.TemporaryDirectory() as d:
-            tiers = measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=busy)
-    else:
-        tiers = measure_tiers(model, spec, compute=busy)
-    return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(), tiers=tiers, **compute)
+def _measure_spec(model: LoadedModel, spec: str | None) -> dict[str, TierRates]:
+    if spec is not None:
+        return measure_tiers(model, spec, compute=_busy(model))
+    with tempfile.TemporaryDirectory() as d:
+        return measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=_busy(model))
+
+
+def measure(model: LoadedModel, spec: str | None = None) -> HardwareProfile:
+    compute = measure_compute(model)
+    return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(),
+                           tiers=_measure_spec(model, spec), **compute)
 
 
 def estimate(model: LoadedModel) -> HardwareProfile:
@@ -223,13 +245,21 @@ def load_profile(model: LoadedModel, home: Path) -> HardwareProfile | None:
 
 
 def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> HardwareProfile:
-    """The saved profile, or measure one now (under a minute) and save it."""
+    """The saved profile, or measure one now (under a minute) and save it. A saved profile that
+    lacks a tier of `spec` gets that tier measured and added (a store spec grew a Redis tier)."""
+    path = profile_path(home, model)
     prof = load_profile(model, home)
-    if prof is not None:
-        return prof
-    log.warning("no hardware profile for this model/dtype yet: measuring (under a minute)")
-    prof = measure(model, spec)
-    save_profile(prof, profile_path(home, model))
+    if prof is None:
+        log.warning("no hardware profile for this model/dtype yet: measuring (under a minute)")
+        prof = measure(model, spec)
+    else:
+        missing = [part for part in (spec or "").split(",")
+                   if part.strip() and parse_spec(part.strip()).tiers()[0][0] not in prof.tiers]
+        if not missing:
+            return prof
+        log.warning("hardware profile lacks tier(s) %s: measuring them", ", ".join(missing))
+        prof = dataclasses.replace(prof, tiers={**prof.tiers, **_measure_spec(model, ",".join(missing))})
+    save_profile(prof, path)
     return prof
 
 

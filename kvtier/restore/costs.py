@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-PROFILE_VERSION = 3  # bump when what a profile measures changes: older files are measured again
+PROFILE_VERSION = 4  # bump when what a profile measures changes: older files are measured again
 
 # Layer-wise reads fetch this many layers of a chunk per call (layer-major chunks make them one
 # contiguous range): a few layers amortize the per-read cost without delaying the first layer.
@@ -39,15 +39,18 @@ class HardwareProfile:
     model_fingerprint: str
     dtype: str
     threads: int
-    prefill_a: float  # prefill seconds ~ a*L + b*L^2 for L tokens from position 0 (b: attention)
+    # One prefill step computing [start, end) over a history [0, start) in the pool takes
+    # a*(end - start) + b*(end^2 - start^2) + g*start + c seconds (b: causal attention among the
+    # new tokens; g: attention of a step's rows over the history, beyond what b covers; c: what
+    # every step costs whatever its size).
+    prefill_a: float
     prefill_b: float
     project_s: float  # hidden -> K/V projection, RoPE and placement: seconds per token per layer
     place_s: float  # copying stored K/V into the pool: seconds per token per layer
     tiers: dict[str, TierRates] = field(default_factory=dict)
-    points: tuple[tuple[int, float], ...] = ()  # measured (L, seconds) prefill points
-    # Seconds per history token for one step that continues a history (attention over it),
-    # dominant for a few new tokens on a long history and invisible in prefills from position 0.
+    points: tuple[tuple[int, int, float], ...] = ()  # measured (start, end, seconds) prefill steps
     prefill_g: float = 0.0
+    prefill_c: float = 0.0
     version: int = PROFILE_VERSION
 
     def prefill_s(self, start: int, end: int) -> float:
@@ -55,7 +58,9 @@ class HardwareProfile:
         def f(n: int) -> float:
             return self.prefill_a * n + self.prefill_b * n * n
 
-        return max(f(end) - f(start), 0.0) + self.prefill_g * start
+        if end <= start:
+            return 0.0
+        return max(f(end) - f(start), 0.0) + self.prefill_g * start + self.prefill_c
 
     def rates(self, tier: str) -> TierRates:
         return self.tiers.get(tier, UNMEASURED_TIER)

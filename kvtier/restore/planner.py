@@ -203,8 +203,9 @@ class Planner:
                 link = self._link(ch.tier)
                 place = p.place_s * tokens * s.num_layers
                 tb += link.read_s(size, whole_chunk=True) + place
-                # The loader's copies and placement run on the compute side's cores too.
-                tf += link.stolen_s(size, whole_chunk=True) + (1.0 - link.rates.overlap) * place
+                # The loader's placement is a copy on the cores the compute side runs on, as is
+                # the unhidden part of its read.
+                tf += link.stolen_s(size, whole_chunk=True) + place
                 nbytes += size
                 back -= 1
         return max(tf, tb), nbytes, comp
