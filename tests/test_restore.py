@@ -267,8 +267,9 @@ def test_bubble_free_partition_follows_hcache_formulas(tiny_mha):
 
 def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):
     """overlap = 1: a layer's read goes on under compute; overlap = 0 (reads are memcpys on the
-    compute cores): each layer's compute also carries its read. Emulated waiting overlaps either
-    way. The new tokens start once the read buffer holds `read_buffer_layers` layers."""
+    compute cores): compute that runs while reads still go on is slowed by them, and reads done
+    before the compute starts cost it nothing. Emulated waiting overlaps either way. The new
+    tokens start once the read buffer holds `read_buffer_layers` layers."""
     prof = fake_profile("x", compute_scale=1.0, io_bps=1e8)
     chunks = [PlannedChunk("k", 0, 2048, "disk", 0)]
     n = tiny_gqa.config.num_layers
@@ -278,20 +279,29 @@ def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):
     assert read > comp
     hidden = pl.plan(Method.KV, chunks, 8)
     assert hidden.read_buffer_layers == n  # IO-bound: CachedAttention's buffer takes every layer
-    assert hidden.predicted_s == pytest.approx(_pipeline(read, comp, n, n))
+    assert hidden.predicted_s == pytest.approx(_pipeline(read, comp, n, n, 0.0))
     busy_rates = dataclasses.replace(prof.tiers["disk"], overlap=0.0)
     busy = _planner(tiny_gqa, prof, TierLink(busy_rates)).plan(Method.KV, chunks, 8)
-    assert busy.predicted_s == pytest.approx(_pipeline(read, comp + read, n, busy.read_buffer_layers))
+    assert busy.read_buffer_layers == n and busy.predicted_s == pytest.approx(hidden.predicted_s)
+    # Fast reads (compute-bound): the buffer is one layer, compute runs beside the reads and pays.
+    fast = dataclasses.replace(busy_rates, layer_bps=1e11, chunk_bps=1e11)
+    quick = _planner(tiny_gqa, prof, TierLink(fast)).plan(Method.KV, chunks, 8)
+    read_fast = 2048 * pl.shape.kv_bytes_per_token_layer / 1e11 + 1e-5 / READ_GROUP_LAYERS
+    assert quick.read_buffer_layers == 1 and read_fast < comp
+    assert quick.predicted_s == pytest.approx(_pipeline(read_fast, comp, n, 1, 1.0))
+    assert quick.predicted_s > _pipeline(read_fast, comp, n, 1, 0.0)
     waiting = TierLink(busy_rates, emulated_bps=1e6)
     busy_part, wait_part = waiting.read_parts(10**6, whole_chunk=False)
     assert wait_part == pytest.approx(1.0) and waiting.stolen_s(10**6, False) == pytest.approx(busy_part)
 
 
-def _pipeline(read: float, comp: float, n: int, depth: int) -> float:
-    """Reads stream from t=0; compute starts after `depth` reads; layer i waits for read i."""
-    t = depth * read
+def _pipeline(read: float, comp: float, n: int, depth: int, steal: float) -> float:
+    """Reads stream from t=0; compute starts after `depth` reads; layer i waits for read i and is
+    slowed by `steal` per second of it that overlaps reads still going."""
+    t, io_end = depth * read, n * read
     for i in range(n):
-        t = max(t, (i + 1) * read) + comp
+        start = max(t, (i + 1) * read)
+        t = start + comp + steal * max(0.0, min(io_end, start + comp) - start)
     return t
 
 

@@ -109,19 +109,23 @@ class Planner:
 
     # ----- predictions ----------------------------------------------------------------------
     @staticmethod
-    def _pipeline(io: Sequence[float], comp: Sequence[float], lead: float, depth: int) -> float:
+    def _pipeline(io: Sequence[float], comp: Sequence[float], lead: float, depth: int, steal: float) -> float:
         """The engine's restore: IO streams the stored layers in order from t=0 while `lead`
         (recomputed layers) computes; the new tokens start once `depth` stored layers are read
-        (the read buffer) and the lead is done; then layer l computes once its IO is done."""
+        (the read buffer) and the lead is done; then layer l computes once its IO is done. Compute
+        that runs while reads are still going is slowed by `steal` seconds per second of it (the
+        reads' unhidden share of the same cores); reads already done steal nothing."""
         done, acc = [], 0.0
         for x in io:
             acc += x
             done.append(acc)
+        io_end = acc
         stored = [i for i, x in enumerate(io) if x > 0]
         ready = done[stored[min(depth, len(stored)) - 1]] if stored else 0.0
-        t = max(lead, ready)
+        t = max(lead + steal * min(lead, io_end), ready)
         for d, c in zip(done, comp):
-            t = max(t, d) + c
+            start = max(t, d)
+            t = start + c + steal * max(0.0, min(io_end, start + c) - start)
         return t
 
     def predict(self, method: Method, chunks: Sequence[StoredChunk], new: int,
@@ -146,14 +150,15 @@ class Planner:
                 comp.append(new_s / n)
             elif r is Repr.KV:
                 io.append(c.io_kv)
-                comp.append(c.place + c.steal_kv + new_s / n)
+                comp.append(c.place + new_s / n)
                 nbytes += hist * s.kv_bytes_per_token_layer
             else:
                 io.append(c.io_h)
-                comp.append(c.c_h + c.steal_h + new_s / n)
+                comp.append(c.c_h + new_s / n)
                 nbytes += hist * s.hidden_bytes_per_token_layer
         depth = self._read_buffer(chunks, layout, new, c)
-        t = self._pipeline(io, comp, lead, depth)
+        stolen = sum(c.steal_kv if r is Repr.KV else c.steal_h for r in layout if r is not Repr.NONE)
+        t = self._pipeline(io, comp, lead, depth, stolen / sum(io) if sum(io) > 0 else 0.0)
         attach = sum(comp) - new_s
         return t, max(nbytes / bw, lead + sum(comp)), lead, attach, depth
 
