@@ -152,6 +152,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
     ids = list(range(1000, 1000 + n))
     k = torch.randn(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
     groups = [range(g, min(g + READ_GROUP_LAYERS, cfg.num_layers)) for g in range(0, cfg.num_layers, READ_GROUP_LAYERS)]
+    runner, blocks = _runner(model, n)
     out: dict[str, TierRates] = {}
     for single in (part.strip() for part in spec.split(",") if part.strip()):
         # Each tier alone, so a disk read is never served by a memory tier above it.
@@ -165,11 +166,15 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
             if not planned:
                 continue
 
+            # A restore's layer-group reads land straight in pool slots where the tier reads
+            # directly (disk): time them so, not through staging buffers they never touch.
+            targets = [runner.pool_target(int(runner.slots(blocks, c.start, c.start + 1)[0])) for c in planned]
+
             def read_groups() -> None:
                 reads = store.planned_reads(planned)
                 reads.open()
                 for layers in groups:
-                    reads.release(reads.read(layers, ("k", "v")))
+                    reads.release(reads.read(layers, ("k", "v"), into=targets))
                 reads.close()
 
             def read_whole() -> None:
