@@ -167,8 +167,9 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                 continue
 
             # A restore's layer-group reads land straight in pool slots where the tier reads
-            # directly (disk): time them so, not through staging buffers they never touch.
-            targets = [runner.pool_target(int(runner.slots(blocks, c.start, c.start + 1)[0])) for c in planned]
+            # directly (disk, into a CPU pool): time them so, not through staging buffers they never touch.
+            targets = ([runner.pool_target(int(runner.slots(blocks, c.start, c.start + 1)[0])) for c in planned]
+                       if runner.k_cache.device.type == "cpu" else None)
 
             def read_groups() -> None:
                 reads = store.planned_reads(planned)
