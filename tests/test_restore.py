@@ -235,6 +235,20 @@ def _planner(model, profile: HardwareProfile, tier: TierLink | None = None) -> P
     return Planner(profile, _shape(model), {"disk": tier or TierLink(profile.tiers["disk"])})
 
 
+def test_auto_stores_kv_where_cake_beats_the_bubble_free_partition(tiny_gqa):
+    """The layout auto stores decides which methods can run later: K/V allows layer-wise loading
+    and Cake, so the bubble-free partition is stored only if it beats both (here it beats
+    layer-wise loading but not Cake)."""
+    pl = _planner(tiny_gqa, fake_profile("x", compute_scale=10.0, io_bps=1e6))  # slow reads: 1 MB/s
+    n = tiny_gqa.config.num_layers
+    probe = [PlannedChunk(str(a), a, a + 64, "disk", 0) for a in range(0, 1024, 64)]
+    partition = pl.partition(probe)
+    bf = pl.plan(Method.BUBBLEFREE, probe, 64, partition).predicted_s
+    assert pl.plan(Method.CAKE, probe, 64).predicted_s < bf < pl.plan(Method.KV, probe, 64).predicted_s
+    assert partition != (Repr.KV,) * n
+    assert pl.choose_layout(None, "disk", 64) == (Repr.KV,) * n
+
+
 def test_changed_profile_changes_the_plan(tiny_gqa):
     n = tiny_gqa.config.num_layers
     allowed = {Method.KV: (Repr.KV,) * n, Method.CAKE: (Repr.KV,) * n}

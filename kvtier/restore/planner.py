@@ -258,7 +258,7 @@ class Planner:
     def choose_layout(self, method: Method | None, tier: str, chunk_tokens: int) -> tuple[Repr, ...]:
         """What to store per layer. Fixed by the method when there is one; for auto, decide once,
         for a typical 1024-token history on `tier` (the slowest of the stack), whether HCache's
-        bubble-free partition beats plain KV loading."""
+        bubble-free partition beats what stored K/V allows (layer-wise loading, or Cake)."""
         n = self.shape.num_layers
         if method is Method.HIDDEN:
             return (Repr.HIDDEN,) * n
@@ -268,7 +268,7 @@ class Planner:
         partition = self.partition(probe)
         if method is Method.BUBBLEFREE:
             return partition
-        kv = self.plan(Method.KV, probe, 64).predicted_s
+        kv = min(self.plan(m, probe, 64).predicted_s for m in (Method.KV, Method.CAKE))
         bf = self.plan(Method.BUBBLEFREE, probe, 64, partition).predicted_s
         return partition if bf < kv else (Repr.KV,) * n
 
