@@ -140,6 +140,15 @@ def _overlap(read: Callable[[], object], compute: Callable[[], object]) -> float
     return float(min(1.0, max(0.0, float(np.median([trial() for _ in range(5)])))))
 
 
+def _spec_parts(spec: str) -> list[str]:
+    """A store spec's tiers, one single-tier spec each."""
+    return [part.strip() for part in spec.split(",") if part.strip()]
+
+
+def _tier_name(single: str) -> str:
+    return parse_spec(single).tiers()[0][0]
+
+
 def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: int = 16,
                   compute: Callable[[], object] | None = None) -> dict[str, TierRates]:
     """Write `chunks` KV chunks into a scratch namespace of each tier and time reading them back
@@ -154,9 +163,9 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
     groups = [range(g, min(g + READ_GROUP_LAYERS, cfg.num_layers)) for g in range(0, cfg.num_layers, READ_GROUP_LAYERS)]
     runner, blocks = _runner(model, n)
     out: dict[str, TierRates] = {}
-    for single in (part.strip() for part in spec.split(",") if part.strip()):
+    for single in _spec_parts(spec):
         # Each tier alone, so a disk read is never served by a memory tier above it.
-        name = parse_spec(single).tiers()[0][0]
+        name = _tier_name(single)
         store = TieredStore.open(single, ns, chunk_tokens=chunk_tokens)
         try:
             store.save(ids, 0, k, k, None)
@@ -273,8 +282,7 @@ def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> 
         log.warning("no hardware profile for this model/dtype yet: measuring (under a minute)")
         prof = measure(model, spec)
     else:
-        missing = [part for part in (spec or "").split(",")
-                   if part.strip() and parse_spec(part.strip()).tiers()[0][0] not in prof.tiers]
+        missing = [part for part in _spec_parts(spec or "") if _tier_name(part) not in prof.tiers]
         if not missing:
             return prof
         log.warning("hardware profile lacks tier(s) %s: measuring them", ", ".join(missing))

@@ -157,8 +157,8 @@ class Planner:
                 comp.append(c.c_h + new_s / n)
                 nbytes += hist * s.hidden_bytes_per_token_layer
         depth = self._read_buffer(chunks, layout, new, c)
-        stolen = sum(c.steal_kv if r is Repr.KV else c.steal_h for r in layout if r is not Repr.NONE)
-        t = self._pipeline(io, comp, lead, depth, stolen / sum(io) if sum(io) > 0 else 0.0)
+        stolen, io_total = sum(c.steal_kv if r is Repr.KV else c.steal_h for r in layout if r is not Repr.NONE), sum(io)
+        t = self._pipeline(io, comp, lead, depth, stolen / io_total if io_total > 0 else 0.0)
         attach = sum(comp) - new_s
         return t, max(nbytes / bw, lead + sum(comp)), lead, attach, depth
 
