@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from kvtier.device import add_device_argument
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
 from kvtier.engine.config import ReuseConfig
@@ -26,9 +27,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
                    help=f"preset (tiny-mha, tiny-gqa, mha-1b), {DEFAULT_MODEL}, HF model dir or .gguf file "
                         f"(default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype; auto = bf16 where the CPU has native bf16, else fp32")
+                   help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32")
+    add_device_argument(p)
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="device KV pool budget in GB (default: 4)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV pool budget on the device in GiB (default: 4)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget (default: 2048)")
     add_store_argument(p)
     p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
@@ -41,7 +43,7 @@ def build_engine_from_args(args: argparse.Namespace) -> Engine:
     from kvtier.engine.factory import build_engine
 
     return build_engine(
-        args.model, dtype=args.dtype, store=None if args.no_store else args.store,
+        args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
         reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens),
         max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
         max_batched_tokens=args.max_batched_tokens,
@@ -186,7 +188,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from kvtier.models.loading import load_model
     from kvtier.paths import home
 
-    model = load_model(args.model, dtype=args.dtype, tokenizer=False)
+    model = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=False)
     prof = measure(model, args.store)
     out = Path(args.json) if args.json else profile_path(home(), model)
     save_profile(prof, out)
@@ -209,6 +211,7 @@ def register_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model to measure (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="compute dtype (default: %(default)s)")
+    add_device_argument(p)
     p.add_argument("--json", default=None, help="output path (default: KVTIER_HOME/profiles/<model>-<dtype>-...json)")
     add_store_argument(p)
     p.set_defaults(func=cmd_profile)

@@ -10,15 +10,17 @@ from kvtier.bench.common import drop_page_cache
 
 
 def build_hf(loaded):
-    """An HF transformers model holding the very weights of `loaded`, in the same dtype."""
+    """An HF transformers model holding the very weights of `loaded`, in the same dtype, on the same device."""
+    import torch
     import transformers
 
-    dtype = loaded.dtype
+    dtype, device = loaded.dtype, loaded.module.lm_head.weight.device
     if loaded.source and Path(loaded.source).is_dir() and (Path(loaded.source) / "config.json").exists():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.source, dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.source, dtype=dtype).to(device)
     else:
         cfg = loaded.config
-        hf = transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype)
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype)
         state = {k: v for k, v in loaded.module.state_dict().items()}
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -40,8 +42,9 @@ class HFPeers:
         import torch
 
         self.torch, self.hf, self.path, self.redis, self.key = torch, hf, path, redis_client, key
-        self.prompt = torch.tensor([ids])  # [1, H + new]
-        self.new, self.pos = self.prompt[:, hist:], torch.arange(hist, len(ids))[None]  # new tokens, positions
+        self.device = dev = hf.lm_head.weight.device
+        self.prompt = torch.tensor([ids], device=dev)  # [1, H + new]
+        self.new, self.pos = self.prompt[:, hist:], torch.arange(hist, len(ids), device=dev)[None]  # new tokens, positions
         self.cache, self.blob = None, b""
         if set(peers) - {"hf_recompute"}:
             with torch.inference_mode():
@@ -49,6 +52,10 @@ class HFPeers:
             buf = io.BytesIO()
             torch.save(self.cache, buf)
             self.blob = buf.getvalue()
+        if "hf_offload" in peers:  # the history's K/V kept in (pinned) host memory, copied back per request
+            pin = dev.type == "cuda"
+            self.host_kv = [(layer.keys.cpu().pin_memory() if pin else layer.keys.cpu(),
+                             layer.values.cpu().pin_memory() if pin else layer.values.cpu()) for layer in self.cache.layers]
         if "hf_load_cold_file" in peers:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(self.blob)
@@ -69,6 +76,12 @@ class HFPeers:
         token = self._new_tokens(self.cache)
         self.cache.crop(-self.new.shape[1])  # back to the history only (a negative count in transformers 5)
         return token
+
+    def hf_offload(self) -> int:
+        """The cache offloaded to host memory and copied back to the device, then the new tokens."""
+        for layer, (k, v) in zip(self.cache.layers, self.host_kv):
+            layer.keys, layer.values = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+        return self._new_tokens(self.cache)
 
     def hf_load_bytes(self) -> int:
         return self._new_tokens(self.torch.load(io.BytesIO(self.blob), weights_only=False))

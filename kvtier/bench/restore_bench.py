@@ -45,6 +45,7 @@ import torch
 from rich.markup import escape
 
 from kvtier import dtypes
+from kvtier.device import add_device_argument
 from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
@@ -78,6 +79,7 @@ def _median(xs: Sequence[float]) -> float:
 class BenchConfig:
     models: list[str]
     dtype: str = "bf16"
+    device: str = "auto"
     storage: list[str] = field(default_factory=lambda: [""])
     contexts: list[int] = field(default_factory=lambda: [1024])
     new_tokens: int = 64
@@ -166,7 +168,7 @@ class RestoreBench:
         try:
             for name in self.cfg.models:
                 self.log(f"[bold]loading {name} ({self.cfg.dtype})[/bold]")
-                self.run_model(load_model(name, dtype=self.cfg.dtype, tokenizer=False))
+                self.run_model(load_model(name, dtype=self.cfg.dtype, device=self.cfg.device, tokenizer=False))
         finally:
             if self._redis is not None:
                 self._redis.close()
@@ -325,6 +327,30 @@ class RestoreBench:
                       greedy_match=peer.hf_recompute() == int(info.ref_logits.argmax()), repeats=self.cfg.repeats,
                       plan="HF transformers forward of the whole prompt (greedy_match: next token only)"))
         self.log(f"hf_recompute {secs:.3f}s")
+        if peer.device.type == "cuda":
+            self.hf_device_peers(loaded, hf, info)
+
+    def hf_device_peers(self, loaded, hf, info: Context) -> None:
+        """On a GPU: HF with the history's cache kept on the device (the floor: only the new
+        tokens run) and with it offloaded to pinned host memory and copied back per request."""
+        from kvtier.bench.hf import HFPeers
+
+        peer = HFPeers(hf, info.ids, info.hist, ["hf_floor", "hf_offload"], self.workdir / "hf.pt", None, "")
+        for name, tier in (("hf_floor", "-"), ("hf_offload", "memory")):
+            fn = getattr(peer, name)
+            for _ in range(self.cfg.warmup):
+                fn()
+            secs = _median([timed(fn)[0] for _ in range(self.cfg.repeats)])
+            nbytes = sum(k.nbytes + v.nbytes for k, v in peer.host_kv) if name == "hf_offload" else 0
+            self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
+                          new_tokens=self.cfg.new_tokens, tier=tier, bandwidth="none" if tier != "-" else "-",
+                          method=name, restore_s=None, ttft_s=secs, bytes_read=nbytes, stored_bytes_per_token=0,
+                          max_logit_diff=0.0, greedy_match=fn() == int(info.ref_logits.argmax()),
+                          repeats=self.cfg.repeats,
+                          plan={"hf_floor": "HF with the history's DynamicCache kept on the GPU: only the new tokens",
+                                "hf_offload": "HF DynamicCache in pinned host memory, copied to the GPU, then the "
+                                              "new tokens"}[name]))
+            self.log(f"{name} {secs:.3f}s")
 
     def hf_torch_save(self, loaded, hf, info: Context, tier: str, bw: float | None, label: str) -> None:
         """The workaround from the same tier: torch.save'd DynamicCache bytes, a cold file or a
@@ -619,6 +645,7 @@ def plot(rows: list[dict], path: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="comma-separated model names (default: %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "auto"], help="compute dtype")
+    add_device_argument(p)
     p.add_argument("--storage-dtype", default="", help="comma-separated storage dtypes (int8, fp16, bf16, fp32); "
                                                        "empty = the compute dtype (lossless)")
     p.add_argument("--context", default="1024,4096,8192", help="comma-separated history lengths")
@@ -650,7 +677,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         methods = ["recompute"] + [m for m in methods if m != "recompute"]
     for b in csv_arg(args.bandwidth):
         parse_bandwidth(b)
-    return BenchConfig(models=csv_arg(args.model), dtype=args.dtype, storage=storage,
+    return BenchConfig(models=csv_arg(args.model), dtype=args.dtype, device=args.device, storage=storage,
                        contexts=[int(c) for c in csv_arg(args.context)], new_tokens=args.new_tokens,
                        tiers=csv_arg(args.tier), bandwidths=csv_arg(args.bandwidth), methods=methods,
                        baselines=not args.no_baselines, repeats=args.repeats, warmup=args.warmup,

@@ -12,11 +12,14 @@ from kvtier.store.layout import Repr
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per device KV block
-    kv_cache_bytes: int = 4 << 30  # device KV pool budget (host pages are only touched when used)
+    kv_cache_bytes: int = 4 << 30  # KV pool budget on the device (on a CPU, pages are only touched when used)
     max_batched_tokens: int = 2048  # per-step token budget shared by decodes and prefill chunks
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    # Where the pool and every step's tensors live: the model's device when None; else it must be
+    # the device the model was loaded on ("cpu", "cuda", "cuda:1"; `build_engine` loads it there).
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

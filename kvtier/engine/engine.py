@@ -20,9 +20,10 @@ from kvtier.engine.detokenizer import Detokenizer
 from kvtier.engine.profiling import estimate, load_profile
 from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner import ModelRunner, RunItem
-from kvtier.engine.sampler import make_generator, sample
+from kvtier.engine.sampler import make_generator, sample_rows
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.statelink import NullStateLink, StateLink, open_store_link
+from kvtier.device import resolve_device
 from kvtier.models.loading import LoadedModel
 from kvtier.restore.costs import HardwareProfile
 from kvtier.restore.truncation import TruncationConfig, kept_positions
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 class PromptError(ValueError):
     """A prompt the engine cannot run (empty, too long, bad token ids, no tokenizer)."""
 
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -99,6 +102,10 @@ class Engine:
         self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
         cfg = model.config
+        self.device = model.module.lm_head.weight.device
+        if config.device is not None and resolve_device(config.device) != self.device:
+            raise ValueError(f"EngineConfig.device is {config.device} but the model is on {self.device}; "
+                             f"load it with load_model(..., device={config.device!r})")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_blocks = config.kv_cache_bytes // ModelRunner.bytes_per_block(model.module, config.block_size)
         blocks_per_seq = -(-self.max_model_len // config.block_size)
@@ -233,21 +240,32 @@ class Engine:
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: dict[str, int]) -> list[RequestOutput]:
         outs = []
-        now = time.perf_counter()
         sampling = {r.request_id for r in self.scheduler.postprocess(out, void)}
-        row = 0
+        rows: dict[str, int] = {}  # request -> its logits row
+        for c in out.chunks:
+            if c.end == self._live[c.request_id].req.num_tokens:
+                rows[c.request_id] = len(rows)  # this run's logits row, used or not
+        picked = {c.request_id for c in out.chunks if c.request_id in sampling and c.request_id not in void}
+        tokens: dict[str, int] = {}
+        if picked and logits is not None:
+            # Every row in one call (one device sync); rows not sampled now count as greedy, so
+            # they draw nothing from a request's generator.
+            order = sorted(rows, key=rows.get)
+            lives = [self._live[r] if r in picked else None for r in order]
+            got = sample_rows(logits, [lv.req.params if lv else _GREEDY for lv in lives],
+                              [lv.generator if lv else None for lv in lives])
+            tokens = {r: t for r, t in zip(order, got) if r in picked}
+        now = time.perf_counter()  # after the step's one device sync: the tokens exist now
         for c in out.chunks:
             live = self._live[c.request_id]
             req = live.req
-            if c.end == req.num_tokens:
-                row += 1  # this run's logits row, used or not
             if c.request_id in void:
                 self.scheduler.void(req, void[c.request_id])  # its step computed on garbage: not sampled
                 continue
             if c.request_id not in sampling:
                 self.link.after_step(req, finished=False)
                 continue  # a prefill chunk that is not the last one
-            token = sample(logits[row - 1], req.params, live.generator)
+            token = tokens[c.request_id]
             if req.metrics.first_token is None:
                 req.metrics.first_token = now
                 req.metrics.prompt_tokens_computed = len(req.prompt_ids) - req.metrics.prompt_tokens_reused

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier import paths
+from kvtier.device import resolve_device
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.profiling import load_or_measure
@@ -17,9 +18,10 @@ from kvtier.restore.costs import HardwareProfile
 
 
 def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,
-                 profile: HardwareProfile | None = None, **config: Any) -> Engine:
-    """Load `model` and wrap it in an Engine. `store` is a tier spec (see `kvtier store --help`)."""
-    loaded = load_model(model, dtype=dtype)
+                 profile: HardwareProfile | None = None, device: str = "auto", **config: Any) -> Engine:
+    """Load `model` on `device` and wrap it in an Engine. `store` is a tier spec (see `kvtier store --help`)."""
+    dev = resolve_device(device)  # a DeviceError before the (slow) model load
+    loaded = load_model(model, dtype=dtype, device=dev)
     if store and profile is None:
         profile = load_or_measure(loaded, paths.home(), store)
-    return Engine(loaded, EngineConfig(**config), store=store, reuse=reuse, profile=profile)
+    return Engine(loaded, EngineConfig(device=str(dev), **config), store=store, reuse=reuse, profile=profile)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import tempfile
 import threading
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvtier.device import describe
 from kvtier.dtypes import name_of
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.runner import ModelRunner, RunItem
@@ -38,13 +40,25 @@ from kvtier.store.tiered import TieredStore
 log = logging.getLogger(__name__)
 
 
+def _sync() -> None:
+    """Wait for every queued kernel and copy: on CUDA a call returns once its work is enqueued."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
-    fn()
+    """Median seconds of `repeats` calls after one warm-up call (device work included)."""
+
+    def run() -> None:
+        fn()
+        _sync()
+
+    run()
     ts = []
     for _ in range(repeats):
+        _sync()
         t = time.perf_counter()
-        fn()
+        run()
         ts.append(time.perf_counter() - t)
     return float(np.median(ts))
 
@@ -103,9 +117,10 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     cfg, layers = model.config, model.config.num_layers
     runs = [(s, min(64, n - s)) for s in range(0, n, 64)]
     # One layer-major buffer per 64-token chunk, as the store keeps them: [layers, K|V, tokens, kv_heads, hd].
-    chunks = [torch.randn(layers, 2, m, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype) for _, m in runs]
-    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype)
-    slots = runner.slots(blocks, 0, n)
+    # Host chunks (pinned on CUDA, as the memory tier's), so placement includes the host-to-device copy.
+    chunks = [_host(torch.randn(layers, 2, m, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype), runner) for _, m in runs]
+    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype).to(runner.device)  # projected where it lands
+    slots = runner.upload(runner.slots(blocks, 0, n))
 
     def copy_all() -> None:
         for g in range(0, layers, READ_GROUP_LAYERS):
@@ -115,6 +130,13 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     place = _time(copy_all) / (n * layers)
     project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
     return place, project
+
+
+def _host(t: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
+    if runner.device.type == "cpu":
+        return t
+    out = runner.transfer.host_empty(t.nbytes).view(t.dtype).view(t.shape)
+    return out.copy_(t)
 
 
 def _overlap(read: Callable[[], object], compute: Callable[[], object]) -> float:
@@ -134,6 +156,7 @@ def _overlap(read: Callable[[], object], compute: Callable[[], object]) -> float
         th.start()
         compute()
         th.join()
+        _sync()
         both = time.perf_counter() - t
         return (reps * t_read + t_comp - both) / min(reps * t_read, t_comp)
 
@@ -181,10 +204,15 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                        if runner.k_cache.device.type == "cpu" else None)
 
             def read_groups() -> None:
+                """As a restore reads: layer groups of every chunk, on to the device where it is not the CPU."""
                 reads = store.planned_reads(planned)
                 reads.open()
                 for layers in groups:
-                    reads.release(reads.read(layers, ("k", "v"), into=targets))
+                    group = reads.read(layers, ("k", "v"), into=targets)
+                    if runner.device.type != "cpu" and group is not None:
+                        _, handle = runner.transfer.stage([x for p in group.parts.values() for x in p])
+                        runner.transfer.sync(handle)
+                    reads.release(group)
                 reads.close()
 
             def read_whole() -> None:
@@ -222,7 +250,12 @@ def _busy(model: LoadedModel) -> Callable[[], object]:
     """Compute to overlap reads with: one 256-token prefill."""
     runner, blocks = _runner(model, 256)
     item = RunItem(torch.randint(100, model.config.vocab_size, (256,)).tolist(), 0, blocks, want_logits=False)
-    return lambda: runner.execute([item])
+
+    def compute() -> None:
+        runner.execute([item])
+        _sync()
+
+    return compute
 
 
 def _measure_spec(model: LoadedModel, spec: str | None) -> dict[str, TierRates]:
@@ -258,7 +291,10 @@ def estimate(model: LoadedModel) -> HardwareProfile:
 
 
 def profile_path(home: Path, model: LoadedModel) -> Path:
-    return home / "profiles" / f"{model.fingerprint}-{name_of(model.dtype)}-t{torch.get_num_threads()}-v{PROFILE_VERSION}.json"
+    """Keyed by model, dtype and hardware: a CPU's profile is never used on a GPU, nor one GPU's on another."""
+    dev = model.module.lm_head.weight.device
+    where = f"t{torch.get_num_threads()}" if dev.type == "cpu" else re.sub(r"[^A-Za-z0-9.]+", "_", describe(dev))
+    return home / "profiles" / f"{model.fingerprint}-{name_of(model.dtype)}-{where}-v{PROFILE_VERSION}.json"
 
 
 def load_profile(model: LoadedModel, home: Path) -> HardwareProfile | None:

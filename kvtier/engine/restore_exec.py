@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.engine.runner import ModelRunner, RunItem
+from kvtier.engine.transfer import DONE, Handle, Transfer
 from kvtier.restore.costs import READ_GROUP_LAYERS
 from kvtier.restore.plan import Method, Plan
 from kvtier.store.layout import Repr
@@ -91,13 +92,18 @@ class LayerReader:
     the tier holds: then reading is instant, needs no thread, and one group takes every layer."""
 
     def __init__(self, reads: PlannedReads, layout: Sequence[Repr], first: int, depth: int, threaded: bool,
-                 into: Callable[[tuple[int, ...]], list[PoolTarget | None] | None] | None = None) -> None:
+                 into: Callable[[tuple[int, ...]], list[PoolTarget | None] | None] | None = None,
+                 transfer: Transfer | None = None) -> None:
         self.reads, self.layout, self.into = reads, tuple(layout), into
-        size = READ_GROUP_LAYERS if threaded else len(layout)
+        self.transfer = transfer or Transfer()
+        # Groups of layers: on an asynchronous device every group is its own copy and event, so
+        # compute can start on layer 0 while later groups are still in flight.
+        size = READ_GROUP_LAYERS if threaded or self.transfer.is_async else len(layout)
         self.ready_layers = depth  # what the new tokens wait for (at least the first group)
         self.depth = max(depth, 2 * size)  # how far reading may run ahead of placement
         self.groups = layer_groups(self.layout, first, size)
         self._got: dict[int, LayerGroup] = {}  # group index -> data
+        self._held: list[tuple[Handle, LayerGroup]] = []  # placed, but copies from it may be in flight
         self._read_layers = first  # layers read so far (leading recomputed layers count as read ...)
         self._placed = first  # ... and as placed: both count from layer 0
         self._error: str | None = None
@@ -150,9 +156,15 @@ class LayerReader:
     def error(self) -> str | None:
         return self._error
 
-    def take(self, layer: int) -> LayerGroup:
-        """The group holding `layer` (waits for its read). Raises RestoreMiss."""
-        gi = next(i for i, g in enumerate(self.groups) if layer in g)
+    def group_of(self, layer: int) -> int:
+        return next(i for i, g in enumerate(self.groups) if layer in g)
+
+    def has(self, gi: int) -> bool:
+        with self._cv:
+            return gi in self._got
+
+    def take(self, gi: int) -> LayerGroup:
+        """Group `gi` (waits for its read). Raises RestoreMiss."""
         with self._cv:
             while gi not in self._got and self._error is None:
                 self._cv.wait()
@@ -160,14 +172,28 @@ class LayerReader:
                 raise RestoreMiss(self._error)
             return self._got[gi]
 
-    def placed(self, layer: int) -> None:
-        """Layer `layer` is in the pool: free its group's buffers after its last layer."""
-        gi = next(i for i, g in enumerate(self.groups) if layer in g)
+    def placed(self, layer: int, handle: Handle = DONE) -> None:
+        """Layer `layer` is in the pool (or its copies are enqueued under `handle`): its group's
+        buffers are reused once that is done."""
+        gi = self.group_of(layer)
         with self._cv:
             self._placed = layer + 1
             if layer == self.groups[gi][-1]:
-                self.reads.release(self._got.pop(gi))
+                self._held.append((handle, self._got.pop(gi)))
             self._cv.notify_all()
+        self._release(block=False)
+
+    def _release(self, block: bool) -> None:
+        with self._cv:
+            held, self._held = self._held, []
+        for handle, group in held:
+            if block:
+                self.transfer.sync(handle)
+            if block or self.transfer.done(handle):
+                self.reads.release(group)
+            else:
+                with self._cv:
+                    self._held.append((handle, group))
 
     def close(self) -> None:
         with self._cv:
@@ -175,6 +201,7 @@ class LayerReader:
             self._cv.notify_all()
         if self._thread is not None and self._thread.is_alive():
             self._thread.join()
+        self._release(block=True)  # no staging buffer is reused while a copy may still read it
         for g in self._got.values():
             self.reads.release(g)
         self._got.clear()
@@ -231,14 +258,19 @@ class Restore:
         self._t0 = 0.0
         hist = plan.history_tokens
         spans = [(c.start, c.end) for c in plan.chunks]
-        self.slots = runner.slots(self.block_ids, start, hist)  # [hist - start]: projected or remapped layers
+        self.transfer = runner.transfer
+        # [hist - start] pool slots of the projected or remapped layers (on the device)
+        self.slots = runner.upload(runner.slots(self.block_ids, start, hist))
         self.pieces: list[Piece] = []
         if self.source is None:
             self.pieces = pieces(spans, runner.slot_runs(self.block_ids, start, hist), start)
         else:  # truncation: stored rows source[i] (taken from the concatenated chunks) go to position i
             first = spans[0][0] if spans else 0
-            self.rows = torch.tensor(self.source[start:hist]) - first
-            self.shift = torch.arange(start, hist) - torch.tensor(self.source[start:hist])
+            self.rows = runner.upload(torch.tensor(self.source[start:hist]) - first)
+            self.shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
+        # Groups sent to the device: group index -> (the copies' handle, staged device tensors by part)
+        self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor | None]]]] = {}
+        self._next_send = 0
         self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
         # Per chunk, where a direct read may put it: its pool slots when the whole chunk is one piece.
         whole = {p.chunk: p for p in self.pieces if p.offset == 0}
@@ -262,10 +294,11 @@ class Restore:
             lead = self.plan.recompute_layers
             zero_copy = all(t.zero_copy for t in self.reads.tiers)
             self.reader = LayerReader(self.reads, self.plan.layer_reprs, lead, self.plan.read_buffer_layers,
-                                      threaded=not zero_copy, into=self._into)
+                                      threaded=not zero_copy, into=self._into, transfer=self.transfer)
             self.reader.start()
             if lead:  # bubble-free with recompute: the first layers from tokens while IO streams
                 self._compute(0, self.plan.history_tokens, layers=range(lead))
+                self.transfer.sync_compute()  # done means written: the leading layers are in the pool
         except BaseException as e:
             self._error = str(e) or type(e).__name__
             raise RestoreMiss(self._error) from e
@@ -295,43 +328,68 @@ class Restore:
             return
         t = time.perf_counter()
         try:
-            group = self.reader.take(layer)
+            gi = self.reader.group_of(layer)
+            self._send(gi)
             t1 = time.perf_counter()
             self.stats.wait_s += t1 - t
-            self._place(layer, group)
-            self.reader.placed(layer)
+            handle, staged = self._sent[gi]
+            self.transfer.wait(handle)  # the compute stream waits for this group's copies, the host does not
+            self._place(layer, staged, self.reader.groups[gi].index(layer))
+            if layer == self.reader.groups[gi][-1]:
+                del self._sent[gi]
+            self.reader.placed(layer, handle)
             self.stats.place_s += time.perf_counter() - t1
         except Exception as e:  # the step goes on for every other request in it
             self._error = str(e) or type(e).__name__
 
-    @torch.inference_mode()
-    def _place(self, layer: int, group: LayerGroup) -> None:
-        rep, runner, i = self.plan.layer_reprs[layer], self.runner, group.layers.index(layer)
-        if self.source is not None:
-            self._place_remapped(layer, rep, group, i)
-        elif rep is Repr.KV:
-            if i == 0:  # the whole group at its first layer: one strided copy per piece and part
-                layers = range(group.layers[0], group.layers[-1] + 1)
-                ks, vs = group.parts["k"], group.parts["v"]
-                if any((k is None) != (v is None) for k, v in zip(ks, vs)):
-                    raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
-                ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
-                runner.copy_in(layers, [(p.slot, p.length) for p in ps],
-                               [ks[p.chunk][:, p.offset:p.offset + p.length] for p in ps],  # [layers, n, kv_heads, hd]
-                               [vs[p.chunk][:, p.offset:p.offset + p.length] for p in ps])
-        else:  # hidden: project this layer's inputs over every chunk in one matmul
-            skip = self._lo - self.plan.chunks[0].start
-            hs = [h[i] for h in group.parts["h"]]  # [tokens, hidden] per chunk
-            h = hs[0][skip:] if len(hs) == 1 else torch.cat([hs[0][skip:]] + hs[1:])  # [hist - lo, hidden]
-            runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
+    def _send(self, gi: int) -> None:
+        """Enqueue the copies of every group up to `gi` (waiting for their reads), and of any
+        later group already read: copies run ahead of compute by as much as IO allows."""
+        groups = self.reader.groups
+        while self._next_send < len(groups) and (self._next_send <= gi or self.reader.has(self._next_send)):
+            j = self._next_send
+            self._sent[j] = self._copy(groups[j], self.reader.take(j))
+            self._next_send += 1
 
-    def _place_remapped(self, layer: int, rep: Repr, group: LayerGroup, i: int) -> None:
+    @torch.inference_mode()
+    def _copy(self, layers: tuple[int, ...], group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor | None]]]:
+        """One copy per chunk and part for the whole group: K/V straight into their pool slots,
+        anything that is transformed on the way (hidden states, remapped rows) into device staging."""
+        if self.source is None and self.plan.layer_reprs[layers[0]] is Repr.KV:
+            ks, vs = group.parts["k"], group.parts["v"]
+            if any((k is None) != (v is None) for k, v in zip(ks, vs)):
+                raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
+            ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
+            handle = self.runner.copy_in(range(layers[0], layers[-1] + 1), [(p.slot, p.length) for p in ps],
+                                         [ks[p.chunk][:, p.offset:p.offset + p.length] for p in ps],  # [layers, n, kv_heads, hd]
+                                         [vs[p.chunk][:, p.offset:p.offset + p.length] for p in ps])
+            return handle, {}
+        names = list(group.parts)
+        flat = [x for n in names for x in group.parts[n]]  # [layers, tokens, ...] per chunk and part
+        staged, handle = self.transfer.stage(flat)
+        per = len(flat) // max(len(names), 1)
+        return handle, {n: list(staged[i * per:(i + 1) * per]) for i, n in enumerate(names)}
+
+    @torch.inference_mode()
+    def _place(self, layer: int, staged: dict[str, list[torch.Tensor | None]], i: int) -> None:
+        """Layer `layer` (row i of its group) from the group's staged device tensors; K/V of a
+        plain group are in the pool already."""
+        rep = self.plan.layer_reprs[layer]
+        if self.source is not None:
+            self._place_remapped(layer, rep, staged, i)
+        elif rep is not Repr.KV:  # hidden: project this layer's inputs over every chunk in one matmul
+            skip = self._lo - self.plan.chunks[0].start
+            hs = [h[i] for h in staged["h"]]  # [tokens, hidden] per chunk
+            h = hs[0][skip:] if len(hs) == 1 else torch.cat([hs[0][skip:]] + hs[1:])  # [hist - lo, hidden]
+            self.runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
+
+    def _place_remapped(self, layer: int, rep: Repr, staged: dict[str, list[torch.Tensor | None]], i: int) -> None:
         if rep is Repr.KV:
-            k = torch.cat([k[i] for k in group.parts["k"]]).index_select(0, self.rows)  # [kept, kv_heads, hd]
-            v = torch.cat([v[i] for v in group.parts["v"]]).index_select(0, self.rows)
+            k = torch.cat([k[i] for k in staged["k"]]).index_select(0, self.rows)  # [kept, kv_heads, hd]
+            v = torch.cat([v[i] for v in staged["v"]]).index_select(0, self.rows)
             self.runner.shift_in(layer, k, v, self.shift, self.slots)
         else:
-            h = torch.cat([h[i] for h in group.parts["h"]]).index_select(0, self.rows)
+            h = torch.cat([h[i] for h in staged["h"]]).index_select(0, self.rows)
             self.runner.project_in(layer, h, (self.start, self.plan.history_tokens), self.slots)
 
     def finish(self) -> RestoreStats:
@@ -378,6 +436,7 @@ class Restore:
                 if not claimed:
                     break
                 self._compute(chunks[claimed.start].start, chunks[claimed.stop - 1].end)
+                self.transfer.sync_compute()  # claim the next chunk once this one is really computed
                 self.stats.chunks_computed += len(claimed)
         finally:
             loaded.join()
@@ -406,8 +465,9 @@ class Restore:
             ps = pieces([(c.start, c.end)], self.runner.slot_runs(self.block_ids, max(c.start, self.start), c.end),
                         self.start)
             k, v = group.parts["k"][0], group.parts["v"][0]  # [layers, tokens, kv_heads, hd]
-            self.runner.copy_in(range(n), [(p.slot, p.length) for p in ps],
-                                [k[:, p.offset:p.offset + p.length] for p in ps],
-                                [v[:, p.offset:p.offset + p.length] for p in ps])
+            handle = self.runner.copy_in(range(n), [(p.slot, p.length) for p in ps],
+                                         [k[:, p.offset:p.offset + p.length] for p in ps],
+                                         [v[:, p.offset:p.offset + p.length] for p in ps])
+            self.transfer.sync(handle)  # in the pool before the next claim, and before its buffer is reused
             self.stats.bytes_read += group.nbytes
             self.reads.release(group)

@@ -19,12 +19,14 @@ import torch.nn.functional as F
 
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
+from kvtier.engine.transfer import Handle, Transfer, make_transfer
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import aligned_empty
 from kvtier.store.tiers.base import PoolTarget
 
-# capture(layer, request_index, h [n, hidden], k [n, kv_heads, hd] rotated, v [n, kv_heads, hd]).
-CaptureFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# capture(layer, offsets, h [tokens, hidden], k [tokens, kv_heads, hd] rotated, v [tokens, kv_heads, hd]):
+# once per layer for the whole step; run i is rows offsets[i]:offsets[i+1].
+CaptureFn = Callable[[int, tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class SlotRun:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """Index tensors for one step, built once and shared by every layer."""
+    """Index tensors for one step, built once and shared by every layer (on the model's device:
+    built on the host and uploaded in one asynchronous copy)."""
 
     items: tuple[RunItem, ...]
     ids: torch.Tensor  # [tokens]
@@ -63,19 +66,24 @@ class StepBatch:
     decode_rows: tuple[int, ...] = ()  # run indices
     decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: slot 0)
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
+    decode_q: torch.Tensor | None = None  # [decodes] row of each decoding run's token
+    last_rows: torch.Tensor | None = None  # [runs wanting logits] row of each one's last token
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_positions: int):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_positions: int,
+                 transfer: Transfer | None = None):
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
-        self.rope = Rope(cfg, max_positions, model.dtype)
+        # The pool, the RoPE tables and every index tensor of a step live where the weights are.
+        self.device = device = model.lm_head.weight.device
+        self.transfer = transfer if transfer is not None else make_transfer(device)
+        self.rope = Rope(cfg, max_positions, model.dtype, device)
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         # Uninitialised, not zeros: zeros writes every page, while a slot is always written before
         # it is read, so an unused part of the budget never becomes resident memory. Page-aligned,
         # so a block-aligned run of slots can be the target of a direct-I/O disk read.
-        device = model.lm_head.weight.device
 
         def pool() -> torch.Tensor:
             if device.type != "cpu":
@@ -93,10 +101,14 @@ class ModelRunner:
 
     # ----- slots ------------------------------------------------------------------------------
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Pool slot of every position in [start, end) for a request owning `block_ids`."""
+        """Pool slot of every position in [start, end) for a request owning `block_ids` (on the host)."""
         pos = torch.arange(start, end)
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host index tensor on the pool's device (asynchronously; no host sync)."""
+        return self.transfer.upload(t)
 
     def slot_runs(self, block_ids: Sequence[int], start: int, end: int) -> list[SlotRun]:
         """[start, end) cut where the request's blocks stop being consecutive in the pool."""
@@ -124,31 +136,48 @@ class ModelRunner:
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
-        positions = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)])
-        cos, sin = self.rope.halves(positions)
         rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
-        dec_slots = dec_mask = None
-        if len(rows) > 1:
-            ctx = [items[i].start + 1 for i in rows]
-            width = max(ctx)
-            dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, i in enumerate(rows):
-                dec_slots[r, : ctx[r]] = self.slots(items[i].block_ids, 0, ctx[r])
-            dec_mask = (torch.arange(width).unsqueeze(0) < torch.tensor(ctx).unsqueeze(1))[:, None, None, :]
-        else:
+        if len(rows) < 2:
             rows = ()
+        ctx_len = [items[i].start + 1 for i in rows]
+        width = max(ctx_len, default=0)
+        dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            dec_slots[r, : ctx_len[r]] = self.slots(items[i].block_ids, 0, ctx_len[r])
+        last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
+        ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.start + n)
+                    for i, (it, n) in enumerate(zip(items, lens)))
+        # Every index tensor of the step in one host buffer, uploaded in one copy, then split.
+        host = [
+            torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),  # ids
+            torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]),  # positions
+            torch.cat([self.slots(it.block_ids, it.start, it.start + n) for it, n in zip(items, lens)]),  # new slots
+            dec_slots.view(-1),
+            torch.tensor(ctx_len, dtype=torch.long),
+            torch.tensor([offsets[i] for i in rows], dtype=torch.long),  # decode q rows
+            torch.tensor(last, dtype=torch.long),
+        ] + [c for c in ctx if isinstance(c, torch.Tensor)]
+        sizes = [t.numel() for t in host]
+        dev = self.upload(torch.cat(host)).split(sizes)
+        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows = dev[:7]
+        gathered = iter(dev[7:])
+        cos, sin = self.rope.halves(positions)
+        dec_mask = None
+        if rows:
+            dec_mask = (torch.arange(width, device=self.device)[None, :] < dec_len[:, None])[:, None, None, :]
         return StepBatch(
             items=tuple(items),
-            ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
+            ids=ids,
             offsets=tuple(offsets),
-            new_slots=torch.cat([self.slots(it.block_ids, it.start, it.start + n) for it, n in zip(items, lens)]),
-            ctx=tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.start + n)
-                      for i, (it, n) in enumerate(zip(items, lens))),
+            new_slots=new_slots,
+            ctx=tuple(next(gathered) if isinstance(c, torch.Tensor) else c for c in ctx),
             cos=cos,
             sin=sin,
             decode_rows=rows,
-            decode_slots=dec_slots,
+            decode_slots=dec_flat.view(len(rows), width) if rows else None,
             decode_mask=dec_mask,
+            decode_q=dec_q if rows else None,
+            last_rows=last_rows,
         )
 
     def run_layer(self, li: int, h: torch.Tensor, b: StepBatch, capture: CaptureFn | None = None) -> torch.Tensor:
@@ -158,9 +187,7 @@ class ModelRunner:
         q = rotate_into(q, b.cos, b.sin, torch.empty_like(q))
         k = rotate_into(k, b.cos, b.sin, torch.empty_like(k))  # fresh: captured views must outlive the step
         if capture is not None:
-            for i in range(len(b.items)):
-                lo, hi = b.offsets[i], b.offsets[i + 1]
-                capture(li, i, h[lo:hi], k[lo:hi], v[lo:hi])
+            capture(li, b.offsets, h, k, v)
         kc, vc = self.k_cache[li], self.v_cache[li]
         kc.index_copy_(0, b.new_slots, k)
         vc.index_copy_(0, b.new_slots, v)
@@ -184,11 +211,11 @@ class ModelRunner:
 
     def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch) -> torch.Tensor:
         """One SDPA call for every decoding run: contexts padded to the longest and masked."""
-        if b.decode_slots is None or b.decode_mask is None:
+        if b.decode_slots is None or b.decode_mask is None or b.decode_q is None:
             raise RuntimeError("decode attention without decode rows")
         n, width = b.decode_slots.shape
         kv_heads = kc.shape[1]
-        qd = q[torch.tensor([b.offsets[i] for i in b.decode_rows])].unsqueeze(2)  # [n, heads, 1, hd]
+        qd = q.index_select(0, b.decode_q).unsqueeze(2)  # [n, heads, 1, hd]
         flat = b.decode_slots.reshape(-1)
         ks = kc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)  # [n, kv_heads, width, hd]
         vs = vc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)
@@ -222,23 +249,22 @@ class ModelRunner:
             h = self.run_layer(li, h, b, capture)
         if every_token and layers.stop == model.cfg.num_layers:
             return model.logits(h)  # [tokens, vocab]
-        last = [b.offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
-        if not last or layers.stop != model.cfg.num_layers:
-            return torch.empty(0, model.cfg.vocab_size)
-        return model.logits(h[torch.tensor(last)])  # [requests sampling, vocab]
+        if b.last_rows is None or not b.last_rows.numel() or layers.stop != model.cfg.num_layers:
+            return torch.empty(0, model.cfg.vocab_size, device=self.device)
+        return model.logits(h.index_select(0, b.last_rows))  # [requests sampling, vocab]
 
     # ----- placing restored state -----------------------------------------------------------
     @torch.inference_mode()
     def copy_in(self, layers: range, runs: Sequence[tuple[int, int]], k: Sequence[torch.Tensor],
-                v: Sequence[torch.Tensor]) -> None:
+                v: Sequence[torch.Tensor]) -> Handle:
         """Copy stored K (already rotated at these positions) and V into the pool for consecutive
         `layers`: piece i ([len(layers), n_i, kv_heads, hd], any strides) goes to slots
-        [runs[i][0], runs[i][0] + runs[i][1]) of every one of them. One foreach copy for all
-        pieces, each piece one strided copy covering every layer: no Python loop of kernels."""
+        [runs[i][0], runs[i][0] + runs[i][1]) of every one of them. Each piece is one strided copy
+        covering every layer (no Python loop of kernels); on CUDA they run on the copy stream and
+        the returned handle must be waited on before the layers are read."""
         a, b = layers.start, layers.stop
         dst = [self.k_cache[a:b, s : s + n] for s, n in runs] + [self.v_cache[a:b, s : s + n] for s, n in runs]
-        if dst:
-            torch._foreach_copy_(dst, list(k) + list(v))
+        return self.transfer.to_device(dst, list(k) + list(v))
 
     def pool_target(self, slot: int) -> PoolTarget:
         """Where a direct read may land a stored chunk whose tokens take slots from `slot` on."""
@@ -252,7 +278,8 @@ class ModelRunner:
     def project_in(self, layer: int, h: torch.Tensor, positions: torch.Tensor | tuple[int, int],
                    slots: torch.Tensor) -> None:
         """Rebuild K/V of `layer` from stored layer inputs h [n, hidden] (HCache), rotate K at
-        `positions` (a tensor, or a (start, end) span) and write both into the pool at `slots`."""
+        `positions` (a tensor, or a (start, end) span) and write both into the pool at `slots`.
+        h and the index tensors are on the pool's device."""
         k, v = self.model.layers[layer].kv(h.to(self.k_cache.dtype))  # [n, kv_heads, hd] before RoPE
         cos, sin = self.rope.span(*positions) if isinstance(positions, tuple) else self.rope.halves(positions)
         self.k_cache[layer].index_copy_(0, slots, rotate_into(k, cos, sin, torch.empty_like(k)))

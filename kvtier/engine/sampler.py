@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvtier.engine.request import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A host generator: sampling runs on host logits, so a seed gives the same tokens on every device."""
     if params.greedy:
         return None
     g = torch.Generator()
@@ -32,3 +35,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> list[int]:
+    """logits: [n, vocab] fp32 on any device -> n token ids, with exactly one device-to-host
+    transfer (the argmax ids when every row is greedy, else the logits once)."""
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    host = logits.cpu()
+    return [sample(host[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]

@@ -1,10 +1,12 @@
 """Saving: every computed token's state goes to the store, chunk by chunk, off the step's path.
 
-The runner's capture callback hands each layer's input and K (rotated)/V of every run to a
-per-request buffer (views of the step's own tensors, which nothing modifies afterwards); whenever
-a buffer crosses a chunk boundary, and at the end of the request for the partial tail, one host
-snapshot per part goes to the store's bounded background writer (HCache §4.2.2's two stages).
-Approximate state (a truncated context) is never captured.
+Two stages (HCache §4.2.2). First, once per layer per step, the runner's capture callback takes the
+whole batch's layer input and K (rotated)/V: on the CPU as views of the step's own tensors (which
+nothing modifies afterwards), on CUDA as one device-to-host copy per part into pinned memory on the
+transfer's own stream, so no device tensor outlives the step. Then, per request, whenever its
+buffer crosses a chunk boundary (and at its end, for the partial tail), the host pieces are
+stacked into one snapshot per part and handed to the store's bounded background writer; the
+copies are waited on first. Approximate state (a truncated context) is never captured.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from kvtier.engine.request import Request
 from kvtier.engine.runner import CaptureFn
+from kvtier.engine.transfer import Handle, Transfer
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
 
@@ -30,8 +33,11 @@ class _Buffer:
 
 
 class Saver:
-    def __init__(self, store: TieredStore, layout: Sequence[Repr], chunk_tokens: int) -> None:
+    def __init__(self, store: TieredStore, layout: Sequence[Repr], chunk_tokens: int,
+                 transfer: Transfer | None = None) -> None:
         self.store = store
+        self.transfer = transfer or Transfer()
+        self._copies: list[Handle] = []  # device-to-host copies not yet waited on
         self.layout = tuple(layout)
         self.chunk_tokens = chunk_tokens
         self.kv_layers = [li for li, r in enumerate(self.layout) if r is Repr.KV]
@@ -51,21 +57,30 @@ class Saver:
                 b = self.buffers[r.request_id] = _Buffer(r.num_computed)
             bufs.append(b)
         n = len(self.layout)
+        if all(b is None for b in bufs):
+            return None
 
-        def capture(layer: int, i: int, h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            b = bufs[i]
-            if b is None:
-                return
-            if not b.h:
-                b.h, b.k, b.v = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+        def capture(layer: int, offsets: tuple[int, ...], h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             r = self.layout[layer]
-            if r is Repr.HIDDEN:
-                b.h[layer].append(h)
-            elif r is Repr.KV:
-                b.k[layer].append(k)
-                b.v[layer].append(v)
-            if layer == n - 1:
-                b.tokens += h.shape[0]
+            if r is Repr.NONE:
+                parts: list[torch.Tensor] = []
+            else:
+                parts, handle = self.transfer.to_host([h] if r is Repr.HIDDEN else [k, v])  # the whole batch
+                if not self.transfer.done(handle):
+                    self._copies.append(handle)
+            for i, b in enumerate(bufs):
+                if b is None:
+                    continue
+                if not b.h:
+                    b.h, b.k, b.v = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+                lo, hi = offsets[i], offsets[i + 1]
+                if r is Repr.HIDDEN:
+                    b.h[layer].append(parts[0][lo:hi])
+                elif r is Repr.KV:
+                    b.k[layer].append(parts[0][lo:hi])
+                    b.v[layer].append(parts[1][lo:hi])
+                if layer == n - 1:
+                    b.tokens += hi - lo
 
         return capture
 
@@ -86,6 +101,9 @@ class Saver:
 
     def _save(self, req: Request, b: _Buffer, cut: int) -> None:
         take = cut - b.start
+        for handle in self._copies:  # the host pieces hold their data once their copies are done
+            self.transfer.sync(handle)
+        self._copies.clear()
 
         def stack(parts: list[list[torch.Tensor]], layers: list[int]) -> torch.Tensor | None:
             if not layers:
@@ -93,7 +111,7 @@ class Saver:
             whole = [torch.cat(parts[li]) for li in layers]  # [tokens held, ...] per layer
             for li, w in zip(layers, whole):
                 parts[li] = [w[take:]] if w.shape[0] > take else []
-            return torch.stack([w[:take] for w in whole])  # [layers, take, ...]: a fresh host copy
+            return torch.stack([w[:take] for w in whole])  # [layers, take, ...]: a fresh host tensor
 
         k, v, h = stack(b.k, self.kv_layers), stack(b.v, self.kv_layers), stack(b.h, self.h_layers)
         self.store.save(req.all_ids[:cut], b.start, k, v, h)

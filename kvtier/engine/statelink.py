@@ -115,7 +115,7 @@ class StoreLink:
         self.config = config
         self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, prefetches=0,
                              restore_tokens_charged=0, sessions_expired=0)
-        self.saver = Saver(store, self.layout, config.chunk_tokens)
+        self.saver = Saver(store, self.layout, config.chunk_tokens, runner.transfer)
         self.planner = planner
         self.restorer = Restorer(store, runner, planner, self.layout, config, self.counters)
         self.sessions = SessionRetention(config.session_ttl_s) if config.session_ttl_s else None
@@ -265,5 +265,5 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
         layout = tuple(Repr(r) for r in reuse.layout)
     else:  # decided for the slowest tier of the stack
         layout = planner.choose_layout(reuse.fixed_method, tiers[-1][0], reuse.chunk_tokens)
-    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens)
+    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, pin=runner.device.type == "cuda")
     return StoreLink(store, layout, runner, planner, reuse)

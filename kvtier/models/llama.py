@@ -116,8 +116,10 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """ids: [tokens] -> logits [tokens, vocab] for one sequence starting at position 0."""
-        rope = rope or Rope(self.cfg, ids.shape[0], self.dtype)
-        cos, sin = rope.cos_sin(torch.arange(ids.shape[0]))
+        dev = self.lm_head.weight.device
+        ids = ids.to(dev)
+        rope = rope or Rope(self.cfg, ids.shape[0], self.dtype, dev)
+        cos, sin = rope.cos_sin(torch.arange(ids.shape[0], device=dev))
         h = self.embed(ids)
         for layer in self.layers:
             q, k, v = layer.qkv(h)

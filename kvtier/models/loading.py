@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvtier import paths
+from kvtier.device import resolve_device
 from kvtier.dtypes import COMPUTE_DTYPES, canonical, torch_dtype
 from kvtier.models.config import ModelConfig
 from kvtier.models.llama import CausalLM
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 PRESET_SEED = 0
+PRESET_GENERATOR = 2  # how presets draw their weights (part of their fingerprint: v2 = per-tensor seeds)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -165,12 +167,14 @@ def _convert_gguf(path: Path, home: Path) -> Path:
     return out
 
 
-def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> CausalLM:
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
     if cfg.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     with torch.device("meta"):
         module = CausalLM(cfg)
-    module = module.to_empty(device=device)
+    # Allocated on the device in the target dtype: each weight is copied there once, cast on the
+    # way (no full-precision copy of the model on the device).
+    module = module.to(dtype).to_empty(device=device)
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     unexpected = [k for k in unexpected if "rotary_emb" not in k]
@@ -178,27 +182,30 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
         raise ModelLoadError(f"weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
-    return module.to(dtype).eval()
+    return module.eval()
 
 
 def load_model(
     name: str = DEFAULT_MODEL,
     dtype: str | torch.dtype | None = "auto",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     home: Path | None = None,
     tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load a model by preset name, `smollm2-135m`, HF directory or GGUF path."""
+    """Load a model by preset name, `smollm2-135m`, HF directory or GGUF path onto `device`
+    (auto, cpu, cuda, cuda:N; raises DeviceError where it is not available)."""
     home = home or paths.home()
-    torch_dtype = parse_dtype(dtype, device)
+    dev = resolve_device(device)
+    torch_dtype = parse_dtype(dtype, dev.type)
     kind, path = resolve(name)
     if kind == "preset":
         cfg = PRESETS[name]
-        module = _build(cfg, random_state_dict(cfg, PRESET_SEED), torch_dtype, device)
+        # Drawn in fp32 and cast per tensor when the target is narrower: the same bits on every device.
+        module = _build(cfg, random_state_dict(cfg, PRESET_SEED, torch_dtype), torch_dtype, dev)
         tok = None
         if tokenizer and (gguf := smollm2_gguf_path()) is not None:
             tok = _load_tokenizer(_convert_gguf(gguf, home))
-        fp = _fingerprint(cfg, f"preset:{name}:seed={PRESET_SEED}")
+        fp = _fingerprint(cfg, f"preset:{name}:seed={PRESET_SEED}:gen={PRESET_GENERATOR}")
         return LoadedModel(name, cfg, module, tok, fp, f"preset {name} (random weights, seed {PRESET_SEED})")
     assert path is not None
     if kind == "gguf":
@@ -210,7 +217,7 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    module = _build(cfg, state, torch_dtype, device)
+    module = _build(cfg, state, torch_dtype, dev)
     tok = _load_tokenizer(path) if tokenizer else None
     fp = _fingerprint(cfg, _digest_files(files))
     return LoadedModel(name, cfg, module, tok, fp, str(path))

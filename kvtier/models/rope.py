@@ -39,26 +39,27 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 class Rope:
     """Caches cos/sin for positions [0, max_positions) and rotates tensors by position."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         inv_freq = inverse_frequencies(cfg)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [positions, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
         half = cfg.head_dim // 2
-        # The two halves of cos/sin are equal (half-split layout): rotate_into needs one.
-        self.cos_h = self.cos[:, :half].contiguous()  # [positions, head_dim/2]
-        self.sin_h = self.sin[:, :half].contiguous()
+        # Computed in fp32 on the host (the same tables on every device), each moved once. The two
+        # halves of cos/sin are equal (half-split layout): rotate_into needs one.
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        tables = (cos, sin, cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        self.cos, self.sin, self.cos_h, self.sin_h = (t.to(device, non_blocking=True) for t in tables)
         self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin shaped [tokens, 1, head_dim] for broadcasting over heads (for `rotate`)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
     def halves(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Half tables [tokens, 1, head_dim/2] at `positions` (for `rotate_into`)."""
-        return self.cos_h[positions].unsqueeze(1), self.sin_h[positions].unsqueeze(1)
+        return self.cos_h.index_select(0, positions).unsqueeze(1), self.sin_h.index_select(0, positions).unsqueeze(1)
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`halves` of the contiguous positions [start, end), as views (no gather)."""
@@ -68,8 +69,8 @@ class Rope:
         """Half tables [tokens, 1, head_dim/2] for rotating by `shift` positions (may be negative):
         cos is even and sin odd in the angle, so R(-d) uses cos(d) and -sin(d)."""
         mag = shift.abs()
-        sign = torch.where(shift < 0, -1.0, 1.0).to(self.sin_h.dtype).unsqueeze(1)  # [tokens, 1]
-        return self.cos_h[mag].unsqueeze(1), (self.sin_h[mag] * sign).unsqueeze(1)
+        sign = (1 - 2 * (shift < 0).to(self.sin_h.dtype)).unsqueeze(1)  # [tokens, 1]: -1 or 1
+        return self.cos_h.index_select(0, mag).unsqueeze(1), (self.sin_h.index_select(0, mag) * sign).unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from kvtier.device import add_device_argument
 from kvtier.restore.plan import METHOD_CHOICES
 from kvtier.models.loading import DEFAULT_MODEL
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
@@ -59,11 +60,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"preset (tiny-mha, tiny-gqa, mha-1b), {DEFAULT_MODEL}, HF model dir or .gguf file "
                         "(default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype; auto = bf16 where the CPU has native bf16, else fp32 (default: auto)")
+                   help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32 (default: auto)")
+    add_device_argument(g)
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context window in tokens (default: the model's)")
     g.add_argument("--kv-cache-gb", type=float, default=4.0,
-                   help="device KV pool budget in GiB; host pages are used only as blocks fill (default: 4)")
+                   help="KV pool budget on the device in GiB; on a CPU, pages are used only as blocks fill (default: 4)")
     g.add_argument("--max-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget shared by decodes and prefill chunks (default: 2048)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=64,
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
     )  # validated before the (slow) model load
     engine = build_engine(
-        args.model, dtype=args.dtype, store=None if args.no_store else args.store,
+        args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
         reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens, session_ttl_s=args.session_ttl),
         max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     name = config.served_model_name or engine.model.name
     store = "no store" if args.no_store or not args.store else f"store {args.store}"
     print(
-        f"kvtier serving {name} ({engine.model.dtype}, context {engine.max_model_len}, {store}) on "
+        f"kvtier serving {name} ({engine.model.dtype} on {engine.device}, context {engine.max_model_len}, {store}) on "
         f"http://{args.host}:{args.port}/v1" + (" (API key required)" if config.api_key else ""),
         file=sys.stderr, flush=True,
     )

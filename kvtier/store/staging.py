@@ -14,9 +14,10 @@ PAGE = 4096
 _GRAIN = 1 << 20  # sizes are rounded up to whole MiB so buffers fit later requests of similar size
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` whose first byte is page-aligned (direct I/O needs it)."""
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` whose first byte is page-aligned (direct I/O needs it); pinned
+    for asynchronous copies to a CUDA device when `pin`."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % PAGE
     return raw[skip:skip + nbytes]
 
@@ -26,6 +27,7 @@ class Staging:
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
+        self.pin = False  # set by a store serving a CUDA engine: disk and Redis reads land in pinned slabs
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -35,7 +37,7 @@ class Staging:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:  # by index: list.remove would compare tensors element by element
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return aligned_empty(-(-max(nbytes, 1) // _GRAIN) * _GRAIN)
+        return aligned_empty(-(-max(nbytes, 1) // _GRAIN) * _GRAIN, self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer taken earlier; nothing may still read it."""

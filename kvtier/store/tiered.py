@@ -72,20 +72,24 @@ class TieredStore:
     @classmethod
     def open(cls, spec: str, namespace: StoreNamespace | None, chunk_tokens: int = 64,
              policy: str = "lru", writer_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-             fsync: bool = False) -> "TieredStore":
+             fsync: bool = False, pin: bool = False) -> "TieredStore":
+        """`pin`: the engine runs on CUDA, so host memory the store reads into (the memory tier,
+        staging buffers) is pinned for asynchronous copies to the device."""
         parsed = parse_spec(spec)
         make_policy(policy)  # validate the name before touching any tier
         ns = store_digest(namespace.digest(), chunk_tokens) if namespace else None
         tiers: list[Tier] = []
         if parsed.memory:
-            tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy), parsed.memory.emulation))
+            tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy), parsed.memory.emulation, pin=pin))
         if parsed.disk:
             tiers.append(DiskTier(list(parsed.disk.paths), list(parsed.disk.capacities), ns,
                                   lambda: make_policy(policy), parsed.disk.emulation, fsync))
         if parsed.redis:
             from .tiers.redis_tier import RedisTier
             tiers.append(RedisTier(parsed.redis, ns))
-        return cls(tiers, namespace, chunk_tokens, writer_queue_bytes, spec)
+        store = cls(tiers, namespace, chunk_tokens, writer_queue_bytes, spec)
+        store.staging.pin = pin
+        return store
 
     def __enter__(self) -> "TieredStore":
         return self

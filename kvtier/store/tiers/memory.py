@@ -34,14 +34,14 @@ class MemoryTier(Tier):
     owned_buffers = False  # reads are views of the cached blob: decoding must copy
 
     def __init__(self, capacity: int, policy: EvictionPolicy | None = None,
-                 emulation: Emulation = Emulation()) -> None:
+                 emulation: Emulation = Emulation(), pin: bool = False) -> None:
         super().__init__(emulation)
         self.capacity = capacity
         self.policy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
         self._entries: dict[str, _Entry] = {}
         self._partials: dict[str, dict[str, int]] = {}  # parent -> {key: tokens}
         self.used = 0
-        self.pin = torch.cuda.is_available()
+        self.pin = pin  # the engine runs on CUDA: blobs are sources of asynchronous copies
         # Called with (tier, key) before an entry is evicted, so the store can demote it.
         self.on_evict: Callable[[Tier, str], None] | None = None
 

@@ -1,0 +1,205 @@
+"""Copies between host memory and the device the engine runs on: one interface, two back ends.
+
+Every host<->device copy of the restore and saving paths goes through a `Transfer`:
+
+    to_device(dst, src)  enqueue host pieces -> device pieces; -> a Handle
+    stage(src)           the same into fresh device tensors (hidden states to project, rows to remap)
+    to_host(src)         enqueue device pieces -> fresh host tensors (pinned on CUDA); -> a Handle
+    wait(handle)         make the compute stream wait for it (no host sync)
+    sync(handle)         block the host until it is done (a staging buffer may then be reused,
+                         a snapshot may be read)
+
+The CPU back end copies at once and its handles are always done. The CUDA back end owns a
+host-to-device and a device-to-host stream: copies run on the copy engines beside the compute
+kernels, each batch of copies ends in an event, and the compute stream waits on the event of the
+layer it needs (CachedAttention §3.2, HCache §4.2). A copy stream first waits for the compute
+stream's current point, so a pool block freed by an earlier request is not overwritten while a
+queued kernel still reads it. `LazyTransfer` is for tests on the CPU: its copies deliver NaN until
+someone waits on them, so a missing wait makes restore-equals-recompute tests fail without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Handle:
+    """One batch of enqueued copies. `event` is a CUDA event; `pending` holds a lazy back end's
+    copies not yet performed; a handle with neither is done."""
+
+    event: torch.cuda.Event | None = None
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+DONE = Handle()
+
+
+class Transfer:
+    """The synchronous back end (the CPU's): every copy happens when it is asked for. On another
+    device it is correct but serial (what tests run a fake device with)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @property
+    def is_async(self) -> bool:
+        return False
+
+    def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
+        if self.device.type == "cpu":
+            if dst:
+                torch._foreach_copy_(list(dst), list(src))
+        else:
+            for d, s in zip(dst, src):
+                d.copy_(s.to(d.device, non_blocking=True))
+        return DONE
+
+    def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
+        return out, self.to_device(out, src)
+
+    def to_host(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        # On the CPU these are already host tensors: views, nothing copied.
+        return [s.to("cpu") for s in src], DONE
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (indices) on the device, without a host sync."""
+        return t.to(self.device, non_blocking=True)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer fit for asynchronous copies (pinned on CUDA)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def wait(self, handle: Handle) -> None:
+        pass
+
+    def sync(self, handle: Handle) -> None:
+        pass
+
+    def done(self, handle: Handle) -> bool:
+        """Finished, without waiting (a source buffer may be reused)."""
+        return True
+
+    def sync_compute(self) -> None:
+        """Block the host until the compute stream has run everything enqueued so far (timings,
+        and Cake's pointers, follow real device progress, not the host's enqueue speed)."""
+
+
+class CudaTransfer(Transfer):
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__(device)
+        self.h2d = torch.cuda.Stream(self.device)
+        self.d2h = torch.cuda.Stream(self.device)
+        self.pin = _can_pin()
+
+    @property
+    def is_async(self) -> bool:
+        return True
+
+    def _enqueue(self, stream: torch.cuda.Stream, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return Handle(event=ev)
+
+    def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
+        return self._enqueue(self.h2d, dst, src) if dst else DONE
+
+    def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        # Allocated on the compute stream, which reads them after waiting on the copy's event.
+        out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
+        return out, self.to_device(out, src)
+
+    def to_host(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        out = [torch.empty(s.shape, dtype=s.dtype, pin_memory=self.pin) for s in src]
+        if not src:
+            return out, DONE
+        handle = self._enqueue(self.d2h, out, src)
+        for s in src:  # the device memory must outlive the copy even if the step frees it first
+            s.record_stream(self.d2h)
+        return out, handle
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.pin_memory() if self.pin else t
+        return host.to(self.device, non_blocking=True)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def wait(self, handle: Handle) -> None:
+        if handle.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(handle.event)
+
+    def sync(self, handle: Handle) -> None:
+        if handle.event is not None:
+            handle.event.synchronize()
+
+    def done(self, handle: Handle) -> bool:
+        return handle.event is None or handle.event.query()
+
+    def sync_compute(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+class LazyTransfer(Transfer):
+    """A CPU back end that behaves like the worst legal asynchronous one: destinations hold NaN
+    (or garbage for integers) until the copy is waited on, and the source is read only then (a
+    source reused before the wait shows up as wrong data). For tests."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self._lock = threading.Lock()
+
+    @property
+    def is_async(self) -> bool:
+        return True
+
+    def _later(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
+        for d in dst:
+            d.fill_(float("nan") if d.is_floating_point() else -1)
+        return Handle(pending=list(zip(dst, src)))
+
+    def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
+        return self._later(dst, src) if dst else DONE
+
+    def to_host(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        out = [torch.empty(s.shape, dtype=s.dtype) for s in src]
+        return out, self._later(out, src)
+
+    def wait(self, handle: Handle) -> None:
+        with self._lock:
+            pending, handle.pending = handle.pending, []
+        with torch.inference_mode():  # destinations made during a step are inference tensors
+            for d, s in pending:
+                d.copy_(s)
+
+    sync = wait
+
+    def done(self, handle: Handle) -> bool:
+        return not handle.pending
+
+
+def _can_pin() -> bool:
+    """Pinned host memory, unless the container refuses it (a low RLIMIT_MEMLOCK): then pageable
+    memory, with one warning (copies are then staged by the driver, at a fraction of the speed)."""
+    try:
+        torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+        return True
+    except RuntimeError as e:
+        log.warning("cannot pin host memory (%s); host<->device copies use pageable memory", e)
+        return False
+
+
+def make_transfer(device: torch.device) -> Transfer:
+    return CudaTransfer(device) if device.type == "cuda" else Transfer(device)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The CUDA tests and the GPU benchmark, on a machine with an NVIDIA GPU and its own torch (>= 2.11).
+#
+#   scripts/gpu_check.sh [OUT_DIR]          (default out/gpu)
+#
+# kvtier runs from this checkout with the machine's torch (nothing is installed over it). Pure-Python
+# packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c: see
+# docs/benchmarks.md for the download line); they are unpacked into a private directory.
+# Environment knobs: MODELS, CONTEXTS, TIERS, BANDWIDTHS, REPEATS, SKIP_TESTS=1, SKIP_BENCH=1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-out/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvtier-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/kvtier-site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export KVTIER_HOME=${KVTIER_HOME:-/tmp/kvtier-home}
+status=0
+
+$PY scripts/gpu_env.py "$OUT/env.json" | tee "$OUT/env.log" || status=1
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  $PY -m pytest -m cuda -q -p no:cacheprovider -rs --durations=10 tests/test_cuda.py \
+      --junitxml="$OUT/pytest_cuda.xml" 2>&1 | tee "$OUT/pytest_cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  $PY -m kvtier.bench.restore_bench --device cuda --dtype bf16 \
+      --model "${MODELS:-smollm2-shape,llama3-8b,llama2-7b}" --context "${CONTEXTS:-4096,8192,16384}" \
+      --tier "${TIERS:-memory,disk}" --bandwidth "${BANDWIDTHS:-none}" --repeats "${REPEATS:-3}" \
+      --workdir /tmp/kvtier-restore-work --json "$OUT/restore_gpu.json" --markdown "$OUT/restore_gpu.md" \
+      --plot "$OUT/restore_gpu.png" 2>&1 | tee "$OUT/restore_gpu.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status
