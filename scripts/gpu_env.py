@@ -14,21 +14,7 @@ import time
 
 import torch
 
-
-def copy_rate(pinned: bool, nbytes: int = 1 << 30, reps: int = 5) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=pinned)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=pinned)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return nbytes / sorted(times)[len(times) // 2] / 1e9
+from kvtier.bench.common import pinned_copy_rate
 
 
 def varlen_pages() -> dict:
@@ -71,8 +57,8 @@ def main() -> None:
         p = torch.cuda.get_device_properties(0)
         info.update(device=p.name, capability=f"{p.major}.{p.minor}", memory_gb=p.total_memory / 1e9,
                     bf16=torch.cuda.is_bf16_supported())
-        info["h2d_pinned_GBps"] = copy_rate(True)
-        info["h2d_pageable_GBps"] = copy_rate(False)
+        info["h2d_pinned_GBps"] = pinned_copy_rate("cuda") / 1e9
+        info["h2d_pageable_GBps"] = pinned_copy_rate("cuda", pinned=False) / 1e9
         info["varlen_attn"] = varlen_pages()
         t = time.perf_counter()
         g = torch.Generator().manual_seed(0)

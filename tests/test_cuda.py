@@ -159,3 +159,22 @@ def test_many_restores_and_saves_while_decoding(gqa_cuda):
     finally:
         engine.close()
     assert [got[r] for r in rids] == want
+
+
+def test_the_memory_tier_pins_an_arena_within_its_capacity(gqa_cuda):
+    cap = 8 << 20
+    engine = _engine(gqa_cuda, f"memory:{cap}", "kv")
+    try:
+        for seed in range(6):  # more than fits: evictions reuse arena slots
+            engine.generate([_ids(gqa_cuda, seed=seed)[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
+            assert engine.flush(30)
+        tier = engine.link.store.tier("memory")
+        blobs = [e.blob for e in tier._entries.values()]
+        assert blobs and all(b.is_pinned() for b in blobs)
+        assert tier.arena.pinned_bytes <= 1.05 * cap, tier.usage()
+        ids = _ids(gqa_cuda, seed=5)
+        out = engine.generate([ids], GREEDY)[0]  # restored from the arena
+    finally:
+        engine.close()
+    assert out.prompt_tokens_reused == HIST
+    assert out.output_ids == _engine(gqa_cuda, None).generate([ids], GREEDY)[0].output_ids

@@ -235,3 +235,23 @@ def read_bandwidth(paths: Iterable[str | os.PathLike]) -> float:
     finally:
         buf.close()
     return total / seconds if seconds > 0 else float("nan")
+
+
+def pinned_copy_rate(device, nbytes: int = 1 << 30, reps: int = 5, pinned: bool = True) -> float:
+    """Bytes/s of one plain host-to-device copy of `nbytes` (pinned, or pageable), median of `reps`
+    timed with CUDA events: the peak a restore's copies are compared with."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=pinned)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=pinned)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return nbytes / sorted(times)[len(times) // 2]

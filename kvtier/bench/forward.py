@@ -3,7 +3,10 @@
 Both run the same weights, dtype and thread count in the same process; figures are medians of
 `--repeats` runs. Our prefill runs through `Engine.generate` with the default per-step token budget
 (so prompts over 2048 tokens are prefilled in chunks, as users run them); HF's is one forward with
-`logits_to_keep=1`, so it is not charged for logits we skip too.
+`logits_to_keep=1`, so it is not charged for logits we skip too. `--device cuda` runs both on the
+GPU (times include the device work: each timed region ends with a synchronize); `--saving` adds
+decode rows with every token's state saved to a memory tier (HCache Fig. 14's setting), beside the
+same decode without saving.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ from pathlib import Path
 
 import torch
 
-from kvtier.engine.config import EngineConfig
+from kvtier.device import add_device_argument
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.models.loading import load_model, parse_dtype
+from kvtier.engine.runner import ModelRunner
+from kvtier.models.loading import load_model
 
 
 @dataclass(frozen=True)
 class Row:
     model: str
     dtype: str
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode", or "decode+save" (hf_tok_s: the same decode without saving)
     tokens: int  # prompt length (prefill) or batch size (decode)
     kvtier_tok_s: float
     hf_tok_s: float
@@ -38,12 +43,19 @@ class Row:
         return self.kvtier_tok_s / self.hf_tok_s
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()  # warm-up (allocator, kernels)
     times = []
     for _ in range(repeats):
+        _sync()
         t = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -52,30 +64,38 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine(loaded, max_len: int) -> Engine:
+def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None) -> Engine:
     # The default per-step token budget, as users run it: a long prompt is prefilled in chunks.
-    return Engine(loaded, EngineConfig(kv_cache_bytes=2 << 30, max_model_len=max_len, enable_prefix_cache=False))
+    kv = ModelRunner.bytes_per_block(loaded.module, 16) * seqs * (max_len // 16 + 2)
+    return Engine(loaded, EngineConfig(kv_cache_bytes=max(kv, 256 << 20), max_model_len=max_len,
+                                       enable_prefix_cache=False),
+                  store=store, reuse=ReuseConfig(method="kv", lookahead=False) if store else None)
 
 
 def bench_prefill(loaded, hf, length: int, repeats: int) -> tuple[float, float]:
     ids = _prompt(length, loaded.config.vocab_size, length)
     engine = _engine(loaded, max(length + 8, 1024))
     ours = _median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
-    t = torch.tensor([ids])
+    t = torch.tensor([ids], device=hf.lm_head.weight.device)
     with torch.inference_mode():
         theirs = _median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
     return length / ours, length / theirs
 
 
-def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int) -> tuple[float, float]:
+def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int,
+                 store: str | None = None) -> tuple[float, float]:
+    """Decode tokens/s of `batch` sequences after `prompt_len`-token prompts: kvtier's engine (with
+    `store`, saving every token's state) and HF transformers' (None when hf is None)."""
     prompts = [_prompt(prompt_len, loaded.config.vocab_size, 1000 + i) for i in range(batch)]
-    engine = _engine(loaded, prompt_len + new + 16)
+    engine = _engine(loaded, prompt_len + new + 16, batch, store)
     params = SamplingParams(max_tokens=new + 1, temperature=0, ignore_eos=True)
 
     def ours_decode() -> float:
+        started: set[str] = set()
         for p in prompts:
             engine.add_request(p, params)
-        engine.step()  # the prefill step (budget covers every prompt), then pure decode steps
+        while len(started) < batch:  # prefill (chunked by the token budget) until every request has a token
+            started |= {o.request_id for o in engine.step()}
         t = time.perf_counter()
         while engine.has_work():
             engine.step()
@@ -83,39 +103,54 @@ def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int
 
     def hf_decode() -> float:
         with torch.inference_mode():
-            out = hf(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+            ids = torch.tensor(prompts, device=hf.lm_head.weight.device)
+            out = hf(ids, use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             past = out.past_key_values
+            _sync()
             t = time.perf_counter()
             for _ in range(new):
                 out = hf(nxt, past_key_values=past, use_cache=True)
                 past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync()
             return time.perf_counter() - t
 
-    ours_decode(), hf_decode()  # warm-up
-    ours = statistics.median(ours_decode() for _ in range(repeats))
+    try:
+        ours_decode()  # warm-up
+        ours = statistics.median(ours_decode() for _ in range(repeats))
+        if store is not None:
+            engine.flush()
+    finally:
+        engine.close()
+    if hf is None:
+        return batch * new / ours, float("nan")
+    hf_decode()
     theirs = statistics.median(hf_decode() for _ in range(repeats))
     return batch * new / ours, batch * new / theirs
 
 
-def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int) -> list[Row]:
-    from transformers import AutoModelForCausalLM
+def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int,
+        device: str = "auto", prompt_len: int = 128, saving: bool = False) -> list[Row]:
+    from kvtier.bench.hf import build_hf
 
     rows = []
     for dt in dtypes:
-        loaded = load_model(model, dtype=dt, tokenizer=False)
-        if loaded.source.startswith("preset"):
-            raise ValueError("bench forward needs a model with files on disk (e.g. smollm2-135m)")
-        hf = AutoModelForCausalLM.from_pretrained(loaded.source, dtype=parse_dtype(dt), attn_implementation="sdpa").eval()
+        loaded = load_model(model, dtype=dt, device=device, tokenizer=False)
+        hf = build_hf(loaded)
         name = str(loaded.dtype).removeprefix("torch.")
         for n in lengths:
             o, h = bench_prefill(loaded, hf, n, repeats)
             rows.append(Row(model, name, "prefill", n, o, h, repeats))
             print(f"  prefill {name} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s", flush=True)
         for b in batches:
-            o, h = bench_decode(loaded, hf, b, 128, new_tokens, repeats)
+            o, h = bench_decode(loaded, hf, b, prompt_len, new_tokens, repeats)
             rows.append(Row(model, name, "decode", b, o, h, repeats))
-            print(f"  decode  {name} batch {b}: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s", flush=True)
+            print(f"  decode  {name} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s",
+                  flush=True)
+            if saving:  # the same decode saving every token's state; compared with the row above
+                s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, store="memory:16GB")
+                rows.append(Row(model, name, "decode+save", b, s, o, repeats))
+                print(f"  decode+save {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)", flush=True)
     return rows
 
 
@@ -135,11 +170,14 @@ def markdown(rows: list[Row]) -> str:
 def cmd(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     print(f"bench forward: {args.model}, threads={torch.get_num_threads()}, repeats={args.repeats}")
-    rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats)
+    rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats, args.device,
+               args.prompt_len, args.saving)
     table = markdown(rows)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(),
+        from kvtier.bench.common import machine_info
+
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "machine": machine_info(),
                                                "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}, indent=2))
     return 0
 
@@ -156,6 +194,9 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
                    help="prompt lengths, prefilled in chunks of the default token budget (comma list)")
     p.add_argument("--batch", type=_ints, default=[1, 8], help="decode batch sizes (comma list)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
+    p.add_argument("--prompt-len", type=int, default=128, help="context of each decoding sequence (default: 128)")
+    p.add_argument("--saving", action="store_true", help="also decode with every token saved to a memory tier")
+    add_device_argument(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
     p.add_argument("--json", default=None, help="write rows as JSON to this file")

@@ -54,7 +54,7 @@ METHODS = ("recompute", "kv", "hidden", "bubblefree", "cake", "auto")
 BASELINES = ("hf_recompute", "hf_torch_save")
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
-            "max_logit_diff", "greedy_match", "repeats", "plan")
+            "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap")
 
 
 # ----- small helpers ----------------------------------------------------------------------------
@@ -151,7 +151,10 @@ class RestoreBench:
 
     def write_partial(self) -> None:
         if self.cfg.json_path:
-            write_json(self.cfg.json_path, self.rows, evaluate_goals(self.rows), self.meta)
+            goals = evaluate_goals(self.rows)
+            if self.meta.get("device"):
+                goals += evaluate_gpu_goals(self.rows, self.meta.get("h2d_pinned_Bps"))
+            write_json(self.cfg.json_path, self.rows, goals, self.meta)
 
     def redis_url(self) -> str | None:
         if self._redis_url is None and "redis" in self.cfg.tiers:
@@ -168,7 +171,17 @@ class RestoreBench:
         try:
             for name in self.cfg.models:
                 self.log(f"[bold]loading {name} ({self.cfg.dtype})[/bold]")
-                self.run_model(load_model(name, dtype=self.cfg.dtype, device=self.cfg.device, tokenizer=False))
+                loaded = load_model(name, dtype=self.cfg.dtype, device=self.cfg.device, tokenizer=False)
+                dev = loaded.module.lm_head.weight.device
+                if dev.type == "cuda" and "h2d_pinned_Bps" not in self.meta:
+                    from kvtier.bench.common import pinned_copy_rate
+                    from kvtier.device import describe
+
+                    self.meta.update(device=describe(dev), h2d_pinned_Bps=pinned_copy_rate(dev),
+                                     h2d_pageable_Bps=pinned_copy_rate(dev, pinned=False))
+                    self.log(f"{self.meta['device']}: plain host-to-device copy {self.meta['h2d_pinned_Bps'] / 1e9:.1f} "
+                             f"GB/s pinned, {self.meta['h2d_pageable_Bps'] / 1e9:.1f} GB/s pageable")
+                self.run_model(loaded)
         finally:
             if self._redis is not None:
                 self._redis.close()
@@ -305,7 +318,10 @@ class RestoreBench:
         out, first = runs[-1]
         rep = out.restore
         first_report = first_report or rep
+        timed_runs = [o.restore for o, _ in runs if o.restore is not None and o.restore.copy_s is not None]
         return dict(ttft_s=_median([o.ttft for o, _ in runs]),
+                    copy_s=_median([r.copy_s for r in timed_runs]) if timed_runs else None,
+                    overlap=_median([r.overlap for r in timed_runs]) if timed_runs else None,
                     restore_s=_median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
                     bytes_read=rep.bytes_read if rep else 0, stored_bytes_per_token=stats.stored_bytes_per_token,
                     predicted=first_report.predicted_s if first_report else None,
@@ -527,6 +543,60 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
 
 
 # ----- reports ----------------------------------------------------------------------------------
+def evaluate_gpu_goals(rows: list[dict], pinned_bps: float | None) -> list[dict]:
+    """The CUDA path's goals (issue: the CUDA path), from the rows of a `--device cuda` run and the
+    plain pinned host-to-device copy rate measured in the same run."""
+    goals = []
+    by_ctx: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["tier"] in ("-", "memory") and r["bandwidth"] in ("-", "none") and not r["storage"]:
+            by_ctx.setdefault((r["model"], r["context_tokens"]), {})[r["method"]] = r
+
+    def add(goal: str, detail: list[dict], ok: list[bool], summary: str) -> None:
+        goals.append(dict(goal=goal, met=bool(ok) and all(ok), summary=summary if ok else "not measured",
+                          detail=detail))
+
+    # 1-3: restore from pinned memory: TTFT vs the bound, achieved copy rate, overlap (8K and 16K)
+    d1, d2, d3 = [], [], []
+    for (model, ctx), m in sorted(by_ctx.items()):
+        kv, floor = m.get("kv"), m.get("hf_floor")
+        if kv is None or ctx < 8192:
+            continue
+        if floor is not None and pinned_bps:
+            bound = max(floor["ttft_s"], kv["bytes_read"] / pinned_bps)
+            d1.append(dict(cell=f"{model} {ctx}", ttft_s=kv["ttft_s"], bound_s=bound, ratio=kv["ttft_s"] / bound))
+        if kv.get("copy_s") and pinned_bps:
+            rate = kv["bytes_read"] / kv["copy_s"]
+            d2.append(dict(cell=f"{model} {ctx}", copy_GBps=rate / 1e9, share=rate / pinned_bps))
+        if kv.get("overlap") is not None:
+            d3.append(dict(cell=f"{model} {ctx}", overlap=kv["overlap"]))
+    add("restore from pinned memory (kv): TTFT <= 1.2 x max(HF floor, KV bytes / pinned H2D rate) at 8K and 16K",
+        d1, [d["ratio"] <= 1.2 for d in d1], ", ".join(f"{d['cell']}: {d['ratio']:.2f}x" for d in d1))
+    add("achieved host-to-device copy rate >= 80% of the plain pinned copy", d2, [d["share"] >= 0.8 for d in d2],
+        ", ".join(f"{d['cell']}: {d['copy_GBps']:.1f} GB/s ({d['share']:.0%})" for d in d2))
+    add("copy/compute overlap >= 0.9 (CUDA events)", d3, [d["overlap"] >= 0.9 for d in d3],
+        ", ".join(f"{d['cell']}: {d['overlap']:.2f}" for d in d3))
+    # 4: MHA (Llama-2-7B shape): hidden or bubble-free >= 1.5x faster than kv from memory
+    d4 = []
+    for (model, ctx), m in sorted(by_ctx.items()):
+        alts = [m[k]["ttft_s"] for k in ("hidden", "bubblefree") if k in m]
+        if model.startswith("llama2") and "kv" in m and alts:
+            d4.append(dict(cell=f"{model} {ctx}", speedup=m["kv"]["ttft_s"] / min(alts)))
+    add("llama2-7b shape (MHA): hidden or bubble-free >= 1.5x faster than kv from memory", d4,
+        [d["speedup"] >= 1.5 for d in d4], ", ".join(f"{d['cell']}: {d['speedup']:.2f}x" for d in d4))
+    # 5: GQA (Llama-3-8B shape): the planner does not pick hidden
+    d5 = [dict(cell=f"{r['model']} {r['context_tokens']} {r['tier']} {r['bandwidth']}", plan=r["plan"])
+          for r in rows if r["method"] == "auto" and r["model"].startswith("llama3")]
+    add("llama3-8b shape (GQA): auto never stores or loads hidden states", d5,
+        [not d["plan"].startswith(("hidden", "bubblefree")) for d in d5], "; ".join(f"{d['cell']}: {d['plan']}" for d in d5))
+    # 6: prefill at least as fast as HF
+    d6 = [dict(cell=f"{model} {ctx}", ratio=m["hf_recompute"]["ttft_s"] / m["recompute"]["ttft_s"])
+          for (model, ctx), m in sorted(by_ctx.items()) if "recompute" in m and "hf_recompute" in m]
+    add("prefill (recompute) at least as fast as HF on the same GPU", d6, [d["ratio"] >= 1.0 for d in d6],
+        ", ".join(f"{d['cell']}: {d['ratio']:.2f}x HF" for d in d6))
+    return goals
+
+
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict) -> None:
     write_json_atomic(path, {"rows": rows, "goals": goals, "meta": meta})
 
@@ -575,13 +645,16 @@ def rich_table(rows: list[dict]):
     from rich.table import Table
 
     t = Table(title="kvtier restore benchmark (medians; '(emulated)' bandwidths are throttled)")
-    for c in ("model", "storage", "ctx", "tier", "bandwidth", "method", "restore_s", "ttft_s", "ideal_s", "MB read",
-              "B/token", "logit diff", "greedy"):
+    for c in ("model", "storage", "ctx", "tier", "bandwidth", "method", "restore_s", "ttft_s", "pred_s", "ideal_s",
+              "MB read", "B/token", "copy GB/s", "overlap", "logit diff", "greedy"):
         t.add_column(c)
     for r in rows:
+        copy = r.get("copy_s")
         t.add_row(r["model"], r["storage"] or r["dtype"], str(r["context_tokens"]), r["tier"], r["bandwidth"],
-                  r["method"], _f(r["restore_s"]), _f(r["ttft_s"]), _f(r["ideal_s"]), f"{r['bytes_read'] / 1e6:.1f}",
-                  str(r["stored_bytes_per_token"]), f"{r['max_logit_diff']:.1e}", "yes" if r["greedy_match"] else "NO")
+                  r["method"], _f(r["restore_s"]), _f(r["ttft_s"]), _f(r.get("predicted_s")), _f(r["ideal_s"]),
+                  f"{r['bytes_read'] / 1e6:.1f}", str(r["stored_bytes_per_token"]),
+                  f"{r['bytes_read'] / copy / 1e9:.1f}" if copy else "-", _f(r.get("overlap"), 2),
+                  f"{r['max_logit_diff']:.1e}", "yes" if r["greedy_match"] else "NO")
     return t
 
 
@@ -698,6 +771,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     bench = RestoreBench(cfg, console)
     rows = bench.run()
     goals = evaluate_goals(rows)
+    if bench.meta.get("device"):
+        goals += evaluate_gpu_goals(rows, bench.meta.get("h2d_pinned_Bps"))
     console.print(rich_table(rows))
     for g in goals:
         console.print(f"{'[green]met[/green]' if g['met'] else '[red]NOT met[/red]'}: {g['goal']}: {g['summary']}")

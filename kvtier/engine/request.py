@@ -69,6 +69,11 @@ class RestoreReport:
     seconds: float  # measured: the restore's start to the end of its first step
     bytes_read: int
     wait_s: float  # time the new tokens' layers waited for reads
+    # On an asynchronous device (CUDA events): the copies' span on the copy stream, the new tokens'
+    # compute span on the compute stream, and the share of the shorter one hidden under the other.
+    copy_s: float | None = None
+    compute_s: float | None = None
+    overlap: float | None = None
 
 
 @dataclass

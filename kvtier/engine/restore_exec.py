@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.engine.runner import ModelRunner, RunItem
-from kvtier.engine.transfer import DONE, Handle, Transfer
+from kvtier.engine.transfer import DONE, Handle, Timeline, Transfer
 from kvtier.restore.costs import READ_GROUP_LAYERS
 from kvtier.restore.plan import Method, Plan
 from kvtier.store.layout import Repr
@@ -50,6 +50,7 @@ class RestoreStats:
     chunks_computed: int = 0  # Cake's front chunks computed from tokens
     wait_s: float = 0.0  # time place() waited for reads (IO not hidden under compute)
     place_s: float = 0.0  # time place() spent copying or projecting into the pool
+    timeline: Timeline | None = None  # device copy/compute spans (CUDA events), layer-wise restores
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,7 @@ class Restore:
         # Groups sent to the device: group index -> (the copies' handle, staged device tensors by part)
         self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor | None]]]] = {}
         self._next_send = 0
+        self._marks: dict[str, torch.cuda.Event | None] = {}  # copy_start/copy_end/compute_start
         self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
         # Per chunk, where a direct read may put it: its pool slots when the whole chunk is one piece.
         whole = {p.chunk: p for p in self.pieces if p.offset == 0}
@@ -328,6 +330,8 @@ class Restore:
             return
         t = time.perf_counter()
         try:
+            if "compute_start" not in self._marks:
+                self._marks["compute_start"] = self.transfer.mark(copy=False)
             gi = self.reader.group_of(layer)
             self._send(gi)
             t1 = time.perf_counter()
@@ -348,8 +352,13 @@ class Restore:
         groups = self.reader.groups
         while self._next_send < len(groups) and (self._next_send <= gi or self.reader.has(self._next_send)):
             j = self._next_send
-            self._sent[j] = self._copy(groups[j], self.reader.take(j))
+            group = self.reader.take(j)
+            if j == 0:
+                self._marks["copy_start"] = self.transfer.mark(copy=True)
+            self._sent[j] = self._copy(groups[j], group)
             self._next_send += 1
+            if self._next_send == len(groups):
+                self._marks["copy_end"] = self.transfer.mark(copy=True)
 
     @torch.inference_mode()
     def _copy(self, layers: tuple[int, ...], group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor | None]]]:
@@ -393,9 +402,16 @@ class Restore:
             self.runner.project_in(layer, h, (self.start, self.plan.history_tokens), self.slots)
 
     def finish(self) -> RestoreStats:
-        """End the restore; raises RestoreMiss if any part failed."""
+        """End the restore; raises RestoreMiss if any part failed. Called once the new tokens' step is
+        enqueued: on CUDA it waits for the device, so the seconds it reports (and the planner
+        learns from) are the device's, not the enqueue's."""
         self._prepared.wait()
+        self.transfer.sync_compute()
         if self.reader is not None:
+            if self._marks and self._error is None:  # called after the new tokens' step was enqueued
+                m = self._marks
+                self.stats.timeline = Timeline.of(m.get("copy_start"), m.get("copy_end"), m.get("compute_start"),
+                                                  self.transfer.mark(copy=False))
             self.stats.bytes_read += self.reader.nbytes
             self.reader.close()
         else:

@@ -242,8 +242,11 @@ class Restorer:
         for tier, n in job.tier_tokens.items():
             self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
         seconds = time.perf_counter() - job.started
+        tl = stats.timeline
         job.req.metrics.restore = RestoreReport(method, job.plan.describe_layout(), job.plan.predicted_s,
-                                                job.plan.ideal_s, seconds, stats.bytes_read, stats.wait_s)
+                                                job.plan.ideal_s, seconds, stats.bytes_read, stats.wait_s,
+                                                tl.copy_s if tl else None, tl.compute_s if tl else None,
+                                                tl.overlap if tl else None)
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
         return True

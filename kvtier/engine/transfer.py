@@ -92,6 +92,10 @@ class Transfer:
         """Block the host until the compute stream has run everything enqueued so far (timings,
         and Cake's pointers, follow real device progress, not the host's enqueue speed)."""
 
+    def mark(self, copy: bool) -> torch.cuda.Event | None:
+        """A timing mark on the copy stream (or the compute stream); None where there are no streams."""
+        return None
+
 
 class CudaTransfer(Transfer):
     def __init__(self, device: torch.device | str) -> None:
@@ -114,7 +118,25 @@ class CudaTransfer(Transfer):
         return Handle(event=ev)
 
     def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
-        return self._enqueue(self.h2d, dst, src) if dst else DONE
+        """Host views (strided: a layer group of stored chunks) into device views (strided: pool
+        slots). A strided host source would make PyTorch stage it through pageable memory with a
+        blocking copy, so instead each host buffer's span under the sources goes over in one
+        contiguous DMA copy, and the strided scatter into `dst` runs on the device, on the same
+        stream, before the event."""
+        if not dst:
+            return DONE
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d):
+            for first, lo, hi, idx in _spans(src):
+                raw = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)  # [span bytes]
+                raw.copy_(_bytes(first)[lo:hi], non_blocking=True)  # one DMA copy per host buffer
+                for i in idx:
+                    a, b = _byte_range(src[i])
+                    view = raw[a - lo:b - lo].view(src[i].dtype).as_strided(src[i].shape, src[i].stride())
+                    dst[i].copy_(view, non_blocking=True)  # the scatter, on the device
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        return Handle(event=ev)
 
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # Allocated on the compute stream, which reads them after waiting on the copy's event.
@@ -150,6 +172,11 @@ class CudaTransfer(Transfer):
 
     def sync_compute(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+    def mark(self, copy: bool) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.h2d if copy else torch.cuda.current_stream(self.device))
+        return ev
 
 
 class LazyTransfer(Transfer):
@@ -190,6 +217,34 @@ class LazyTransfer(Transfer):
         return not handle.pending
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `t`, as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) bytes of its storage that a (strided) view reads."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    if not t.numel():
+        return lo, lo
+    return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
+
+
+def _spans(src: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[int]]]:
+    """Sources grouped by the host buffer they view: (one of them, first byte, end byte, indices)."""
+    groups: dict[int, list] = {}
+    for i, t in enumerate(src):
+        lo, hi = _byte_range(t)
+        g = groups.get(t.untyped_storage().data_ptr())
+        if g is None:
+            groups[t.untyped_storage().data_ptr()] = [t, lo, hi, [i]]
+        else:
+            g[1], g[2] = min(g[1], lo), max(g[2], hi)
+            g[3].append(i)
+    return [tuple(g) for g in groups.values()]
+
+
 def _can_pin() -> bool:
     """Pinned host memory, unless the container refuses it (a low RLIMIT_MEMLOCK): then pageable
     memory, with one warning (copies are then staged by the driver, at a fraction of the speed)."""
@@ -203,3 +258,30 @@ def _can_pin() -> bool:
 
 def make_transfer(device: torch.device) -> Transfer:
     return CudaTransfer(device) if device.type == "cuda" else Transfer(device)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Device times of a layer-wise restore from CUDA events: copies [copy_start, copy_end] on the
+    copy stream, the new tokens' layers [compute_start, compute_end] on the compute stream."""
+
+    copy_s: float
+    compute_s: float
+    span_s: float  # first start to last end
+
+    @property
+    def overlap(self) -> float:
+        """Share of the shorter side hidden under the longer: 1 = fully overlapped, 0 = serial."""
+        short = min(self.copy_s, self.compute_s)
+        return 0.0 if short <= 0 else max(0.0, min(1.0, (self.copy_s + self.compute_s - self.span_s) / short))
+
+    @staticmethod
+    def of(copy_start, copy_end, compute_start, compute_end) -> "Timeline | None":
+        if None in (copy_start, copy_end, compute_start, compute_end):
+            return None
+        compute_end.synchronize()
+        copy_end.synchronize()
+        first = copy_start if copy_start.elapsed_time(compute_start) >= 0 else compute_start
+        last = copy_end if compute_end.elapsed_time(copy_end) >= 0 else compute_end
+        return Timeline(copy_start.elapsed_time(copy_end) / 1e3, compute_start.elapsed_time(compute_end) / 1e3,
+                        first.elapsed_time(last) / 1e3)

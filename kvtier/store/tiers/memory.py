@@ -1,4 +1,5 @@
-"""Host DRAM tier: packed chunks in (pinned, when CUDA is present) uint8 buffers, byte-capped."""
+"""Host DRAM tier: packed chunks in uint8 buffers, byte-capped; for an engine on CUDA the buffers
+are carved from a pinned arena (sources of asynchronous copies to the device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +7,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..arena import PinnedArena
 from ..format import ChunkHeader, PackedChunk
 from ..policy import EvictionPolicy, LRUPolicy
 from ..throttle import Emulation
@@ -41,7 +43,7 @@ class MemoryTier(Tier):
         self._entries: dict[str, _Entry] = {}
         self._partials: dict[str, dict[str, int]] = {}  # parent -> {key: tokens}
         self.used = 0
-        self.pin = pin  # the engine runs on CUDA: blobs are sources of asynchronous copies
+        self.arena = PinnedArena(capacity) if pin else None  # the engine runs on CUDA
         # Called with (tier, key) before an entry is evicted, so the store can demote it.
         self.on_evict: Callable[[Tier, str], None] | None = None
 
@@ -77,7 +79,9 @@ class MemoryTier(Tier):
                 return True
             if n > self.capacity or not self._make_room(n, protected | {key}):
                 return False
-            blob = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
+            blob = self.arena.take(n) if self.arena is not None else None
+            if blob is None:  # no arena (CPU engine), or no room in it: pageable (correct, slower copies)
+                blob = torch.empty(n, dtype=torch.uint8)
             pos = 0
             view = blob.numpy()
             for b in packed.buffers:
@@ -125,5 +129,8 @@ class MemoryTier(Tier):
             return n
 
     def usage(self) -> dict:
-        return dict(entries=len(self._entries), bytes_used=self.used, capacity=self.capacity)
+        out = dict(entries=len(self._entries), bytes_used=self.used, capacity=self.capacity)
+        if self.arena is not None:
+            out["pinned"] = self.arena.stats()
+        return out
 
