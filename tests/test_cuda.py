@@ -178,3 +178,24 @@ def test_the_memory_tier_pins_an_arena_within_its_capacity(gqa_cuda):
         engine.close()
     assert out.prompt_tokens_reused == HIST
     assert out.output_ids == _engine(gqa_cuda, None).generate([ids], GREEDY)[0].output_ids
+
+
+def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
+    """Chunked prefill over a history and batched decode through varlen_attn (packed, no masks)
+    give the tokens the SDPA paths (masked, padded) give."""
+    from kvtier.models import varlen
+
+    model = load_model("tiny-gqa", dtype="bf16", device="cuda", tokenizer=False)
+    cfg = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_batched_tokens=48)
+    ids = _ids(model)
+    prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33]]
+    on = Engine(model, cfg)
+    if not on.runner.packed_decode:
+        pytest.skip(f"varlen_attn is not usable on this device/torch (paged={varlen.paged})")
+    got = [o.output_ids for o in on.generate(prompts, GREEDY)]
+    monkeypatch.setattr(varlen, "usable", lambda *a: False)
+    off = Engine(model, cfg)
+    assert not off.runner.packed_decode
+    want = [o.output_ids for o in off.generate(prompts, GREEDY)]
+    for a, b in zip(got, want):
+        assert sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)

@@ -97,9 +97,13 @@ class LayerReader:
                  transfer: Transfer | None = None) -> None:
         self.reads, self.layout, self.into = reads, tuple(layout), into
         self.transfer = transfer or Transfer()
-        # Groups of layers: on an asynchronous device every group is its own copy and event, so
-        # compute can start on layer 0 while later groups are still in flight.
-        size = READ_GROUP_LAYERS if threaded or self.transfer.is_async else len(layout)
+        # Groups of layers: on an asynchronous device each group is one batch of copies with its
+        # event, so compute starts on layer 0 while later groups are in flight; memory it holds
+        # needs no IO thread, so there groups are larger (fewer copy calls: the host enqueues them).
+        if threaded:
+            size = READ_GROUP_LAYERS
+        else:
+            size = max(READ_GROUP_LAYERS, -(-len(layout) // 4)) if self.transfer.is_async else len(layout)
         self.ready_layers = depth  # what the new tokens wait for (at least the first group)
         self.depth = max(depth, 2 * size)  # how far reading may run ahead of placement
         self.groups = layer_groups(self.layout, first, size)
@@ -347,10 +351,12 @@ class Restore:
             self._error = str(e) or type(e).__name__
 
     def _send(self, gi: int) -> None:
-        """Enqueue the copies of every group up to `gi` (waiting for their reads), and of any
-        later group already read: copies run ahead of compute by as much as IO allows."""
+        """Enqueue the copies of every group up to `gi` (waiting for their reads), and of the next
+        one if it is read: copies run one group ahead of compute, and the host interleaves their
+        enqueueing with the layers' kernels instead of enqueueing every copy before layer 0."""
         groups = self.reader.groups
-        while self._next_send < len(groups) and (self._next_send <= gi or self.reader.has(self._next_send)):
+        while self._next_send < len(groups) and (self._next_send <= gi or (
+                self._next_send == gi + 1 and self.reader.has(self._next_send))):
             j = self._next_send
             group = self.reader.take(j)
             if j == 0:

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvtier.models import varlen
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
 from kvtier.engine.transfer import Handle, Transfer, make_transfer
@@ -67,6 +68,11 @@ class StepBatch:
     decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: slot 0)
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
     decode_q: torch.Tensor | None = None  # [decodes] row of each decoding run's token
+    # On CUDA with flash varlen attention: the decodes' contexts packed, no padding (then
+    # decode_slots/decode_mask are None): pool slots [sum ctx] and int32 offsets [decodes + 1].
+    decode_pack: torch.Tensor | None = None
+    decode_cu: torch.Tensor | None = None
+    decode_width: int = 0  # the longest decoding context
     last_rows: torch.Tensor | None = None  # [runs wanting logits] row of each one's last token
 
 
@@ -92,6 +98,7 @@ class ModelRunner:
 
         self.k_cache = pool()  # [layers, slots, kv_heads, hd]
         self.v_cache = pool()
+        self.packed_decode = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self._flat: tuple | None = None  # the pool as flat uint8 arrays, for direct reads
 
     @staticmethod
@@ -141,9 +148,13 @@ class ModelRunner:
             rows = ()
         ctx_len = [items[i].start + 1 for i in rows]
         width = max(ctx_len, default=0)
-        dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, i in enumerate(rows):
-            dec_slots[r, : ctx_len[r]] = self.slots(items[i].block_ids, 0, ctx_len[r])
+        if self.packed_decode:  # each context's slots, back to back
+            dec_slots = torch.cat([self.slots(items[i].block_ids, 0, c) for i, c in zip(rows, ctx_len)]) \
+                if rows else torch.zeros(0, dtype=torch.long)
+        else:  # padded to the longest (padding: slot 0, masked)
+            dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, i in enumerate(rows):
+                dec_slots[r, : ctx_len[r]] = self.slots(items[i].block_ids, 0, ctx_len[r])
         last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
         ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.start + n)
                     for i, (it, n) in enumerate(zip(items, lens)))
@@ -162,8 +173,10 @@ class ModelRunner:
         ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows = dev[:7]
         gathered = iter(dev[7:])
         cos, sin = self.rope.halves(positions)
-        dec_mask = None
-        if rows:
+        dec_mask = dec_cu = None
+        if rows and self.packed_decode:
+            dec_cu = F.pad(dec_len.cumsum(0), (1, 0)).to(torch.int32)  # [decodes + 1], on the device
+        elif rows:
             dec_mask = (torch.arange(width, device=self.device)[None, :] < dec_len[:, None])[:, None, None, :]
         return StepBatch(
             items=tuple(items),
@@ -174,8 +187,11 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             decode_rows=rows,
-            decode_slots=dec_flat.view(len(rows), width) if rows else None,
+            decode_slots=dec_flat.view(len(rows), width) if rows and not self.packed_decode else None,
             decode_mask=dec_mask,
+            decode_pack=dec_flat if rows and self.packed_decode else None,
+            decode_cu=dec_cu,
+            decode_width=width,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
         )
@@ -210,7 +226,13 @@ class ModelRunner:
         return layer.finish(h, torch.cat(outs) if len(outs) > 1 else outs[0])
 
     def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch) -> torch.Tensor:
-        """One SDPA call for every decoding run: contexts padded to the longest and masked."""
+        """One attention call for every decoding run: flash varlen over the packed contexts (CUDA),
+        else one SDPA call over contexts padded to the longest and masked."""
+        if b.decode_pack is not None and b.decode_cu is not None and b.decode_q is not None:
+            n = len(b.decode_rows)
+            cu_q = torch.arange(n + 1, device=q.device, dtype=torch.int32)
+            return varlen.attend(q.index_select(0, b.decode_q), kc.index_select(0, b.decode_pack),
+                                 vc.index_select(0, b.decode_pack), cu_q, b.decode_cu, 1, b.decode_width)  # [n, heads, hd]
         if b.decode_slots is None or b.decode_mask is None or b.decode_q is None:
             raise RuntimeError("decode attention without decode rows")
         n, width = b.decode_slots.shape

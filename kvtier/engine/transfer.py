@@ -127,13 +127,22 @@ class CudaTransfer(Transfer):
             return DONE
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d):
-            for first, lo, hi, idx in _spans(src):
-                raw = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)  # [span bytes]
-                raw.copy_(_bytes(first)[lo:hi], non_blocking=True)  # one DMA copy per host buffer
+            spans = _spans(src)
+            sizes = [-(-(hi - lo) // _ALIGN) * _ALIGN for _, lo, hi, _ in spans]
+            stage = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)  # [bytes of every span]
+            dma_dst, dma_src, targets, views, pos = [], [], [], [], 0
+            for (first, lo, hi, idx), n in zip(spans, sizes):
+                dma_dst.append(stage[pos:pos + hi - lo])
+                dma_src.append(_bytes(first)[lo:hi])
                 for i in idx:
                     a, b = _byte_range(src[i])
-                    view = raw[a - lo:b - lo].view(src[i].dtype).as_strided(src[i].shape, src[i].stride())
-                    dst[i].copy_(view, non_blocking=True)  # the scatter, on the device
+                    views.append(stage[pos + a - lo:pos + b - lo].view(src[i].dtype).as_strided(src[i].shape,
+                                                                                                src[i].stride()))
+                    targets.append(dst[i])
+                pos += n
+            # C++ loops, not Python ones: a restore issues thousands of these.
+            torch._foreach_copy_(dma_dst, dma_src, non_blocking=True)  # one DMA per host buffer
+            torch._foreach_copy_(targets, views, non_blocking=True)  # the strided scatter, on the device
             ev = torch.cuda.Event()
             ev.record(self.h2d)
         return Handle(event=ev)
@@ -220,6 +229,9 @@ class LazyTransfer(Transfer):
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole storage under `t`, as a flat uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+_ALIGN = 512  # staging offsets stay aligned for every dtype view
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

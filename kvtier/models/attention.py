@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvtier.models import varlen
+
 # The fused CPU flash kernel SDPA dispatches to, called directly where its log-sum-exp is needed.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -19,6 +21,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     n, ctx = q.shape[0], k.shape[0]
     if 1 < n < ctx and q.device.type == "cpu" and _FLASH_CPU is not None:
         return _history_then_own(q, k, v, q_start)
+    if 1 < n < ctx and varlen.usable(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2]):
+        # CUDA: flash attention with the causal mask aligned bottom-right, no mask tensor
+        return varlen.attend(q, k, v, *varlen.spans(n, ctx, q.device), n, ctx)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads | kv_heads, tokens, hd]
     # SDPA's fused CPU kernel (torch >= 2.5) handles grouped K/V heads itself: no repeat_interleave copy.
     gqa = q.shape[1] != k.shape[1]
