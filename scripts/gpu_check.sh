@@ -6,7 +6,8 @@
 # kvtier runs from this checkout with the machine's torch (nothing is installed over it). Pure-Python
 # packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c: see
 # docs/benchmarks.md for the download line); they are unpacked into a private directory.
-# Environment knobs: MODELS, CONTEXTS, TIERS, BANDWIDTHS, REPEATS, SKIP_TESTS=1, SKIP_BENCH=1.
+# Environment knobs: MODELS, CONTEXTS, TIERS, BANDWIDTHS, REPEATS, FORWARD_MODEL, FORWARD_PREFILL,
+# FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, SKIP_BENCH=1, SKIP_FORWARD=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/gpu}
@@ -34,6 +35,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       --tier "${TIERS:-memory,disk}" --bandwidth "${BANDWIDTHS:-none}" --repeats "${REPEATS:-3}" \
       --workdir /tmp/kvtier-restore-work --json "$OUT/restore_gpu.json" --markdown "$OUT/restore_gpu.md" \
       --plot "$OUT/restore_gpu.png" 2>&1 | tee "$OUT/restore_gpu.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -z "${SKIP_FORWARD:-}" ]; then
+  # Prefill beside HF; batched decode at long context (packed flash decode vs HF), with saving on and off.
+  $PY -m kvtier.bench.forward --device cuda --dtype bf16 --model "${FORWARD_MODEL:-smollm2-shape}" \
+      --prefill "${FORWARD_PREFILL:-4096,16384}" --batch "${FORWARD_BATCH:-1,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" \
+      --new-tokens 32 --repeats "${REPEATS:-3}" --saving --json "$OUT/forward_gpu.json" 2>&1 | tee "$OUT/forward_gpu.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -201,3 +202,15 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
     p.add_argument("--json", default=None, help="write rows as JSON to this file")
     p.set_defaults(func=cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvtier.bench.forward ...`: the same command without the whole CLI's imports."""
+    p = argparse.ArgumentParser(prog="kvtier bench")
+    register(p.add_subparsers(dest="bench_command", required=True))
+    args = p.parse_args(["forward", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
