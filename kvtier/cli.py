@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from kvtier.device import add_device_argument
@@ -72,7 +74,11 @@ def turn_stats(out: RequestOutput) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    engine = build_engine_from_args(args)
+    with build_engine_from_args(args) as engine:  # saves drained, threads stopped before exit
+        return _generate(engine, args, params)
+
+
+def _generate(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
     has_template = engine.model.tokenizer is not None and getattr(engine.model.tokenizer, "chat_template", None)
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}]) if has_template and not args.raw \
         else engine.encode(args.prompt)
@@ -101,8 +107,12 @@ def _chat_turn(engine: Engine, history: list[dict[str, str]], params: SamplingPa
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    engine = build_engine_from_args(args)
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    with build_engine_from_args(args) as engine:
+        return _chat(engine, params, args.system)
+
+
+def _chat(engine: Engine, params: SamplingParams, system: str | None) -> int:
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     print(f"kvtier chat with {engine.model.name} ({engine.model.dtype}); empty line or Ctrl-D ends.", file=sys.stderr)
     while True:
         try:
@@ -134,20 +144,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    engine = build_engine_from_args(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     history: list[dict[str, str]] = []
-    table = Table(title=f"kvtier multi-turn demo: {engine.model.name} ({engine.model.dtype})")
-    for col in ("turn", "prompt tokens", "computed", "reused", "TTFT ms", "generated", "answer"):
-        table.add_column(col)
-    for i, question in enumerate(DEMO_TURNS, 1):
-        history.append({"role": "user", "content": question})
-        out = _chat_turn(engine, history, params, echo=False)
-        console.print(f"[bold]user:[/bold] {question}\n[bold]assistant:[/bold] {out.text}\n")
-        answer = out.text.replace("\n", " ")
-        table.add_row(str(i), str(out.prompt_tokens), str(out.prompt_tokens_computed), str(out.prompt_tokens_reused),
-                      f"{(out.ttft or 0) * 1000:.0f}", str(len(out.output_ids)),
-                      answer[:48] + ("…" if len(answer) > 48 else ""))
+    with build_engine_from_args(args) as engine:
+        table = Table(title=f"kvtier multi-turn demo: {engine.model.name} ({engine.model.dtype})")
+        for col in ("turn", "prompt tokens", "computed", "reused", "TTFT ms", "generated", "answer"):
+            table.add_column(col)
+        for i, question in enumerate(DEMO_TURNS, 1):
+            history.append({"role": "user", "content": question})
+            out = _chat_turn(engine, history, params, echo=False)
+            console.print(f"[bold]user:[/bold] {question}\n[bold]assistant:[/bold] {out.text}\n")
+            answer = out.text.replace("\n", " ")
+            table.add_row(str(i), str(out.prompt_tokens), str(out.prompt_tokens_computed),
+                          str(out.prompt_tokens_reused), f"{(out.ttft or 0) * 1000:.0f}", str(len(out.output_ids)),
+                          answer[:48] + ("…" if len(answer) > 48 else ""))
     console.print(table)
     return 0
 
@@ -260,17 +270,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread; the process exits 128 + the signal number."""
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so `with engine:` blocks drain saves and stop threads on the
+    way out (the default action would kill the process mid-save)."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    exit_on_sigterm()
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:
+        return 128 + int(e.args[0])
     except KeyboardInterrupt:
         return 130
 

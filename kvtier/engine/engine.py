@@ -298,6 +298,12 @@ class Engine:
         """Drain pending saves and stop the restore and writer threads (once; later calls do nothing)."""
         self._closer()
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outs = []
         while not self._inbox.empty():
