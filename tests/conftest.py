@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-
 import pytest
 import torch
 
+from kvtier.bench.services import RedisCluster, RedisServer, redis_binary
 from kvtier.models.loading import LoadedModel, load_model
 
 torch.set_num_threads(2)
@@ -30,46 +26,36 @@ def tiny_mha() -> LoadedModel:
     return load_model("tiny-mha", dtype="fp32", tokenizer=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _need(binary: str) -> None:
+    if redis_binary(binary) is None:
+        pytest.skip(f"{binary} is not installed (CI installs it from the Debian package redis-server)")
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
+def redis_server():
     """URL of a fresh redis-server on a free loopback port (skipped only if the binary is missing)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs it from Debian packages)")
-    import redis
+    _need("redis-server")
+    with RedisServer() as srv:
+        yield srv.url.rsplit("/", 1)[0]
 
-    workdir = tmp_path_factory.mktemp("redis")
-    for _attempt in range(3):
-        port = _free_port()
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        else:
-            proc.kill()
-            continue
-        if proc.poll() is None:
-            break
-    else:
-        pytest.fail("could not start redis-server")
-    yield f"redis://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
+
+@pytest.fixture(scope="session")
+def redis_cluster_server():
+    """URL (redis+cluster://) of a fresh 3-master Redis Cluster on free loopback ports."""
+    _need("redis-server")
+    _need("redis-cli")
+    with RedisCluster(3) as cluster:
+        yield cluster.url
+
+
+def _prefix(request) -> str:
+    return "t" + str(abs(hash(request.node.nodeid)) % 10**10)
+
+
+def _drop_prefix(client, prefix: str) -> None:
+    for k in list(client.scan_iter(match=f"{prefix}:*")):
+        client.delete(k)
+    client.close()
 
 
 @pytest.fixture
@@ -77,18 +63,26 @@ def redis_url(redis_server, request):
     """A per-test key prefix on the shared server, so tests do not see each other's chunks."""
     import redis
 
-    prefix = "t" + str(abs(hash(request.node.nodeid)) % 10**10)
+    prefix = _prefix(request)
     yield f"{redis_server}/0?prefix={prefix}"
-    client = redis.Redis.from_url(redis_server)
-    for k in client.scan_iter(match=f"{prefix}:*"):
-        client.delete(k)
+    _drop_prefix(redis.Redis.from_url(redis_server), prefix)
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture
+def redis_cluster_url(redis_cluster_server, request):
+    """The same on the shared cluster."""
+    from redis.cluster import RedisCluster as Client
+
+    prefix = _prefix(request)
+    yield f"{redis_cluster_server}?prefix={prefix}"
+    _drop_prefix(Client.from_url(redis_cluster_server.replace("redis+cluster", "redis")), prefix)
+
+
+@pytest.fixture(params=["memory", "disk", "redis", "redis-cluster"])
 def tier_spec(request, tmp_path):
-    """A one-tier store spec per tier kind (the redis case uses the real server above)."""
+    """A one-tier store spec per tier kind (the redis cases use the real servers above)."""
     if request.param == "memory":
         return "memory:1GB"
     if request.param == "disk":
         return f"disk:{tmp_path}/store:1GB"
-    return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")

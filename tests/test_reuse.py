@@ -42,7 +42,7 @@ def test_four_turn_conversation_reuses_stored_state(tiny_gqa, tier_spec, method)
     plain = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False))
     expected = conversation(lambda i: plain, vocab)
     spec = tier_spec
-    tier = spec.split(":")[0]  # memory, disk or redis
+    tier = spec.split(":")[0].split("+")[0]  # memory, disk or redis (a cluster too)
     # No device prefix cache: whatever is reused must come back from the store tier under test.
     engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=32 << 20, enable_prefix_cache=False), store=spec,
                     reuse=ReuseConfig(method=method, chunk_tokens=24),

@@ -1,4 +1,4 @@
-"""Helpers any benchmark can share: a private redis-server, cold-cache disk reads, timing and output.
+"""Helpers any benchmark can share: cold-cache disk reads, timing and output (services.py: Redis).
 
 Nothing here imports torch or the engine, so tests of report code stay fast.
 """
@@ -20,74 +20,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvtier.bench.services import RedisServer, free_port  # noqa: F401  (re-exported for the benchmarks)
+
 T = TypeVar("T")
 _READ_BLOCK = 1 << 20  # 1 MiB: large enough that per-call overhead does not hide the device's bandwidth
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port: no persistence, stopped on close.
-
-    `with RedisServer() as srv: ... srv.url ...`. Large values are allowed (`proto-max-bulk-len`
-    2 GB) so a whole serialized KV cache fits in one SET.
-    """
-
-    def __init__(self, binary: str | None = None, startup_s: float = 10.0) -> None:
-        self.binary = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.startup_s = startup_s
-        self.port = 0
-        self.dir: str | None = None
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        import redis
-
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")  # its cwd: nothing is written with --save ""
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--proto-max-bulk-len", "2gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + self.startup_s
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"redis-server ({self.binary}) did not answer PING on port {self.port}")
-                time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-    def __enter__(self) -> "RedisServer":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _files(root: str | os.PathLike) -> Iterable[str]:

@@ -34,15 +34,15 @@ import heapq
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvtier.bench.services import RedisServer
 
 
 TIERS = ("device", "memory", "disk", "redis")
@@ -98,39 +98,6 @@ def select_configs(spec: str, workload: str, redis: bool, baseline: bool = True)
             c.storage == "none" for c in chosen):
         chosen.insert(0, configs[0])  # the recompute baseline is what everything is compared with
     return chosen
-
-
-# ----- redis (private instance) -----------------------------------------------------------------
-class PrivateRedis:
-    """A redis-server on a free loopback port, no persistence; stopped (by its own handle) on close."""
-
-    def __init__(self, binary: str, workdir: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.close()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def url(self, prefix: str) -> str:
-        return f"redis://127.0.0.1:{self.port}/0?prefix={prefix}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 # ----- one run ----------------------------------------------------------------------------------
@@ -219,7 +186,7 @@ def replay(engine, workload, max_model_len: int, log=print) -> tuple[list[TurnRe
     return records, totals
 
 
-def store_spec(cfg: RunConfig, args: argparse.Namespace, workdir: Path, redis: PrivateRedis | None) -> str | None:
+def store_spec(cfg: RunConfig, args: argparse.Namespace, workdir: Path, redis: RedisServer | None) -> str | None:
     if cfg.storage == "none":
         return None
     mem = args.pressure_memory if cfg.pressure else args.memory
@@ -229,12 +196,12 @@ def store_spec(cfg: RunConfig, args: argparse.Namespace, workdir: Path, redis: P
         parts.append(f"disk:{d}:{args.pressure_disk if cfg.storage.endswith('redis') else args.disk}")
     if "redis" in cfg.storage:
         assert redis is not None
-        parts.append(redis.url(f"trace-{os.getpid()}-{int(time.time() * 1000)}"))
+        parts.append(f"{redis.url}?prefix=trace-{os.getpid()}-{int(time.time() * 1000)}")
     return ",".join(parts)
 
 
 def run_config(model, profile, workload, cfg: RunConfig, args: argparse.Namespace, workdir: Path,
-               redis: PrivateRedis | None, log=print) -> tuple[list[TurnRecord], dict]:
+               redis: RedisServer | None, log=print) -> tuple[list[TurnRecord], dict]:
     from kvtier.engine.config import EngineConfig, ReuseConfig
     from kvtier.engine.engine import Engine
 
@@ -722,7 +689,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     binary = shutil.which("redis-server") if args.redis == "auto" else (None if args.redis == "none" else args.redis)
     try:
         if binary:
-            redis = PrivateRedis(binary, workdir)
+            redis = RedisServer(binary).start()
         plan = [] if args.check_only else [(wl, c) for wl in wls
                                           for c in select_configs(args.configs, wl.name, redis is not None,
                                                                   not args.no_baseline)]
@@ -730,7 +697,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         profile = None
         if needs_store:
             pdir = Path(tempfile.mkdtemp(prefix="profile-", dir=workdir))
-            pspec = f"memory:1GB,disk:{pdir}:4GB" + (f",{redis.url('trace-profile')}" if redis else "")
+            pspec = f"memory:1GB,disk:{pdir}:4GB" + (f",{redis.url}?prefix=trace-profile" if redis else "")
             t = time.perf_counter()
             profile = load_or_measure(model, Path(args.home) if args.home else home(), pspec)
             print(f"hardware profile ready in {time.perf_counter() - t:.1f} s (tiers: {sorted(profile.tiers)})",

@@ -313,7 +313,7 @@ class TieredStore:
                 checked += 1
                 if why is None:
                     n_ok += 1
-                elif why != "missing":
+                elif why not in ("missing", "unavailable"):
                     n_bad += 1
                     corrupt.append((t.name, key, why))
             per_tier[t.name] = dict(ok=n_ok, corrupt=n_bad)

@@ -91,8 +91,9 @@ def test_corrupt_memory_copy_falls_back_to_disk(tmp_path, ns):
     store.close()
 
 
-def test_redis_flipped_byte_and_truncation(redis_url, ns):
-    store, t, ref = _one_chunk_store(redis_url, ns)
+@pytest.mark.parametrize("server", ["redis_url", "redis_cluster_url"])
+def test_redis_flipped_byte_and_truncation(server, ns, request):
+    store, t, ref = _one_chunk_store(request.getfixturevalue(server), ns)
     tier = store.tier("redis")
     rkey = tier._c(ref.key)
     raw = bytearray(tier.client.get(rkey))

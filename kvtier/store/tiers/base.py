@@ -22,6 +22,7 @@ import torch
 
 from ..format import PREAMBLE, ChunkHeader, FormatError, PackedChunk, Segment, check_segment, header_length, parse_header
 from ..throttle import Emulation, Throttle
+from .breaker import Outage
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,9 @@ class Tier(ABC):
             except (FormatError, OSError) as e:
                 reader.close()
                 err = e
-        self.discard_corrupt(expect.key, str(err))
+                if isinstance(e, Outage):
+                    break
+        self._failed(expect.key, err)
         return None
 
     def open_chunks(self, expects: Sequence[Expect]) -> list[OpenChunk | None]:
@@ -252,17 +255,17 @@ class Tier(ABC):
 
     @staticmethod
     def _try_read(oc: OpenChunk, runs: list[list[Segment]], out: torch.Tensor | None,
-                  into: PoolTarget | None = None) -> tuple[Segments, int] | str:
+                  into: PoolTarget | None = None) -> tuple[Segments, int] | Exception:
         try:
             return oc.read(runs, out, into)
         except (FormatError, OSError) as e:
-            return str(e) or type(e).__name__
+            return e
 
-    def _collect(self, opened: Sequence[OpenChunk], results: Sequence[tuple[Segments, int] | str]) -> list[Segments] | None:
+    def _collect(self, opened: Sequence[OpenChunk], results: Sequence[tuple[Segments, int] | Exception]) -> list[Segments] | None:
         got = []
         for oc, res in zip(opened, results):
-            if isinstance(res, str):
-                self.discard_corrupt(oc.expect.key, res)
+            if isinstance(res, Exception):
+                self._failed(oc.expect.key, res)
                 return None
             self._count_read(oc.expect.key, res[1])
             got.append(res[0])
@@ -299,6 +302,8 @@ class Tier(ABC):
         None and why: "missing" or the corruption found, after which the chunk is removed)."""
         err: Exception | None = None
         for _attempt in range(2):
+            if isinstance(err, Outage):
+                break
             reader = self._open(expect.key)
             if reader is None:
                 self.counters["misses"] += 1
@@ -320,9 +325,8 @@ class Tier(ABC):
                 reader.close()
             self._count_read(expect.key, whole.numel())
             return ChunkData(header, segs, whole.numel(), whole), ""
-        why = str(err) or type(err).__name__
-        self.discard_corrupt(expect.key, why)
-        return None, why
+        self._failed(expect.key, err)
+        return None, "unavailable" if isinstance(err, Outage) else (str(err) or type(err).__name__)
 
     def check(self, expect: Expect) -> str | None:
         """Read and checksum the whole chunk. None if intact, "missing", or why it was removed."""
@@ -332,6 +336,13 @@ class Tier(ABC):
     @abstractmethod
     def clear(self) -> int:
         """Remove every chunk (of this namespace; of all in admin mode). Returns how many."""
+
+    def _failed(self, key: str, err: Exception | None) -> None:
+        """A read failed: an unreachable tier is a miss; anything else means the stored value is bad."""
+        if isinstance(err, Outage):
+            self.counters["misses"] += 1
+        else:
+            self.discard_corrupt(key, (str(err) or type(err).__name__) if err else "unreadable")
 
     def discard_corrupt(self, key: str, why: str) -> None:
         log.warning("%s tier: chunk %s is corrupt (%s); removed, will recompute", self.name, key, why)

@@ -6,6 +6,12 @@ Keys (prefix configurable, `ns` = store digest so models never mix):
 Layer reads use GETRANGE, so one layer (or K without V) costs only its bytes on the wire; a
 restore's reads of one layer group over all its chunks go out as one pipeline (one round trip).
 Works with a single server or Redis Cluster; capacity is Redis's own (maxmemory) plus an optional TTL.
+No operation relies on two keys changing together: a partial's set entry is an index that readers
+check against the value (dropped when the value is gone), so in a cluster the two may live on
+different nodes.
+
+A dead server costs misses and dropped saves, never a failed request: every call goes through a
+`Breaker` (short socket timeouts, fail fast while down, probe again after a backoff).
 """
 from __future__ import annotations
 
@@ -16,10 +22,19 @@ from typing import Iterator
 
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, ClusterError
+from redis.retry import Retry
 
 from ..format import FormatError, PackedChunk, Segment, check_segment
 from ..spec import RedisSpec
 from .base import OpenChunk, PoolTarget, Reader, Segments, Tier, log
+from .breaker import Breaker, Outage
+
+# A request never waits long on a dead tier: connecting and each reply are bounded, and a broken
+# pooled connection (the server restarted) gets one immediate retry on a fresh one.
+CLIENT_OPTIONS = dict(socket_timeout=1.0, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 1))
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, ClusterError, OSError)
 
 # Reads only ever read what they get: a tensor over the reply's immutable bytes needs no copy.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -33,15 +48,16 @@ def _tensor(raw: bytes, out: torch.Tensor | None) -> torch.Tensor:
 
 
 class _RedisReader(Reader):
-    def __init__(self, client, rkey: str, size: int) -> None:
-        self.client = client
+    def __init__(self, tier: "RedisTier", rkey: str, size: int) -> None:
+        self.tier = tier
         self.rkey = rkey
         self.size = size
 
     def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if nbytes <= 0:
             return torch.empty(0, dtype=torch.uint8)
-        return _tensor(self.client.getrange(self.rkey, offset, offset + nbytes - 1), out)
+        raw = self.tier.call(lambda c: c.getrange(self.rkey, offset, offset + nbytes - 1))
+        return _tensor(raw, out)
 
 
 class RedisTier(Tier):
@@ -51,19 +67,24 @@ class RedisTier(Tier):
         super().__init__(spec.emulation)
         self.spec = spec
         self.ns = ns
-        if spec.cluster:
-            from redis.cluster import RedisCluster
-            self.client = RedisCluster.from_url(spec.url)
-        else:
-            self.client = redis.Redis.from_url(spec.url)
         try:
+            if spec.cluster:
+                from redis.cluster import RedisCluster
+                self.client = RedisCluster.from_url(spec.url, **CLIENT_OPTIONS)
+            else:
+                self.client = redis.Redis.from_url(spec.url, **CLIENT_OPTIONS)
             self.client.ping()
-        except redis.RedisError as e:
+        except redis.RedisError as e:  # at startup an unreachable URL is a configuration error
             raise ConnectionError(
                 f"cannot reach Redis at {spec.url}: {e}. Start the server or fix the URL in --store"
             ) from e
+        self.breaker = Breaker(f"redis tier {spec.url}", UNREACHABLE)
         self._admin_keys: dict[str, str] = {}
         self.ex = int(math.ceil(spec.ttl)) if spec.ttl else None
+
+    def call(self, fn):
+        """`fn(client)` through the breaker; raises Outage while the server is unreachable."""
+        return self.breaker.call(lambda: fn(self.client))
 
     def _c(self, key: str) -> str:
         return f"{self.spec.prefix}:{self.ns}:c:{key}"
@@ -71,60 +92,77 @@ class RedisTier(Tier):
     def _p(self, parent: str) -> str:
         return f"{self.spec.prefix}:{self.ns}:p:{parent}"
 
-    def _pipe(self):
-        return self.client.pipeline(transaction=not self.spec.cluster)
-
     def contains(self, key: str) -> bool:
-        return self.ns is not None and bool(self.client.exists(self._c(key)))
+        return self.contains_many([key])[0]
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         if self.ns is None or not keys:
             return [False] * len(keys)
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self._c(k))
-        return [bool(x) for x in pipe.execute()]
+
+        def exists(client) -> list:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._c(k))
+            return pipe.execute()
+
+        try:
+            return [bool(x) for x in self.call(exists)]
+        except Outage:
+            return [False] * len(keys)
 
     def partials(self, parent: str) -> list[tuple[str, int]]:
         if self.ns is None:
             return []
-        members = [m.decode() for m in self.client.smembers(self._p(parent))]
+        try:
+            members = [m.decode() for m in self.call(lambda c: c.smembers(self._p(parent)))]
+        except Outage:
+            return []
         if not members:
             return []
         pairs = [(m.split(":", 1)[1], int(m.split(":", 1)[0])) for m in members]
         alive = self.contains_many([k for k, _ in pairs])
         dead = [m for m, ok in zip(members, alive) if not ok]
-        if dead:  # values expired or deleted elsewhere: drop their index entries
-            self.client.srem(self._p(parent), *dead)
+        if dead and self.breaker.up:  # values expired or deleted elsewhere: drop their index entries
+            self._quietly(lambda c: c.srem(self._p(parent), *dead))
         return [p for p, ok in zip(pairs, alive) if ok]
 
+    def _quietly(self, fn) -> None:
+        """Best-effort housekeeping: skipped while the server is unreachable."""
+        try:
+            self.call(fn)
+        except Outage:
+            pass
+
     def _open(self, key: str) -> Reader | None:
-        rkey = self._rkey_any(key)
-        if rkey is None:
+        try:
+            rkey = self._rkey_any(key)
+            size = self.call(lambda c: c.strlen(rkey)) if rkey is not None else 0
+        except Outage:
             return None
-        size = self.client.strlen(rkey)
-        return _RedisReader(self.client, rkey, size) if size else None
+        return _RedisReader(self, rkey, size) if size else None
 
     def _rkey_any(self, key: str) -> str | None:
         if self.ns is not None:
             return self._c(key)
         if key in self._admin_keys:  # filled by iterate(): admin tools walk every namespace
             return self._admin_keys[key]
-        for rk in self.client.scan_iter(match=f"{self.spec.prefix}:*:c:{key}", count=1000):
-            return rk.decode()
-        return None
+        found = self.call(lambda c: next(c.scan_iter(match=f"{self.spec.prefix}:*:c:{key}", count=1000), None))
+        return None if found is None else found.decode()
 
     def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
                   out: Sequence[torch.Tensor | None], into: Sequence[PoolTarget | None] | None = None) -> list[Segments] | None:
         """Every range of every chunk in one pipeline: a layer group costs one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        for oc, rs in zip(opened, runs):
-            for run in rs:
-                lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
-                pipe.getrange(oc.reader.rkey, lo, hi - 1)  # type: ignore[attr-defined]
+        def getranges(client) -> list:
+            pipe = client.pipeline(transaction=False)
+            for oc, rs in zip(opened, runs):
+                for run in rs:
+                    lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
+                    pipe.getrange(oc.reader.rkey, lo, hi - 1)  # type: ignore[attr-defined]
+            return pipe.execute()
+
         try:
-            replies = iter(pipe.execute())
-        except redis.RedisError as e:
+            replies = iter(self.call(getranges))
+        except (Outage, redis.RedisError) as e:
             log.warning("redis read failed: %s", e)
             self.counters["misses"] += len(opened)
             return None
@@ -155,16 +193,21 @@ class RedisTier(Tier):
         if self.ns is None:
             raise RuntimeError("admin-mode store cannot write chunks")
         h = packed.header
-        try:
-            pipe = self._pipe()
+
+        def write(client) -> None:
+            pipe = client.pipeline(transaction=not self.spec.cluster)
             pipe.set(self._c(h.key), packed.to_bytes(), ex=self.ex)
             if h.partial:
                 pipe.sadd(self._p(h.parent), f"{h.tokens}:{h.key}")
                 if self.ex:
                     pipe.expire(self._p(h.parent), self.ex)
             pipe.execute()
-        except redis.RedisError as e:
-            log.warning("redis write of %s failed: %s", h.key, e)
+
+        try:
+            self.call(write)
+        except (Outage, redis.RedisError) as e:  # dropped, counted; the server keeps serving
+            if not isinstance(e, Outage) or self.breaker.up:
+                log.warning("redis write of %s failed: %s", h.key, e)
             self.counters["put_errors"] += 1
             return False
         self.counters["bytes_written"] += packed.nbytes
@@ -172,9 +215,12 @@ class RedisTier(Tier):
         return True
 
     def delete(self, key: str) -> None:
-        rkey = self._rkey_any(key)
+        try:
+            rkey = self._rkey_any(key)
+        except Outage:
+            return
         if rkey is not None:
-            self.client.delete(rkey)
+            self._quietly(lambda c: c.delete(rkey))
         # A partial's set entry is dropped lazily by partials() once its value is gone.
 
     def iterate(self) -> Iterator[str]:
@@ -210,9 +256,22 @@ class RedisTier(Tier):
             self.client.delete(*rkeys)
 
     def usage(self) -> dict:
-        entries = sum(1 for _ in self.iterate())
-        return dict(entries=entries, bytes_used=None, capacity=None, url=self.spec.url,
-                    ttl_s=self.spec.ttl)
+        """The server's own memory figures (one INFO per node; shared with anything else stored
+        there). Entries are counted (a full SCAN) only in admin mode, not on every /metrics scrape."""
+        out = dict(url=self.spec.url, ttl_s=self.spec.ttl, bytes_used=None, capacity=None, **self.breaker.stats())
+        try:
+            if self.spec.cluster:
+                from redis.cluster import RedisCluster
+                nodes = list(self.call(lambda c: c.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
+            else:
+                nodes = [self.call(lambda c: c.info("memory"))]
+            out["bytes_used"] = sum(int(n.get("used_memory", 0)) for n in nodes)
+            out["capacity"] = sum(int(n.get("maxmemory", 0)) for n in nodes) or None
+            if self.ns is None:
+                out["entries"] = sum(1 for _ in self.iterate())
+        except Outage:
+            pass
+        return out
 
     def close(self) -> None:
         try:
