@@ -133,6 +133,15 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
     hits = CounterMetricFamily("kvtier_store_hits", "Chunk reads served by each tier", labels=["tier"])
     misses = CounterMetricFamily("kvtier_store_misses", "Chunk reads each tier could not serve", labels=["tier"])
     evictions = CounterMetricFamily("kvtier_store_evictions", "Chunks evicted from each tier", labels=["tier"])
+    put_errors = CounterMetricFamily(
+        "kvtier_store_put_errors", "Chunk writes a tier failed or refused (full, read-only, unreachable)", labels=["tier"]
+    )
+    corrupt = CounterMetricFamily("kvtier_store_corrupt", "Chunks found corrupt and removed", labels=["tier"])
+    unavailable = CounterMetricFamily(
+        "kvtier_store_unavailable", "Calls to a remote tier that failed or were skipped while it was unreachable",
+        labels=["tier"],
+    )
+    up = GaugeMetricFamily("kvtier_store_tier_up", "1 while a tier is reachable, 0 during an outage", labels=["tier"])
     dropped = CounterMetricFamily("kvtier_store_dropped_saves", "Saves dropped because the writer queue was full")
     queue = GaugeMetricFamily("kvtier_store_write_queue_depth", "Saves waiting in the asynchronous writer")
     written = CounterMetricFamily("kvtier_store_chunks_written", "Chunks the writer stored")
@@ -147,18 +156,23 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
             log.warning("could not read store stats for /metrics", exc_info=True)
     if stats:
         for name, t in (stats.get("tiers") or {}).items():
-            used.add_metric([name], t.get("bytes_used", 0))
-            cap.add_metric([name], t.get("capacity", 0))
+            used.add_metric([name], t.get("bytes_used") or 0)
+            cap.add_metric([name], t.get("capacity") or 0)
             hits.add_metric([name], t.get("hits", 0))
             misses.add_metric([name], t.get("misses", 0))
             evictions.add_metric([name], t.get("evictions", 0))
+            put_errors.add_metric([name], t.get("put_errors", 0))
+            corrupt.add_metric([name], t.get("corrupt", 0))
+            unavailable.add_metric([name], t.get("unavailable", 0))
+            up.add_metric([name], float(t.get("up", True)))
         writer = stats.get("writer") or {}
         dropped.add_metric([], writer.get("dropped_saves", 0))
         queue.add_metric([], writer.get("queue_depth", 0))
         counters = stats.get("store") or {}
         written.add_metric([], counters.get("chunks_written", 0))
         skipped.add_metric([], counters.get("chunks_skipped", 0))
-    yield from (used, cap, hits, misses, evictions, dropped, queue, written, skipped)
+    yield from (used, cap, hits, misses, evictions, put_errors, corrupt, unavailable, up, dropped, queue, written,
+                skipped)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.config import EngineConfig
@@ -79,3 +80,16 @@ def serve(model, window: int = WINDOW, kv_bytes: int = 16 << 20, truncation=None
     finally:
         background.close()
         engine.close()
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """A server's /metrics as {(sample name, sorted labels): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
