@@ -26,13 +26,14 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     served_model_name: str | None = None,
     default_max_tokens: int | None = None,
+    max_queued_requests: int | None = 256,
     config: ServeConfig | None = None,
 ) -> FastAPI:
     """Serve `engine`. Given an Engine, the app runs its step loop from startup to shutdown; given
     a BackgroundEngine, it uses that loop and leaves closing it to the caller."""
     config = config or ServeConfig(
         served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-        default_max_tokens=default_max_tokens,
+        default_max_tokens=default_max_tokens, max_queued_requests=max_queued_requests,
     )
     metrics = ServerMetrics()
     if isinstance(engine, BackgroundEngine):

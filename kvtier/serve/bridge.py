@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 
@@ -42,6 +42,7 @@ class Generation:
         metrics: ServerMetrics,
         session_id: str | None = None,
         received: float | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.background = background
         self.request_id = request_id
@@ -55,6 +56,7 @@ class Generation:
         self._loop = asyncio.get_running_loop()
         self._last_token_at: float | None = None
         self._cancelled = False
+        self._on_done = on_done  # called once, when the request finishes or is cancelled
         # Validation already happened in the handler; this can still raise PromptError/SamplingError.
         background.submit(list(ids), params, self._on_output, request_id=request_id, session_id=session_id)
 
@@ -77,6 +79,7 @@ class Generation:
                 if out.finished:
                     self.finished = True
                     self.final = out
+                    self._done()
                     self._count_finish(out)
                     if out.finish_reason == "abort" and not self._cancelled:
                         raise EngineFailed("the engine failed while running this request")
@@ -93,7 +96,13 @@ class Generation:
             return
         self._cancelled = True
         self.background.abort(self.request_id)
+        self._done()
         self.metrics.finished.labels(self.endpoint, "cancelled").inc()
+
+    def _done(self) -> None:
+        if self._on_done is not None:
+            self._on_done, done = None, self._on_done
+            done()
 
     async def result(self, request: Request | None = None) -> RequestOutput:
         """The finished output. With `request`, a client disconnect aborts it (raises ClientGone)."""

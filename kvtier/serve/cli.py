@@ -31,6 +31,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -70,6 +77,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-step token budget shared by decodes and prefill chunks (default: 2048)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=64,
                    help="most requests in the running batch; the rest queue (default: 64)")
+    g.add_argument("--max-queued-requests", type=_non_negative_int, default=256,
+                   help="requests that may wait beyond the running batch; more get 429 with Retry-After "
+                        "(default: %(default)s)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="disable the device prefix cache (reuse then comes only from the store)")
 
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = ServeConfig(
         served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, max_queued_requests=args.max_queued_requests,
     )  # validated before the (slow) model load
     engine = build_engine(
         args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,

@@ -60,13 +60,19 @@ def _usage(out: RequestOutput) -> r.Usage:
 def _start(
     ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float
 ) -> Generation:
+    background = ctx.running()
+    ctx.admit()
     try:
         return Generation(
-            ctx.running(), prepared.ids, prepared.params, rid, endpoint=endpoint, metrics=ctx.metrics,
-            session_id=body.prompt_cache_key, received=received,
+            background, prepared.ids, prepared.params, rid, endpoint=endpoint, metrics=ctx.metrics,
+            session_id=body.prompt_cache_key, received=received, on_done=ctx.release,
         )
     except (PromptError, SamplingError) as e:  # checked already; the engine has the last word
+        ctx.release()
         raise APIError(400, str(e)) from e
+    except BaseException:
+        ctx.release()
+        raise
 
 
 async def _finish(gen: Generation, request: Request) -> RequestOutput | Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,23 @@ class ServerContext:
     background: BackgroundEngine | None = None  # started by the app's lifespan (or on first use)
     owns_background: bool = True  # close it at shutdown only if we started it
     created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0  # generation requests admitted and not yet finished or cancelled
+    _admission: threading.Lock = field(default_factory=threading.Lock)
+
+    def admit(self) -> None:
+        """Take a slot for one generation request, or answer 429 when the running batch and the
+        queue behind it are full (the engine would only make the request wait)."""
+        limit = self.config.max_queued_requests
+        with self._admission:
+            if limit is not None and self.in_flight >= self.engine.config.max_num_seqs + limit:
+                self.metrics.rejected.labels("queue_full").inc()
+                raise APIError(429, f"the server is at capacity ({self.in_flight} requests running or queued); "
+                                    "retry after a second", code="too_many_requests", headers={"Retry-After": "1"})
+            self.in_flight += 1
+
+    def release(self) -> None:
+        with self._admission:
+            self.in_flight -= 1
 
     @property
     def model_name(self) -> str:

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kvtier.serve")
 
-_TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error", 503: "server_error"}
+_TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 class APIError(Exception):
@@ -31,8 +31,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -110,7 +112,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
     return error_response(exc, headers)
 
 

@@ -51,6 +51,10 @@ class ServerMetrics:
             "Generation requests by how they ended: stop, length, cancelled (client left), error",
             ["endpoint", "reason"], registry=r,
         )
+        self.rejected = Counter(
+            "kvtier_requests_rejected", "Requests turned away before reaching the engine (429: the queue was full)",
+            ["reason"], registry=r,
+        )
         self.prompt_tokens = Counter("kvtier_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("kvtier_generation_tokens", "Generated tokens", registry=r)
         self.reused_by_tier = Counter(

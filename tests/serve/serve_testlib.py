@@ -33,6 +33,12 @@ class Served:
     url: str
     engine: Engine
     background: BackgroundEngine
+    app: object = None
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests the server has admitted and not yet finished."""
+        return self.app.state.kvtier.in_flight
 
     @property
     def v1(self) -> str:
@@ -65,9 +71,10 @@ def fake_profile(model) -> HardwareProfile:
 
 
 def serve(model, window: int = WINDOW, kv_bytes: int = 16 << 20, truncation=None, store: str | None = None,
-          prefix_cache: bool = True, **app_kw) -> Iterator[Served]:
+          prefix_cache: bool = True, max_num_seqs: int = 64, **app_kw) -> Iterator[Served]:
     """Serve `model` (already loaded) with a fresh engine; the tests own the engine loop."""
-    config = EngineConfig(kv_cache_bytes=kv_bytes, max_model_len=window, enable_prefix_cache=prefix_cache)
+    config = EngineConfig(kv_cache_bytes=kv_bytes, max_model_len=window, enable_prefix_cache=prefix_cache,
+                          max_num_seqs=max_num_seqs)
     reuse = ReuseConfig(method="kv", chunk_tokens=16) if store else None
     engine = Engine(model, config, truncation=truncation, store=store, reuse=reuse,
                     profile=fake_profile(model) if store else None)
@@ -76,7 +83,7 @@ def serve(model, window: int = WINDOW, kv_bytes: int = 16 << 20, truncation=None
     app = create_app(background, **app_kw)
     try:
         with ServerThread(app) as server:
-            yield Served(server.url, engine, background)
+            yield Served(server.url, engine, background, app)
     finally:
         background.close()
         engine.close()
