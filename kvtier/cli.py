@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable
 
 from kvtier.device import add_device_argument
+from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
-from kvtier.engine.config import ReuseConfig
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
 from kvtier.restore.plan import METHOD_CHOICES
@@ -167,8 +167,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kvtier.models.loading import smollm2_gguf_path
-    from kvtier.paths import home
     from kvtier.models.presets import PRESETS
+    from kvtier.paths import home
 
     table = Table(title="kvtier models")
     for col in ("name", "kind", "layers", "hidden", "heads/kv", "source"):

@@ -1,8 +1,8 @@
 """Exact accounting of the device block pool: ids, ref counts, prefix cache and LRU reuse."""
 
-from kvtier.engine.block_pool import BlockPool, OutOfBlocks, block_hashes
-
 import pytest
+
+from kvtier.engine.block_pool import BlockPool, OutOfBlocks, block_hashes
 
 
 def test_allocate_release_and_lru_reuse_order():

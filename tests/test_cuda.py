@@ -6,15 +6,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import test_restore
 import torch
+from test_restore import CHUNK, GREEDY, HIST, _engine, _ids, cases, check_all_methods
 
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
-
-import test_restore
-from test_restore import CHUNK, GREEDY, HIST, _engine, _ids, cases, check_all_methods
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")]
@@ -145,7 +144,7 @@ def test_many_restores_and_saves_while_decoding(gqa_cuda):
     try:
         got: dict[str, list[int]] = {}
         rids = []
-        for i, p in enumerate(prompts):  # a new request every other step
+        for p in prompts:  # a new request every other step
             rids.append(engine.add_request(p, params))
             for _ in range(2):
                 for out in engine.step():

@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import test_restore
 import torch
+from test_restore import GREEDY, HIST, _engine, _ids, check_all_methods
 
 from kvtier.device import DeviceError, resolve_device
 from kvtier.engine.request import Request, SamplingParams
@@ -19,9 +21,6 @@ from kvtier.engine.transfer import DONE, LazyTransfer, Transfer
 from kvtier.models.llama import CausalLM
 from kvtier.models.presets import PRESETS
 from kvtier.store.layout import Repr
-
-import test_restore
-from test_restore import GREEDY, HIST, _engine, _ids, check_all_methods
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 

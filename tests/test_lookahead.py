@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from kvtier.engine.config import EngineConfig
+from kvtier.bench.reference import context_state
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
-from kvtier.engine.config import ReuseConfig
-from kvtier.bench.reference import context_state
 from kvtier.store import FIFOPolicy, LRUPolicy
 from kvtier.store.lookahead import LookAheadPolicy
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier_testlib import ORACLE_CONFIGS, build_pair, loaded
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
+
+from kvtier_testlib import ORACLE_CONFIGS, build_pair, loaded
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 

@@ -19,7 +19,7 @@ from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.profiling import COMPUTE_POINTS, fit_compute
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.restore_exec import Restore
+from kvtier.engine.restore_exec import Restore, RestoreMiss
 from kvtier.engine.runner import ModelRunner
 from kvtier.restore.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, links
 from kvtier.restore.plan import Method, PlannedChunk
@@ -371,6 +371,6 @@ def test_a_cake_loader_that_dies_fails_the_restore(tiny_gqa, tmp_path):
     restore = Restore(plan, store, runner, ids, blocks, compute_chunk_tokens=24)
     with pytest.raises(Exception, match="boom"):
         restore.prepare()
-    with pytest.raises(Exception):
+    with pytest.raises(RestoreMiss):
         restore.finish()
     store.close()

@@ -8,10 +8,9 @@ import time
 import pytest
 import torch
 
-from kvtier.engine.config import EngineConfig
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.config import ReuseConfig
 
 from kvtier_testlib import fake_profile
 

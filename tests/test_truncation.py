@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine.config import EngineConfig
+from kvtier.bench.reference import context_state, continuation_logits, truncation_fidelity
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.config import ReuseConfig
-from kvtier.bench.reference import context_state, continuation_logits, truncation_fidelity
 from kvtier.restore.truncation import TruncationConfig, kept_positions
 
 from kvtier_testlib import fake_profile

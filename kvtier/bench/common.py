@@ -9,12 +9,9 @@ import json
 import mmap
 import os
 import platform
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path

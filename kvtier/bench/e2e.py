@@ -37,9 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.common import (
+    RedisServer,
+    csv_arg,
+    drop_page_cache,
+    machine_info,
+    median,
+    read_bandwidth,
+    timed,
+    write_json_atomic,
+)
 from kvtier.bench.hf import HFPeers
-from kvtier.bench.common import (RedisServer, csv_arg, drop_page_cache, machine_info, median, read_bandwidth, timed,
-                                 write_json_atomic)
 
 HF_PEERS = ("hf_recompute", "hf_floor", "hf_load_bytes", "hf_load_cold_file", "hf_load_redis")
 KV_PEERS = ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory", "kvtier_disk_cold", "kvtier_redis")

@@ -41,12 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from rich.markup import escape
 
 from kvtier import dtypes
-from kvtier.device import add_device_argument
 from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
+from kvtier.device import add_device_argument
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
@@ -205,7 +204,6 @@ class RestoreBench:
     def engine(self, loaded, ctx: int, spec: str | None = None, reuse=None, profile=None):
         from kvtier.engine.config import EngineConfig
         from kvtier.engine.engine import Engine
-
         from kvtier.engine.runner import ModelRunner
 
         max_len = min(ctx + self.cfg.new_tokens + self.cfg.greedy_tokens, loaded.config.max_position_embeddings)
@@ -760,9 +758,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     import signal
+
+    from rich.console import Console
 
     # SIGTERM ends the run through the finally blocks: partial JSON written, redis-server stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))

@@ -83,10 +83,10 @@ class RedisServer:
             try:
                 client.ping()
                 return self
-            except redis.ConnectionError:
+            except redis.ConnectionError as e:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.close()
-                    raise RuntimeError(f"redis-server ({self.binary}) did not answer PING on port {self.port}")
+                    raise RuntimeError(f"redis-server ({self.binary}) did not answer PING on port {self.port}") from e
                 time.sleep(0.05)
             finally:
                 client.close()

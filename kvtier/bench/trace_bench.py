@@ -44,7 +44,6 @@ from pathlib import Path
 
 from kvtier.bench.services import RedisServer
 
-
 TIERS = ("device", "memory", "disk", "redis")
 GROUPS = ("first", "later")
 

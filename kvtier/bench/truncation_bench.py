@@ -12,9 +12,9 @@ import json
 import statistics
 from pathlib import Path
 
+from kvtier.bench.reference import truncation_fidelity
 from kvtier.bench.text import stdlib_text
 from kvtier.models.loading import load_model
-from kvtier.bench.reference import truncation_fidelity
 from kvtier.restore.truncation import TruncationConfig
 
 

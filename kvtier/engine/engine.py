@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvtier import paths
+from kvtier.device import resolve_device
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
@@ -23,7 +24,6 @@ from kvtier.engine.runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample_rows
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.statelink import NullStateLink, StateLink, open_store_link
-from kvtier.device import resolve_device
 from kvtier.models.loading import LoadedModel
 from kvtier.restore.costs import HardwareProfile
 from kvtier.restore.truncation import TruncationConfig, kept_positions

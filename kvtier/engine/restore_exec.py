@@ -34,8 +34,8 @@ from kvtier.restore.costs import READ_GROUP_LAYERS
 from kvtier.restore.plan import Method, Plan
 from kvtier.store.layout import Repr
 from kvtier.store.reads import LayerGroup, PlannedReads
-from kvtier.store.tiers.base import PoolTarget
 from kvtier.store.tiered import TieredStore
+from kvtier.store.tiers.base import PoolTarget
 
 
 class RestoreMiss(RuntimeError):

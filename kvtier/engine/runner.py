@@ -9,18 +9,17 @@ input and the K (rotated) and V computed for every run on the way, which is what
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import math
 
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
-from kvtier.engine.transfer import Handle, Transfer, make_transfer
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import aligned_empty
 from kvtier.store.tiers.base import PoolTarget

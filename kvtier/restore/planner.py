@@ -132,7 +132,7 @@ class Planner:
                 layout: Sequence[Repr]) -> tuple[float, float, float, float, int]:
         """-> (predicted seconds to the first token, ideal seconds, background compute seconds,
         attach compute seconds, read-buffer depth) to restore `chunks` and compute `new` tokens."""
-        p, s, hist = self.profile, self.shape, _tokens(chunks)
+        s, hist = self.shape, _tokens(chunks)
         new_s = self.prefill_chunks_s(hist, hist + new)
         if method is Method.RECOMPUTE or not chunks:
             t = self.prefill_chunks_s(0, hist + new)

@@ -9,8 +9,8 @@ import sys
 from typing import Any
 
 from kvtier.device import add_device_argument
-from kvtier.restore.plan import METHOD_CHOICES
 from kvtier.models.loading import DEFAULT_MODEL
+from kvtier.restore.plan import METHOD_CHOICES
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "KVTIER_API_KEY"
@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
     import uvicorn
 
-    from kvtier.engine.factory import build_engine
     from kvtier.engine.config import ReuseConfig
+    from kvtier.engine.factory import build_engine
     from kvtier.serve.app import create_app
     from kvtier.serve.config import ServeConfig
 

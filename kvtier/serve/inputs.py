@@ -16,7 +16,6 @@ from kvtier.engine.request import SamplingError, SamplingParams
 from kvtier.serve.errors import APIError
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-
 # The engine's sampler divides logits by the temperature and compares a float32 cumulative sum
 # with top_p: a temperature near 0 overflows to inf/NaN and a top_p below float32's range drops
 # every token, and either fails the whole engine step. Below these values the distributions are

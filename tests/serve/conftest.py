@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.engine.factory import build_engine
+
 from serve_testlib import TINY, WINDOW, Served, serve
 
 

@@ -15,9 +15,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.background import BackgroundEngine
-from kvtier.engine.config import EngineConfig
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.config import ReuseConfig
 from kvtier.restore.costs import HardwareProfile, TierRates
 from kvtier.serve import create_app
 from kvtier.serve.server import ServerThread

@@ -17,6 +17,7 @@ import pytest
 
 from kvtier.bench.services import RedisServer, redis_binary
 from kvtier.store import TieredStore
+
 from serve_testlib import TINY, Served, metric, metrics, serve
 
 SYSTEM = "You are a careful assistant. " * 8  # long enough to be worth restoring (several chunks)

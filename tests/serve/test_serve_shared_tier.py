@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from kvtier.bench.services import free_port, redis_binary
+
 from serve_testlib import metric, metrics
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason="redis-server is not installed")

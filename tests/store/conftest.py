@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvtier.store import Repr
 
 from store_testlib import make_ns

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from kvtier.store import TieredStore
+
 from store_testlib import make_ns, make_state, tokens
 
 

@@ -53,7 +53,10 @@ def test_disk_cap_holds_across_restart(tmp_path, ns):
     with TieredStore.open(spec, ns, chunk_tokens=16) as store:
         ctx = [_save(store, i) for i in range(10)]
         assert store.stats()["tiers"]["disk"]["entries"] == 6
-    on_disk = lambda: sum(p.stat().st_size for p in tmp_path.rglob("*.kvc"))
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in tmp_path.rglob("*.kvc"))
+
     assert on_disk() <= 6 * size
     with TieredStore.open(f"disk:{tmp_path}:{3 * size}", ns, chunk_tokens=16) as store:
         assert on_disk() <= 3 * size

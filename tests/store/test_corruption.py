@@ -1,10 +1,7 @@
 """Flipped bytes, truncation and foreign chunks are misses: never data, never a crash."""
-import os
 import shutil
 
 import pytest
-import redis
-import torch
 
 from kvtier.store import TieredStore
 

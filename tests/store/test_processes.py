@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 import torch
+from store_worker import context
 
 from kvtier.store import TieredStore
 
 from store_testlib import make_ns
-from store_worker import context
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

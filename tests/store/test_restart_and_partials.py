@@ -57,7 +57,7 @@ def test_chat_turns_unaligned_saves_and_supersede(tmp_path, ns, where, request):
 def test_unaligned_save_without_stored_prefix_skips_only_that_chunk(tmp_path, ns):
     t = tokens(40)
     k, v, _ = make_state(40)
-    with TieredStore.open(f"memory:1MB", ns, chunk_tokens=16) as store:
+    with TieredStore.open("memory:1MB", ns, chunk_tokens=16) as store:
         store.save(t, 20, k[:, 20:], v[:, 20:], None)  # nothing stored for [0, 20)
         store.flush()
         assert store.lookup(t).num_tokens == 0

@@ -81,7 +81,7 @@ def test_kv_only_layer_rows_accepted(tmp_path, mixed_ns):
     """Tensors may hold all layers or only the layers of their representation."""
     toks = tokens(8)
     k, v, h = make_state(8)
-    with TieredStore.open(f"memory:1MB", mixed_ns, chunk_tokens=8) as store:
+    with TieredStore.open("memory:1MB", mixed_ns, chunk_tokens=8) as store:
         store.save(toks, 0, k[[0, 3]], v[[0, 3]], h[[1]])
         store.flush()
         got = store.read_chunk(store.lookup(toks).chunks[0])

@@ -20,7 +20,16 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..format import PREAMBLE, ChunkHeader, FormatError, PackedChunk, Segment, check_segment, header_length, parse_header
+from ..format import (
+    PREAMBLE,
+    ChunkHeader,
+    FormatError,
+    PackedChunk,
+    Segment,
+    check_segment,
+    header_length,
+    parse_header,
+)
 from ..throttle import Emulation, Throttle
 from .breaker import Outage
 
