@@ -184,7 +184,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
+def _command_registrations() -> list[Callable[[argparse._SubParsersAction], object]]:
     from kvtier.serve.cli import register as register_serve
     from kvtier.store.cli import register as register_store
 
@@ -227,7 +227,7 @@ def register_profile(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_profile)
 
 
-def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], None]]:
+def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], object]]:
     from kvtier.bench import e2e, forward, load_bench, restore_bench, store_bench, trace_bench, truncation_bench
 
     return [forward.register, store_bench.register, restore_bench.register, trace_bench.register,

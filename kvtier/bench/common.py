@@ -23,7 +23,7 @@ T = TypeVar("T")
 _READ_BLOCK = 1 << 20  # 1 MiB: large enough that per-call overhead does not hide the device's bandwidth
 
 
-def _files(root: str | os.PathLike) -> Iterable[str]:
+def _files(root: str | os.PathLike[str]) -> Iterable[str]:
     """`root` itself if it is a file, else every file below it."""
     if os.path.isfile(root):
         yield os.fspath(root)
@@ -33,7 +33,7 @@ def _files(root: str | os.PathLike) -> Iterable[str]:
             yield os.path.join(dirpath, n)
 
 
-def drop_page_cache(root: str | os.PathLike) -> int:
+def drop_page_cache(root: str | os.PathLike[str]) -> int:
     """Evict a file, or every file under a directory, from the page cache so the next read comes
     from the device. Works without root, unlike /proc/sys/vm/drop_caches. Returns files handled."""
     n = 0

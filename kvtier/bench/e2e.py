@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.common import (
     RedisServer,
@@ -48,6 +48,9 @@ from kvtier.bench.common import (
     write_json_atomic,
 )
 from kvtier.bench.hf import HFPeers
+
+if TYPE_CHECKING:
+    import redis
 
 HF_PEERS = ("hf_recompute", "hf_floor", "hf_load_bytes", "hf_load_cold_file", "hf_load_redis")
 KV_PEERS = ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory", "kvtier_disk_cold", "kvtier_redis")
@@ -358,7 +361,7 @@ class E2EBench:
         self.meta: dict = dict(machine_info(), model=args.model, contexts=args.contexts, new_tokens=args.new_tokens,
                                options={k: v for k, v in vars(args).items() if k != "func"})
         self.redis_url: str | None = args.redis_url
-        self.redis_client = None
+        self.redis_client: redis.Redis | None = None
         self.profile = None
         self.key_prefix = f"kvtier-e2e-{os.getpid()}"  # our Redis keys, also on a shared server
 
@@ -376,7 +379,9 @@ class E2EBench:
             write_json_atomic(self.args.json, dict(rows=self.rows, goals=evaluate_goals(self.rows), meta=self.meta))
 
     def redis_spec(self, tag: str) -> str:
-        return f"{self.redis_url}{'&' if '?' in self.redis_url else '?'}prefix={self.key_prefix}-{tag}"
+        url = self.redis_url
+        assert url is not None  # run() starts a server for redis peers when none was given
+        return f"{url}{'&' if '?' in url else '?'}prefix={self.key_prefix}-{tag}"
 
     def run(self) -> list[dict]:
         import redis

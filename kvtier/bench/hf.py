@@ -53,6 +53,7 @@ class HFPeers:
             torch.save(self.cache, buf)
             self.blob = buf.getvalue()
         if "hf_offload" in peers:  # the history's K/V kept in (pinned) host memory, copied back per request
+            assert self.cache is not None  # prefilled above
             pin = dev.type == "cuda"
             self.host_kv = [(layer.keys.cpu().pin_memory() if pin else layer.keys.cpu(),
                              layer.values.cpu().pin_memory() if pin else layer.values.cpu()) for layer in self.cache.layers]
@@ -73,12 +74,14 @@ class HFPeers:
             return int(self.hf(self.prompt, use_cache=False, logits_to_keep=1).logits[0, -1].argmax())
 
     def hf_floor(self) -> int:
+        assert self.cache is not None  # prefilled for every peer but hf_recompute
         token = self._new_tokens(self.cache)
         self.cache.crop(-self.new.shape[1])  # back to the history only (a negative count in transformers 5)
         return token
 
     def hf_offload(self) -> int:
         """The cache offloaded to host memory and copied back to the device, then the new tokens."""
+        assert self.cache is not None  # prefilled for every peer but hf_recompute
         for layer, (k, v) in zip(self.cache.layers, self.host_kv):
             layer.keys, layer.values = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
         return self._new_tokens(self.cache)

@@ -47,7 +47,8 @@ def context_state(model: CausalLM, ids: Sequence[int], chunk: int = 1024) -> Con
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
 
-        def capture(li: int, _i: int, hh: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, a: int = a, b: int = b) -> None:
+        def capture(li: int, _offsets: tuple[int, ...], hh: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
+                    a: int = a, b: int = b) -> None:
             h[li, a:b], k[li, a:b], v[li, a:b] = hh, kk, vv
 
         runner.execute([RunItem(list(ids[a:b]), a, blocks, want_logits=False)], capture)

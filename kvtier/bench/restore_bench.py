@@ -374,11 +374,15 @@ class RestoreBench:
         from kvtier.bench.hf import HFPeers
 
         name = {"memory": "hf_load_bytes", "disk": "hf_load_cold_file", "redis": "hf_load_redis"}[tier]
-        client = redis.Redis.from_url(self.redis_url().split("?")[0]) if tier == "redis" else None
+        client = None
+        if tier == "redis":
+            url = self.redis_url()
+            assert url is not None  # benched only when redis is among the tiers
+            client = redis.Redis.from_url(url.split("?")[0])
         peer = HFPeers(hf, info.ids, info.hist, [name], self.workdir / "hf_dynamic_cache.pt", client, "kvbench-hf")
         throttle = Throttle(Emulation(bw))
         try:
-            def once() -> int:
+            def once() -> tuple[float, int]:
                 peer.before(name)
                 t = time.perf_counter()
                 token = getattr(peer, name)()
@@ -458,10 +462,10 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     for name in ("bubblefree", "cake"):
         det = []
         for k, m in cells.items():
-            r = m.get(name)
-            if r and r.get("ideal_s"):
-                ratio = r["ttft_s"] / r["ideal_s"]
-                det.append(dict(cell=_fmt_cell(k), ttft_s=r["ttft_s"], ideal_s=r["ideal_s"], ratio=round(ratio, 3),
+            row = m.get(name)
+            if row and row.get("ideal_s"):
+                ratio = row["ttft_s"] / row["ideal_s"]
+                det.append(dict(cell=_fmt_cell(k), ttft_s=row["ttft_s"], ideal_s=row["ideal_s"], ratio=round(ratio, 3),
                                 met=bool(ratio <= 1.15)))
         if det:
             bad = [d for d in det if not d["met"]]
@@ -530,7 +534,7 @@ def evaluate_goals(rows: list[dict]) -> list[dict]:
     # 6. lower precision storage: fidelity is reported
     low = [r for r in rows if r["storage"] and r["method"] in KVTIER + ("auto",)]
     if low:
-        by = {}
+        by: dict[str, list[dict]] = {}
         for r in low:
             by.setdefault(r["storage"], []).append(r)
         summ = "; ".join(f"{s}: max logit diff {max(x['max_logit_diff'] for x in rs):.3g}, greedy match "

@@ -272,6 +272,7 @@ def sequential_check(model, profile, wl, args, log=print) -> list[dict]:
                                      finish_reason=o.finish_reason, output_digest=_digest(o.output_ids)))
                 reuse.flush()  # a think time lets the writer finish; here we wait for it
                 a, b = outs[id(base)], outs[id(reuse)]
+                assert a.ttft is not None and b.ttft is not None  # both produced a token
                 answers.append(b.text)
                 log(f"    {s.session_id} turn {turn}: prompt {len(ids)}, reused {b.prompt_tokens_reused}, TTFT "
                     f"{b.ttft * 1000:.0f} vs {a.ttft * 1000:.0f} ms, {'same' if a.output_ids == b.output_ids else 'DIFFERENT'}",
@@ -638,7 +639,9 @@ def rebuild_rows(reqs: list[dict], runs: dict, dtype: str) -> list[dict]:
 
 
 def _load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
-    rows, reqs, meta = [], [], {}
+    rows: list[dict] = []
+    reqs: list[dict] = []
+    meta: dict = {}
     for p in paths:
         doc = json.loads(Path(p).read_text())
         m = doc.get("meta", {})
@@ -706,8 +709,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     workloads={wl.name: dict(wl.params, sessions_n=len(wl.sessions), turns_n=wl.num_turns)
                                for wl in wls},
                     profile=dataclasses.asdict(profile) if profile else None, runs={})
-        rows: list[dict] = []
-        reqs: list[dict] = []
+        rows, reqs = [], []  # list[dict] each, as from _load above
         baselines: dict[str, dict] = {}
         for wl, cfg in plan:
             print(f"[{time.strftime('%H:%M:%S')}] {wl.name} / {cfg.name} ...", flush=True)
@@ -732,10 +734,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
             if args.json:
                 write_json(args.json, rows, evaluate_goals(rows), meta, reqs)
         if args.check_sessions:
-            wl = next((w for w in wls if w.name == "multiturn"), None)
-            if wl is not None:
+            multi = next((w for w in wls if w.name == "multiturn"), None)
+            if multi is not None:
                 print(f"[{time.strftime('%H:%M:%S')}] sequential lossless check ({args.check_sessions} sessions)", flush=True)
-                recs = sequential_check(model, profile, wl, args)
+                recs = sequential_check(model, profile, multi, args)
                 rows += sequential_rows(recs)
                 reqs += recs
         goals = evaluate_goals(rows)

@@ -21,6 +21,8 @@ from kvtier.restore.truncation import TruncationConfig
 def cmd(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype)
     need = args.windows * (args.context + args.continuation)
+    if model.tokenizer is None:
+        raise ValueError(f"model {model.name} has no tokenizer; this benchmark tokenizes text")
     ids = model.tokenizer.encode(stdlib_text(need * 6), add_special_tokens=False)
     cfg = TruncationConfig(keep_prefix=args.keep_prefix, drop_ratio=args.drop_ratio)
     rows = []

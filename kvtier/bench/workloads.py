@@ -163,7 +163,8 @@ class _Cutter:
     def take(self, tokens: int) -> Passage:
         """The next passage cut to `tokens` tokens (continued by the following one if shorter)."""
         first = self.passages[self.i % len(self.passages)]
-        texts, ids = [], []
+        texts: list[str] = []
+        ids: list[int] = []
         while len(ids) < tokens:
             p = self.passages[self.i % len(self.passages)]
             self.i += 1

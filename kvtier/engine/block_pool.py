@@ -75,7 +75,9 @@ class BlockPool:
                 b = self.clean.pop()
             else:  # evict the least recently freed cached block
                 b, _ = self.evictable.popitem(last=False)
-                del self.cached[self.hash_of[b]]
+                h = self.hash_of[b]
+                assert h is not None  # only cached (hashed) blocks are evictable
+                del self.cached[h]
                 self.hash_of[b] = None
             self.ref[b] = 1
             out.append(b)

@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
@@ -37,7 +37,9 @@ class PromptError(ValueError):
 
 _GREEDY = SamplingParams(temperature=0.0)
 
-_FINISH_REASON = {
+FinishReason = Literal["stop", "length", "abort"]
+
+_FINISH_REASON: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -53,7 +55,7 @@ class RequestOutput:
     delta_text: str
     delta_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     queue_time: float | None
     ttft: float | None
     mean_tbt: float | None
@@ -250,7 +252,7 @@ class Engine:
         if picked and logits is not None:
             # Every row in one call (one device sync); rows not sampled now count as greedy, so
             # they draw nothing from a request's generator.
-            order = sorted(rows, key=rows.get)
+            order = sorted(rows, key=rows.__getitem__)
             lives = [self._live[r] if r in picked else None for r in order]
             got = sample_rows(logits, [lv.req.params if lv else _GREEDY for lv in lives],
                               [lv.generator if lv else None for lv in lives])
@@ -373,7 +375,8 @@ class Engine:
     ) -> list[RequestOutput]:
         """Run a batch of prompts to completion (continuous batching); outputs in prompt order."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        batch = [prompts] if single else list(prompts)
+        # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
+        batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
         ids = [self.add_request(p, params) for p in batch]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):

@@ -34,6 +34,7 @@ from kvtier.models.loading import LoadedModel
 from kvtier.restore.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
 from kvtier.restore.plan import PlannedChunk
 from kvtier.store.layout import Repr, StoreNamespace
+from kvtier.store.reads import LayerGroup
 from kvtier.store.spec import parse_spec
 from kvtier.store.tiered import TieredStore
 
@@ -61,6 +62,13 @@ def _time(fn: Callable[[], object], repeats: int = 3) -> float:
         run()
         ts.append(time.perf_counter() - t)
     return float(np.median(ts))
+
+
+def _read_back(group: LayerGroup | None) -> LayerGroup:
+    """A read of chunks written just before: a failed one would time nothing, so it stops the profile."""
+    if group is None:
+        raise RuntimeError("a chunk written for profiling could not be read back")
+    return group
 
 
 def _runner(model: LoadedModel, max_len: int) -> tuple[ModelRunner, list[int]]:
@@ -208,9 +216,9 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                 reads = store.planned_reads(planned)
                 reads.open()
                 for layers in groups:
-                    group = reads.read(layers, ("k", "v"), into=targets)
-                    if runner.device.type != "cpu" and group is not None:
-                        _, handle = runner.transfer.stage([x for p in group.parts.values() for x in p])
+                    group = _read_back(reads.read(layers, ("k", "v"), into=targets))
+                    if runner.device.type != "cpu":  # no targets there: every part is in a buffer
+                        _, handle = runner.transfer.stage([x for p in group.parts.values() for x in p if x is not None])
                         runner.transfer.sync(handle)
                     reads.release(group)
                 reads.close()
@@ -219,14 +227,14 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                 reads = store.planned_reads(planned)
                 reads.open()
                 for j in range(len(planned)):
-                    reads.release(reads.read(range(cfg.num_layers), ("k", "v"), only=[j]))
+                    reads.release(_read_back(reads.read(range(cfg.num_layers), ("k", "v"), only=[j])))
                 reads.close()
 
             def read_small(read: bool = True) -> None:
                 reads = store.planned_reads(planned)
                 reads.open()
                 if read:
-                    reads.release(reads.read([0], ("k",)))
+                    reads.release(_read_back(reads.read([0], ("k",))))
                 reads.close()
 
             total = n * ns.bytes_per_token()

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -274,7 +275,7 @@ class Restore:
             self.rows = runner.upload(torch.tensor(self.source[start:hist]) - first)
             self.shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
         # Groups sent to the device: group index -> (the copies' handle, staged device tensors by part)
-        self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor | None]]]] = {}
+        self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor]]]] = {}
         self._next_send = 0
         self._marks: dict[str, torch.cuda.Event | None] = {}  # copy_start/copy_end/compute_start
         self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
@@ -354,11 +355,13 @@ class Restore:
         """Enqueue the copies of every group up to `gi` (waiting for their reads), and of the next
         one if it is read: copies run one group ahead of compute, and the host interleaves their
         enqueueing with the layers' kernels instead of enqueueing every copy before layer 0."""
-        groups = self.reader.groups
+        reader = self.reader
+        assert reader is not None  # place() returns early without one
+        groups = reader.groups
         while self._next_send < len(groups) and (self._next_send <= gi or (
-                self._next_send == gi + 1 and self.reader.has(self._next_send))):
+                self._next_send == gi + 1 and reader.has(self._next_send))):
             j = self._next_send
-            group = self.reader.take(j)
+            group = reader.take(j)
             if j == 0:
                 self._marks["copy_start"] = self.transfer.mark(copy=True)
             self._sent[j] = self._copy(groups[j], group)
@@ -367,7 +370,7 @@ class Restore:
                 self._marks["copy_end"] = self.transfer.mark(copy=True)
 
     @torch.inference_mode()
-    def _copy(self, layers: tuple[int, ...], group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor | None]]]:
+    def _copy(self, layers: tuple[int, ...], group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
         """One copy per chunk and part for the whole group: K/V straight into their pool slots,
         anything that is transformed on the way (hidden states, remapped rows) into device staging."""
         if self.source is None and self.plan.layer_reprs[layers[0]] is Repr.KV:
@@ -375,18 +378,21 @@ class Restore:
             if any((k is None) != (v is None) for k, v in zip(ks, vs)):
                 raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
             ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
+            # Only ps's chunks are indexed: they were read (not None). Each slice is [layers, n, kv_heads, hd].
+            kr, vr = cast("list[torch.Tensor]", ks), cast("list[torch.Tensor]", vs)
             handle = self.runner.copy_in(range(layers[0], layers[-1] + 1), [(p.slot, p.length) for p in ps],
-                                         [ks[p.chunk][:, p.offset:p.offset + p.length] for p in ps],  # [layers, n, kv_heads, hd]
-                                         [vs[p.chunk][:, p.offset:p.offset + p.length] for p in ps])
+                                         [kr[p.chunk][:, p.offset:p.offset + p.length] for p in ps],
+                                         [vr[p.chunk][:, p.offset:p.offset + p.length] for p in ps])
             return handle, {}
         names = list(group.parts)
-        flat = [x for n in names for x in group.parts[n]]  # [layers, tokens, ...] per chunk and part
+        # No part is None: reads land in the pool only for plain K/V groups (see _into).
+        flat = cast("list[torch.Tensor]", [x for n in names for x in group.parts[n]])  # [layers, tokens, ...] each
         staged, handle = self.transfer.stage(flat)
         per = len(flat) // max(len(names), 1)
         return handle, {n: list(staged[i * per:(i + 1) * per]) for i, n in enumerate(names)}
 
     @torch.inference_mode()
-    def _place(self, layer: int, staged: dict[str, list[torch.Tensor | None]], i: int) -> None:
+    def _place(self, layer: int, staged: dict[str, list[torch.Tensor]], i: int) -> None:
         """Layer `layer` (row i of its group) from the group's staged device tensors; K/V of a
         plain group are in the pool already."""
         rep = self.plan.layer_reprs[layer]
@@ -398,7 +404,7 @@ class Restore:
             h = hs[0][skip:] if len(hs) == 1 else torch.cat([hs[0][skip:]] + hs[1:])  # [hist - lo, hidden]
             self.runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
 
-    def _place_remapped(self, layer: int, rep: Repr, staged: dict[str, list[torch.Tensor | None]], i: int) -> None:
+    def _place_remapped(self, layer: int, rep: Repr, staged: dict[str, list[torch.Tensor]], i: int) -> None:
         if rep is Repr.KV:
             k = torch.cat([k[i] for k in staged["k"]]).index_select(0, self.rows)  # [kept, kv_heads, hd]
             v = torch.cat([v[i] for v in staged["v"]]).index_select(0, self.rows)
@@ -487,6 +493,7 @@ class Restore:
             ps = pieces([(c.start, c.end)], self.runner.slot_runs(self.block_ids, max(c.start, self.start), c.end),
                         self.start)
             k, v = group.parts["k"][0], group.parts["v"][0]  # [layers, tokens, kv_heads, hd]
+            assert k is not None and v is not None  # read without `into`: nothing went straight to the pool
             handle = self.runner.copy_in(range(n), [(p.slot, p.length) for p in ps],
                                          [k[:, p.offset:p.offset + p.length] for p in ps],
                                          [v[:, p.offset:p.offset + p.length] for p in ps])

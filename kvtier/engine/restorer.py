@@ -132,6 +132,7 @@ class Restorer:
         of the first `target` kept tokens is read, its rows picked and K rotated by the shift."""
         if Repr.NONE in self.layout:
             return Probe(0, req.num_computed)  # recomputed layers cannot be rebuilt at new positions
+        assert req.source_ids is not None  # set together with `kept`
         match = self.store.lookup(req.source_ids)
         kept = req.kept or []
         target = min(bisect.bisect_left(kept, match.num_tokens), req.num_tokens - 1)
@@ -234,6 +235,7 @@ class Restorer:
             if not job.aborted:
                 self.counters["restore_failures"] += 1
             return False
+        assert stats is not None  # ok: finish() returned them
         self.counters["restores"] += 1
         gained = sum(job.tier_tokens.values())
         self.counters["restored_tokens"] += gained

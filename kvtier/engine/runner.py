@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +99,7 @@ class ModelRunner:
         self.k_cache = pool()  # [layers, slots, kv_heads, hd]
         self.v_cache = pool()
         self.packed_decode = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self._flat: tuple | None = None  # the pool as flat uint8 arrays, for direct reads
+        self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -222,7 +223,8 @@ class ModelRunner:
                 outs[i] = causal_attention(q[lo:hi], kc[ctx.start : ctx.stop], vc[ctx.start : ctx.stop], it.start)
             else:
                 outs[i] = causal_attention(q[lo:hi], kc.index_select(0, ctx), vc.index_select(0, ctx), it.start)
-        return layer.finish(h, torch.cat(outs) if len(outs) > 1 else outs[0])
+        done = cast("list[torch.Tensor]", outs)  # every run has its output by now
+        return layer.finish(h, torch.cat(done) if len(done) > 1 else done[0])
 
     def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch) -> torch.Tensor:
         """One attention call for every decoding run: flash varlen over the packed contexts (CUDA),
@@ -290,7 +292,8 @@ class ModelRunner:
     def pool_target(self, slot: int) -> PoolTarget:
         """Where a direct read may land a stored chunk whose tokens take slots from `slot` on."""
         if self._flat is None:
-            self._flat = tuple(memoryview(c.view(-1).view(torch.uint8).numpy()) for c in (self.k_cache, self.v_cache))
+            k, v = (c.view(-1).view(torch.uint8).numpy().data for c in (self.k_cache, self.v_cache))
+            self._flat = (k, v)
         align = math.gcd(4096, self.k_cache.data_ptr(), self.v_cache.data_ptr())
         return PoolTarget(*self._flat, align=align, layer_bytes=self.k_cache[0].nbytes,
                           slot_bytes=self.k_cache[0, 0].nbytes, slot=slot)

@@ -45,7 +45,7 @@ class Saver:
         self.buffers: dict[str, _Buffer] = {}
         self.saves = 0
 
-    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn:
+    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
         """The runner callback for one step over `reqs` (in the step's run order)."""
         bufs: list[_Buffer | None] = []
         for r in reqs:

@@ -237,7 +237,7 @@ _ALIGN = 512  # staging offsets stay aligned for every dtype view
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     """[first, end) bytes of its storage that a (strided) view reads."""
     size = t.element_size()
-    lo = t.storage_offset() * size
+    lo = int(t.storage_offset()) * size  # int outside tracing; typed int | SymInt
     if not t.numel():
         return lo, lo
     return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size

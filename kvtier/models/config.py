@@ -70,7 +70,7 @@ class ModelConfig:
     @staticmethod
     def from_hf(cfg: Any) -> "ModelConfig":
         """Build from a transformers `PretrainedConfig` (or its dict)."""
-        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        d: dict[str, Any] = cfg if isinstance(cfg, dict) else cfg.to_dict()
         model_type = d.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -133,7 +133,7 @@ class ModelConfig:
                 high_freq_factor=self.rope_scaling.high_freq_factor,
                 original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
             )
-        common = dict(
+        common: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,

@@ -8,6 +8,9 @@ and run new tokens against KV that someone else placed in the pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,8 +102,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def layers(self) -> nn.ModuleList:
-        return self.model.layers
+    def layers(self) -> Sequence[DecoderLayer]:
+        # nn.ModuleList is not generic: its items are typed as plain Modules.
+        return cast("Sequence[DecoderLayer]", self.model.layers)
 
     @property
     def dtype(self) -> torch.dtype:

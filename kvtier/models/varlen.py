@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+# Typed loosely: its signature differs between torch releases (see _PARAMS and usable()).
+varlen_attn: Callable[..., Any] | None
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch without it
@@ -45,6 +49,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
     """Causal attention of packed runs: run i's queries are rows cu_q[i]:cu_q[i+1] of q [Tq, heads, hd]
     and sit at the end of its keys, rows cu_k[i]:cu_k[i+1] of k/v [Tk, kv_heads, hd] (the causal
     mask aligned bottom-right, as flash attention aligns it). cu_*: int32 on q's device."""
+    assert varlen_attn is not None  # callers check usable() first
     kw = {"enable_gqa": True} if "enable_gqa" in _PARAMS and k.shape[1] != q.shape[1] else {}
     if k.shape[1] != q.shape[1] and not kw:  # an older signature: grouped heads must be repeated
         g = q.shape[1] // k.shape[1]

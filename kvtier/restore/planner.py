@@ -139,8 +139,8 @@ class Planner:
             return t, t, 0.0, 0.0, 0
         bw = self._bandwidth(chunks)
         if method is Method.CAKE:
-            t, nbytes, comp = self._cake(chunks)
-            return t + new_s, max(nbytes / bw, comp + new_s), comp, 0.0, 0
+            t, nbytes, cake_comp = self._cake(chunks)
+            return t + new_s, max(nbytes / bw, cake_comp + new_s), cake_comp, 0.0, 0
         c, n = self.layer_costs(chunks), s.num_layers
         io, comp, lead, nbytes = [], [], 0.0, 0
         for r in layout:

@@ -101,7 +101,7 @@ class Generation:
 
     def _done(self) -> None:
         if self._on_done is not None:
-            self._on_done, done = None, self._on_done
+            done, self._on_done = self._on_done, None
             done()
 
     async def result(self, request: Request | None = None) -> RequestOutput:

@@ -52,7 +52,7 @@ def _port(text: str) -> int:
     return value
 
 
-def _add_store_argument(p: argparse.ArgumentParser) -> None:
+def _add_store_argument(p: argparse._ActionsContainer) -> None:
     try:
         from kvtier.store.cli import add_store_argument
     except ImportError:  # the store's CLI layer is optional for serving

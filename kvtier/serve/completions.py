@@ -57,6 +57,13 @@ def _usage(out: RequestOutput) -> r.Usage:
     )
 
 
+def _reason(out: RequestOutput) -> r.FinishReason:
+    # "abort" never gets here: the bridge raises EngineFailed for it, or nobody is listening any more.
+    reason = out.finish_reason
+    assert reason in ("stop", "length"), reason
+    return reason
+
+
 def _start(
     ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float
 ) -> Generation:
@@ -95,7 +102,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     prepared = prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "chat", received)
-    base = dict(id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint)
+    base: dict[str, Any] = dict(
+        id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
+    )
 
     if body.stream:
         include_usage = body.include_usage
@@ -108,7 +117,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 ))
             if out.finished:
                 made.append(r.ChatCompletionChunk(
-                    **base, choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(), finish_reason=out.finish_reason)]
+                    **base, choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(), finish_reason=_reason(out))]
                 ))
                 if include_usage:
                     made.append(r.ChatCompletionChunk(**base, choices=[], usage=_usage(out)))
@@ -124,7 +133,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         return out
     return r.ChatCompletion(
         **base,
-        choices=[r.ChatChoice(index=0, message=r.AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+        choices=[r.ChatChoice(index=0, message=r.AssistantMessage(content=out.text), finish_reason=_reason(out))],
         usage=_usage(out),
     )
 
@@ -140,7 +149,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     prepared = prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "completions", received)
-    base = dict(id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint)
+    base: dict[str, Any] = dict(
+        id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
+    )
 
     if body.stream:
         include_usage = body.include_usage
@@ -149,7 +160,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             made: list[BaseModel] = []
             if out.delta_text or out.finished:
                 choice = r.CompletionChoice(
-                    index=0, text=out.delta_text, finish_reason=out.finish_reason if out.finished else None
+                    index=0, text=out.delta_text, finish_reason=_reason(out) if out.finished else None
                 )
                 made.append(r.Completion(**base, choices=[choice]))
             if out.finished and include_usage:
@@ -162,5 +173,5 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     if isinstance(out, Response):
         return out
     return r.Completion(
-        **base, choices=[r.CompletionChoice(index=0, text=out.text, finish_reason=out.finish_reason)], usage=_usage(out)
+        **base, choices=[r.CompletionChoice(index=0, text=out.text, finish_reason=_reason(out))], usage=_usage(out)
     )

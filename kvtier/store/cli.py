@@ -25,7 +25,7 @@ def _spec_type(text: str) -> str:
     return text
 
 
-def add_store_argument(parser: argparse.ArgumentParser, home: str | None = None) -> None:
+def add_store_argument(parser: argparse._ActionsContainer, home: str | None = None) -> None:
     """Add `--store SPEC` (default: memory:2GB plus a 20GB disk tier under the kvtier home)."""
     default = default_store_spec(home)
     parser.add_argument("--store", metavar="SPEC", type=_spec_type, default=default,

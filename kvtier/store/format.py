@@ -36,7 +36,7 @@ MAX_HEADER = 1 << 24
 
 def checksum(data: torch.Tensor | memoryview | bytes) -> int:
     """CRC-32C of a segment's bytes (a uint8 tensor or any buffer), computed with the GIL released."""
-    return crc32c.crc32c(data.numpy() if isinstance(data, torch.Tensor) else data, gil_release_mode=1)
+    return crc32c.crc32c(data.numpy().data if isinstance(data, torch.Tensor) else data, gil_release_mode=1)
 
 
 class FormatError(Exception):
@@ -164,7 +164,7 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(hjson), zlib.crc32(hjson))
     bufs: list[bytes | memoryview] = [pre + hjson]
     for (_, _, b, _, _), seg in zip(pieces, segments):
-        bufs.append(memoryview(b.numpy()))
+        bufs.append(b.numpy().data)
         if _pad(seg.nbytes):
             bufs.append(bytes(_pad(seg.nbytes)))
     header = _header_from_doc(doc, total)

@@ -8,7 +8,7 @@ query tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from .keys import chunk_key, chunk_spans
 from .layout import Repr
@@ -38,15 +38,15 @@ class PrefixMatch:
         return tuple(c.key for c in self.chunks)
 
 
-class TierView:
-    """What lookup needs from a tier (a Protocol in spirit; tiers satisfy it directly)."""
+class TierView(Protocol):
+    """What lookup needs from a tier (tiers satisfy it structurally)."""
     name: str
 
     def contains_many(self, keys: list[str]) -> list[bool]: ...
     def partials(self, parent: str) -> list[tuple[str, int]]: ...
 
 
-def longest_prefix(root: str, token_ids: Sequence[int], chunk_tokens: int, tiers: Sequence,
+def longest_prefix(root: str, token_ids: Sequence[int], chunk_tokens: int, tiers: Sequence[TierView],
                    layer_reprs: tuple[Repr, ...],
                    size_of: Callable[[str, str, int], int]) -> PrefixMatch:
     """`size_of(tier_name, key, tokens)` gives the stored size of a chunk (exact or estimated)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -108,7 +108,7 @@ class PlannedReads:
         stored bytes, built from the header alone. False when the tier or the bytes do not allow it."""
         if not tier.zero_copy:
             return False
-        views: dict[int, dict[str, torch.Tensor | None]] = {}
+        views: dict[int, dict[str, torch.Tensor]] = {}
         for i in idx:
             oc = self.opened[i]
             blob = getattr(oc.reader, "blob", None)
@@ -117,7 +117,7 @@ class PlannedReads:
             parts_i = {p: fmt.strided_run(oc.header, blob, layers, p) for p in parts}
             if any(v is None for v in parts_i.values()):
                 return False
-            views[i] = parts_i
+            views[i] = cast("dict[str, torch.Tensor]", parts_i)  # no None left
         for i, v in views.items():
             decoded[i] = v
             nbytes = sum(t.nbytes for t in v.values())
@@ -132,7 +132,8 @@ class PlannedReads:
         sizes = [oc.staging_bytes(r) for oc, r in zip(opened, runs)]
         buf = self.staging.take(sum(sizes))
         group.buffers.append(buf)
-        outs, pos = [], 0
+        outs: list[torch.Tensor | None] = []
+        pos = 0
         for n in sizes:
             outs.append(buf[pos:pos + n])
             pos += n

@@ -103,6 +103,11 @@ class TieredStore:
                                "only stats, verify and clear are available")
         return self.namespace
 
+    def _root(self) -> str:
+        self._ns()  # raises in admin mode
+        assert self.root is not None  # set whenever there is a namespace
+        return self.root
+
     def _expect(self, key: str) -> Expect:
         ns = self.namespace
         return Expect(key, self.root, ns.model_fingerprint if ns else None)
@@ -113,7 +118,7 @@ class TieredStore:
     # --- lookup and reads ---------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int]) -> PrefixMatch:
         ns = self._ns()
-        return longest_prefix(self.root, token_ids, self.chunk_tokens, self.tiers,
+        return longest_prefix(self._root(), token_ids, self.chunk_tokens, self.tiers,
                               ns.layer_reprs, self._size_of)
 
     def _size_of(self, tier_name: str, key: str, tokens: int) -> int:
@@ -176,6 +181,7 @@ class TieredStore:
         return True
 
     def _schedule_promotion(self, key: str, tier: Tier) -> None:
+        assert self.memory is not None  # callers promote only into an existing memory tier
         if key in self._promoting or self.memory.contains(key):
             return
         self._promoting.add(key)
@@ -198,8 +204,8 @@ class TieredStore:
             self._write_job(job)
 
     def _write_job(self, job: SaveJob) -> None:
-        ns = self._ns()
-        for span in chunk_spans(self.root, job.token_ids, self.chunk_tokens):
+        ns, root = self._ns(), self._root()
+        for span in chunk_spans(root, job.token_ids, self.chunk_tokens):
             if span.end <= job.start:
                 continue
             missing = [t for t in self.tiers if not t.contains(span.key)]
@@ -213,7 +219,7 @@ class TieredStore:
                     continue  # later chunks only need their tokens, so keep going
             layers = chunk_layers(ns, job, span.start, span.end, prefix)
             partial = span.length < self.chunk_tokens
-            packed = fmt.pack(ns, self.root, span.key, span.parent, span.index, span.start,
+            packed = fmt.pack(ns, root, span.key, span.parent, span.index, span.start,
                               partial, layers)
             for t in missing:
                 t.put(packed)
@@ -250,7 +256,7 @@ class TieredStore:
             data = job.tier.read(self._expect(job.key), None)
             if data is None or data.whole is None:
                 return
-            packed = fmt.PackedChunk(data.header, (memoryview(data.whole.numpy()),))
+            packed = fmt.PackedChunk(data.header, (data.whole.numpy().data,))
             if self.memory.put(packed):
                 self.counters["promotions"] += 1
         finally:
@@ -264,15 +270,14 @@ class TieredStore:
         data = tier.read(Expect(key), None, verify=True)
         if data is None or data.whole is None:
             return
-        packed = fmt.PackedChunk(data.header, (memoryview(data.whole.numpy()),))
+        packed = fmt.PackedChunk(data.header, (data.whole.numpy().data,))
         for t in lower:
             if t.put(packed):
                 return
 
     def keys_for(self, token_ids: Sequence[int]) -> list[str]:
         """Keys of every chunk (a trailing partial one included) that would hold `token_ids`."""
-        self._ns()
-        return [s.key for s in chunk_spans(self.root, token_ids, self.chunk_tokens)]
+        return [s.key for s in chunk_spans(self._root(), token_ids, self.chunk_tokens)]
 
     def discard(self, keys: Iterable[str]) -> int:
         """Delete chunks from every tier (retention, not eviction: nothing is demoted). -> chunks removed."""

@@ -16,7 +16,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -319,7 +319,7 @@ class Tier(ABC):
                 return None, "missing"
             try:
                 whole = reader.read(0, reader.size)
-                header = parse_header(memoryview(whole.numpy()), reader.size)
+                header = parse_header(whole.numpy().data, reader.size)
                 self._check_header(header, expect, reader.size)
                 segs: Segments = {}
                 for s in header.segments:
@@ -367,7 +367,7 @@ class Tier(ABC):
         n = header_length(bytes(first[:PREAMBLE.size].numpy()))  # raises on bad magic/version
         if n > first.numel():
             first = reader.read(0, n)
-        return parse_header(memoryview(first.numpy()), reader.size)
+        return parse_header(first.numpy().data, reader.size)
 
     @staticmethod
     def _check_header(header: ChunkHeader, expect: Expect, size: int) -> None:
@@ -381,7 +381,7 @@ class Tier(ABC):
             raise FormatError("truncated payload")
 
     def stats(self) -> dict:
-        d = dict(self.counters)
+        d: dict[str, Any] = dict(self.counters)
         d.update(self.usage())
         d["emulated"] = self.emulation.describe()
         return d

@@ -48,7 +48,7 @@ class _File:
 
 def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
     """Fill uint8 `dst` from the file at `offset`; -> bytes read (short at the end of the file)."""
-    view = memoryview(dst.numpy())
+    view = dst.numpy().data
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
@@ -111,7 +111,7 @@ def direct_io_alignment(directory: str) -> int:
                 buf = aligned_empty(2 * PAGE)
                 for align in (512, PAGE):
                     try:
-                        if os.preadv(fd, [memoryview(buf[align:2 * align].numpy())], align) == align:
+                        if os.preadv(fd, [buf[align:2 * align].numpy().data], align) == align:
                             return align
                     except OSError:
                         continue
@@ -180,11 +180,15 @@ class DiskTier(Tier):
             return [os.path.join(root, self.ns)]
         return [e.path for e in os.scandir(root) if e.is_dir()]
 
+    def _ns_dir(self, i: int) -> str:
+        assert self.ns is not None  # callers run only with a namespace (admin mode has none)
+        return os.path.join(self.dirs[i].root, self.ns)
+
     def _full_path(self, i: int, key: str) -> str:
-        return os.path.join(self.dirs[i].root, self.ns, "c", key[:2], key + SUFFIX)
+        return os.path.join(self._ns_dir(i), "c", key[:2], key + SUFFIX)
 
     def _partial_dir(self, i: int, parent: str) -> str:
-        return os.path.join(self.dirs[i].root, self.ns, "p", parent[:2], parent)
+        return os.path.join(self._ns_dir(i), "p", parent[:2], parent)
 
     def _rebuild(self, i: int) -> None:
         found = []
@@ -252,6 +256,8 @@ class DiskTier(Tier):
         return key in self._files or self._adopt(key) is not None
 
     def partials(self, parent: str) -> list[tuple[str, int]]:
+        if self.ns is None:  # admin mode: no namespace to look in (as the redis tier)
+            return []
         out = []
         for i in range(len(self.dirs)):
             pdir = self._partial_dir(i, parent)
@@ -341,7 +347,7 @@ class DiskTier(Tier):
         return True
 
     def _write_atomic(self, i: int, path: str, packed: PackedChunk) -> None:
-        tmpdir = os.path.join(self.dirs[i].root, self.ns, "tmp")
+        tmpdir = os.path.join(self._ns_dir(i), "tmp")
         os.makedirs(tmpdir, exist_ok=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = os.path.join(tmpdir, f"{packed.header.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")

@@ -3,7 +3,7 @@ are carved from a pinned arena (sources of asynchronous copies to the device).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -129,7 +129,7 @@ class MemoryTier(Tier):
             return n
 
     def usage(self) -> dict:
-        out = dict(entries=len(self._entries), bytes_used=self.used, capacity=self.capacity)
+        out: dict[str, Any] = dict(entries=len(self._entries), bytes_used=self.used, capacity=self.capacity)
         if self.arena is not None:
             out["pinned"] = self.arena.stats()
         return out

@@ -67,6 +67,7 @@ class RedisTier(Tier):
         super().__init__(spec.emulation)
         self.spec = spec
         self.ns = ns
+        self.client: redis.Redis | redis.RedisCluster
         try:
             if spec.cluster:
                 from redis.cluster import RedisCluster
@@ -139,7 +140,7 @@ class RedisTier(Tier):
             size = self.call(lambda c: c.strlen(rkey)) if rkey is not None else 0
         except Outage:
             return None
-        return _RedisReader(self, rkey, size) if size else None
+        return _RedisReader(self, rkey, size) if rkey is not None and size else None
 
     def _rkey_any(self, key: str) -> str | None:
         if self.ns is not None:
