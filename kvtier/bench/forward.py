@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kvtier.device import add_device_argument
+from kvtier.dtypes import name_of
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -138,7 +139,7 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
     for dt in dtypes:
         loaded = load_model(model, dtype=dt, device=device, tokenizer=False)
         hf = build_hf(loaded)
-        name = str(loaded.dtype).removeprefix("torch.")
+        name = name_of(loaded.dtype)
         for n in lengths:
             o, h = bench_prefill(loaded, hf, n, repeats)
             rows.append(Row(model, name, "prefill", n, o, h, repeats))

@@ -46,10 +46,11 @@ from rich.markup import escape
 from kvtier import dtypes
 from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
 from kvtier.device import add_device_argument
+from kvtier.restore.plan import AUTO, Method
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
-METHODS = ("recompute", "kv", "hidden", "bubblefree", "cake", "auto")
+METHODS = tuple(m.value for m in Method) + (AUTO,)  # the table's column order
 BASELINES = ("hf_recompute", "hf_torch_save")
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
@@ -405,7 +406,7 @@ class RestoreBench:
 
 
 # ----- goals ------------------------------------------------------------------------------------
-KVTIER = ("recompute", "kv", "hidden", "bubblefree", "cake")
+KVTIER = tuple(m.value for m in Method)
 
 
 def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:

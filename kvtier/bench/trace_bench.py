@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.services import RedisServer
+from kvtier.dtypes import name_of
 
 TIERS = ("device", "memory", "disk", "redis")
 GROUPS = ("first", "later")
@@ -228,7 +229,7 @@ def run_config(model, profile, workload, cfg: RunConfig, args: argparse.Namespac
                                           for k, v in st.get("tiers", {}).items()})
     finally:
         engine.close()
-    totals.update(dtype=str(model.dtype).removeprefix("torch."), loadavg_start=load0, loadavg_end=os.getloadavg()[0],
+    totals.update(dtype=name_of(model.dtype), loadavg_start=load0, loadavg_end=os.getloadavg()[0],
                   max_num_seqs=econf.max_num_seqs, device_cache=device_cache, spec=spec)
     return records, totals
 
@@ -247,7 +248,7 @@ def sequential_check(model, profile, wl, args, log=print) -> list[dict]:
     base = Engine(model, econf)
     reuse = Engine(model, econf, store=f"memory:{args.memory}",
                    reuse=ReuseConfig(method=args.check_method, chunk_tokens=args.chunk_tokens), profile=profile)
-    dtype = str(model.dtype).removeprefix("torch.")
+    dtype = name_of(model.dtype)
     names = {id(base): f"recompute [{dtype}, sequential]", id(reuse): f"{args.check_method}/memory [{dtype}, sequential]"}
     recs: list[dict] = []
     try:
@@ -704,7 +705,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             profile = load_or_measure(model, Path(args.home) if args.home else home(), pspec)
             print(f"hardware profile ready in {time.perf_counter() - t:.1f} s (tiers: {sorted(profile.tiers)})",
                   flush=True)
-        meta = dict(model=model.name, dtype=str(model.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+        meta = dict(model=model.name, dtype=name_of(model.dtype), threads=torch.get_num_threads(),
                     cpu_count=os.cpu_count(), args={k: v for k, v in vars(args).items() if k != "func"},
                     workloads={wl.name: dict(wl.params, sessions_n=len(wl.sessions), turns_n=wl.num_turns)
                                for wl in wls},

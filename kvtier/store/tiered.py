@@ -60,8 +60,7 @@ class TieredStore:
         self.root = store_digest(namespace.digest(), chunk_tokens) if namespace else None
         self.memory = next((t for t in tiers if isinstance(t, MemoryTier)), None)
         for t in tiers:
-            if hasattr(t, "on_evict"):
-                t.on_evict = self._demote
+            t.on_evict = self._demote
         self.counters = dict(saves=0, chunks_written=0, chunks_skipped=0, partials_superseded=0, discarded=0,
                              promotions=0)
         self._promoting: set[str] = set()
@@ -122,16 +121,8 @@ class TieredStore:
                               ns.layer_reprs, self._size_of)
 
     def _size_of(self, tier_name: str, key: str, tokens: int) -> int:
-        t = self.tier(tier_name)
-        if isinstance(t, MemoryTier):
-            h = t.header(key)
-            if h is not None:
-                return h.total_bytes
-        if isinstance(t, DiskTier):
-            f = t._files.get(key)
-            if f is not None:
-                return f.nbytes
-        return self._ns().bytes_per_token() * tokens  # payload estimate (redis: no extra trip)
+        known = self.tier(tier_name).size_of(key)
+        return known if known is not None else self._ns().bytes_per_token() * tokens  # redis: no extra trip
 
     def read_layers(self, ref_or_key: ChunkRef | str, layers: Iterable[int],
                     parts: Iterable[str] = ("k", "v", "h"), copy: bool = True) -> list[fmt.LayerState] | None:

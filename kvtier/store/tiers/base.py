@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -30,6 +30,7 @@ from ..format import (
     header_length,
     parse_header,
 )
+from ..policy import EvictionPolicy
 from ..throttle import Emulation, Throttle
 from .breaker import Outage
 
@@ -190,6 +191,9 @@ class Tier(ABC):
         self.lock = threading.RLock()
         self.counters = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, evictions=0,
                              corrupt=0, puts=0, put_errors=0)
+        # Called before an entry is evicted (the store demotes it to a lower tier). Tiers whose
+        # capacity someone else manages (Redis: maxmemory) never call it.
+        self.on_evict: Callable[[Tier, str], None] | None = None
 
     # --- subclass hooks -----------------------------------------------------------------------
     @abstractmethod
@@ -218,6 +222,24 @@ class Tier(ABC):
 
     def touch(self, key: str) -> None:
         pass
+
+    def size_of(self, key: str) -> int | None:
+        """Stored bytes of `key` if the tier knows them without a read (memory, disk), else None."""
+        return None
+
+    def _evict_for(self, policy: EvictionPolicy, used: Callable[[], int], capacity: int, n: int,
+                   protected: frozenset[str]) -> bool:
+        """Evict `policy`'s victims until `n` more bytes fit under `capacity`; -> whether they do.
+        `used()` is re-read after each deletion (the subclass's delete() updates it)."""
+        need = used() + n - capacity
+        if need <= 0:
+            return True
+        for victim in policy.victims(need, protected):
+            if self.on_evict is not None:
+                self.on_evict(self, victim)
+            self.delete(victim)
+            self.counters["evictions"] += 1
+        return used() + n <= capacity
 
     def usage(self) -> dict:
         return {}

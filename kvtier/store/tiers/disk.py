@@ -160,7 +160,6 @@ class DiskTier(Tier):
         self.fsync = fsync
         self.dirs = [_Dir(os.path.abspath(r), c, make_policy()) for r, c in zip(roots, capacities)]
         self._files: dict[str, _File] = {}
-        self.on_evict: Callable[[Tier, str], None] | None = None
         for i, d in enumerate(self.dirs):
             os.makedirs(d.root, exist_ok=True)
             self._rebuild(i)
@@ -315,7 +314,7 @@ class DiskTier(Tier):
         f = self._files.get(key)
         return None if f is None else f.path
 
-    def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
+    def put(self, packed: PackedChunk) -> bool:
         h = packed.header
         i = h.index % len(self.dirs)  # round-robin by position: a context spreads over all disks
         if self.ns is None:
@@ -330,7 +329,7 @@ class DiskTier(Tier):
                 return True
             if packed.nbytes > self.dirs[i].capacity:
                 return False
-            if not self._make_room(i, packed.nbytes, protected | {h.key}):
+            if not self._make_room(i, packed.nbytes, frozenset({h.key})):
                 return False
             # Reserve the bytes now so concurrent puts do not overshoot the cap.
             self._index(h.key, _File(i, path, packed.nbytes))
@@ -372,17 +371,13 @@ class DiskTier(Tier):
                 pass
             raise
 
-    def _make_room(self, i: int, n: int, protected: frozenset[str] | set[str]) -> bool:
+    def _make_room(self, i: int, n: int, protected: frozenset[str]) -> bool:
         d = self.dirs[i]
-        need = d.used + n - d.capacity
-        if need <= 0:
-            return True
-        for victim in d.policy.victims(need, protected):
-            if self.on_evict is not None:
-                self.on_evict(self, victim)
-            self.delete(victim)
-            self.counters["evictions"] += 1
-        return d.used + n <= d.capacity
+        return self._evict_for(d.policy, lambda: d.used, d.capacity, n, protected)
+
+    def size_of(self, key: str) -> int | None:
+        f = self._files.get(key)
+        return None if f is None else f.nbytes
 
     def _forget(self, key: str) -> _File | None:
         f = self._files.pop(key, None)

@@ -3,7 +3,7 @@ are carved from a pinned arena (sources of asynchronous copies to the device).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -45,7 +45,6 @@ class MemoryTier(Tier):
         self.used = 0
         self.arena = PinnedArena(capacity) if pin else None  # the engine runs on CUDA
         # Called with (tier, key) before an entry is evicted, so the store can demote it.
-        self.on_evict: Callable[[Tier, str], None] | None = None
 
     def _open(self, key: str) -> Reader | None:
         e = self._entries.get(key)
@@ -70,14 +69,15 @@ class MemoryTier(Tier):
         with self.lock:
             self.policy.touch(key)
 
-    def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
+    def put(self, packed: PackedChunk) -> bool:
         n = packed.nbytes
         key = packed.header.key
         with self.lock:
             if key in self._entries:
                 self.policy.touch(key)
                 return True
-            if n > self.capacity or not self._make_room(n, protected | {key}):
+            if n > self.capacity or not self._evict_for(self.policy, lambda: self.used, self.capacity, n,
+                                                        frozenset({key})):
                 return False
             blob = self.arena.take(n) if self.arena is not None else None
             if blob is None:  # no arena (CPU engine), or no room in it: pageable (correct, slower copies)
@@ -97,16 +97,9 @@ class MemoryTier(Tier):
             self.counters["puts"] += 1
             return True
 
-    def _make_room(self, n: int, protected: frozenset[str] | set[str]) -> bool:
-        need = self.used + n - self.capacity
-        if need <= 0:
-            return True
-        for victim in self.policy.victims(need, protected):
-            if self.on_evict is not None:
-                self.on_evict(self, victim)
-            self.delete(victim)
-            self.counters["evictions"] += 1
-        return self.used + n <= self.capacity
+    def size_of(self, key: str) -> int | None:
+        e = self._entries.get(key)
+        return None if e is None else e.header.total_bytes
 
     def delete(self, key: str) -> None:
         with self.lock:

@@ -190,7 +190,7 @@ class RedisTier(Tier):
             got.append(segs)
         return got
 
-    def put(self, packed: PackedChunk, protected: frozenset[str] = frozenset()) -> bool:
+    def put(self, packed: PackedChunk) -> bool:
         if self.ns is None:
             raise RuntimeError("admin-mode store cannot write chunks")
         h = packed.header
