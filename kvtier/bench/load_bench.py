@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from kvtier.models.loading import DEFAULT_MODEL
+from kvtier.restore.plan import METHOD_CHOICES
 
 # A shared system prompt (as real deployments have) and varied questions: some prefix reuse,
 # mostly fresh work.
@@ -117,21 +118,28 @@ def rss_mb(pid: int) -> float | None:
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, question: str, max_tokens: int, seed: int) -> StreamResult:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return (await stream_chat(client, model, messages, max_tokens, seed))[0]
+
+
+async def stream_chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
+                      seed: int) -> tuple[StreamResult, str]:
+    """One streaming chat completion; -> (its result, the answer's text)."""
     body = {
         "model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
-        "temperature": 0.7, "seed": seed,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "temperature": 0.7, "seed": seed, "messages": messages,
     }
     t0 = time.perf_counter()
     ttft = None
     finish = usage = done = False
     tokens = cached = prompt = 0
+    text: list[str] = []
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:200]
-                return StreamResult(False, resp.status_code, f"HTTP {resp.status_code}: {text}", None,
-                                    time.perf_counter() - t0, 0, 0)
+                why = (await resp.aread()).decode(errors="replace")[:200]
+                return StreamResult(False, resp.status_code, f"HTTP {resp.status_code}: {why}", None,
+                                    time.perf_counter() - t0, 0, 0), ""
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -142,10 +150,12 @@ async def one_stream(client: httpx.AsyncClient, model: str, question: str, max_t
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return StreamResult(False, 200, f"error event: {chunk['error'].get('message')}", ttft,
-                                        time.perf_counter() - t0, 0, 0)
+                                        time.perf_counter() - t0, 0, 0), ""
                 for choice in chunk.get("choices", []):
-                    if choice["delta"].get("content") and ttft is None:
-                        ttft = time.perf_counter() - t0
+                    if choice["delta"].get("content"):
+                        text.append(choice["delta"]["content"])
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
                     finish = finish or choice.get("finish_reason") is not None
                 if chunk.get("usage"):
                     usage = True
@@ -153,10 +163,11 @@ async def one_stream(client: httpx.AsyncClient, model: str, question: str, max_t
                     cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
                     prompt = chunk["usage"]["prompt_tokens"]
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-        return StreamResult(False, None, f"{type(e).__name__}: {e}", ttft, time.perf_counter() - t0, 0, 0)
+        return StreamResult(False, None, f"{type(e).__name__}: {e}", ttft, time.perf_counter() - t0, 0, 0), ""
     latency = time.perf_counter() - t0
     ok = finish and usage and done
-    return StreamResult(ok, 200, None if ok else "stream ended early", ttft or latency, latency, tokens, cached, prompt)
+    result = StreamResult(ok, 200, None if ok else "stream ended early", ttft or latency, latency, tokens, cached, prompt)
+    return result, "".join(text)
 
 
 async def run_clients(url: str, model: str, clients: int, duration: float, max_tokens: int,
@@ -270,6 +281,10 @@ class ServerProcess:
                       "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs)]
         if args.store:
             serve_args += ["--store", args.store]
+        if args.no_prefix_cache:
+            serve_args += ["--no-prefix-cache"]
+        if args.restore_method:
+            serve_args += ["--restore-method", args.restore_method]
         if args.no_store:
             serve_args += ["--no-store"]
         if args.api_key:
@@ -316,8 +331,12 @@ def _command_line() -> str:
 
 
 def run_load(args: argparse.Namespace) -> LoadReport:
-    report = LoadReport(model=args.model, clients=args.clients, duration_s=args.duration, max_tokens=args.max_tokens,
-                        command=_command_line())
+    from kvtier.bench import conversations
+
+    kw = dict(model=args.model, clients=args.clients, duration_s=args.duration, max_tokens=args.max_tokens,
+              command=_command_line())
+    conv = args.mode == "conversation"
+    report = conversations.ConversationReport(**kw, turns=args.turns) if conv else LoadReport(**kw)
     server = None if args.url else ServerProcess.for_bench(args)
     try:
         if server is not None:
@@ -325,17 +344,32 @@ def run_load(args: argparse.Namespace) -> LoadReport:
         url = args.url or server.url  # type: ignore[union-attr]
         pid = server.proc.pid if server is not None else args.server_pid
         model = args.served_model_name or args.model
-        results = asyncio.run(run_clients(url, model, args.clients, args.duration, args.max_tokens,
-                                          args.api_key, pid, report))
+        if isinstance(report, conversations.ConversationReport):
+            turns = asyncio.run(conversations.run_conversations(
+                url, model, args.clients, args.duration, args.max_tokens, args.turns, args.sample_every,
+                args.api_key, pid, report))
+        else:
+            results = asyncio.run(run_clients(url, model, args.clients, args.duration, args.max_tokens,
+                                              args.api_key, pid, report))
     finally:
         if server is not None:
             server.stop()
+    if isinstance(report, conversations.ConversationReport):
+        return conversations.summarize(turns, report)
     return summarize(results, report)
 
 
 def cmd_load(args: argparse.Namespace) -> int:
+    from kvtier.bench import conversations
+
     report = run_load(args)
-    print(format_table(report))
+    if isinstance(report, conversations.ConversationReport):
+        print(conversations.format_table(report))
+        if args.plot:
+            conversations.plot(report, args.plot)
+            print(f"wrote {args.plot}")
+    else:
+        print(format_table(report))
     if report.error_samples:
         print("errors seen:", *report.error_samples, sep="\n  ")
     if args.json:
@@ -361,6 +395,17 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY") or None)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    p.add_argument("--mode", default="single", choices=["single", "conversation"],
+                   help="single: one-question chats; conversation: each client holds multi-turn chats, every "
+                        "turn resending the history (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=4, help="conversation mode: turns per conversation (default: 4)")
+    p.add_argument("--sample-every", type=float, default=5.0,
+                   help="conversation mode: seconds between samples of /metrics and RSS (default: 5)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="conversation mode: RSS and tier bytes over time")
+    p.add_argument("--restore-method", default=None, choices=list(METHOD_CHOICES),
+                   help="passed to the server (default: the server's, auto)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="start the server without its device prefix cache (reuse then comes from the store tiers)")
 
 
 def register_bench(bench_subparsers: Any) -> argparse.ArgumentParser:

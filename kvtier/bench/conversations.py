@@ -1,0 +1,235 @@
+"""`kvtier bench load --mode conversation`: many clients, each holding multi-turn chats.
+
+Every turn resends the whole conversation so far (system prompt, earlier questions and the answers
+the server gave) plus a new question, as chat clients do; after `--turns` turns a client starts a
+new conversation. Every `--sample-every` seconds the server's /metrics and RSS are sampled: tokens
+reused per tier, each tier's bytes against its capacity, requests and errors so far. The verdict
+checks what a soak is for: no errors, RSS flat after warm-up, every tier within its cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvtier.bench.load_bench import QUESTIONS, SYSTEM, LoadReport, StreamResult, percentile, rss_mb, stream_chat
+
+FOLLOW_UPS = ["Why?", "Give an example.", "Say that more simply.", "What follows from that?",
+              "Is there an exception?", "Summarize our conversation."]
+
+
+@dataclass
+class Sample:
+    t: float  # seconds into the run
+    rss_mb: float | None
+    requests: int
+    errors: int
+    tier_bytes: dict[str, float]
+    tier_capacity: dict[str, float]
+    reused_by_tier: dict[str, float]  # cumulative tokens, from the server's counters
+
+
+@dataclass
+class ConversationReport(LoadReport):
+    turns: int = 0
+    conversations: int = 0
+    ttft_first_turn_p50_ms: float | None = None
+    ttft_later_turns_p50_ms: float | None = None
+    ttft_later_turns_p99_ms: float | None = None
+    cached_fraction_later_turns: float = 0.0  # of turns >= 2's prompt tokens
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+    reused_by_tier: dict[str, float] = field(default_factory=dict)  # tokens during the run
+    samples: list[Sample] = field(default_factory=list)
+    verdict: dict[str, Any] = field(default_factory=dict)
+
+
+def scrape(url: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(bytes per tier, capacity per tier, tokens reused per tier so far) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    used: dict[str, float] = {}
+    cap: dict[str, float] = {}
+    reused: dict[str, float] = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return used, cap, reused
+    wanted = {"kvtier_store_bytes": used, "kvtier_store_capacity_bytes": cap,
+              "kvtier_prompt_tokens_reused_total": reused}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted and "tier" in s.labels:
+                wanted[s.name][s.labels["tier"]] = s.value
+    return used, cap, reused
+
+
+async def run_conversations(url: str, model: str, clients: int, duration: float, max_tokens: int, turns: int,
+                            sample_every: float, api_key: str | None, server_pid: int | None,
+                            report: ConversationReport) -> list[tuple[int, StreamResult]]:
+    """-> (turn number, result) of every request."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    results: list[tuple[int, StreamResult]] = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+        warm, _ = await stream_chat(client, model, [{"role": "user", "content": "Hello"}], max_tokens, 0)
+        if not warm.ok:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        start = time.perf_counter()
+        deadline = start + duration
+        _, _, reused0 = await asyncio.to_thread(scrape, url)
+
+        async def conversation_client(i: int) -> None:
+            n = 0
+            while time.perf_counter() < deadline:
+                report.conversations += 1
+                messages = [{"role": "system", "content": SYSTEM}]
+                for turn in range(1, turns + 1):
+                    if time.perf_counter() >= deadline:
+                        break
+                    question = QUESTIONS[(i * 5 + n) % len(QUESTIONS)] if turn == 1 \
+                        else FOLLOW_UPS[(i + n + turn) % len(FOLLOW_UPS)]
+                    messages.append({"role": "user", "content": question})
+                    r, answer = await stream_chat(client, model, messages, max_tokens, seed=i * 100_003 + n * 17 + turn)
+                    results.append((turn, r))
+                    if not r.ok:
+                        break  # a failed turn ends the conversation (a real client would retry)
+                    messages.append({"role": "assistant", "content": answer})
+                n += 1
+
+        async def sampler() -> None:
+            while True:
+                used, cap, reused = await asyncio.to_thread(scrape, url)
+                report.samples.append(Sample(
+                    round(time.perf_counter() - start, 1), rss_mb(server_pid) if server_pid else None, len(results),
+                    sum(1 for _, r in results if not r.ok), used, cap,
+                    {k: v - reused0.get(k, 0.0) for k, v in reused.items()}))
+                await asyncio.sleep(sample_every)
+
+        task = asyncio.create_task(sampler())
+        await asyncio.gather(*(conversation_client(i) for i in range(clients)))
+        report.elapsed_s = time.perf_counter() - start
+        task.cancel()
+        used, cap, reused = await asyncio.to_thread(scrape, url)
+        report.samples.append(Sample(round(report.elapsed_s, 1), rss_mb(server_pid) if server_pid else None,
+                                     len(results), sum(1 for _, r in results if not r.ok), used, cap,
+                                     {k: v - reused0.get(k, 0.0) for k, v in reused.items()}))
+    return results
+
+
+def summarize(results: list[tuple[int, StreamResult]], rep: ConversationReport) -> ConversationReport:
+    ok = [(turn, r) for turn, r in results if r.ok]
+    rep.requests, rep.completed = len(results), len(ok)
+    kinds = Counter(r.error.split(":")[0] for _, r in results if r.error)
+    rep.errors_by_kind = dict(kinds)
+    rep.incomplete_streams = kinds.get("stream ended early", 0)
+    rep.errors = rep.requests - rep.completed - rep.incomplete_streams
+    rep.error_samples = sorted({r.error for _, r in results if r.error})[:5]
+    t = max(rep.elapsed_s, 1e-9)
+    rep.requests_per_s = len(ok) / t
+    rep.tokens_per_s = sum(r.completion_tokens for _, r in ok) / t
+
+    def p(values: list[float], q: float) -> float | None:
+        v = percentile(values, q)
+        return None if v is None else v * 1000
+
+    every = [r.ttft for _, r in ok if r.ttft is not None]
+    later = [r.ttft for turn, r in ok if turn > 1 and r.ttft is not None]
+    rep.ttft_p50_ms, rep.ttft_p99_ms = p(every, 50), p(every, 99)
+    rep.ttft_first_turn_p50_ms = p([r.ttft for turn, r in ok if turn == 1 and r.ttft is not None], 50)
+    rep.ttft_later_turns_p50_ms, rep.ttft_later_turns_p99_ms = p(later, 50), p(later, 99)
+    rep.latency_p50_ms = p([r.latency for _, r in ok], 50)
+    prompt = sum(r.prompt_tokens for _, r in ok)
+    rep.cached_token_fraction = sum(r.cached_tokens for _, r in ok) / prompt if prompt else 0.0
+    later_prompt = sum(r.prompt_tokens for turn, r in ok if turn > 1)
+    rep.cached_fraction_later_turns = \
+        sum(r.cached_tokens for turn, r in ok if turn > 1) / later_prompt if later_prompt else 0.0
+    if rep.samples:
+        rep.reused_by_tier = dict(rep.samples[-1].reused_by_tier)
+        rss = [s.rss_mb for s in rep.samples if s.rss_mb is not None]
+        if rss:
+            rep.rss_start_mb, rep.rss_end_mb, rep.rss_peak_mb = rss[0], rss[-1], max(rss)
+            rep.rss_mid_mb = rss[len(rss) // 2]
+    rep.verdict = verdict(rep)
+    return rep
+
+
+def verdict(rep: ConversationReport) -> dict[str, Any]:
+    """No errors; RSS flat after warm-up (the last half's peak within max(10%, 50 MiB) of the RSS at
+    the end of the first quarter); every tier within its capacity at every sample."""
+    out: dict[str, Any] = {"no_errors": rep.errors == 0 and rep.incomplete_streams == 0}
+    rss = [(s.t, s.rss_mb) for s in rep.samples if s.rss_mb is not None]
+    if len(rss) >= 4:
+        warm = rss[len(rss) // 4][1]
+        late = max(v for _, v in rss[len(rss) // 2:])
+        out["rss_after_warmup_mb"], out["rss_late_peak_mb"] = warm, late
+        out["rss_flat"] = late - warm <= max(0.10 * warm, 50.0)
+    over = [(s.t, tier, s.tier_bytes[tier], cap) for s in rep.samples for tier, cap in s.tier_capacity.items()
+            if cap > 0 and s.tier_bytes.get(tier, 0.0) > cap]
+    out["tiers_within_caps"] = not over
+    out["cap_violations"] = over[:5]
+    return out
+
+
+def format_table(rep: ConversationReport) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f} ms"
+
+    def mib(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f} MiB"
+
+    last = rep.samples[-1] if rep.samples else None
+    tiers = ", ".join(f"{t} {last.tier_bytes.get(t, 0) / 2**20:.0f}/{c / 2**20:.0f} MiB"
+                      for t, c in last.tier_capacity.items()) if last else "-"
+    reuse = ", ".join(f"{t} {int(n)}" for t, n in sorted(rep.reused_by_tier.items()) if n) or "none"
+    rows = [
+        ("model", rep.model), ("clients (conversations)", f"{rep.clients} ({rep.conversations} started)"),
+        ("turns per conversation", str(rep.turns)), ("duration (s)", f"{rep.duration_s:.0f} (done at {rep.elapsed_s:.1f})"),
+        ("requests / completed", f"{rep.requests} / {rep.completed}"),
+        ("errors / incomplete streams", f"{rep.errors} / {rep.incomplete_streams}"),
+        ("requests/s", f"{rep.requests_per_s:.2f}"), ("generated tokens/s", f"{rep.tokens_per_s:.1f}"),
+        ("TTFT p50 / p99", f"{ms(rep.ttft_p50_ms)} / {ms(rep.ttft_p99_ms)}"),
+        ("TTFT p50 turn 1", ms(rep.ttft_first_turn_p50_ms)),
+        ("TTFT p50 / p99 turns >= 2", f"{ms(rep.ttft_later_turns_p50_ms)} / {ms(rep.ttft_later_turns_p99_ms)}"),
+        ("prompt tokens cached (turns >= 2)", f"{rep.cached_token_fraction:.0%} ({rep.cached_fraction_later_turns:.0%})"),
+        ("tokens reused by tier", reuse),
+        ("server RSS start / mid / end / peak",
+         " / ".join(mib(v) for v in (rep.rss_start_mb, rep.rss_mid_mb, rep.rss_end_mb, rep.rss_peak_mb))),
+        ("tier bytes / cap at the end", tiers),
+        ("verdict", ", ".join(f"{k}={v}" for k, v in rep.verdict.items() if k != "cap_violations")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    return "\n".join(lines + [f"| {k.ljust(width)} | {v} |" for k, v in rows])
+
+
+def plot(rep: ConversationReport, path: str) -> None:
+    """RSS over time, and each tier's bytes against its capacity over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    t = [s.t / 60 for s in rep.samples]
+    a.plot(t, [s.rss_mb for s in rep.samples], label="server RSS")
+    a.set(xlabel="minutes", ylabel="MiB", title="server resident memory")
+    tiers = sorted({k for s in rep.samples for k in s.tier_capacity})
+    for i, tier in enumerate(tiers):
+        color = f"C{i}"
+        b.plot(t, [s.tier_bytes.get(tier, 0) / 2**20 for s in rep.samples], color=color, label=f"{tier} bytes")
+        b.plot(t, [s.tier_capacity.get(tier, 0) / 2**20 for s in rep.samples], color=color, ls="--",
+               label=f"{tier} capacity")
+    b.set(xlabel="minutes", ylabel="MiB", title="store tiers", yscale="log")
+    b.legend(fontsize=8)
+    fig.suptitle(f"{rep.model}: {rep.clients} conversation clients, {rep.errors} errors")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
