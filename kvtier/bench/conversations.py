@@ -71,8 +71,10 @@ def scrape(url: str) -> tuple[dict[str, float], dict[str, float], dict[str, floa
 
 async def run_conversations(url: str, model: str, clients: int, duration: float, max_tokens: int, turns: int,
                             sample_every: float, api_key: str | None, server_pid: int | None,
-                            report: ConversationReport) -> list[tuple[int, StreamResult]]:
-    """-> (turn number, result) of every request."""
+                            report: ConversationReport, history_tokens: int = 1536) -> list[tuple[int, StreamResult]]:
+    """-> (turn number, result) of every request. A conversation also ends early when its next turn
+    could outgrow `history_tokens` (the prompt so far plus two answers), so it never hits the
+    server's context window."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     results: list[tuple[int, StreamResult]] = []
@@ -101,6 +103,8 @@ async def run_conversations(url: str, model: str, clients: int, duration: float,
                     if not r.ok:
                         break  # a failed turn ends the conversation (a real client would retry)
                     messages.append({"role": "assistant", "content": answer})
+                    if r.prompt_tokens + 2 * max_tokens + 64 > history_tokens:
+                        break
                 n += 1
 
         async def sampler() -> None:

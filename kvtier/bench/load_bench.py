@@ -347,7 +347,7 @@ def run_load(args: argparse.Namespace) -> LoadReport:
         if isinstance(report, conversations.ConversationReport):
             turns = asyncio.run(conversations.run_conversations(
                 url, model, args.clients, args.duration, args.max_tokens, args.turns, args.sample_every,
-                args.api_key, pid, report))
+                args.api_key, pid, report, args.history_tokens))
         else:
             results = asyncio.run(run_clients(url, model, args.clients, args.duration, args.max_tokens,
                                               args.api_key, pid, report))
@@ -363,11 +363,13 @@ def cmd_load(args: argparse.Namespace) -> int:
     from kvtier.bench import conversations
 
     report = run_load(args)
+    passed = report.errors == 0 and report.incomplete_streams == 0
     if isinstance(report, conversations.ConversationReport):
         print(conversations.format_table(report))
         if args.plot:
             conversations.plot(report, args.plot)
             print(f"wrote {args.plot}")
+        passed = all(v for k, v in report.verdict.items() if k in ("no_errors", "rss_flat", "tiers_within_caps"))
     else:
         print(format_table(report))
     if report.error_samples:
@@ -376,7 +378,13 @@ def cmd_load(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
         print(f"wrote {args.json}")
-    return 0 if report.errors == 0 and report.incomplete_streams == 0 else 1
+    return 0 if passed else 1
+
+
+def _positive_int(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return int(text)
 
 
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
@@ -398,7 +406,10 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="single", choices=["single", "conversation"],
                    help="single: one-question chats; conversation: each client holds multi-turn chats, every "
                         "turn resending the history (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=4, help="conversation mode: turns per conversation (default: 4)")
+    p.add_argument("--turns", type=_positive_int, default=4,
+                   help="conversation mode: turns per conversation (default: 4)")
+    p.add_argument("--history-tokens", type=_positive_int, default=1536,
+                   help="conversation mode: start a new conversation before the history outgrows this (default: 1536)")
     p.add_argument("--sample-every", type=float, default=5.0,
                    help="conversation mode: seconds between samples of /metrics and RSS (default: 5)")
     p.add_argument("--plot", default=None, metavar="PNG", help="conversation mode: RSS and tier bytes over time")

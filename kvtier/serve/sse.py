@@ -34,9 +34,15 @@ SSE_EVENT_SCHEMA = {
 }
 
 
+# Characters Python's str.splitlines() (and so httpx's aiter_lines and many hand-written SSE readers)
+# treats as line breaks although SSE and JSON do not: a model that generates one would cut the
+# event in two for such clients. JSON's \u escapes keep the text identical.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def event(payload: BaseModel | dict) -> bytes:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return b"data: " + data.encode() + b"\n\n"
+    return b"data: " + data.translate(_LINE_BREAKS_JSON_KEEPS).encode() + b"\n\n"
 
 
 class GenerationStream(StreamingResponse):
