@@ -20,6 +20,18 @@ import httpx
 
 from kvtier.bench.load_bench import QUESTIONS, SYSTEM, LoadReport, StreamResult, percentile, rss_mb, stream_chat
 
+WORDS = ("river", "ledger", "orbit", "copper", "meadow", "signal", "harbor", "lantern", "quartz", "summit",
+         "archive", "falcon", "garden", "pillar", "tundra", "vessel", "canyon", "beacon", "mosaic", "thistle")
+
+
+def document(conversation: int, words: int) -> str:
+    """A document of its own for each conversation (the RAG/long-context case: state worth
+    keeping that no other conversation shares), deterministic in the conversation number."""
+    n = len(WORDS)
+    body = " ".join(WORDS[(conversation * 7 + i * (conversation % 5 + 1) + i // n) % n] for i in range(words))
+    return f"Document {conversation}: {body}. Answer questions about document {conversation}."
+
+
 FOLLOW_UPS = ["Why?", "Give an example.", "Say that more simply.", "What follows from that?",
               "Is there an exception?", "Summarize our conversation."]
 
@@ -33,6 +45,7 @@ class Sample:
     tier_bytes: dict[str, float]
     tier_capacity: dict[str, float]
     reused_by_tier: dict[str, float]  # cumulative tokens, from the server's counters
+    writer: dict[str, float] = field(default_factory=dict)  # saves queued, dropped, chunks written so far
 
 
 @dataclass
@@ -49,32 +62,42 @@ class ConversationReport(LoadReport):
     verdict: dict[str, Any] = field(default_factory=dict)
 
 
-def scrape(url: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(bytes per tier, capacity per tier, tokens reused per tier so far) from /metrics."""
+WRITER_METRICS = {"kvtier_store_write_queue_depth": "queued", "kvtier_store_dropped_saves_total": "dropped",
+                  "kvtier_store_chunks_written_total": "written", "kvtier_restores_total": "restores"}
+
+
+def scrape(url: str) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+    """(bytes per tier, capacity per tier, tokens reused per tier so far, writer and restore counts)
+    from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     used: dict[str, float] = {}
     cap: dict[str, float] = {}
     reused: dict[str, float] = {}
+    writer: dict[str, float] = {}
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
-        return used, cap, reused
+        return used, cap, reused, writer
     wanted = {"kvtier_store_bytes": used, "kvtier_store_capacity_bytes": cap,
               "kvtier_prompt_tokens_reused_total": reused}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in wanted and "tier" in s.labels:
                 wanted[s.name][s.labels["tier"]] = s.value
-    return used, cap, reused
+            elif s.name in WRITER_METRICS:
+                writer[WRITER_METRICS[s.name]] = s.value
+    return used, cap, reused, writer
 
 
 async def run_conversations(url: str, model: str, clients: int, duration: float, max_tokens: int, turns: int,
                             sample_every: float, api_key: str | None, server_pid: int | None,
-                            report: ConversationReport, history_tokens: int = 1536) -> list[tuple[int, StreamResult]]:
+                            report: ConversationReport, history_tokens: int = 1536,
+                            document_words: int = 0) -> list[tuple[int, StreamResult]]:
     """-> (turn number, result) of every request. A conversation also ends early when its next turn
     could outgrow `history_tokens` (the prompt so far plus two answers), so it never hits the
-    server's context window."""
+    server's context window. With `document_words`, each conversation's system prompt carries a
+    document of its own of that many words."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     results: list[tuple[int, StreamResult]] = []
@@ -85,13 +108,14 @@ async def run_conversations(url: str, model: str, clients: int, duration: float,
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         start = time.perf_counter()
         deadline = start + duration
-        _, _, reused0 = await asyncio.to_thread(scrape, url)
+        _, _, reused0, _ = await asyncio.to_thread(scrape, url)
 
         async def conversation_client(i: int) -> None:
             n = 0
             while time.perf_counter() < deadline:
                 report.conversations += 1
-                messages = [{"role": "system", "content": SYSTEM}]
+                system = document(i * 100_000 + n, document_words) if document_words else SYSTEM
+                messages = [{"role": "system", "content": system}]
                 for turn in range(1, turns + 1):
                     if time.perf_counter() >= deadline:
                         break
@@ -109,21 +133,21 @@ async def run_conversations(url: str, model: str, clients: int, duration: float,
 
         async def sampler() -> None:
             while True:
-                used, cap, reused = await asyncio.to_thread(scrape, url)
-                report.samples.append(Sample(
-                    round(time.perf_counter() - start, 1), rss_mb(server_pid) if server_pid else None, len(results),
-                    sum(1 for _, r in results if not r.ok), used, cap,
-                    {k: v - reused0.get(k, 0.0) for k, v in reused.items()}))
+                await take_sample()
                 await asyncio.sleep(sample_every)
+
+        async def take_sample() -> None:
+            used, cap, reused, writer = await asyncio.to_thread(scrape, url)
+            report.samples.append(Sample(
+                round(time.perf_counter() - start, 1), rss_mb(server_pid) if server_pid else None, len(results),
+                sum(1 for _, r in results if not r.ok), used, cap,
+                {k: v - reused0.get(k, 0.0) for k, v in reused.items()}, writer))
 
         task = asyncio.create_task(sampler())
         await asyncio.gather(*(conversation_client(i) for i in range(clients)))
         report.elapsed_s = time.perf_counter() - start
         task.cancel()
-        used, cap, reused = await asyncio.to_thread(scrape, url)
-        report.samples.append(Sample(round(report.elapsed_s, 1), rss_mb(server_pid) if server_pid else None,
-                                     len(results), sum(1 for _, r in results if not r.ok), used, cap,
-                                     {k: v - reused0.get(k, 0.0) for k, v in reused.items()}))
+        await take_sample()
     return results
 
 
@@ -208,6 +232,8 @@ def format_table(rep: ConversationReport) -> str:
         ("server RSS start / mid / end / peak",
          " / ".join(mib(v) for v in (rep.rss_start_mb, rep.rss_mid_mb, rep.rss_end_mb, rep.rss_peak_mb))),
         ("tier bytes / cap at the end", tiers),
+        ("saves dropped / chunks written / restores",
+         " / ".join(str(int(last.writer.get(k, 0))) for k in ("dropped", "written", "restores")) if last else "-"),
         ("verdict", ", ".join(f"{k}={v}" for k, v in rep.verdict.items() if k != "cap_violations")),
     ]
     width = max(len(k) for k, _ in rows)

@@ -347,7 +347,7 @@ def run_load(args: argparse.Namespace) -> LoadReport:
         if isinstance(report, conversations.ConversationReport):
             turns = asyncio.run(conversations.run_conversations(
                 url, model, args.clients, args.duration, args.max_tokens, args.turns, args.sample_every,
-                args.api_key, pid, report, args.history_tokens))
+                args.api_key, pid, report, args.history_tokens, args.document_words))
         else:
             results = asyncio.run(run_clients(url, model, args.clients, args.duration, args.max_tokens,
                                               args.api_key, pid, report))
@@ -410,6 +410,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
                    help="conversation mode: turns per conversation (default: 4)")
     p.add_argument("--history-tokens", type=_positive_int, default=1536,
                    help="conversation mode: start a new conversation before the history outgrows this (default: 1536)")
+    p.add_argument("--document-words", type=int, default=0,
+                   help="conversation mode: give each conversation a document of its own of this many words in "
+                        "its system prompt (the long-context case; default: 0, a short shared system prompt)")
     p.add_argument("--sample-every", type=float, default=5.0,
                    help="conversation mode: seconds between samples of /metrics and RSS (default: 5)")
     p.add_argument("--plot", default=None, metavar="PNG", help="conversation mode: RSS and tier bytes over time")
