@@ -23,7 +23,7 @@ from kvtier.engine.restore_exec import Restore, RestoreMiss
 from kvtier.engine.runner import ModelRunner
 from kvtier.restore.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, links
 from kvtier.restore.plan import Method, PlannedChunk
-from kvtier.restore.planner import Planner
+from kvtier.restore.planner import MAX_CORRECTION, Planner
 from kvtier.store import Repr, StoreNamespace, TieredStore
 from kvtier.store.throttle import Emulation
 
@@ -352,6 +352,17 @@ def test_online_refinement_moves_prediction_toward_observation(tiny_gqa):
         pl.observe(Method.KV, pl.plan(Method.KV, chunks, 8).predicted_s, before * 3)
     after = pl.plan(Method.KV, chunks, 8).predicted_s
     assert abs(after - before * 3) < abs(before - before * 3) * 0.1
+
+
+def test_online_refinement_is_bounded_so_a_method_is_never_locked_out(tiny_gqa):
+    """Restores timed under load (waiting for busy steps) must not make the planner drop a method
+    for good: the correction stays within MAX_CORRECTION."""
+    pl = _planner(tiny_gqa, fake_profile("x"))
+    chunks = _chunks(512)
+    before = pl.plan(Method.KV, chunks, 8).predicted_s
+    for _ in range(20):
+        pl.observe(Method.KV, pl.plan(Method.KV, chunks, 8).predicted_s, before * 100)
+    assert pl.plan(Method.KV, chunks, 8).predicted_s == pytest.approx(before * MAX_CORRECTION, rel=1e-3)
 
 
 def test_a_cake_loader_that_dies_fails_the_restore(tiny_gqa, tmp_path):

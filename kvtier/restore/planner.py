@@ -22,6 +22,8 @@ from kvtier.restore.costs import HardwareProfile, ModelShape, TierLink, read_buf
 from kvtier.restore.plan import Method, Plan, PlannedChunk
 from kvtier.store.layout import Repr
 
+MAX_CORRECTION = 4.0  # the most online refinement may scale a method's predicted time, either way
+
 
 class StoredChunk(Protocol):
     """A stored chunk as lookup reports it (store.index.ChunkRef satisfies this)."""
@@ -285,9 +287,13 @@ class Planner:
         return saved > cost
 
     def observe(self, method: Method, predicted_s: float, actual_s: float, weight: float = 0.3) -> None:
-        """Refine online: move the method's correction factor toward the observed/predicted ratio."""
+        """Refine online: move the method's correction factor toward the observed/predicted ratio.
+
+        The factor stays within [1/MAX_CORRECTION, MAX_CORRECTION]: an observed restore's wall time
+        includes waiting for busy steps under load, and an unbounded factor once made a method look
+        so slow that the planner never chose it again, so it was never observed again either."""
         if predicted_s <= 0 or actual_s <= 0:
             return
         raw = predicted_s / self.correction.get(method, 1.0)
-        ratio = actual_s / raw
+        ratio = min(max(actual_s / raw, 1 / MAX_CORRECTION), MAX_CORRECTION)
         self.correction[method] = (1 - weight) * self.correction.get(method, 1.0) + weight * ratio
