@@ -8,7 +8,7 @@ import warnings
 import pytest
 import test_restore
 import torch
-from test_restore import CHUNK, GREEDY, HIST, _engine, _ids, cases, check_all_methods
+from test_restore import CHUNK, GREEDY, HIST, _engine, _ids, cases, check_all_methods, restore_after_saving
 
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
@@ -60,13 +60,7 @@ def test_every_method_agrees_with_recompute_bf16(tmp_path):
     ids = _ids(model)
     ref = _engine(model, None).generate([ids], GREEDY)[0].output_ids
     for name, (method, layout) in cases(model.config.num_layers).items():
-        engine = _engine(model, "memory:256MB", method, layout)
-        try:
-            engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
-            assert engine.flush(30)
-            out = engine.generate([ids], GREEDY)[0]
-        finally:
-            engine.close()
+        out = restore_after_saving(_engine(model, "memory:256MB", method, layout), ids)
         agree = sum(a == b for a, b in zip(out.output_ids, ref)) / len(ref)
         assert agree >= 0.9, (name, agree)  # bf16: kernels of other shapes may flip a late near-tie
         assert method == "recompute" or out.prompt_tokens_reused == HIST

@@ -11,7 +11,7 @@ import sys
 import pytest
 import test_restore
 import torch
-from test_restore import GREEDY, HIST, _engine, _ids, check_all_methods
+from test_restore import GREEDY, HIST, _engine, _ids, check_all_methods, restore_after_saving
 
 from kvtier.device import DeviceError, resolve_device
 from kvtier.engine.request import Request, SamplingParams
@@ -131,13 +131,7 @@ def test_the_lazy_back_end_catches_a_missing_wait(monkeypatch, tiny_gqa, broken)
     monkeypatch.setattr("kvtier.engine.runner.make_transfer", lambda device: broken())
     ids = _ids(tiny_gqa)
     ref = _engine(tiny_gqa, None).generate([ids], GREEDY)[0].output_ids
-    engine = _engine(tiny_gqa, "memory:256MB", "kv")
-    try:
-        engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
-        assert engine.flush(30)
-        out = engine.generate([ids], GREEDY)[0]
-    finally:
-        engine.close()
+    out = restore_after_saving(_engine(tiny_gqa, "memory:256MB", "kv"), ids)
     assert out.prompt_tokens_reused == HIST
     assert out.output_ids != ref  # computed on NaN: the missing wait shows without a GPU
 

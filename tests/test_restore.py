@@ -52,6 +52,17 @@ def _engine(model, spec: str | None, method: str = "auto", layout=None, prefix_c
                   reuse=ReuseConfig(method=method, chunk_tokens=CHUNK, layout=layout, **kw))
 
 
+def restore_after_saving(engine: Engine, ids: list[int]):
+    """Save the state of ids[:HIST], then generate greedily from all of `ids` (restoring that
+    history); the engine is closed either way. -> the request's output."""
+    try:
+        engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
+        assert engine.flush(30)
+        return engine.generate([ids], GREEDY)[0]
+    finally:
+        engine.close()
+
+
 def _spy_logits(engine: Engine) -> list[torch.Tensor]:
     """Record the logits every step of `engine` returns (the runner's own output)."""
     seen: list[torch.Tensor] = []

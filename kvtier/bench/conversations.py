@@ -18,7 +18,18 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.load_bench import QUESTIONS, SYSTEM, LoadReport, StreamResult, percentile, rss_mb, stream_chat
+from kvtier.bench.load_bench import (
+    QUESTIONS,
+    SYSTEM,
+    LoadReport,
+    StreamResult,
+    markdown_table,
+    mib,
+    ms,
+    percentile,
+    rss_mb,
+    stream_chat,
+)
 
 WORDS = ("river", "ledger", "orbit", "copper", "meadow", "signal", "harbor", "lantern", "quartz", "summit",
          "archive", "falcon", "garden", "pillar", "tundra", "vessel", "canyon", "beacon", "mosaic", "thistle")
@@ -208,12 +219,6 @@ def verdict(rep: ConversationReport) -> dict[str, Any]:
 
 
 def format_table(rep: ConversationReport) -> str:
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f} ms"
-
-    def mib(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f} MiB"
-
     last = rep.samples[-1] if rep.samples else None
     tiers = ", ".join(f"{t} {last.tier_bytes.get(t, 0) / 2**20:.0f}/{c / 2**20:.0f} MiB"
                       for t, c in last.tier_capacity.items()) if last else "-"
@@ -236,9 +241,7 @@ def format_table(rep: ConversationReport) -> str:
          " / ".join(str(int(last.writer.get(k, 0))) for k in ("dropped", "written", "restores")) if last else "-"),
         ("verdict", ", ".join(f"{k}={v}" for k, v in rep.verdict.items() if k != "cap_violations")),
     ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
-    return "\n".join(lines + [f"| {k.ljust(width)} | {v} |" for k, v in rows])
+    return markdown_table(rows)
 
 
 def plot(rep: ConversationReport, path: str) -> None:

@@ -25,6 +25,7 @@ import httpx
 
 from kvtier.models.loading import DEFAULT_MODEL
 from kvtier.restore.plan import METHOD_CHOICES
+from kvtier.serve.cli import positive_int
 
 # A shared system prompt (as real deployments have) and varied questions: some prefix reuse,
 # mostly fresh work.
@@ -235,13 +236,22 @@ def summarize(results: list[StreamResult], report: LoadReport) -> LoadReport:
     return report
 
 
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+def mib(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} MiB"
+
+
+def markdown_table(rows: list[tuple[str, str]]) -> str:
+    """A two-column (metric, value) markdown table."""
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    return "\n".join(lines + [f"| {k.ljust(width)} | {v} |" for k, v in rows])
+
+
 def format_table(rep: LoadReport) -> str:
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f} ms"
-
-    def mb(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f} MiB"
-
     rows = [
         ("model", rep.model), ("clients", str(rep.clients)),
         ("duration (s)", f"{rep.duration_s:.0f} (all requests done at {rep.elapsed_s:.1f})"),
@@ -251,16 +261,13 @@ def format_table(rep: LoadReport) -> str:
         ("generated tokens/s", f"{rep.tokens_per_s:.1f}"), ("TTFT p50", ms(rep.ttft_p50_ms)),
         ("TTFT p99", ms(rep.ttft_p99_ms)), ("TBT mean", ms(rep.tbt_mean_ms)),
         ("latency p50", ms(rep.latency_p50_ms)),
-        ("prompt tokens cached", f"{rep.cached_token_fraction:.0%}"), ("server RSS start", mb(rep.rss_start_mb)),
-        ("server RSS mid", mb(rep.rss_mid_mb)), ("server RSS end", mb(rep.rss_end_mb)),
-        ("server RSS peak", mb(rep.rss_peak_mb)),
-        ("store memory tier start", mb(rep.store_memory_start_mb)),
-        ("store memory tier end", mb(rep.store_memory_end_mb)),
+        ("prompt tokens cached", f"{rep.cached_token_fraction:.0%}"), ("server RSS start", mib(rep.rss_start_mb)),
+        ("server RSS mid", mib(rep.rss_mid_mb)), ("server RSS end", mib(rep.rss_end_mb)),
+        ("server RSS peak", mib(rep.rss_peak_mb)),
+        ("store memory tier start", mib(rep.store_memory_start_mb)),
+        ("store memory tier end", mib(rep.store_memory_end_mb)),
     ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
-    return "\n".join(lines)
+    return markdown_table(rows)
 
 
 class ServerProcess:
@@ -381,12 +388,6 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
-def _positive_int(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return int(text)
-
-
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model the server loads (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -406,9 +407,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="single", choices=["single", "conversation"],
                    help="single: one-question chats; conversation: each client holds multi-turn chats, every "
                         "turn resending the history (default: %(default)s)")
-    p.add_argument("--turns", type=_positive_int, default=4,
+    p.add_argument("--turns", type=positive_int, default=4,
                    help="conversation mode: turns per conversation (default: 4)")
-    p.add_argument("--history-tokens", type=_positive_int, default=1536,
+    p.add_argument("--history-tokens", type=positive_int, default=1536,
                    help="conversation mode: start a new conversation before the history outgrows this (default: 1536)")
     p.add_argument("--document-words", type=int, default=0,
                    help="conversation mode: give each conversation a document of its own of this many words in "

@@ -24,7 +24,7 @@ With --api-key (or ${API_KEY_ENV}) set, /v1/* needs 'Authorization: Bearer KEY'.
 """
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -69,13 +69,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32 (default: auto)")
     add_device_argument(g)
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window in tokens (default: the model's)")
     g.add_argument("--kv-cache-gb", type=float, default=4.0,
                    help="KV pool budget on the device in GiB; on a CPU, pages are used only as blocks fill (default: 4)")
-    g.add_argument("--max-batched-tokens", type=_positive_int, default=2048,
+    g.add_argument("--max-batched-tokens", type=positive_int, default=2048,
                    help="per-step token budget shared by decodes and prefill chunks (default: 2048)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64,
+    g.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="most requests in the running batch; the rest queue (default: 64)")
     g.add_argument("--max-queued-requests", type=_non_negative_int, default=256,
                    help="requests that may wait beyond the running batch; more get 429 with Retry-After "
@@ -89,7 +89,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restore-method", default="auto", choices=list(METHOD_CHOICES),
                    help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
                         "bubblefree, cake, recompute (default: auto)")
-    g.add_argument("--chunk-tokens", type=_positive_int, default=64, help="tokens per stored chunk (default: 64)")
+    g.add_argument("--chunk-tokens", type=positive_int, default=64, help="tokens per stored chunk (default: 64)")
     g.add_argument("--session-ttl", type=_positive_float, default=None, metavar="SECONDS",
                    help="delete what a session (the request's prompt_cache_key) saved once it has been idle this "
                         "long; chunks other live sessions share are kept (default: keep until evicted)")
@@ -102,9 +102,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the --model value)")
-    g.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+    g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default: %(default)s)")
-    g.add_argument("--default-max-tokens", type=_positive_int, default=None,
+    g.add_argument("--default-max-tokens", type=positive_int, default=None,
                    help="completion limit when a request sets none (default: the rest of the context window)")
     g.add_argument("--log-level", dest="serve_log_level", default="info", choices=LOG_LEVELS,
                    help="server and access log level (default: %(default)s)")
