@@ -94,7 +94,12 @@ class RedisTier(Tier):
         return f"{self.spec.prefix}:{self.ns}:p:{parent}"
 
     def contains(self, key: str) -> bool:
-        return self.contains_many([key])[0]
+        if self.ns is None:
+            return False
+        try:  # one EXISTS (the writer asks this per chunk): no pipeline for a single key
+            return bool(self.call(lambda c: c.exists(self._c(key))))
+        except Outage:
+            return False
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         if self.ns is None or not keys:
