@@ -52,6 +52,16 @@ class Segment:
     digest: int  # CRC-32C of the segment's bytes
     dtype: str  # storage dtype of the data ("float32" for scales)
     shape: tuple[int, ...]
+    # CRC-32C of every `granule_tokens` rows (the importance layout): a read of a few granules is
+    # verified on its own. Empty in the plain layout.
+    granules: tuple[int, ...] = ()
+
+    def granule_span(self, first: int, last: int, rows_per_granule: int) -> tuple[int, int]:
+        """Byte range (offset, nbytes) of granules [first, last] of this segment."""
+        row = self.nbytes // self.shape[0]
+        lo = first * rows_per_granule
+        hi = min((last + 1) * rows_per_granule, self.shape[0])
+        return self.offset + lo * row, (hi - lo) * row
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,12 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc.) into a chunk."""
     tokens = -1
     pieces: list[tuple[int, str, torch.Tensor, str, tuple[int, ...]]] = []
+    if ns.probe_kv_heads:  # every layer's probe keys first: one ranged read fetches them all
+        for layer, rep in enumerate(ns.layer_reprs):
+            if rep is Repr.KV:
+                kp = layers[layer]["k"][:, : ns.probe_kv_heads]  # [tokens, probe kv heads, hd]
+                for _, buf in codec.encode(kp, ns.storage_dtype):
+                    pieces.append((layer, "kp", buf, ns.storage_dtype, tuple(kp.shape)))
     for layer, rep in enumerate(ns.layer_reprs):
         for part in rep.parts():
             t = layers[layer][part]
@@ -142,23 +158,24 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
         raise ValueError("nothing to store: every layer is Repr.NONE")
     # Offsets depend on the header length, which depends on the offsets' digits: fix the header
     # size first with a generous reservation, then fill it in.
-    seg_meta = [(l, p, b.numel(), checksum(b), d, s) for l, p, b, d, s in pieces]
+    seg_meta = [(l, p, b.numel(), checksum(b), d, s, _granule_crcs(b, s, p, ns.granule_tokens))
+                for l, p, b, d, s in pieces]
     doc_base = {
         "key": key, "parent": parent, "index": index, "start": start, "tokens": tokens,
         "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
         "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs],
     }
-    reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, 2**32, d, list(s)]
-                                                        for l, p, _, _, d, s in seg_meta]}))
+    reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, 2**32, d, list(s)] + ([[2**32] * len(g)] if g else [])
+                                                        for l, p, _, _, d, s, g in seg_meta]}))
     header_space = PREAMBLE.size + reserve
     offset = header_space + _pad(header_space)
     segments: list[Segment] = []
-    for l, p, n, crc, d, s in seg_meta:
-        segments.append(Segment(l, p, offset, n, crc, d, tuple(s)))
+    for l, p, n, crc, d, s, g in seg_meta:
+        segments.append(Segment(l, p, offset, n, crc, d, tuple(s), g))
         offset += n + _pad(n)
     total = offset
     doc = {**doc_base, "segments": [[s.layer, s.part, s.offset, s.nbytes, s.digest, s.dtype,
-                                     list(s.shape)] for s in segments]}
+                                     list(s.shape)] + ([list(s.granules)] if s.granules else []) for s in segments]}
     hjson = json.dumps(doc).encode()
     hjson += b" " * (segments[0].offset - PREAMBLE.size - len(hjson))  # pad up to the payload
     pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(hjson), zlib.crc32(hjson))
@@ -169,6 +186,14 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
             bufs.append(bytes(_pad(seg.nbytes)))
     header = _header_from_doc(doc, total)
     return PackedChunk(header, tuple(bufs))
+
+
+def _granule_crcs(buf: torch.Tensor, shape: tuple[int, ...], part: str, granule_tokens: int) -> tuple[int, ...]:
+    """CRC-32C of every `granule_tokens` rows of a K/V part's bytes (none for other parts)."""
+    if not granule_tokens or part not in ("k", "v", "kp"):
+        return ()
+    step = granule_tokens * (buf.numel() // shape[0])
+    return tuple(checksum(buf[i : i + step]) for i in range(0, buf.numel(), step))
 
 
 def header_length(preamble: bytes) -> int:
@@ -208,7 +233,8 @@ def parse_header(buf: bytes | memoryview, total_size: int | None = None) -> Chun
 def _header_from_doc(doc: dict, total: int) -> ChunkHeader:
     # JSON already gives ints and strings (and the header's checksum passed): build the segment
     # records directly; a restore opens dozens of chunks and each header lists every layer.
-    segs = tuple(Segment(l, p, o, n, d, t, tuple(shape)) for l, p, o, n, d, t, shape in doc["segments"])
+    segs = tuple(Segment(s[0], s[1], s[2], s[3], s[4], s[5], tuple(s[6]), tuple(s[7]) if len(s) > 7 else ())
+                 for s in doc["segments"])
     return ChunkHeader(
         key=doc["key"], parent=doc["parent"], index=int(doc["index"]), start=int(doc["start"]),
         tokens=int(doc["tokens"]), partial=bool(doc["partial"]), ns=doc["ns"], model=doc["model"], compute_dtype=doc["compute"],

@@ -41,6 +41,12 @@ class StoreNamespace:
     compute_dtype: str = "float32"
     storage_dtype: str = ""  # empty = same as compute_dtype (lossless)
     layer_reprs: tuple[Repr, ...] = field(default=())  # empty = all KV
+    # The importance-only restore's layout (IMPRESS): the keys of the first `probe_kv_heads` KV
+    # heads of every layer stored again, all layers together at the start of a chunk ("kp": one
+    # read gives a chunk's probe keys), and a CRC per `granule_tokens` rows of every K/V segment
+    # so a read of a few tokens is verified without reading the rest. 0: the plain layout.
+    probe_kv_heads: int = 0
+    granule_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -58,6 +64,13 @@ class StoreNamespace:
         for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.probe_kv_heads <= self.num_kv_heads:
+            raise ValueError(f"probe_kv_heads must be in [0, {self.num_kv_heads}], got {self.probe_kv_heads}")
+        if self.granule_tokens < 0:
+            raise ValueError(f"granule_tokens must be >= 0, got {self.granule_tokens}")
+        if self.granule_tokens and self.storage_dtype == "int8":
+            raise ValueError("granule reads need a storage dtype without row scales: use bfloat16, float16 "
+                             "or float32 storage with the importance layout")
 
     def digest(self) -> str:
         """Stable hex digest of everything that makes stored state reusable."""
@@ -72,6 +85,8 @@ class StoreNamespace:
             "storage": self.storage_dtype,
             "reprs": [r.value for r in self.layer_reprs],
         }
+        if self.probe_kv_heads or self.granule_tokens:  # only when set: plain keys stay what they were
+            doc["importance_layout"] = [self.probe_kv_heads, self.granule_tokens]
         raw = json.dumps(doc, sort_keys=True).encode()
         return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
@@ -79,13 +94,16 @@ class StoreNamespace:
         """Per-layer tensor shape of one part for `tokens` tokens."""
         if part in ("k", "v"):
             return (tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
+        if part == "kp":
+            return (tokens, self.probe_kv_heads, self.head_dim)  # [tokens, probe kv heads, head_dim]
         if part == "h":
             return (tokens, self.hidden_size)  # [tokens, hidden]
         raise ValueError(f"unknown part {part!r}")
 
     def bytes_per_token(self) -> int:
         """Stored payload bytes per token over all layers (int8 scales included)."""
-        return sum(self.layer_bytes_per_token(r) for r in self.layer_reprs)
+        probes = sum(1 for r in self.layer_reprs if r is Repr.KV) * self.probe_kv_heads * self.head_dim
+        return sum(self.layer_bytes_per_token(r) for r in self.layer_reprs) + probes * WIDTH[self.storage_dtype]
 
     def layer_bytes_per_token(self, rep: Repr) -> int:
         """Stored bytes of one token in one layer stored as `rep`; int8 adds an fp32 scale per row."""

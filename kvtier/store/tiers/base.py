@@ -27,6 +27,7 @@ from ..format import (
     PackedChunk,
     Segment,
     check_segment,
+    checksum,
     header_length,
     parse_header,
 )
@@ -100,7 +101,7 @@ class Reader(ABC):
         pass
 
 
-def _runs(segs: Sequence[Segment]) -> list[list[Segment]]:
+def coalesce(segs: Sequence[Segment]) -> list[list[Segment]]:
     """Adjacent segments (layer-major layout: a layer group is contiguous) as single ranged reads."""
     runs: list[list[Segment]] = []
     for s in segs:
@@ -121,7 +122,7 @@ class OpenChunk:
         layers = list(layers)
         if any(li < 0 or li >= len(self.header.layer_reprs) for li in layers):
             raise FormatError("layer out of range")  # a caller bug, but never return wrong data
-        return _runs(self.header.segments_of(layers, parts))
+        return coalesce(self.header.segments_of(layers, parts))
 
     def staging_bytes(self, runs: list[list[Segment]]) -> int:
         return sum(self.reader.span(r[0].offset, r[-1].offset + r[-1].nbytes - r[0].offset) for r in runs)
@@ -154,6 +155,25 @@ class OpenChunk:
                     check_segment(s, view)
                 segments[(s.layer, s.part)] = view
         return segments, nbytes
+
+    def read_granules(self, seg: Segment, first: int, last: int, granule_tokens: int) -> torch.Tensor:
+        """Rows of granules [first, last] of `seg` (the importance layout), each verified against
+        its own checksum; counted and throttled like any read of this tier. -> uint8 bytes.
+        Raises FormatError/OSError (a miss for the caller)."""
+        if len(seg.granules) != -(-seg.shape[0] // granule_tokens):
+            raise FormatError(f"segment {seg.layer}/{seg.part} has no granule checksums: stored without "
+                              "the importance layout")
+        offset, nbytes = seg.granule_span(first, last, granule_tokens)
+        buf = self.reader.read(offset, nbytes)
+        if buf.numel() != nbytes:
+            raise FormatError("truncated payload")
+        if self.verify:
+            step = granule_tokens * (seg.nbytes // seg.shape[0])
+            for i, g in enumerate(range(first, last + 1)):
+                if checksum(buf[i * step : (i + 1) * step]) != seg.granules[g]:
+                    raise FormatError(f"segment {seg.layer}/{seg.part} granule {g}: checksum mismatch")
+        self.tier._count_read(self.expect.key, nbytes)
+        return buf
 
     def _scatter(self, run: list[Segment], into: PoolTarget) -> bool:
         """One read of a gapless K/V run straight into the pool slots; verified there."""

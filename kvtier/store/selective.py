@@ -1,0 +1,138 @@
+"""Reading a stored prefix by token (the importance-only restore, IMPRESS §4.3-4.4).
+
+Chunks stored with the importance layout (`StoreNamespace.probe_kv_heads`, `granule_tokens`) hold
+every layer's probe keys together at their start and a checksum per granule of rows in every K/V
+segment. `TokenReads` opens a prefix's chunks once (each on the tier the lookup found it in), reads
+all layers' probe keys with one ranged read per chunk, then, per layer, only the granules that
+hold the tokens the layer keeps: adjacent granules of one segment are one ranged read. Every read
+goes through its tier (throttled and counted like a restore's) and is verified granule by granule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import codec
+from .format import FormatError
+from .index import ChunkRef
+from .layout import Repr
+from .tiered import TieredStore
+from .tiers.base import OpenChunk, coalesce
+
+
+class TokenReadMiss(RuntimeError):
+    """A chunk of the prefix could not be read intact: the caller recomputes instead."""
+
+
+@dataclass
+class ReadCounts:
+    nbytes: int = 0
+    calls: int = 0  # ranged reads issued
+    granules: int = 0  # K/V granules read
+    granules_whole: int = 0  # granules the same segments hold in all (a whole-part read)
+
+
+class TokenReads:
+    def __init__(self, store: TieredStore, chunks: Sequence[ChunkRef]) -> None:
+        ns = store.namespace
+        if ns is None or not ns.probe_kv_heads or not ns.granule_tokens:
+            raise ValueError("token reads need the importance store layout (probe_kv_heads and granule_tokens "
+                             "in the store namespace)")
+        self.ns = ns
+        self.granule = ns.granule_tokens
+        self.chunks = list(chunks)
+        self.starts = [c.start - self.chunks[0].start for c in self.chunks]  # offset of each chunk in the prefix
+        self.tokens = self.chunks[-1].end - self.chunks[0].start if self.chunks else 0
+        self.kv_layers = [li for li, r in enumerate(ns.layer_reprs) if r is Repr.KV]
+        self.counts = ReadCounts()
+        self._reads = store.planned_reads(self.chunks)
+        if not self._reads.open():
+            raise TokenReadMiss("a chunk of the prefix is gone from the tier it was found in")
+        self.opened: list[OpenChunk] = self._reads.opened
+
+    def _decode(self, buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return codec.decode(buf, self.ns.storage_dtype, shape, self.ns.compute_dtype, copy=False)
+
+    def probe_keys(self) -> dict[int, torch.Tensor]:
+        """Every KV layer's probe keys over the prefix: {layer: [tokens, probe kv heads, hd]}."""
+        per_layer: dict[int, list[torch.Tensor]] = {li: [] for li in self.kv_layers}
+        for oc in self.opened:
+            segs = [oc.header.by_part[(li, "kp")] for li in self.kv_layers]
+            runs = coalesce(segs)
+            got = oc.tier.read_runs([oc], [runs], [None])
+            if got is None:
+                raise TokenReadMiss(f"probe keys of chunk {oc.expect.key[:12]} unreadable")
+            self.counts.nbytes += sum(s.nbytes for s in segs)
+            self.counts.calls += len(runs)
+            for s in segs:
+                per_layer[s.layer].append(self._decode(got[0][(s.layer, "kp")], s.shape))
+        return {li: torch.cat(parts) for li, parts in per_layer.items()}
+
+    def rows(self, layer: int, part: str, tokens: torch.Tensor) -> torch.Tensor:
+        """`part` ("k" or "v") of prefix tokens `tokens` ([n] ascending indices into the prefix) of
+        one layer: [n, kv_heads, hd], reading only the granules that hold them."""
+        out = []
+        g = self.granule
+        bounds = torch.tensor(self.starts[1:] + [self.tokens])
+        which = torch.bucketize(tokens, bounds, right=True)  # chunk of each token
+        for ci in torch.unique(which).tolist():
+            oc = self.opened[ci]
+            seg = oc.header.by_part[(layer, part)]
+            local = tokens[which == ci] - self.starts[ci]  # [n_c] rows of this chunk
+            granules = torch.unique(local // g).tolist()
+            self.counts.granules_whole += len(seg.granules)
+            rows_of = {}
+            for first, last in _spans(granules):
+                try:
+                    buf = oc.read_granules(seg, first, last, g)
+                except FormatError as e:  # corrupt: gone from this tier, as any corrupt read
+                    oc.tier.discard_corrupt(oc.expect.key, str(e))
+                    raise TokenReadMiss(f"{part} of layer {layer} of chunk {oc.expect.key[:12]}: {e}") from e
+                except OSError as e:
+                    raise TokenReadMiss(f"{part} of layer {layer} of chunk {oc.expect.key[:12]}: {e}") from e
+                self.counts.nbytes += buf.numel()
+                self.counts.calls += 1
+                self.counts.granules += last - first + 1
+                lo = first * g
+                n = buf.numel() // (seg.nbytes // seg.shape[0])
+                rows_of[lo] = self._decode(buf, (n, *seg.shape[1:]))  # [n, kv_heads, hd]
+            got = torch.cat([rows_of[lo] for lo in sorted(rows_of)])  # the read granules' rows, in order
+            first_rows = torch.tensor(sorted(rows_of))
+            sizes = torch.tensor([rows_of[lo].shape[0] for lo in sorted(rows_of)])
+            # Row r of the chunk sits at offset(r's granule run) + (r - that run's first row).
+            run = torch.bucketize(local, first_rows, right=True) - 1
+            before = torch.cumsum(sizes, 0) - sizes
+            out.append(got.index_select(0, before[run] + local - first_rows[run]))
+        return torch.cat(out) if out else torch.empty(0, self.ns.num_kv_heads, self.ns.head_dim)
+
+    def whole(self, layer: int, part: str) -> torch.Tensor:
+        """All of `part` of one layer over the prefix: [tokens, kv_heads, hd] (a fallback layer's keys)."""
+        out = []
+        for oc in self.opened:
+            seg = oc.header.by_part[(layer, part)]
+            got = oc.tier.read_runs([oc], [[[seg]]], [None])
+            if got is None:
+                raise TokenReadMiss(f"{part} of layer {layer} of chunk {oc.expect.key[:12]} unreadable")
+            self.counts.nbytes += seg.nbytes
+            self.counts.calls += 1
+            self.counts.granules += len(seg.granules)
+            self.counts.granules_whole += len(seg.granules)
+            out.append(self._decode(got[0][(layer, part)], seg.shape))
+        return torch.cat(out)
+
+    def close(self) -> None:
+        self._reads.close()
+
+
+def _spans(sorted_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive integers: [0, 1, 2, 5, 6] -> [(0, 2), (5, 6)]."""
+    spans: list[tuple[int, int]] = []
+    for i in sorted_ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], i)
+        else:
+            spans.append((i, i))
+    return spans

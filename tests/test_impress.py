@@ -1,0 +1,129 @@
+"""IMPRESS's compute over a stored prefix, against oracles: the model's own full forward for the
+exact variants, and a masked full attention (the prefix's non-kept tokens masked out, every token
+at its original position) for the approximate ones."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier.models.loading import load_model
+from kvtier.models.rope import Rope, rotate_into
+from kvtier.restore.impress import ImpressPolicy, ReducedCache, Selection, extend, impress_prefill
+from kvtier.store import StoreNamespace, TieredStore
+from kvtier.store.selective import TokenReads
+
+PREFIX, NEW, CHUNK = 96, 8, 32
+
+
+@pytest.fixture(scope="module", params=["tiny-gqa", "tiny-mha"])
+def loaded(request):
+    return load_model(request.param, dtype="fp32", tokenizer=False)
+
+
+def _ids(vocab: int, n: int, seed: int = 3) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _stored(loaded, tmp_path, ids: list[int]) -> TieredStore:
+    """Save the K/V of ids[:PREFIX] (computed by `extend` from an empty cache) in the importance layout."""
+    cfg = loaded.config
+    probe = 1 if cfg.num_kv_heads <= 2 else 2
+    ns = StoreNamespace(loaded.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                        probe_kv_heads=probe, granule_tokens=8)
+    store = TieredStore.open(f"disk:{tmp_path}/d:64MB", ns, chunk_tokens=CHUNK)
+    rope = Rope(cfg, 4096, torch.float32)
+    empty = ReducedCache([torch.empty(0, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers,
+                         [torch.empty(0, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers, 0)
+    logits = extend(loaded.module, rope, empty, ids[:PREFIX])
+    torch.testing.assert_close(logits, loaded.module(torch.tensor(ids[:PREFIX])), atol=1e-4, rtol=1e-4)
+    store.save(ids[:PREFIX], 0, torch.stack(empty.k), torch.stack(empty.v), None)
+    assert store.flush(30)
+    return store
+
+
+def _restore(loaded, store, ids, policy):
+    rope = Rope(loaded.config, 4096, torch.float32)
+    reads = TokenReads(store, store.lookup(ids[:PREFIX]).chunks)
+    try:
+        logits, cache, stats = impress_prefill(loaded.module, rope, reads, ids[PREFIX:], policy)
+    finally:
+        reads.close()
+    return rope, logits, cache, stats
+
+
+@pytest.mark.parametrize("policy", [ImpressPolicy(selection=Selection.FULL), ImpressPolicy(ratio=1.0)],
+                         ids=["full", "impress-ratio-1"])
+def test_keeping_every_token_equals_the_full_forward(loaded, tmp_path, policy):
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 3)
+    with _stored(loaded, tmp_path, ids) as store:
+        rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
+    want = loaded.module(torch.tensor(ids))
+    torch.testing.assert_close(logits, want[PREFIX : PREFIX + NEW], atol=1e-4, rtol=1e-4)
+    assert cache.rope_offset == 0 and cache.slots == PREFIX + NEW
+    # Decoding on over the cache (teacher-forced) still matches.
+    torch.testing.assert_close(extend(loaded.module, rope, cache, ids[PREFIX + NEW :]), want[PREFIX + NEW :],
+                               atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def _masked_oracle(model, ids: list[int], kept: list[torch.Tensor]) -> torch.Tensor:
+    """Full attention over the whole prefix with layer l's non-kept prefix tokens masked out of the
+    new rows' attention; every token at its original position. Logits of the new rows [NEW, vocab]."""
+    cfg = model.cfg
+    rope = Rope(cfg, 4096, torch.float32)
+    n = len(ids)
+    pos = torch.arange(n)
+    cos, sin = rope.halves(pos)
+    h = model.embed(torch.tensor(ids))
+    g = cfg.num_heads // cfg.num_kv_heads
+    for li, layer in enumerate(model.layers):
+        q, k, v = layer.qkv(h)
+        q, k = rotate_into(q, cos, sin, torch.empty_like(q)), rotate_into(k, cos, sin, torch.empty_like(k))
+        allow = torch.ones(n, n, dtype=torch.bool).tril()
+        drop = torch.ones(PREFIX, dtype=torch.bool)
+        drop[kept[li]] = False
+        allow[PREFIX:, :PREFIX] &= ~drop  # the new rows see only the kept prefix tokens
+        qh = q.transpose(0, 1)  # [heads, n, hd]
+        kh, vh = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allow)  # [heads, n, hd]
+        h = layer.finish(h, out.transpose(0, 1))
+    return model.logits(h[PREFIX:])
+
+
+@pytest.mark.parametrize("selection", [Selection.IMPRESS, Selection.PROBES, Selection.H2O, Selection.RANDOM,
+                                       Selection.RECENT])
+def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection):
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 2, seed=5)
+    policy = ImpressPolicy(ratio=0.25, selection=selection)
+    with _stored(loaded, tmp_path, ids) as store:
+        rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
+    k = math.ceil(0.25 * PREFIX)
+    assert stats.kept_tokens == k and all(t.numel() == k for t in stats.kept)
+    assert cache.slots == k + NEW and cache.rope_offset == PREFIX - k
+    torch.testing.assert_close(logits, _masked_oracle(loaded.module, ids[: PREFIX + NEW], stats.kept),
+                               atol=1e-4, rtol=1e-4)
+    if selection is Selection.RECENT:
+        assert all(t.tolist() == list(range(PREFIX - k, PREFIX)) for t in stats.kept)
+
+
+def test_bytes_read_follow_the_selection(loaded, tmp_path):
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW, seed=7)
+    with _stored(loaded, tmp_path, ids) as store:
+        full = _restore(loaded, store, ids, ImpressPolicy(selection=Selection.FULL))[3]
+        h2o = _restore(loaded, store, ids, ImpressPolicy(ratio=0.25, selection=Selection.H2O))[3]
+        imp = _restore(loaded, store, ids, ImpressPolicy(ratio=0.25, alpha=100.0))[3]  # t ~ 0: every layer passes
+        strict = _restore(loaded, store, ids, ImpressPolicy(ratio=0.25, alpha=0.0))[3]  # t = 1: every layer falls back
+    cfg = loaded.config
+    row = cfg.num_kv_heads * cfg.head_dim * 4  # one token's K (or V) of one layer
+    probe_bytes = PREFIX * cfg.num_layers * (1 if cfg.num_kv_heads <= 2 else 2) * cfg.head_dim * 4
+    assert full.bytes_read == 2 * PREFIX * cfg.num_layers * row  # K and V, nothing else
+    assert h2o.bytes_read == full.bytes_read // 2 + (h2o.granules_read - PREFIX * cfg.num_layers // 8) * 8 * row
+    # IMPRESS: the probe keys, then whole granules (8 tokens) of K and V holding the kept tokens.
+    assert imp.layers_passed == cfg.num_layers and strict.layers_passed == 0
+    assert imp.bytes_read == probe_bytes + imp.granules_read * 8 * row
+    assert imp.granules_read <= imp.granules_whole
+    # Falling back reads every key besides the probes: more than passing.
+    assert strict.bytes_read == probe_bytes + strict.granules_read * 8 * row > imp.bytes_read
