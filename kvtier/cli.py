@@ -16,7 +16,7 @@ from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
-from kvtier.restore.plan import METHOD_CHOICES
+from kvtier.restore.args import add_restore_arguments, reuse_options
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError)
@@ -36,8 +36,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget (default: 2048)")
     add_store_argument(p)
     p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
-    p.add_argument("--restore-method", default="auto", choices=list(METHOD_CHOICES),
-                   help="how stored state comes back: auto (planner), kv, hidden, bubblefree, cake, recompute")
+    add_restore_arguments(p)
     p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
 
 
@@ -46,7 +45,7 @@ def build_engine_from_args(args: argparse.Namespace) -> Engine:
 
     return build_engine(
         args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
-        reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens),
+        reuse=ReuseConfig(chunk_tokens=args.chunk_tokens, **reuse_options(args)),
         max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
         max_batched_tokens=args.max_batched_tokens,
     )
@@ -68,8 +67,10 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def turn_stats(out: RequestOutput) -> str:
     ttft = f"{out.ttft * 1000:.0f} ms" if out.ttft is not None else "-"
+    attended = out.restore.prefix_attended if out.restore else None
+    lossy = f" (by importance: {attended} attended per layer)" if attended is not None else ""
     return (f"TTFT {ttft} | prompt {out.prompt_tokens} tokens: {out.prompt_tokens_computed} computed, "
-            f"{out.prompt_tokens_reused} reused | {len(out.output_ids)} generated")
+            f"{out.prompt_tokens_reused} reused{lossy} | {len(out.output_ids)} generated")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -46,11 +46,11 @@ from rich.markup import escape
 from kvtier import dtypes
 from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
 from kvtier.device import add_device_argument
-from kvtier.restore.plan import AUTO, Method
+from kvtier.restore.plan import AUTO, EXACT_METHODS
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
-METHODS = tuple(m.value for m in Method) + (AUTO,)  # the table's column order
+METHODS = tuple(m.value for m in EXACT_METHODS) + (AUTO,)  # the table's column order
 BASELINES = ("hf_recompute", "hf_torch_save")
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
@@ -406,7 +406,7 @@ class RestoreBench:
 
 
 # ----- goals ------------------------------------------------------------------------------------
-KVTIER = tuple(m.value for m in Method)
+KVTIER = tuple(m.value for m in EXACT_METHODS)
 
 
 def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:

@@ -52,12 +52,21 @@ class ReuseConfig:
     # Delete what a session saved once it has been idle this long (requests without a session id,
     # and chunks another live session shares, are unaffected). None = keep until evicted.
     session_ttl_s: float | None = None
+    # Importance-only restore (method "impress", lossy, opt-in): the share of a stored prefix each
+    # layer keeps and the similarity threshold's exponent (IMPRESS §4.3). Its engine stores chunks
+    # in the importance layout, a namespace of its own (state saved by other engines is not seen).
+    importance_ratio: float = 0.25
+    importance_alpha: float = 0.6
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_CHOICES:
             raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHOD_CHOICES)}")
         if self.session_ttl_s is not None and self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
+        if not 0.0 < self.importance_ratio <= 1.0:
+            raise ValueError(f"importance_ratio must be in (0, 1], got {self.importance_ratio}")
+        if self.importance_alpha < 0:
+            raise ValueError(f"importance_alpha must be >= 0, got {self.importance_alpha}")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.storage_dtype:

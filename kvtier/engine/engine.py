@@ -234,8 +234,8 @@ class Engine:
         if not out.chunks:
             return None, {}
         reqs = [self._live[c.request_id].req for c in out.chunks]
-        items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens)
-                 for r, c in zip(reqs, out.chunks)]
+        items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
+                         dropped=r.dropped) for r, c in zip(reqs, out.chunks)]
         ids = [c.request_id for c in out.chunks]
         logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
         return logits, self.link.after_execute(ids)

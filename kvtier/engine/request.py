@@ -74,6 +74,8 @@ class RestoreReport:
     copy_s: float | None = None
     compute_s: float | None = None
     overlap: float | None = None
+    # Importance-only restores: of the restored prefix, the tokens each layer attended to (None: all).
+    prefix_attended: int | None = None
 
 
 @dataclass
@@ -132,6 +134,11 @@ class Request:
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.
     source_ids: list[int] | None = None
     kept: list[int] | None = None
+    # Importance-only restore (IMPRESS): its prefix came back in part (approximate state), and
+    # `dropped` prefix tokens are left out of its pool slots: position p >= the prefix sits in
+    # slot p - dropped (RoPE still at p).
+    restored_by_importance: bool = False
+    dropped: int = 0
     num_published: int = 0  # full blocks already registered in the device prefix cache
     attach_tokens: int = 0  # restore compute its next chunk carries (placement beside the new tokens)
     _all: list[int] = field(default_factory=list, repr=False)
@@ -151,3 +158,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all)
+
+    @property
+    def approximate(self) -> bool:
+        """Its K/V are not those of its tokens computed in full (a truncated context, or a prefix
+        restored by importance): never saved, published or reused as exact state."""
+        return self.kept is not None or self.restored_by_importance
+
+    def make_exact(self) -> None:
+        """Its state is being recomputed from its tokens: nothing approximate remains."""
+        self.restored_by_importance, self.dropped = False, 0

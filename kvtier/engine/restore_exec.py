@@ -52,6 +52,7 @@ class RestoreStats:
     wait_s: float = 0.0  # time place() waited for reads (IO not hidden under compute)
     place_s: float = 0.0  # time place() spent copying or projecting into the pool
     timeline: Timeline | None = None  # device copy/compute spans (CUDA events), layer-wise restores
+    prefix_attended: int | None = None  # importance-only: prefix tokens each layer kept (None: all)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvtier.engine.config import ReuseConfig
+from kvtier.engine.impress_exec import ImpressRestore
 from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore_exec import Restore, RestoreMiss
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Probe, RestoreTicket
-from kvtier.restore.plan import Method, Plan
+from kvtier.restore.impress import ImpressPolicy
+from kvtier.restore.plan import Method, Plan, PlannedChunk
 from kvtier.restore.planner import Planner
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
@@ -55,7 +57,7 @@ class _Planned:
 class _Job:
     req: Request
     plan: Plan
-    restore: Restore
+    restore: Restore | ImpressRestore
     future: Future
     tier_tokens: dict[str, int]
     debt: int  # background compute (prefill-token equivalents) not yet charged to a step budget
@@ -79,6 +81,7 @@ class Restorer:
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
+        self.importance = ImpressPolicy(config.importance_ratio, config.importance_alpha)
         if all_kv:
             self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}
         elif all(r is Repr.HIDDEN for r in self.layout):
@@ -104,6 +107,8 @@ class Restorer:
             return Probe(0, keep)
         new = req.num_tokens - end
         fixed = self.config.fixed_method
+        if fixed is Method.IMPRESS:
+            return self._probe_importance(req, match.chunks, end)
         if fixed is None:
             plan = self.planner.choose(usable, new, self.allowed)
         else:  # a method the stored layout cannot serve (e.g. cake over hidden states) reads it as stored
@@ -118,6 +123,20 @@ class Restorer:
         if self._instant(plan):
             return Probe(end, keep, planned, 0, instant=True, tier_tokens=tiers, attach_tokens=plan.attach_tokens)
         return Probe(end, keep, planned, plan.background_tokens)
+
+    def _probe_importance(self, req: Request, chunks: Sequence, end: int) -> Probe:
+        """Restore the whole stored prefix [0, end) by importance (the device's copy of part of it
+        is let go: the request's slots then hold only what each layer keeps). The restore computes
+        every new token but the last, which the request's own step computes and samples from."""
+        chunks = [c for c in chunks if c.end <= end]
+        plan = Plan(Method.IMPRESS, self.layout, end,
+                    tuple(PlannedChunk(c.key, c.start, c.end, c.tier, c.nbytes) for c in chunks), 0.0, 0.0)
+        tiers: dict[str, int] = {}
+        for c in chunks:
+            tiers[c.tier] = tiers.get(c.tier, 0) + c.end - c.start
+        new = req.num_tokens - end
+        return Probe(req.num_tokens - 1, 0, _Planned(plan, None, tiers), new, lossy=True,
+                     dropped=end - self.importance.kept(end))
 
     def _instant(self, plan: Plan) -> bool:
         """A layer-wise plan over memory the store holds (views, no waiting) with no compute
@@ -167,8 +186,13 @@ class Restorer:
         here and placed by this very step (a failure then voids the request's result in it)."""
         for t in tickets:
             req, planned, started = requests[t.request_id], t.plan, time.perf_counter()
-            restore = Restore(planned.plan, self.store, self.runner, req.all_ids, req.block_ids, t.start,
-                              planned.source, self.compute_chunk_tokens)
+            restore: Restore | ImpressRestore
+            if planned.plan.method is Method.IMPRESS:
+                restore = ImpressRestore(planned.plan, self.importance, self.store, self.runner, req.all_ids,
+                                         req.block_ids)
+            else:
+                restore = Restore(planned.plan, self.store, self.runner, req.all_ids, req.block_ids, t.start,
+                                  planned.source, self.compute_chunk_tokens)
             if t.instant:
                 done: Future = Future()
                 try:
@@ -248,7 +272,7 @@ class Restorer:
         job.req.metrics.restore = RestoreReport(method, job.plan.describe_layout(), job.plan.predicted_s,
                                                 job.plan.ideal_s, seconds, stats.bytes_read, stats.wait_s,
                                                 tl.copy_s if tl else None, tl.compute_s if tl else None,
-                                                tl.overlap if tl else None)
+                                                tl.overlap if tl else None, stats.prefix_attended)
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
         return True

@@ -38,6 +38,13 @@ class RunItem:
     start: int
     block_ids: Sequence[int]
     want_logits: bool
+    # Prefix tokens not in the request's slots (importance-only restore): position p sits in slot
+    # p - dropped; RoPE still rotates at p. 0 for every exact request.
+    dropped: int = 0
+
+    @property
+    def slot_start(self) -> int:
+        return self.start - self.dropped
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ class ModelRunner:
         rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
         if len(rows) < 2:
             rows = ()
-        ctx_len = [items[i].start + 1 for i in rows]
+        ctx_len = [items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
         if self.packed_decode:  # each context's slots, back to back
             dec_slots = torch.cat([self.slots(items[i].block_ids, 0, c) for i, c in zip(rows, ctx_len)]) \
@@ -156,13 +163,13 @@ class ModelRunner:
             for r, i in enumerate(rows):
                 dec_slots[r, : ctx_len[r]] = self.slots(items[i].block_ids, 0, ctx_len[r])
         last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
-        ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.start + n)
+        ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.slot_start + n)
                     for i, (it, n) in enumerate(zip(items, lens)))
         # Every index tensor of the step in one host buffer, uploaded in one copy, then split.
         host = [
             torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),  # ids
             torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]),  # positions
-            torch.cat([self.slots(it.block_ids, it.start, it.start + n) for it, n in zip(items, lens)]),  # new slots
+            torch.cat([self.slots(it.block_ids, it.slot_start, it.slot_start + n) for it, n in zip(items, lens)]),  # new slots
             dec_slots.view(-1),
             torch.tensor(ctx_len, dtype=torch.long),
             torch.tensor([offsets[i] for i in rows], dtype=torch.long),  # decode q rows
@@ -220,9 +227,9 @@ class ModelRunner:
             if ctx is None:  # fresh sequence: its K/V are exactly this run's
                 outs[i] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0)
             elif isinstance(ctx, range):  # consecutive blocks: attend straight from the pool
-                outs[i] = causal_attention(q[lo:hi], kc[ctx.start : ctx.stop], vc[ctx.start : ctx.stop], it.start)
+                outs[i] = causal_attention(q[lo:hi], kc[ctx.start : ctx.stop], vc[ctx.start : ctx.stop], it.slot_start)
             else:
-                outs[i] = causal_attention(q[lo:hi], kc.index_select(0, ctx), vc.index_select(0, ctx), it.start)
+                outs[i] = causal_attention(q[lo:hi], kc.index_select(0, ctx), vc.index_select(0, ctx), it.slot_start)
         done = cast("list[torch.Tensor]", outs)  # every run has its output by now
         return layer.finish(h, torch.cat(done) if len(done) > 1 else done[0])
 

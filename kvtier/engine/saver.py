@@ -49,7 +49,7 @@ class Saver:
         """The runner callback for one step over `reqs` (in the step's run order)."""
         bufs: list[_Buffer | None] = []
         for r in reqs:
-            if r.kept is not None:  # approximate state: never saved as if it were exact
+            if r.approximate:  # approximate state: never saved as if it were exact
                 bufs.append(None)
                 continue
             b = self.buffers.get(r.request_id)

@@ -49,6 +49,8 @@ class Probe:
     instant: bool = False
     tier_tokens: dict[str, int] = field(default_factory=dict)  # restored tokens by tier (instant only)
     attach_tokens: int = 0  # placement beside the new tokens, in prefill tokens (instant only)
+    lossy: bool = False  # an importance-only restore: the request's state becomes approximate
+    dropped: int = 0  # prefix tokens the restore leaves out of the pool (importance-only)
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,9 @@ class Scheduler:
             req.metrics.note_reuse("device", req.num_computed)
         if probe.target <= req.num_computed:
             return None
+        req.restored_by_importance, req.dropped = probe.lossy, probe.dropped  # before growing: no slots for dropped
         if not self._grow(req, probe.target + 1):
+            req.make_exact()
             return None  # not enough blocks now: prefill normally instead
         start = req.num_computed
         if probe.instant:  # the caller schedules its new tokens in this step, placement beside them
@@ -218,7 +222,9 @@ class Scheduler:
         """A restore is ready (tokens: [0, tokens) will be in the pool once its first chunk runs,
         which carries `attach_tokens` of its compute) or failed (None: prefill from the device part)."""
         self.restoring.remove(req)
-        if tokens is not None:
+        if tokens is None:
+            req.make_exact()  # recomputed in full from its tokens
+        else:
             req.num_computed = tokens
             req.attach_tokens = attach_tokens
             for tier, n in (tier_tokens or {}).items():
@@ -232,6 +238,7 @@ class Scheduler:
         req.metrics.forget_reuse()
         req.metrics.note_reuse("device", start)
         req.num_computed = start
+        req.make_exact()
         req.status = RequestStatus.PREFILL
 
     def postprocess(self, out: SchedulerOutput, void: Collection[str] = ()) -> list[Request]:
@@ -252,7 +259,7 @@ class Scheduler:
     def _publish(self, req: Request) -> None:
         """Register the request's newly full blocks in the device prefix cache. Never for a
         truncated context: its K/V are approximations and must not be reused as exact."""
-        if not self.prefix_cache or req.kept is not None:
+        if not self.prefix_cache or req.approximate:
             return
         full = req.num_computed // self.pool.block_size
         if full <= req.num_published:
@@ -290,7 +297,7 @@ class Scheduler:
         req.metrics.note_reuse("device", req.num_computed)  # reuse counts what this admission found
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.pool.block_size) - len(req.block_ids)
+        need = -(-(num_tokens - req.dropped) // self.pool.block_size) - len(req.block_ids)
         if need <= 0:
             return True
         if need > self.pool.num_free:
@@ -307,6 +314,7 @@ class Scheduler:
         req.block_ids = []
         req.num_computed = 0
         req.num_published = 0
+        req.make_exact()  # recomputed from its tokens
         req.restore_tried = False
         req.attach_tokens = 0
         req.status = RequestStatus.PREEMPTED

@@ -26,6 +26,8 @@ from kvtier.engine.scheduler import Probe, RestoreTicket
 from kvtier.engine.sessions import SessionRetention
 from kvtier.models.loading import LoadedModel
 from kvtier.restore.costs import HardwareProfile, ModelShape, links
+from kvtier.restore.impress import PROBE_GRANULE_TOKENS, probe_kv_heads_for
+from kvtier.restore.plan import Method
 from kvtier.restore.planner import Planner
 from kvtier.store import lookahead
 from kvtier.store.layout import Repr, StoreNamespace
@@ -184,7 +186,7 @@ class StoreLink:
     def finished(self, req: Request) -> None:
         """A request ended (any reason): what it saved belongs to its session."""
         if self.sessions is not None and req.session_id is not None:
-            saved = self.store.keys_for(req.all_ids[: req.num_computed]) if req.kept is None else []
+            saved = self.store.keys_for(req.all_ids[: req.num_computed]) if not req.approximate else []
             self.sessions.finished(req.session_id, saved, time.monotonic())
 
     def idle_wait(self, timeout: float) -> None:
@@ -251,9 +253,12 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     tiers = parse_spec(spec).tiers()
 
     def namespace(layout: Sequence[Repr]) -> StoreNamespace:
+        importance = reuse.fixed_method is Method.IMPRESS
         return StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                               compute_dtype=name_of(model.dtype), storage_dtype=reuse.storage_dtype,
-                              layer_reprs=tuple(layout))
+                              layer_reprs=tuple(layout),
+                              probe_kv_heads=probe_kv_heads_for(cfg.num_kv_heads) if importance else 0,
+                              granule_tokens=PROBE_GRANULE_TOKENS if importance else 0)
 
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
     shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))

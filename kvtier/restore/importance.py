@@ -34,13 +34,13 @@ def column_importance(q: torch.Tensor, k_prefix: torch.Tensor, k_own: torch.Tens
     m, kv = k_prefix.shape[0], k_prefix.shape[1]
     g = heads // kv
     qf = q.float().permute(1, 0, 2)  # [heads, n, hd]
-    keys = k_prefix if k_own is None else torch.cat([k_prefix, k_own])  # [m (+ n), kv, hd]
+    keys = k_prefix.to(q.device) if k_own is None else torch.cat([k_prefix.to(q.device), k_own])  # [m (+ n), kv, hd]
     kf = keys.float().permute(1, 2, 0).repeat_interleave(g, dim=0)  # [heads, hd, m (+ n)]
     scores = torch.bmm(qf, kf) / math.sqrt(hd)  # [heads, n, m (+ n)]
     if k_own is not None:
-        own = torch.ones(n, n, dtype=torch.bool).triu(1)  # row i sees own keys 0..i
+        own = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)  # row i sees own keys 0..i
         scores[:, :, m:].masked_fill_(own, float("-inf"))
-    return scores.softmax(dim=-1)[:, :, :m].sum(dim=1)  # [heads, m]
+    return scores.softmax(dim=-1)[:, :, :m].sum(dim=1).cpu()  # [heads, m] (selection runs on the host)
 
 
 def top_k(importance: torch.Tensor, k: int) -> torch.Tensor:

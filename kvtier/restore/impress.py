@@ -95,6 +95,15 @@ class ReducedCache:
         return self.k[0].shape[0]
 
 
+PROBE_GRANULE_TOKENS = 16  # rows per checksum in the importance layout: a quarter of a 64-token chunk
+
+
+def probe_kv_heads_for(num_kv_heads: int) -> int:
+    """Probe KV heads per layer: the paper's three where there are many; one where there are few
+    (SmolLM2's 3 KV heads: three probes would be every key; one gives 3 query heads to compare)."""
+    return 1 if num_kv_heads <= 4 else 3
+
+
 def probe_query_heads(num_heads: int, num_kv_heads: int, probe_kv_heads: int) -> int:
     """Query heads that read the probe KV heads (the first ones: query head h reads KV head h // g)."""
     return probe_kv_heads * (num_heads // num_kv_heads)
@@ -128,8 +137,9 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     r0 = time.perf_counter()
     probes = reads.probe_keys() if uses_probes else {}
     stats.read_s += time.perf_counter() - r0
-    positions = torch.arange(m, m + n)
-    h = model.embed(torch.tensor(list(new_ids), dtype=torch.long))  # [n, hidden]
+    dev = rope.cos_h.device
+    positions = torch.arange(m, m + n, device=dev)
+    h = model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev))  # [n, hidden]
     ks, vs = [], []
     for li, layer in enumerate(model.layers):
         q, kn, vn = layer.qkv(h)  # [n, heads | kv_heads, hd]
@@ -161,8 +171,8 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
         else:
             k_kept = _timed(stats, lambda li=li, kept=kept: reads.rows(li, "k", kept))  # [k, kv_heads, hd]
         v_kept = _timed(stats, lambda li=li, kept=kept: reads.whole(li, "v") if k == m else reads.rows(li, "v", kept))
-        kc = torch.cat([k_kept.to(kn.dtype), kn])  # [k + n, kv_heads, hd]
-        vc = torch.cat([v_kept.to(vn.dtype), vn])
+        kc = torch.cat([k_kept.to(dev, kn.dtype), kn])  # [k + n, kv_heads, hd]
+        vc = torch.cat([v_kept.to(dev, vn.dtype), vn])
         ks.append(kc)
         vs.append(vc)
         h = layer.finish(h, causal_attention(q, kc, vc, k))
@@ -189,8 +199,9 @@ def extend(model: CausalLM, rope: Rope, cache: ReducedCache, ids: Sequence[int])
     """Compute `ids` after everything in `cache` (appending their K/V): fp32 logits [len(ids), vocab].
     Decoding over a reduced cache, and teacher-forced scoring of a continuation."""
     n, start = len(ids), cache.slots
-    positions = torch.arange(start, start + n) + cache.rope_offset
-    h = model.embed(torch.tensor(list(ids), dtype=torch.long))
+    dev = rope.cos_h.device
+    positions = torch.arange(start, start + n, device=dev) + cache.rope_offset
+    h = model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev))
     for li, layer in enumerate(model.layers):
         q, kn, vn = layer.qkv(h)
         q, kn = _rotate(rope, q, positions), _rotate(rope, kn, positions)

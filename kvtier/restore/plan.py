@@ -19,10 +19,16 @@ class Method(str, enum.Enum):
     HIDDEN = "hidden"  # load layer inputs, project to K/V (HCache)
     BUBBLEFREE = "bubblefree"  # per-layer mix of hidden with KV load or token recompute (HCache §4.1)
     CAKE = "cake"  # compute chunks from the front while loading KV chunks from the back
+    IMPRESS = "impress"  # only the prefix tokens the new tokens' queries need (lossy; opt-in only)
+
+    @property
+    def exact(self) -> bool:
+        return self is not Method.IMPRESS
 
 
 AUTO = "auto"  # a request for the planner's choice, not a method a plan carries
 METHOD_CHOICES = (AUTO,) + tuple(m.value for m in Method)
+EXACT_METHODS = tuple(m for m in Method if m.exact)
 
 
 @dataclass(frozen=True)

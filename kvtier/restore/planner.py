@@ -264,7 +264,7 @@ class Planner:
         n = self.shape.num_layers
         if method is Method.HIDDEN:
             return (Repr.HIDDEN,) * n
-        if method in (Method.KV, Method.CAKE, Method.RECOMPUTE):
+        if method in (Method.KV, Method.CAKE, Method.RECOMPUTE, Method.IMPRESS):
             return (Repr.KV,) * n
         probe = [PlannedChunk(str(a), a, a + chunk_tokens, tier, 0) for a in range(0, 1024, chunk_tokens)]
         partition = self.partition(probe)

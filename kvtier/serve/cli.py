@@ -10,7 +10,7 @@ from typing import Any
 
 from kvtier.device import add_device_argument
 from kvtier.models.loading import DEFAULT_MODEL
-from kvtier.restore.plan import METHOD_CHOICES
+from kvtier.restore.args import add_restore_arguments, reuse_options
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "KVTIER_API_KEY"
@@ -86,9 +86,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("state store (reuse across requests)")
     _add_store_argument(g)
     g.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
-    g.add_argument("--restore-method", default="auto", choices=list(METHOD_CHOICES),
-                   help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
-                        "bubblefree, cake, recompute (default: auto)")
+    add_restore_arguments(g)
     g.add_argument("--chunk-tokens", type=positive_int, default=64, help="tokens per stored chunk (default: 64)")
     g.add_argument("--session-ttl", type=_positive_float, default=None, metavar="SECONDS",
                    help="delete what a session (the request's prompt_cache_key) saved once it has been idle this "
@@ -140,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     )  # validated before the (slow) model load
     engine = build_engine(
         args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
-        reuse=ReuseConfig(method=args.restore_method, chunk_tokens=args.chunk_tokens, session_ttl_s=args.session_ttl),
+        reuse=ReuseConfig(chunk_tokens=args.chunk_tokens, session_ttl_s=args.session_ttl, **reuse_options(args)),
         max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs, enable_prefix_cache=not args.no_prefix_cache,

@@ -53,7 +53,10 @@ def _usage(out: RequestOutput) -> r.Usage:
         prompt_tokens=out.prompt_tokens,
         completion_tokens=n,
         total_tokens=out.prompt_tokens + n,
-        prompt_tokens_details=r.PromptTokensDetails(cached_tokens=out.prompt_tokens_reused),
+        prompt_tokens_details=r.PromptTokensDetails(
+            cached_tokens=out.prompt_tokens_reused,
+            attended_prefix_tokens=out.restore.prefix_attended if out.restore else None,
+        ),
     )
 
 

@@ -68,6 +68,14 @@ class ServerMetrics:
         self.prompt_tokens_computed = Counter(
             "kvtier_prompt_tokens_computed", "Prompt tokens computed by prefill", registry=r
         )
+        self.prefix_attended = Counter(
+            "kvtier_importance_prefix_tokens_attended",
+            "Stored prefix tokens restored by importance (impress) that each layer attended to", registry=r,
+        )
+        self.prefix_skipped = Counter(
+            "kvtier_importance_prefix_tokens_skipped",
+            "Stored prefix tokens an importance restore (impress) left out of attention", registry=r,
+        )
 
     def attach(self, background: BackgroundEngine) -> None:
         self.registry.register(EngineCollector(background))
@@ -80,6 +88,11 @@ class ServerMetrics:
             self.reused_by_tier.labels(tier).inc(n)
         for method, n in reused_by_method(out).items():
             self.reused_by_method.labels(method).inc(n)
+        attended = out.restore.prefix_attended if out.restore else None
+        if attended is not None:
+            restored = sum(n for tier, n in out.reused_by_tier.items() if tier != "device")
+            self.prefix_attended.inc(attended)
+            self.prefix_skipped.inc(max(restored - attended, 0))
 
 
 def reused_by_method(out: RequestOutput) -> dict[str, int]:

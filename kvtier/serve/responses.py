@@ -11,6 +11,9 @@ FinishReason = Literal["stop", "length"]
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens restored (device cache or store) instead of computed
+    # kvtier: with --restore-method impress, the restored prefix tokens each layer attended to (the
+    # rest were left out: an approximation); null when every cached token was attended to.
+    attended_prefix_tokens: int | None = None
 
 
 class Usage(BaseModel):

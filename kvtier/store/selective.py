@@ -12,15 +12,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from . import codec
 from .format import FormatError
-from .index import ChunkRef
 from .layout import Repr
 from .tiered import TieredStore
 from .tiers.base import OpenChunk, coalesce
+
+
+class StoredChunk(Protocol):
+    """A chunk of the prefix (a lookup's ChunkRef, or a plan's PlannedChunk)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def tier(self) -> str: ...
 
 
 class TokenReadMiss(RuntimeError):
@@ -36,7 +49,7 @@ class ReadCounts:
 
 
 class TokenReads:
-    def __init__(self, store: TieredStore, chunks: Sequence[ChunkRef]) -> None:
+    def __init__(self, store: TieredStore, chunks: Sequence[StoredChunk]) -> None:
         ns = store.namespace
         if ns is None or not ns.probe_kv_heads or not ns.granule_tokens:
             raise ValueError("token reads need the importance store layout (probe_kv_heads and granule_tokens "

@@ -70,11 +70,12 @@ def fake_profile(model) -> HardwareProfile:
 
 
 def serve(model, window: int = WINDOW, kv_bytes: int = 16 << 20, truncation=None, store: str | None = None,
-          prefix_cache: bool = True, max_num_seqs: int = 64, **app_kw) -> Iterator[Served]:
+          prefix_cache: bool = True, max_num_seqs: int = 64, reuse: ReuseConfig | None = None,
+          **app_kw) -> Iterator[Served]:
     """Serve `model` (already loaded) with a fresh engine; the tests own the engine loop."""
     config = EngineConfig(kv_cache_bytes=kv_bytes, max_model_len=window, enable_prefix_cache=prefix_cache,
                           max_num_seqs=max_num_seqs)
-    reuse = ReuseConfig(method="kv", chunk_tokens=16) if store else None
+    reuse = reuse or (ReuseConfig(method="kv", chunk_tokens=16) if store else None)
     engine = Engine(model, config, truncation=truncation, store=store, reuse=reuse,
                     profile=fake_profile(model) if store else None)
     background = BackgroundEngine(engine)

@@ -1,0 +1,47 @@
+"""The restore options every command that runs an engine takes (generate, chat, demo, serve)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.restore.plan import METHOD_CHOICES
+
+
+def _ratio(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return x
+
+
+def _non_negative(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return x
+
+
+def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
+    """--restore-method and the importance-only restore's options (p: a parser or argument group)."""
+    p.add_argument("--restore-method", default="auto", choices=list(METHOD_CHOICES),
+                   help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
+                        "bubblefree, cake, recompute, or impress (lossy, opt-in: only the stored prefix tokens "
+                        "the new tokens attend to; its state is never saved) (default: auto)")
+    p.add_argument("--importance-ratio", type=_ratio, default=0.25, metavar="R",
+                   help="impress: share of a stored prefix each layer keeps (default: 0.25)")
+    p.add_argument("--importance-alpha", type=_non_negative, default=0.6, metavar="A",
+                   help="impress: probe heads agree when their Jaccard index is at least j**A, j that of "
+                        "two random sets (default: 0.6)")
+
+
+def reuse_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ReuseConfig keyword arguments from the options above."""
+    return dict(method=args.restore_method, importance_ratio=args.importance_ratio,
+                importance_alpha=args.importance_alpha)

@@ -1,0 +1,110 @@
+"""`--restore-method impress` in the engine: the request's stored prefix restored by importance,
+checked against the standalone computation (and, keeping every token, against a no-store engine);
+and approximate state never stored, published or restored as exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.models.loading import load_model
+from kvtier.models.rope import Rope
+from kvtier.restore.impress import ImpressPolicy, ReducedCache, extend, impress_prefill
+from kvtier.store.selective import TokenReads
+
+HIST, NEW, OUT = 256, 12, 8
+GREEDY = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+
+
+def _ids(model, n: int, seed: int = 11) -> list[int]:
+    return torch.randint(3, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _impress_engine(model, tmp_path, ratio: float) -> Engine:
+    return Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", importance_ratio=ratio))
+
+
+def _turn_one(model, tmp_path, ids: list[int]) -> None:
+    """Turn 1 on an engine of its own: the prefix comes back to a fresh device, from the store."""
+    with _impress_engine(model, tmp_path, 1.0) as engine:
+        engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
+        assert engine.flush(30)
+
+
+def test_keeping_every_token_generates_what_a_no_store_engine_does(model, tmp_path):
+    ids = _ids(model, HIST + NEW)
+    with Engine(model) as plain:
+        want = plain.generate([ids], GREEDY)[0].output_ids
+    _turn_one(model, tmp_path, ids)
+    with _impress_engine(model, tmp_path, 1.0) as engine:
+        out = engine.generate([ids], GREEDY)[0]
+    assert out.restore is not None and out.restore.method == "impress"
+    assert out.restore.prefix_attended == HIST and out.prompt_tokens_reused == HIST
+    assert out.output_ids == want
+
+
+def _standalone(model, store, ids: list[int], ratio: float) -> list[int]:
+    """Greedy tokens of the same restore run outside the engine: impress_prefill, then extend."""
+    reads = TokenReads(store, store.lookup(ids[:HIST]).chunks)
+    rope = Rope(model.config, 4096, torch.float32)
+    try:
+        logits, cache, _ = impress_prefill(model.module, rope, reads, ids[HIST:], ImpressPolicy(ratio=ratio))
+    finally:
+        reads.close()
+    out = [int(logits[-1].argmax())]
+    while len(out) < OUT:
+        out.append(int(extend(model.module, rope, cache, out[-1:])[-1].argmax()))
+    return out
+
+
+def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path):
+    ids = _ids(model, HIST + NEW, seed=12)
+    _turn_one(model, tmp_path, ids)
+    with _impress_engine(model, tmp_path, 0.25) as engine:
+        out = engine.generate([ids], GREEDY)[0]
+        want = _standalone(model, engine.link.store, ids, 0.25)
+    assert out.restore is not None and out.restore.prefix_attended == HIST // 4
+    assert out.output_ids == want
+
+
+@torch.inference_mode()
+def _exact_kv(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = model.config
+    cache = ReducedCache([torch.empty(0, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers,
+                         [torch.empty(0, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers, 0)
+    extend(model.module, Rope(cfg, 4096, torch.float32), cache, ids)
+    return torch.stack(cache.k), torch.stack(cache.v)  # [layers, tokens, kv_heads, hd]
+
+
+def test_approximate_state_never_enters_a_lossless_key_or_the_device_cache(model, tmp_path):
+    ids = _ids(model, HIST + NEW, seed=13)
+    _turn_one(model, tmp_path, ids)
+    with _impress_engine(model, tmp_path, 0.25) as engine:
+        store = engine.link.store
+        keys_before = set(store.tier("disk").iterate())
+        hits_before = engine.pool.hits
+        two = engine.generate([ids], GREEDY)[0]
+        turn3 = ids + two.output_ids + _ids(model, NEW, seed=14)
+        three = engine.generate([turn3], GREEDY)[0]
+        assert engine.flush(30)
+        assert two.restore and two.restore.method == "impress"
+        assert three.restore and three.restore.method == "impress"
+        # Nothing the two approximate requests computed was saved or published.
+        assert set(store.tier("disk").iterate()) == keys_before
+        assert engine.pool.hits == hits_before
+        # And every stored chunk any of the three sequences matches holds exact state.
+        for seq in (ids[:HIST], ids + two.output_ids, turn3):
+            k, v = _exact_kv(model, seq)
+            for c in store.lookup(seq).chunks:
+                got = store.read_chunk(c.key)
+                assert got is not None
+                for st in got:
+                    torch.testing.assert_close(st.k, k[st.layer, c.start : c.end], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(st.v, v[st.layer, c.start : c.end], atol=1e-4, rtol=1e-4)
