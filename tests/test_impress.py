@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
-from kvtier.restore.impress import ImpressPolicy, ReducedCache, Selection, extend, impress_prefill
+from kvtier.restore.impress import ImpressPolicy, Selection
 from kvtier.store import StoreNamespace, TieredStore
 from kvtier.store.selective import TokenReads
 

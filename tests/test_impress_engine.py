@@ -8,10 +8,11 @@ import torch
 
 from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
-from kvtier.restore.impress import ImpressPolicy, ReducedCache, extend, impress_prefill
+from kvtier.restore.impress import ImpressPolicy
 from kvtier.store.selective import TokenReads
 
 HIST, NEW, OUT = 256, 12, 8

@@ -1,12 +1,19 @@
-"""An importance-only restore inside the engine (restore/impress.py): one request's stored prefix,
-read by token, with its new tokens computed on the way.
+"""The importance-only restore (IMPRESS) inside the engine: a request's stored prefix read by
+token (store/selective.py), with its new tokens computed on the way.
 
-Choosing what to keep needs the new tokens' queries at every layer, so this restore computes the
-new tokens itself (on the restore worker, like Cake's front) and places the kept prefix tokens and
-all new tokens but the last into the request's slots; the request's step then computes the last
-token and samples from it. The request carries `dropped` (prefix tokens not in its slots) for the
-rest of its life; it is approximate: never saved, published to the device prefix cache or
-reported as exact. It offers the same surface as `Restore` (prepare, ready, place, finish, abort).
+Per layer, the new rows' queries score the prefix with the probe heads' keys (read up front, one
+read per chunk for every layer); if the probe heads' top-k sets agree one consensus set is kept
+and only its tokens' K and V are read; otherwise every key is read and the set comes from all
+heads (the fallback). The kept tokens take compact slots with K at its original position (stored K
+is already rotated there), so each layer keeps exactly k slots of prefix, possibly different tokens
+per layer, and no mask is needed; the new tokens follow at RoPE positions prefix + i.
+
+Choosing needs the new tokens' queries at every layer, so the restore computes the new tokens
+itself (on the restore worker, like Cake's front), places the kept prefix and all new tokens but
+the last into the request's slots, and the request's step computes the last one and samples.
+The request carries `dropped` (prefix tokens not in its slots) for the rest of its life and is
+approximate: never saved, published to the device prefix cache or reported as exact.
+`ImpressRestore` offers the same surface as `Restore` (prepare, ready, place, finish, abort).
 """
 
 from __future__ import annotations
@@ -14,15 +21,142 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvtier.engine.restore_exec import RestoreMiss, RestoreStats
 from kvtier.engine.runner import ModelRunner
-from kvtier.restore.impress import ImpressPolicy, ImpressStats, impress_prefill
+from kvtier.models.attention import causal_attention
+from kvtier.models.llama import CausalLM
+from kvtier.models.rope import Rope, rotate_into
+from kvtier.restore.importance import (
+    column_importance,
+    mean_pairwise_jaccard,
+    select,
+    select_all,
+    similarity_threshold,
+    top_k,
+)
+from kvtier.restore.impress import (
+    ImpressPolicy,
+    ImpressStats,
+    Selection,
+    blind_selection,
+    probe_query_heads,
+)
 from kvtier.restore.plan import Plan
 from kvtier.store.selective import TokenReadMiss, TokenReads
 from kvtier.store.tiered import TieredStore
+
+
+@dataclass
+class ReducedCache:
+    """One sequence's K/V per layer in compact slots: the kept prefix tokens of that layer (K rotated
+    at their original positions), then every token computed since, at RoPE position slot + offset."""
+
+    k: list[torch.Tensor]  # per layer [slots, kv_heads, hd]
+    v: list[torch.Tensor]
+    rope_offset: int
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+
+def _rotate(rope: Rope, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    cos, sin = rope.halves(positions)
+    return rotate_into(x, cos, sin, torch.empty_like(x))
+
+
+@torch.inference_mode()
+def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Sequence[int],
+                    policy: ImpressPolicy) -> tuple[torch.Tensor, ReducedCache, ImpressStats]:
+    """Compute `new_ids` after the stored prefix `reads` opens, keeping per layer only the tokens
+    `policy` selects. -> (fp32 logits [new, vocab], the reduced cache, stats)."""
+    t0 = time.perf_counter()
+    cfg, m = model.cfg, reads.tokens
+    n, k = len(new_ids), policy.kept(reads.tokens)
+    stats = ImpressStats(prefix_tokens=m, kept_tokens=k, layers=cfg.num_layers)
+    probe_kv = reads.ns.probe_kv_heads
+    pq = probe_query_heads(cfg.num_heads, cfg.num_kv_heads, probe_kv)
+    threshold = similarity_threshold(policy.ratio, policy.alpha) if policy.selection is Selection.IMPRESS else 0.0
+    uses_probes = policy.selection in (Selection.IMPRESS, Selection.PROBES)
+    r0 = time.perf_counter()
+    probes = reads.probe_keys() if uses_probes else {}
+    stats.read_s += time.perf_counter() - r0
+    dev = rope.cos_h.device
+    positions = torch.arange(m, m + n, device=dev)
+    h = model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev))  # [n, hidden]
+    ks, vs = [], []
+    for li, layer in enumerate(model.layers):
+        q, kn, vn = layer.qkv(h)  # [n, heads | kv_heads, hd]
+        q, kn = _rotate(rope, q, positions), _rotate(rope, kn, positions)
+        k_all = None
+        i0 = time.perf_counter()
+        if uses_probes:
+            imp = column_importance(q[:, :pq], probes[li], kn[:, :probe_kv])  # [pq, m]
+            sel = select(imp, k, threshold)
+            if sel is None:  # the probes disagree: every key, a set from every head
+                stats.identify_s += time.perf_counter() - i0
+                k_all = _timed(stats, lambda li=li: reads.whole(li, "k"))
+                i0 = time.perf_counter()
+                sel = select_all(column_importance(q, k_all, kn), k, mean_jaccard(imp, k))
+            stats.jaccard.append(sel.jaccard)
+            stats.layers_passed += sel.passed
+            kept = sel.tokens
+        elif policy.selection in (Selection.H2O, Selection.FULL):
+            stats.identify_s += time.perf_counter() - i0
+            k_all = _timed(stats, lambda li=li: reads.whole(li, "k"))
+            i0 = time.perf_counter()
+            kept = torch.arange(m) if k == m else select_all(column_importance(q, k_all, kn), k).tokens
+        else:
+            kept = blind_selection(policy, m, k)
+        stats.identify_s += time.perf_counter() - i0
+        stats.kept.append(kept)
+        if k_all is not None:
+            k_kept = k_all if k == m else k_all.index_select(0, kept)
+        else:
+            k_kept = _timed(stats, lambda li=li, kept=kept: reads.rows(li, "k", kept))  # [k, kv_heads, hd]
+        v_kept = _timed(stats, lambda li=li, kept=kept: reads.whole(li, "v") if k == m else reads.rows(li, "v", kept))
+        kc = torch.cat([k_kept.to(dev, kn.dtype), kn])  # [k + n, kv_heads, hd]
+        vc = torch.cat([v_kept.to(dev, vn.dtype), vn])
+        ks.append(kc)
+        vs.append(vc)
+        h = layer.finish(h, causal_attention(q, kc, vc, k))
+    c = reads.counts
+    stats.bytes_read, stats.read_calls, stats.granules_read, stats.granules_whole = \
+        c.nbytes, c.calls, c.granules, c.granules_whole
+    stats.seconds = time.perf_counter() - t0
+    return model.logits(h), ReducedCache(ks, vs, m - k), stats
+
+
+def mean_jaccard(importance: torch.Tensor, k: int) -> float:
+    return mean_pairwise_jaccard([top_k(row, k) for row in importance])
+
+
+def _timed(stats: ImpressStats, read):
+    t = time.perf_counter()
+    out = read()
+    stats.read_s += time.perf_counter() - t
+    return out
+
+
+@torch.inference_mode()
+def extend(model: CausalLM, rope: Rope, cache: ReducedCache, ids: Sequence[int]) -> torch.Tensor:
+    """Compute `ids` after everything in `cache` (appending their K/V): fp32 logits [len(ids), vocab].
+    Decoding over a reduced cache, and teacher-forced scoring of a continuation."""
+    n, start = len(ids), cache.slots
+    dev = rope.cos_h.device
+    positions = torch.arange(start, start + n, device=dev) + cache.rope_offset
+    h = model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev))
+    for li, layer in enumerate(model.layers):
+        q, kn, vn = layer.qkv(h)
+        q, kn = _rotate(rope, q, positions), _rotate(rope, kn, positions)
+        cache.k[li] = torch.cat([cache.k[li], kn])
+        cache.v[li] = torch.cat([cache.v[li], vn])
+        h = layer.finish(h, causal_attention(q, cache.k[li], cache.v[li], start))
+    return model.logits(h)
 
 
 class ImpressRestore:
