@@ -229,10 +229,19 @@ def register_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], object]]:
-    from kvtier.bench import e2e, forward, load_bench, restore_bench, store_bench, trace_bench, truncation_bench
+    from kvtier.bench import (
+        e2e,
+        forward,
+        impress_bench,
+        load_bench,
+        restore_bench,
+        store_bench,
+        trace_bench,
+        truncation_bench,
+    )
 
     return [forward.register, store_bench.register, restore_bench.register, trace_bench.register,
-            truncation_bench.register, load_bench.register_bench, e2e.register]
+            truncation_bench.register, load_bench.register_bench, e2e.register, impress_bench.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

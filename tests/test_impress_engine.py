@@ -8,7 +8,7 @@ import torch
 
 from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill
+from kvtier.engine.impress_exec import ReducedCache, chunk_ratios, extend, impress_prefill
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
@@ -109,3 +109,25 @@ def test_approximate_state_never_enters_a_lossless_key_or_the_device_cache(model
                 for st in got:
                     torch.testing.assert_close(st.k, k[st.layer, c.start : c.end], atol=1e-4, rtol=1e-4)
                     torch.testing.assert_close(st.v, v[st.layer, c.start : c.end], atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_ratios_average_the_kept_share_over_layers():
+    kept = [torch.tensor([0, 1, 64, 65, 66]), torch.tensor([0, 1, 2, 3, 127])]
+    got = chunk_ratios(kept, [("a", 0, 64), ("b", 64, 128)])
+    assert got == {"a": 6 / 128, "b": 4 / 128}
+
+
+def test_score_policy_hears_what_importance_restores_needed(model, tmp_path):
+    ids = _ids(model, HIST + NEW, seed=15)
+    _turn_one(model, tmp_path, ids)
+    reuse = ReuseConfig(method="impress", importance_ratio=0.25, eviction_policy="score")
+    with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
+        out = engine.generate([ids], GREEDY)[0]
+        store = engine.link.store
+        assert out.restore is not None and out.restore.method == "impress"
+        policy = store.score_policy()
+        assert policy is not None
+        chunks = store.lookup(ids[:HIST]).chunks
+        # Every chunk was read once from disk and observed at its kept share: score = 1 x share.
+        shares = [policy.score(c.key) for c in chunks]
+        assert all(0 < s < 1 for s in shares) and sum(shares) == pytest.approx(len(chunks) * 0.25, rel=0.05)

@@ -57,6 +57,10 @@ class ReuseConfig:
     # in the importance layout, a namespace of its own (state saved by other engines is not seen).
     importance_ratio: float = 0.25
     importance_alpha: float = 0.6
+    # Which chunks the memory and disk tiers give up first: lru, lfu, fifo, or score (IMPRESS §4.4.2:
+    # accesses x the share of a chunk importance-only restores needed; promotion into memory admits
+    # a chunk only if it beats the lowest score held).
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_CHOICES:

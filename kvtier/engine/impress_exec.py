@@ -159,6 +159,17 @@ def extend(model: CausalLM, rope: Rope, cache: ReducedCache, ids: Sequence[int])
     return model.logits(h)
 
 
+def chunk_ratios(kept: list[torch.Tensor], chunks: Sequence[tuple[str, int, int]]) -> dict[str, float]:
+    """Per chunk (key, start, end), the share of its tokens the layers kept, averaged over layers."""
+    if not kept:
+        return {}
+    bounds = torch.tensor([end for _, _, end in chunks])
+    counts = torch.zeros(len(chunks))
+    for layer in kept:  # [k] prefix indices
+        counts += torch.bincount(torch.bucketize(layer, bounds, right=True), minlength=len(chunks))[: len(chunks)]
+    return {key: float(counts[i]) / (len(kept) * (end - start)) for i, (key, start, end) in enumerate(chunks)}
+
+
 class ImpressRestore:
     def __init__(self, plan: Plan, policy: ImpressPolicy, store: TieredStore, runner: ModelRunner,
                  token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
@@ -187,6 +198,8 @@ class ImpressRestore:
                     self.runner.v_cache[li].index_copy_(0, slots, cache.v[li][:n])
             self.runner.transfer.sync_compute()  # done means written
             self.impress = st
+            self.store.observe_importance(chunk_ratios(st.kept, [(c.key, c.start, c.end) for c in self.plan.chunks]))
+            self.store.promote(self.plan.chunks)
             self.stats.bytes_read = st.bytes_read
             self.stats.chunks_loaded = len(self.plan.chunks)
             self.stats.prefix_attended = st.kept_tokens

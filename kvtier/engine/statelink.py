@@ -270,5 +270,6 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
         layout = tuple(Repr(r) for r in reuse.layout)
     else:  # decided for the slowest tier of the stack
         layout = planner.choose_layout(reuse.fixed_method, tiers[-1][0], reuse.chunk_tokens)
-    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, pin=runner.device.type == "cuda")
+    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy,
+                             pin=runner.device.type == "cuda")
     return StoreLink(store, layout, runner, planner, reuse)

@@ -104,7 +104,59 @@ class LFUPolicy(_Ordered):
         return sorted(self._order, key=lambda k: (self._count[k], recency[k]))
 
 
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
+class ScorePolicy(LFUPolicy):
+    """IMPRESS §4.4.2: score = accesses x the chunk's share of important tokens (a moving average
+    of what importance-only restores kept of it; 1.0 until first observed). Lowest score first;
+    ties go to the least recently used. A chunk not held is admitted only if it fits or beats the
+    lowest score held, so a faster tier keeps the chunks whose important part is read most."""
+
+    EMA = 0.3  # weight of the newest observation
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ratio: dict[str, float] = {}
+        self._seen: OrderedDict[str, int] = OrderedDict()  # accesses of keys held or not (bounded)
+
+    def score(self, key: str) -> float:
+        return self._seen.get(key, 0) * self._ratio.get(key, 1.0)
+
+    def _access(self, key: str) -> None:
+        self._seen[key] = self._seen.get(key, 0) + 1
+        self._seen.move_to_end(key)
+        while len(self._seen) > 1_000_000:  # forget the coldest keys never seen again
+            old, _ = self._seen.popitem(last=False)
+            self._ratio.pop(old, None)
+
+    def insert(self, key: str, nbytes: int) -> None:
+        super().insert(key, nbytes)
+        if key not in self._seen:  # a promoted chunk's read was already counted by `access`
+            self._access(key)
+
+    def touch(self, key: str) -> None:
+        super().touch(key)
+        self._access(key)
+
+    def access(self, key: str) -> None:
+        """A read of `key` wherever it is held (counted toward its score even while not held here)."""
+        self._access(key)
+
+    def observe(self, key: str, ratio: float) -> None:
+        """The share of the chunk's tokens an importance-only restore needed."""
+        old = self._ratio.get(key)
+        self._ratio[key] = ratio if old is None else self.EMA * ratio + (1 - self.EMA) * old
+
+    def admit(self, key: str, fits: bool) -> bool:
+        """Whether a chunk not held should come in (`fits`: there is room without evicting)."""
+        if fits or not self._order:
+            return True
+        return self.score(key) > min(self.score(k) for k in self._order)
+
+    def _ranked(self) -> list[str]:
+        recency = {k: i for i, k in enumerate(self._order)}
+        return sorted(self._order, key=lambda k: (self.score(k), recency[k]))
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy, "score": ScorePolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:

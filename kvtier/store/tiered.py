@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -17,7 +17,8 @@ from . import format as fmt
 from .index import ChunkRef, PrefixMatch, longest_prefix
 from .keys import chunk_key, chunk_spans, store_digest
 from .layout import StoreNamespace
-from .policy import make_policy
+from .lookahead import LookAheadPolicy
+from .policy import ScorePolicy, make_policy
 from .reads import PlannedChunkRef, PlannedReads
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
 from .spec import parse_spec
@@ -157,9 +158,28 @@ class TieredStore:
     def promote(self, chunks: Sequence[PlannedChunkRef]) -> None:
         """Copy chunks a restore read from below the memory tier into it, in the background (after
         the restore, so the copy never competes with it)."""
+        score = self.score_policy()
         for c in chunks:
             if self.memory is not None and c.tier != self.memory.name:
+                if score is not None:
+                    score.access(c.key)  # read from below: counts toward its score all the same
                 self._schedule_promotion(c.key, self.tier(c.tier))
+
+    def score_policy(self) -> ScorePolicy | None:
+        """The memory tier's score policy (under the engine's look-ahead wrapper), if it runs one."""
+        policy = self.memory.policy if self.memory is not None else None
+        if isinstance(policy, LookAheadPolicy):
+            policy = policy.base
+        return policy if isinstance(policy, ScorePolicy) else None
+
+    def observe_importance(self, ratios: Mapping[str, float]) -> None:
+        """An importance-only restore's share of each chunk's tokens it needed (IMPRESS scores: the
+        memory tier, run with policy "score", keeps the chunks whose important part is read most)."""
+        score = self.score_policy()
+        if score is not None and self.memory is not None:
+            with self.memory.lock:  # the policy is the tier's, used under its lock
+                for key, ratio in ratios.items():
+                    score.observe(key, ratio)
 
     def prefetch(self, ref: ChunkRef) -> bool:
         """Bring a chunk into the memory tier in the background (look-ahead); True if queued."""
@@ -175,6 +195,11 @@ class TieredStore:
         assert self.memory is not None  # callers promote only into an existing memory tier
         if key in self._promoting or self.memory.contains(key):
             return
+        score = self.score_policy()
+        if score is not None:  # admission by score: a chunk comes in only if it beats the lowest held
+            room = self.memory.used + self._ns().bytes_per_token() * self.chunk_tokens <= self.memory.capacity
+            if not score.admit(key, room):
+                return
         self._promoting.add(key)
         self.writer.submit(_Promote(key, tier), 0)
 

@@ -90,3 +90,45 @@ def test_victims_stop_at_needed_bytes():
     p.insert("c", 7)
     assert list(p.victims(12)) == ["a", "b"]
     assert list(p.victims(10)) == ["a"]
+
+
+def test_score_policy_reproduces_the_papers_figure_14():
+    """A is read 1.5x as often as B; half of A's tokens are important, all of B's. With room for
+    one chunk in the faster tier, frequency keeps A and moves B's important vectors on each of its
+    reads (10 x 2 = 20); the score (accesses x important share: A 15 x .5 = 7.5, B 10 x 1 = 10)
+    keeps B and moves A's (15 x 1 = 15)."""
+    from kvtier.store.policy import LFUPolicy, ScorePolicy
+
+    important = {"A": 1, "B": 2}  # important vectors per chunk of 2
+    reads = ["A", "A", "B", "A", "B"] * 5  # 15 A, 10 B
+
+    def kept(policy) -> str:
+        for key in ("A", "B"):
+            policy.insert(key, 1)
+        rest = list(reads)
+        rest.remove("A")  # each chunk's first read inserted it
+        rest.remove("B")
+        for key in rest:
+            policy.touch(key)
+        if isinstance(policy, ScorePolicy):
+            policy.observe("A", 0.5)
+            policy.observe("B", 1.0)
+        victim = next(policy.victims(1))
+        return "B" if victim == "A" else "A"
+
+    def moved(resident: str) -> int:
+        return sum(important[k] for k in reads if k != resident)
+
+    assert kept(LFUPolicy()) == "A" and moved("A") == 20
+    score = ScorePolicy()
+    assert kept(score) == "B" and moved("B") == 15
+    assert score.score("A") == 7.5 and score.score("B") == 10.0
+    # Admission: with no room, A (7.5) does not displace B (10); a chunk read 11 times at 100% would.
+    score.remove("A")
+    assert not score.admit("A", fits=False) and score.admit("A", fits=True)
+    for _ in range(11):
+        score.access("C")
+    assert score.admit("C", fits=False)
+    # The moving average: 0.3 x new + 0.7 x old after the first observation.
+    score.observe("B", 0.0)
+    assert score.score("B") == pytest.approx(10 * 0.7)

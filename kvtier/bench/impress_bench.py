@@ -1,0 +1,366 @@
+"""`kvtier bench impress`: importance-only restores (IMPRESS) against the full stored prefix.
+
+accuracy  the needle multiple-choice task (bench/tasks.py) on a real model: each item's document is
+          computed once and stored in the importance layout (memory tier), then restored by every
+          variant (full KV; IMPRESS at several ratios; probes without the threshold; H2O over all
+          keys; random and recent references) and answered by log-likelihood. Reports accuracy with
+          Wilson 95% intervals, KL(full || variant) of the query rows' next-token distributions,
+          bytes read against full KV, layers whose probes agreed, identification time.
+ttft      a long history on a disk tier at emulated bandwidths: TTFT of the engine's exact restores
+          (recompute, kv, cake) beside `--restore-method impress`, and the bytes and seconds of the
+          IMPRESS, H2O-style and full reads of the same prefix through the same code.
+
+Both write JSON with `rows` and `goals` ({goal, met, value, target}) and, with --plot, a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
+from kvtier.bench.tasks import needle_items
+from kvtier.dtypes import name_of
+from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill
+from kvtier.models.loading import LoadedModel, load_model
+from kvtier.models.rope import Rope
+from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection, probe_kv_heads_for
+from kvtier.store import StoreNamespace, TieredStore
+from kvtier.store.selective import TokenReads
+
+CHUNK = 64
+
+
+def variants(ratios: list[float]) -> dict[str, ImpressPolicy]:
+    out = {"full": ImpressPolicy(selection=Selection.FULL)}
+    for r in ratios:
+        out[f"impress@{r:g}"] = ImpressPolicy(ratio=r)
+        out[f"h2o@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O)
+    out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
+    out["random@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RANDOM)
+    out["recent@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RECENT)
+    return out
+
+
+def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS) -> StoreNamespace:
+    c = loaded.config
+    return StoreNamespace(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size,
+                          compute_dtype=name_of(loaded.dtype), probe_kv_heads=probe_kv_heads_for(c.num_kv_heads),
+                          granule_tokens=granule_tokens)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return mid - half, mid + half
+
+
+def _empty(loaded: LoadedModel) -> ReducedCache:
+    c = loaded.config
+    e = torch.empty(0, c.num_kv_heads, c.head_dim, dtype=loaded.dtype)
+    return ReducedCache([e] * c.num_layers, [e] * c.num_layers, 0)
+
+
+def _choice_loglik(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Tensor,
+                   choice: list[int]) -> float:
+    """log P(choice | everything in cache), the first token's distribution being `last` [vocab]."""
+    lp = torch.log_softmax(last, -1)[choice[0]].item()
+    if len(choice) > 1:
+        copy = ReducedCache(list(cache.k), list(cache.v), cache.rope_offset)
+        logits = extend(loaded.module, rope, copy, choice[:-1])  # [len - 1, vocab]
+        lp += torch.log_softmax(logits, -1).gather(1, torch.tensor(choice[1:])[:, None]).sum().item()
+    return lp
+
+
+def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over rows of KL(full || other), logits [rows, vocab]."""
+    p, q = torch.log_softmax(full, -1), torch.log_softmax(other, -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def cmd_accuracy(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.model, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise SystemExit(f"model {args.model} has no tokenizer: the needle task needs one (use smollm2-135m)")
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    items = needle_items(loaded.tokenizer, args.n, lengths, seed=args.seed)
+    rope = Rope(loaded.config, max(lengths) * 2 + 512, loaded.dtype)
+    vs = variants([float(x) for x in args.ratios.split(",")])
+    per: dict[str, dict[str, list]] = {name: {"correct": [], "kl": [], "bytes": [], "passed": [], "identify": [],
+                                              "seconds": [], "jaccard": [], "granules": []} for name in vs}
+    with TieredStore.open("memory:8GB", namespace(loaded, args.granule_tokens), chunk_tokens=CHUNK) as store:
+        for item in tqdm(items, desc="needle items", unit="item"):
+            cache = _empty(loaded)
+            with torch.inference_mode():
+                extend(loaded.module, rope, cache, item.prefix_ids)
+            store.save(item.prefix_ids, 0, torch.stack(cache.k), torch.stack(cache.v), None)
+            store.flush(120)
+            match = store.lookup(item.prefix_ids)
+            stored = match.num_tokens
+            new = item.prefix_ids[stored:] + item.query_ids  # any tail past the last stored chunk is computed
+            full_logits = None
+            for name, policy in vs.items():
+                reads = TokenReads(store, match.chunks)
+                try:
+                    logits, reduced, st = impress_prefill(loaded.module, rope, reads, new, policy)
+                finally:
+                    reads.close()
+                scores = [_choice_loglik(loaded, rope, reduced, logits[-1], c) for c in item.choices]
+                q = per[name]
+                q["correct"].append(int(max(range(4), key=scores.__getitem__) == item.answer))
+                if full_logits is None:
+                    full_logits = logits
+                q["kl"].append(_kl(full_logits[-len(item.query_ids):], logits[-len(item.query_ids):]))
+                q["bytes"].append(st.bytes_read)
+                q["passed"].append(st.layers_passed / st.layers)
+                q["identify"].append(st.identify_s / st.seconds)
+                q["seconds"].append(st.seconds)
+                q["granules"].append(st.granules_read / max(st.granules_whole, 1))
+                if st.jaccard:
+                    q["jaccard"].append(st.jaccard)
+            store.discard(store.keys_for(item.prefix_ids))
+    n = len(items)
+    full_bytes = per["full"]["bytes"]
+    rows = []
+    for name, q in per.items():
+        k = sum(q["correct"])
+        lo, hi = wilson(k, n)
+        rows.append(dict(variant=name, n=n, correct=k, accuracy=k / n, ci95=[lo, hi],
+                         kl_mean=statistics.mean(q["kl"]), bytes_vs_full=statistics.mean(
+                             b / f for b, f in zip(q["bytes"], full_bytes)),
+                         layers_passed=statistics.mean(q["passed"]),
+                         identify_share=statistics.mean(q["identify"]), seconds_p50=statistics.median(q["seconds"]),
+                         granules_read_share=statistics.mean(q["granules"]),
+                         jaccard_by_layer=[statistics.mean(layer) for layer in zip(*q["jaccard"])] if q["jaccard"] else []))
+    return dict(rows=rows, goals=accuracy_goals(rows), items=n, lengths=list(lengths))
+
+
+def _by(rows: list[dict], name: str) -> dict | None:
+    return next((r for r in rows if r["variant"] == name), None)
+
+
+def accuracy_goals(rows: list[dict]) -> list[dict]:
+    goals: list[dict] = []
+    full = _by(rows, "full")
+    if full is None:
+        return goals
+    for ratio, limit in ((0.5, 1.0), (0.25, 2.0)):
+        r = _by(rows, f"impress@{ratio:g}")
+        if r:
+            drop = (full["accuracy"] - r["accuracy"]) * 100
+            goals.append(dict(goal=f"needle accuracy drop vs full KV at ratio {ratio:g} <= {limit:g} points",
+                              met=drop <= limit, value=drop, target=limit))
+    r = _by(rows, "impress@0.25")
+    if r:
+        goals.append(dict(goal="KL(full || impress) at ratio 0.25 <= 0.05", met=r["kl_mean"] <= 0.05,
+                          value=r["kl_mean"], target=0.05))
+        goals.append(dict(goal="bytes read at ratio 0.25 <= 0.45x of full KV", met=r["bytes_vs_full"] <= 0.45,
+                          value=r["bytes_vs_full"], target=0.45))
+        goals.append(dict(goal="identification <= 10% of the restore's time", met=r["identify_share"] <= 0.10,
+                          value=r["identify_share"], target=0.10))
+        h2o = _by(rows, "h2o@0.25")
+        if h2o:
+            gap = (h2o["accuracy"] - r["accuracy"]) * 100
+            goals.append(dict(goal="impress within 1 point of H2O over all keys at ratio 0.25", met=gap <= 1.0,
+                              value=gap, target=1.0))
+        for ref in ("random@0.25", "recent@0.25"):
+            b = _by(rows, ref)
+            if b:
+                gain = (r["accuracy"] - b["accuracy"]) * 100
+                goals.append(dict(goal=f"impress >= 10 points above {ref}", met=gain >= 10.0, value=gain, target=10.0))
+    return goals
+
+
+# ----- TTFT -------------------------------------------------------------------------------------
+def _history(loaded: LoadedModel, tokens: int) -> list[int]:
+    from kvtier.bench.text import stdlib_text
+
+    assert loaded.tokenizer is not None
+    return loaded.tokenizer.encode(stdlib_text(tokens * 8), add_special_tokens=False)[:tokens]
+
+
+def _engine_ttft(loaded: LoadedModel, spec: str, method: str, ids: list[int], ratio: float):
+    from kvtier.engine.config import EngineConfig, ReuseConfig
+    from kvtier.engine.engine import Engine
+    from kvtier.engine.request import SamplingParams
+
+    cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
+    with Engine(loaded, cfg, store=spec, reuse=ReuseConfig(method=method, importance_ratio=ratio)) as engine:
+        out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    return out
+
+
+def cmd_ttft(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.model, dtype=args.dtype)
+    hist, new = args.history, args.new
+    ids = _history(loaded, hist + new)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-impress-"))
+    base = f"disk:{root}:16GB"
+    # Turn 1, once per namespace: the exact engines' layout and the importance layout.
+    for method in ("kv", "impress"):
+        _engine_ttft(loaded, base, method, ids[:hist], args.ratio)
+    rows = []
+    rope = Rope(loaded.config, hist + new + 64, loaded.dtype)
+    for bw in args.bandwidths.split(","):
+        spec = base if bw == "none" else f"{base}:bw={bw}MB/s"
+        for method in ("recompute", "kv", "cake", "impress"):
+            runs = []
+            for _ in range(args.repeats):
+                drop_page_cache(root)
+                out = _engine_ttft(loaded, spec, method, ids, args.ratio)
+                runs.append(out)
+            ttft = statistics.median(o.ttft for o in runs)
+            rs = runs[0].restore
+            rows.append(dict(bandwidth=bw, method=method, ttft_s=ttft, runs=[o.ttft for o in runs],
+                             bytes_read=rs.bytes_read if rs else 0, restored_by=rs.method if rs else None,
+                             attended=rs.prefix_attended if rs else None))
+            print(f"{bw:>5} MB/s  {method:10s} TTFT {ttft * 1000:7.0f} ms  read {rows[-1]['bytes_read'] / 1e6:7.1f} MB",
+                  flush=True)
+        # The same prefix read by IMPRESS, H2O-style and in full through one code path (no engine).
+        with TieredStore.open(spec, namespace(loaded), chunk_tokens=CHUNK) as store:
+            match = store.lookup(ids[:hist])
+            for name, policy in (("read:full", ImpressPolicy(selection=Selection.FULL)),
+                                 (f"read:h2o@{args.ratio:g}", ImpressPolicy(ratio=args.ratio, selection=Selection.H2O)),
+                                 (f"read:impress@{args.ratio:g}", ImpressPolicy(ratio=args.ratio))):
+                stats: list[ImpressStats] = []
+                for _ in range(args.repeats):
+                    drop_page_cache(root)
+                    reads = TokenReads(store, match.chunks)
+                    t0 = time.perf_counter()
+                    try:
+                        logits, _, st = impress_prefill(loaded.module, rope, reads, ids[match.num_tokens:], policy)
+                    finally:
+                        reads.close()
+                    int(logits[-1].argmax())
+                    st.seconds = time.perf_counter() - t0
+                    stats.append(st)
+                med = statistics.median(s.seconds for s in stats)
+                s0 = stats[0]
+                rows.append(dict(bandwidth=bw, method=name, ttft_s=med, runs=[s.seconds for s in stats],
+                                 bytes_read=s0.bytes_read, read_s=statistics.median(s.read_s for s in stats),
+                                 identify_s=statistics.median(s.identify_s for s in stats),
+                                 layers_passed=s0.layers_passed, granules_read_share=s0.granules_read / s0.granules_whole))
+                print(f"{bw:>5} MB/s  {name:10s} {med * 1000:7.0f} ms  read {s0.bytes_read / 1e6:7.1f} MB "
+                      f"(reads {rows[-1]['read_s'] * 1000:.0f} ms, identify {rows[-1]['identify_s'] * 1000:.0f} ms, "
+                      f"{s0.layers_passed}/{s0.layers} layers passed)", flush=True)
+    return dict(rows=rows, goals=ttft_goals(rows, args.ratio), history=hist, new=new, dir=str(root))
+
+
+def ttft_goals(rows: list[dict], ratio: float) -> list[dict]:
+    goals: list[dict] = []
+    at = [r for r in rows if r["bandwidth"] == "100"]
+    if not at:
+        return goals
+
+    def t(name: str) -> float | None:
+        return next((r["ttft_s"] for r in at if r["method"] == name), None)
+
+    imp, exact = t("impress"), [x for x in (t("kv"), t("cake")) if x]
+    if imp and exact:
+        v = imp / min(exact)
+        goals.append(dict(goal="disk at 100 MB/s: impress TTFT <= 0.6x the best exact method", met=v <= 0.6,
+                          value=v, target=0.6))
+    a, b = t(f"read:h2o@{ratio:g}"), t(f"read:impress@{ratio:g}")
+    if a and b:
+        goals.append(dict(goal="disk at 100 MB/s: impress >= 1.3x faster than H2O-style loading of all keys",
+                          met=a / b >= 1.3, value=a / b, target=1.3))
+    return goals
+
+
+def _table(doc: dict, mode: str) -> str:
+    if mode == "accuracy":
+        lines = ["| variant | accuracy | 95% CI | KL vs full | bytes vs full | layers passed | identify share |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in doc["rows"]:
+            lines.append(f"| {r['variant']} | {r['accuracy'] * 100:.1f}% ({r['correct']}/{r['n']}) | "
+                         f"{r['ci95'][0] * 100:.1f}-{r['ci95'][1] * 100:.1f} | {r['kl_mean']:.4f} | "
+                         f"{r['bytes_vs_full']:.3f} | {r['layers_passed']:.2f} | {r['identify_share']:.3f} |")
+    else:
+        lines = ["| bandwidth MB/s | method | TTFT ms (median) | bytes read MB |", "|---|---|---|---|"]
+        for r in doc["rows"]:
+            lines.append(f"| {r['bandwidth']} | {r['method']} | {r['ttft_s'] * 1000:.0f} | {r['bytes_read'] / 1e6:.1f} |")
+    lines.append("")
+    for g in doc["goals"]:
+        lines.append(f"- {'met' if g['met'] else 'NOT met'}: {g['goal']} (value {g['value']:.3f}, target {g['target']:g})")
+    return "\n".join(lines)
+
+
+def _plot(doc: dict, mode: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if mode == "accuracy":
+        for kind in ("impress", "h2o"):
+            pts = sorted((float(r["variant"].split("@")[1]), r["accuracy"] * 100) for r in doc["rows"]
+                         if r["variant"].startswith(kind + "@"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=kind)
+        full = _by(doc["rows"], "full")
+        if full:
+            ax.axhline(full["accuracy"] * 100, color="k", ls="--", label="full KV")
+        ax.axhline(25, color="grey", ls=":", label="chance")
+        ax.set_xlabel("importance ratio (share of the prefix kept)")
+        ax.set_ylabel("needle accuracy (%)")
+    else:
+        methods = sorted({r["method"] for r in doc["rows"]})
+        bws = [b for b in dict.fromkeys(r["bandwidth"] for r in doc["rows"])]
+        for m in methods:
+            ys = [next((r["ttft_s"] for r in doc["rows"] if r["method"] == m and r["bandwidth"] == b), float("nan"))
+                  for b in bws]
+            ax.plot(bws, ys, marker="o", label=m)
+        ax.set_xlabel("emulated disk bandwidth (MB/s)")
+        ax.set_ylabel("TTFT / restore seconds (median)")
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    doc = cmd_accuracy(args) if args.mode == "accuracy" else cmd_ttft(args)
+    doc.update(mode=args.mode, model=args.model, dtype=args.dtype, machine=machine_info(), args=vars(args) | {"func": None})
+    print(_table(doc, args.mode))
+    if args.json:
+        write_json_atomic(args.json, doc)
+    if args.plot:
+        _plot(doc, args.mode, args.plot)
+    return 0
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("impress", help="importance-only restore (IMPRESS): needle accuracy, bytes and TTFT "
+                                             "against full KV and the exact methods")
+    p.add_argument("--mode", choices=["accuracy", "ttft"], default="accuracy")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--n", type=int, default=210, help="accuracy: needle items (5 depths x lengths x seeds)")
+    p.add_argument("--lengths", default="1024,2048,4096", help="accuracy: document lengths in tokens")
+    p.add_argument("--ratios", default="0.5,0.25,0.1", help="accuracy: importance ratios")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--granule-tokens", type=int, default=PROBE_GRANULE_TOKENS,
+                   help="accuracy: rows per verified granule in the importance layout (what a partial read rounds to)")
+    p.add_argument("--history", type=int, default=8128, help="ttft: stored history tokens")
+    p.add_argument("--new", type=int, default=64, help="ttft: new tokens after the history")
+    p.add_argument("--ratio", type=float, default=0.25, help="ttft: importance ratio")
+    p.add_argument("--bandwidths", default="none,500,100,20", help="ttft: emulated disk bandwidths in MB/s")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="ttft: disk tier directory (default: a new temporary one)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=cmd)
+
