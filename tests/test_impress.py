@@ -128,3 +128,25 @@ def test_bytes_read_follow_the_selection(loaded, tmp_path):
     assert imp.granules_read <= imp.granules_whole
     # Falling back reads every key besides the probes: more than passing.
     assert strict.bytes_read == probe_bytes + strict.granules_read * 8 * row > imp.bytes_read
+
+
+def test_block_selection_keeps_whole_granules_and_reads_only_them(loaded, tmp_path):
+    assert ImpressPolicy(ratio=0.25, block=8).kept(96) == 24  # 3 of 12 blocks
+    assert ImpressPolicy(ratio=0.25, block=8).kept(100) == 3 * 8 + 4  # the trailing part-block is kept
+    assert ImpressPolicy(ratio=0.25, block=8, selection=Selection.RANDOM).kept(100) == 25  # blind: tokens
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW, seed=8)
+    cfg = loaded.config
+    for selection in (Selection.IMPRESS, Selection.PROBES, Selection.H2O):
+        policy = ImpressPolicy(ratio=0.25, block=8, selection=selection)
+        with _stored(loaded, tmp_path / selection.value, ids) as store:
+            _, logits, cache, stats = _restore(loaded, store, ids, policy)
+        for kept in stats.kept:
+            assert kept.numel() == 24 and torch.equal(kept.view(3, 8)[:, 0] % 8, torch.zeros(3, dtype=torch.long))
+            assert torch.equal(kept.view(3, 8), kept.view(3, 8)[:, :1] + torch.arange(8))  # whole, aligned blocks
+        torch.testing.assert_close(logits, _masked_oracle(loaded.module, ids, stats.kept), atol=1e-4, rtol=1e-4)
+        if selection is Selection.PROBES:  # no threshold: every layer chooses from the probe keys
+            assert stats.layers_passed == cfg.num_layers
+            # The probe keys, then exactly the 3 kept granules of K and of V per layer.
+            row = cfg.num_kv_heads * cfg.head_dim * 4
+            probe_bytes = PREFIX * cfg.num_layers * (1 if cfg.num_kv_heads <= 2 else 2) * cfg.head_dim * 4
+            assert stats.bytes_read == probe_bytes + cfg.num_layers * 2 * 3 * 8 * row

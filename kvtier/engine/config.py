@@ -57,6 +57,7 @@ class ReuseConfig:
     # in the importance layout, a namespace of its own (state saved by other engines is not seen).
     importance_ratio: float = 0.25
     importance_alpha: float = 0.6
+    importance_unit: str = "token"  # "granule": choose whole stored granules (16 tokens) by their summed importance
     # Which chunks the memory and disk tiers give up first: lru, lfu, fifo, or score (IMPRESS §4.4.2:
     # accesses x the share of a chunk importance-only restores needed; promotion into memory admits
     # a chunk only if it beats the lowest score held).
@@ -69,6 +70,8 @@ class ReuseConfig:
             raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
         if not 0.0 < self.importance_ratio <= 1.0:
             raise ValueError(f"importance_ratio must be in (0, 1], got {self.importance_ratio}")
+        if self.importance_unit not in ("token", "granule"):
+            raise ValueError(f"importance_unit {self.importance_unit!r}: use token or granule")
         if self.importance_alpha < 0:
             raise ValueError(f"importance_alpha must be >= 0, got {self.importance_alpha}")
         if self.chunk_tokens < 1:

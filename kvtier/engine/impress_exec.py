@@ -77,6 +77,18 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     t0 = time.perf_counter()
     cfg, m = model.cfg, reads.tokens
     n, k = len(new_ids), policy.kept(reads.tokens)
+    units, k_units = policy.units(reads.tokens)
+    unit = policy.unit
+
+    def pooled(imp: torch.Tensor) -> torch.Tensor:  # [heads, m] -> [heads, units]: importance per unit
+        return imp if unit == 1 else imp[:, : units * unit].reshape(imp.shape[0], units, unit).sum(-1)
+
+    def tokens_of(chosen: torch.Tensor) -> torch.Tensor:  # [k_units] ascending -> [k] prefix tokens
+        if unit == 1:
+            return chosen
+        whole = (chosen[:, None] * unit + torch.arange(unit)).flatten()
+        return torch.cat([whole, torch.arange(units * unit, m)])  # the trailing part-unit is always kept
+
     stats = ImpressStats(prefix_tokens=m, kept_tokens=k, layers=cfg.num_layers)
     probe_kv = reads.ns.probe_kv_heads
     pq = probe_query_heads(cfg.num_heads, cfg.num_kv_heads, probe_kv)
@@ -95,21 +107,21 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
         k_all = None
         i0 = time.perf_counter()
         if uses_probes:
-            imp = column_importance(q[:, :pq], probes[li], kn[:, :probe_kv])  # [pq, m]
-            sel = select(imp, k, threshold)
+            imp = pooled(column_importance(q[:, :pq], probes[li], kn[:, :probe_kv]))  # [pq, units]
+            sel = select(imp, k_units, threshold)
             if sel is None:  # the probes disagree: every key, a set from every head
                 stats.identify_s += time.perf_counter() - i0
                 k_all = _timed(stats, lambda li=li: reads.whole(li, "k"))
                 i0 = time.perf_counter()
-                sel = select_all(column_importance(q, k_all, kn), k, mean_jaccard(imp, k))
+                sel = select_all(pooled(column_importance(q, k_all, kn)), k_units, mean_jaccard(imp, k_units))
             stats.jaccard.append(sel.jaccard)
             stats.layers_passed += sel.passed
-            kept = sel.tokens
+            kept = tokens_of(sel.tokens)
         elif policy.selection in (Selection.H2O, Selection.FULL):
             stats.identify_s += time.perf_counter() - i0
             k_all = _timed(stats, lambda li=li: reads.whole(li, "k"))
             i0 = time.perf_counter()
-            kept = torch.arange(m) if k == m else select_all(column_importance(q, k_all, kn), k).tokens
+            kept = torch.arange(m) if k == m else tokens_of(select_all(pooled(column_importance(q, k_all, kn)), k_units).tokens)
         else:
             kept = blind_selection(policy, m, k)
         stats.identify_s += time.perf_counter() - i0

@@ -23,7 +23,7 @@ from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore_exec import Restore, RestoreMiss
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Probe, RestoreTicket
-from kvtier.restore.impress import ImpressPolicy
+from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy
 from kvtier.restore.plan import Method, Plan, PlannedChunk
 from kvtier.restore.planner import Planner
 from kvtier.store.layout import Repr
@@ -81,7 +81,8 @@ class Restorer:
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
-        self.importance = ImpressPolicy(config.importance_ratio, config.importance_alpha)
+        self.importance = ImpressPolicy(config.importance_ratio, config.importance_alpha,
+                                        block=PROBE_GRANULE_TOKENS if config.importance_unit == "granule" else 1)
         if all_kv:
             self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}
         elif all(r is Repr.HIDDEN for r in self.layout):

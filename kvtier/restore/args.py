@@ -36,6 +36,9 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
                         "the new tokens attend to; its state is never saved) (default: auto)")
     p.add_argument("--importance-ratio", type=_ratio, default=0.25, metavar="R",
                    help="impress: share of a stored prefix each layer keeps (default: 0.25)")
+    p.add_argument("--importance-unit", default="token", choices=["token", "granule"],
+                   help="impress: keep single tokens (the paper), or whole stored granules of 16 tokens chosen by "
+                        "their summed importance (reads follow the ratio) (default: token)")
     p.add_argument("--eviction-policy", default="lru", choices=["lru", "lfu", "fifo", "score"],
                    help="what the memory and disk tiers give up first; score: accesses x the share of a chunk "
                         "importance restores needed, admitted to memory only above the lowest held (default: lru)")
@@ -47,4 +50,5 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
 def reuse_options(args: argparse.Namespace) -> dict[str, Any]:
     """ReuseConfig keyword arguments from the options above."""
     return dict(method=args.restore_method, importance_ratio=args.importance_ratio,
-                importance_alpha=args.importance_alpha, eviction_policy=args.eviction_policy)
+                importance_alpha=args.importance_alpha, importance_unit=args.importance_unit,
+                eviction_policy=args.eviction_policy)

@@ -32,15 +32,36 @@ class ImpressPolicy:
     alpha: float = 0.6  # threshold t = j ** alpha (§4.3)
     selection: Selection = Selection.IMPRESS
     seed: int = 0  # RANDOM's draw
+    # Tokens per selection unit. 1: single tokens (the paper). The store's granule size: whole
+    # granules chosen by their summed importance, so a read never fetches a granule for one token
+    # of it (bytes follow the ratio; a trailing part-granule is always kept).
+    block: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"importance ratio must be in (0, 1], got {self.ratio}")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1 token, got {self.block}")
+
+    @property
+    def unit(self) -> int:
+        """Tokens per selection unit (the blind selections pick single tokens)."""
+        return self.block if self.selection in (Selection.IMPRESS, Selection.PROBES, Selection.H2O) else 1
+
+    def units(self, prefix: int) -> tuple[int, int]:
+        """(selectable units, units kept) of a prefix: whole blocks; a trailing part-block is kept
+        besides them."""
+        n = prefix // self.unit
+        return n, min(n, math.ceil(self.ratio * n))
 
     def kept(self, prefix: int) -> int:
-        return prefix if self.selection is Selection.FULL else min(prefix, math.ceil(self.ratio * prefix))
+        """Prefix tokens each layer keeps (the same in every layer: the request's slots)."""
+        if self.selection is Selection.FULL:
+            return prefix
+        n, k = self.units(prefix)
+        return k * self.unit + prefix - n * self.unit
 
 
 @dataclass
