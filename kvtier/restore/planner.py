@@ -16,26 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvtier.restore.costs import HardwareProfile, ModelShape, TierLink, read_buffer_layers
 from kvtier.restore.plan import Method, Plan, PlannedChunk
+from kvtier.store.index import StoredChunk
 from kvtier.store.layout import Repr
 
 MAX_CORRECTION = 4.0  # the most online refinement may scale a method's predicted time, either way
-
-
-class StoredChunk(Protocol):
-    """A stored chunk as lookup reports it (store.index.ChunkRef satisfies this)."""
-
-    @property
-    def key(self) -> str: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def end(self) -> int: ...
-    @property
-    def tier(self) -> str: ...
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,19 @@ from .keys import chunk_key, chunk_spans
 from .layout import Repr
 
 
+class StoredChunk(Protocol):
+    """A stored chunk as lookup reports it (ChunkRef), or as a restore plan names it (PlannedChunk)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def tier(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class ChunkRef:
     key: str

@@ -12,28 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from . import codec
 from .format import FormatError
+from .index import StoredChunk
 from .layout import Repr
 from .tiered import TieredStore
 from .tiers.base import OpenChunk, coalesce
-
-
-class StoredChunk(Protocol):
-    """A chunk of the prefix (a lookup's ChunkRef, or a plan's PlannedChunk)."""
-
-    @property
-    def key(self) -> str: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def end(self) -> int: ...
-    @property
-    def tier(self) -> str: ...
 
 
 class TokenReadMiss(RuntimeError):
