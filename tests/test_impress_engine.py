@@ -12,7 +12,7 @@ from kvtier.engine.impress_exec import ReducedCache, chunk_ratios, extend, impre
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
-from kvtier.restore.impress import ImpressPolicy
+from kvtier.restore.impress import ImpressPolicy, Selection
 from kvtier.store.selective import TokenReads
 
 HIST, NEW, OUT = 256, 12, 8
@@ -51,12 +51,12 @@ def test_keeping_every_token_generates_what_a_no_store_engine_does(model, tmp_pa
     assert out.output_ids == want
 
 
-def _standalone(model, store, ids: list[int], ratio: float) -> list[int]:
+def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int]:
     """Greedy tokens of the same restore run outside the engine: impress_prefill, then extend."""
     reads = TokenReads(store, store.lookup(ids[:HIST]).chunks)
     rope = Rope(model.config, 4096, torch.float32)
     try:
-        logits, cache, _ = impress_prefill(model.module, rope, reads, ids[HIST:], ImpressPolicy(ratio=ratio))
+        logits, cache, _ = impress_prefill(model.module, rope, reads, ids[HIST:], policy)
     finally:
         reads.close()
     out = [int(logits[-1].argmax())]
@@ -65,14 +65,26 @@ def _standalone(model, store, ids: list[int], ratio: float) -> list[int]:
     return out
 
 
-def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path):
+@pytest.mark.parametrize("selection, unit", [("impress", "token"), ("h2o", "granule")])
+def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, selection, unit):
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
-    with _impress_engine(model, tmp_path, 0.25) as engine:
+    reuse = ReuseConfig(method="impress", importance_ratio=0.25, importance_selection=selection, importance_unit=unit)
+    with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         out = engine.generate([ids], GREEDY)[0]
-        want = _standalone(model, engine.link.store, ids, 0.25)
+        policy = ImpressPolicy(ratio=0.25, selection=Selection(selection), block=16 if unit == "granule" else 1)
+        want = _standalone(model, engine.link.store, ids, policy)
     assert out.restore is not None and out.restore.prefix_attended == HIST // 4
     assert out.output_ids == want
+
+
+def test_bad_importance_options_are_refused():
+    with pytest.raises(ValueError, match="importance_selection"):
+        ReuseConfig(method="impress", importance_selection="sometimes")
+    with pytest.raises(ValueError, match="importance_unit"):
+        ReuseConfig(method="impress", importance_unit="word")
+    with pytest.raises(ValueError, match="importance_ratio"):
+        ReuseConfig(method="impress", importance_ratio=0.0)
 
 
 @torch.inference_mode()

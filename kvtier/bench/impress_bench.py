@@ -53,10 +53,10 @@ def variants(ratios: list[float], granule: int) -> dict[str, ImpressPolicy]:
     return out
 
 
-def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS) -> StoreNamespace:
+def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS, probes: int = 0) -> StoreNamespace:
     c = loaded.config
     return StoreNamespace(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size,
-                          compute_dtype=name_of(loaded.dtype), probe_kv_heads=probe_kv_heads_for(c.num_kv_heads),
+                          compute_dtype=name_of(loaded.dtype), probe_kv_heads=probes or probe_kv_heads_for(c.num_kv_heads),
                           granule_tokens=granule_tokens)
 
 
@@ -101,9 +101,13 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
     items = needle_items(loaded.tokenizer, args.n, lengths, seed=args.seed)
     rope = Rope(loaded.config, max(lengths) * 2 + 512, loaded.dtype)
     vs = variants([float(x) for x in args.ratios.split(",")], args.granule_tokens)
+    if args.variants:
+        keep = {"full", *args.variants.split(",")}
+        vs = {k: v for k, v in vs.items() if k in keep}
     per: dict[str, dict[str, list]] = {name: {"correct": [], "kl": [], "bytes": [], "passed": [], "identify": [],
                                               "seconds": [], "jaccard": [], "granules": []} for name in vs}
-    with TieredStore.open("memory:8GB", namespace(loaded, args.granule_tokens), chunk_tokens=CHUNK) as store:
+    with TieredStore.open("memory:8GB", namespace(loaded, args.granule_tokens, args.probe_kv_heads),
+                          chunk_tokens=CHUNK) as store:
         for item in tqdm(items, desc="needle items", unit="item"):
             cache = _empty(loaded)
             with torch.inference_mode():
@@ -374,6 +378,9 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", default="1024,2048,4096", help="accuracy: document lengths in tokens")
     p.add_argument("--ratios", default="0.5,0.25,0.1", help="accuracy: importance ratios")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-kv-heads", type=int, default=0,
+                   help="accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV heads, else 3)")
+    p.add_argument("--variants", default=None, help="accuracy: only these rows (comma-separated names; full is always run)")
     p.add_argument("--granule-tokens", type=int, default=PROBE_GRANULE_TOKENS,
                    help="accuracy: rows per verified granule in the importance layout (what a partial read rounds to)")
     p.add_argument("--history", type=int, default=8128, help="ttft: stored history tokens")

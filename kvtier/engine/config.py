@@ -58,6 +58,9 @@ class ReuseConfig:
     importance_ratio: float = 0.25
     importance_alpha: float = 0.6
     importance_unit: str = "token"  # "granule": choose whole stored granules (16 tokens) by their summed importance
+    # "impress": probe heads first, every key only where they disagree (the paper); "h2o": every
+    # key read and every head scored (more bytes; on few KV heads it keeps the accuracy, see docs/impress.md).
+    importance_selection: str = "impress"
     # Which chunks the memory and disk tiers give up first: lru, lfu, fifo, or score (IMPRESS §4.4.2:
     # accesses x the share of a chunk importance-only restores needed; promotion into memory admits
     # a chunk only if it beats the lowest score held).
@@ -70,6 +73,8 @@ class ReuseConfig:
             raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
         if not 0.0 < self.importance_ratio <= 1.0:
             raise ValueError(f"importance_ratio must be in (0, 1], got {self.importance_ratio}")
+        if self.importance_selection not in ("impress", "h2o"):
+            raise ValueError(f"importance_selection {self.importance_selection!r}: use impress or h2o")
         if self.importance_unit not in ("token", "granule"):
             raise ValueError(f"importance_unit {self.importance_unit!r}: use token or granule")
         if self.importance_alpha < 0:

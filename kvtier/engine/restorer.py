@@ -23,7 +23,7 @@ from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore_exec import Restore, RestoreMiss
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import Probe, RestoreTicket
-from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy
+from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
 from kvtier.restore.plan import Method, Plan, PlannedChunk
 from kvtier.restore.planner import Planner
 from kvtier.store.layout import Repr
@@ -82,6 +82,7 @@ class Restorer:
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
         self.importance = ImpressPolicy(config.importance_ratio, config.importance_alpha,
+                                        Selection(config.importance_selection),
                                         block=PROBE_GRANULE_TOKENS if config.importance_unit == "granule" else 1)
         if all_kv:
             self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}

@@ -39,6 +39,10 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--importance-unit", default="token", choices=["token", "granule"],
                    help="impress: keep single tokens (the paper), or whole stored granules of 16 tokens chosen by "
                         "their summed importance (reads follow the ratio) (default: token)")
+    p.add_argument("--importance-selection", default="impress", choices=["impress", "h2o"],
+                   help="impress: how tokens are chosen: probe heads first, every key only where they disagree "
+                        "(impress, the paper), or every key and every head (h2o: more bytes, closer to full "
+                        "accuracy on models with few KV heads) (default: impress)")
     p.add_argument("--eviction-policy", default="lru", choices=["lru", "lfu", "fifo", "score"],
                    help="what the memory and disk tiers give up first; score: accesses x the share of a chunk "
                         "importance restores needed, admitted to memory only above the lowest held (default: lru)")
@@ -51,4 +55,5 @@ def reuse_options(args: argparse.Namespace) -> dict[str, Any]:
     """ReuseConfig keyword arguments from the options above."""
     return dict(method=args.restore_method, importance_ratio=args.importance_ratio,
                 importance_alpha=args.importance_alpha, importance_unit=args.importance_unit,
+                importance_selection=args.importance_selection,
                 eviction_policy=args.eviction_policy)
