@@ -126,11 +126,15 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
             kept = blind_selection(policy, m, k)
         stats.identify_s += time.perf_counter() - i0
         stats.kept.append(kept)
-        if k_all is not None:
-            k_kept = k_all if k == m else k_all.index_select(0, kept)
-        else:
-            k_kept = _timed(stats, lambda li=li, kept=kept: reads.rows(li, "k", kept))  # [k, kv_heads, hd]
-        v_kept = _timed(stats, lambda li=li, kept=kept: reads.whole(li, "v") if k == m else reads.rows(li, "v", kept))
+        if k == m:  # every token: whole segments
+            k_kept = k_all if k_all is not None else _timed(stats, lambda li=li: reads.whole(li, "k"))
+            v_kept = _timed(stats, lambda li=li: reads.whole(li, "v"))
+        elif k_all is not None:  # the keys are here already (fallback, H2O): the kept values
+            k_kept = k_all.index_select(0, kept)
+            v_kept = _timed(stats, lambda li=li, kept=kept: reads.rows(li, "v", kept))
+        else:  # K and V of the kept tokens, one pass over the chunks: [k, kv_heads, hd] each
+            got = _timed(stats, lambda li=li, kept=kept: reads.rows_of(li, ("k", "v"), kept))
+            k_kept, v_kept = got["k"], got["v"]
         kc = torch.cat([k_kept.to(dev, kn.dtype), kn])  # [k + n, kv_heads, hd]
         vc = torch.cat([v_kept.to(dev, vn.dtype), vn])
         ks.append(kc)

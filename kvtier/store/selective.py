@@ -11,6 +11,7 @@ goes through its tier (throttled and counted like a restore's) and is verified g
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from .index import StoredChunk
 from .layout import Repr
 from .tiered import TieredStore
 from .tiers.base import OpenChunk, coalesce
+
+READ_THREADS = 4  # concurrent ranged reads of one layer's chunks
 
 
 class TokenReadMiss(RuntimeError):
@@ -52,6 +55,7 @@ class TokenReads:
         if not self._reads.open():
             raise TokenReadMiss("a chunk of the prefix is gone from the tier it was found in")
         self.opened: list[OpenChunk] = self._reads.opened
+        self._pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kvtier-token-read")
 
     def _decode(self, buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return codec.decode(buf, self.ns.storage_dtype, shape, self.ns.compute_dtype, copy=False)
@@ -74,18 +78,41 @@ class TokenReads:
     def rows(self, layer: int, part: str, tokens: torch.Tensor) -> torch.Tensor:
         """`part` ("k" or "v") of prefix tokens `tokens` ([n] ascending indices into the prefix) of
         one layer: [n, kv_heads, hd], reading only the granules that hold them."""
-        out = []
-        g = self.granule
-        bounds = torch.tensor(self.starts[1:] + [self.tokens])
-        which = torch.bucketize(tokens, bounds, right=True)  # chunk of each token
-        for ci in torch.unique(which).tolist():
-            oc = self.opened[ci]
+        return self.rows_of(layer, (part,), tokens)[part]
+
+    def rows_of(self, layer: int, parts: tuple[str, ...], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Several parts of the same tokens of one layer. The chunks are read concurrently (a
+        layer's reads depend on its selection, so they cannot start earlier; concurrent ranged reads
+        keep the device busy while the others are checked and decoded)."""
+        per_chunk: dict[int, list[int]] = {}
+        bounds = self.starts[1:] + [self.tokens]
+        ci = 0
+        for t in tokens.tolist():  # ascending
+            while t >= bounds[ci]:
+                ci += 1
+            per_chunk.setdefault(ci, []).append(t - self.starts[ci])
+        jobs = [(ci, local) for ci, local in per_chunk.items()]
+        results = list(self._pool.map(lambda job: self._chunk_rows(layer, parts, *job), jobs)) if len(jobs) > 1 \
+            else [self._chunk_rows(layer, parts, *job) for job in jobs]
+        for _, (nbytes, calls, granules, whole) in results:
+            self.counts.nbytes += nbytes
+            self.counts.calls += calls
+            self.counts.granules += granules
+            self.counts.granules_whole += whole
+        empty = torch.empty(0, self.ns.num_kv_heads, self.ns.head_dim)
+        return {p: torch.cat([r[0][p] for r in results]) if results else empty for p in parts}
+
+    def _chunk_rows(self, layer: int, parts: tuple[str, ...], ci: int, local: list[int]):
+        """Rows `local` (ascending) of chunk `ci`: ({part: [n, kv_heads, hd]}, (bytes, calls,
+        granules read, granules held))."""
+        oc, g = self.opened[ci], self.granule
+        spans = _spans(sorted({r // g for r in local}))
+        out, nbytes, granules, whole = {}, 0, 0, 0
+        for part in parts:
             seg = oc.header.by_part[(layer, part)]
-            local = tokens[which == ci] - self.starts[ci]  # [n_c] rows of this chunk
-            granules = torch.unique(local // g).tolist()
-            self.counts.granules_whole += len(seg.granules)
-            rows_of = {}
-            for first, last in _spans(granules):
+            whole += len(seg.granules)
+            pieces = []
+            for first, last in spans:
                 try:
                     buf = oc.read_granules(seg, first, last, g)
                 except FormatError as e:  # corrupt: gone from this tier, as any corrupt read
@@ -93,20 +120,19 @@ class TokenReads:
                     raise TokenReadMiss(f"{part} of layer {layer} of chunk {oc.expect.key[:12]}: {e}") from e
                 except OSError as e:
                     raise TokenReadMiss(f"{part} of layer {layer} of chunk {oc.expect.key[:12]}: {e}") from e
-                self.counts.nbytes += buf.numel()
-                self.counts.calls += 1
-                self.counts.granules += last - first + 1
-                lo = first * g
-                n = buf.numel() // (seg.nbytes // seg.shape[0])
-                rows_of[lo] = self._decode(buf, (n, *seg.shape[1:]))  # [n, kv_heads, hd]
-            got = torch.cat([rows_of[lo] for lo in sorted(rows_of)])  # the read granules' rows, in order
-            first_rows = torch.tensor(sorted(rows_of))
-            sizes = torch.tensor([rows_of[lo].shape[0] for lo in sorted(rows_of)])
-            # Row r of the chunk sits at offset(r's granule run) + (r - that run's first row).
-            run = torch.bucketize(local, first_rows, right=True) - 1
-            before = torch.cumsum(sizes, 0) - sizes
-            out.append(got.index_select(0, before[run] + local - first_rows[run]))
-        return torch.cat(out) if out else torch.empty(0, self.ns.num_kv_heads, self.ns.head_dim)
+                nbytes += buf.numel()
+                granules += last - first + 1
+                pieces.append(self._decode(buf, (buf.numel() // (seg.nbytes // seg.shape[0]), *seg.shape[1:])))
+            # Where each wanted row sits among the read granules' rows (both ascending).
+            at, base, si = [], 0, 0
+            for r in local:
+                while r >= (spans[si][1] + 1) * g:
+                    base += pieces[si].shape[0]
+                    si += 1
+                at.append(base + r - spans[si][0] * g)
+            rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            out[part] = rows.index_select(0, torch.tensor(at))
+        return out, (nbytes, len(spans) * len(parts), granules, whole)
 
     def whole(self, layer: int, part: str) -> torch.Tensor:
         """All of `part` of one layer over the prefix: [tokens, kv_heads, hd] (a fallback layer's keys)."""
@@ -124,6 +150,7 @@ class TokenReads:
         return torch.cat(out)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self._reads.close()
 
 
