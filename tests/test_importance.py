@@ -106,3 +106,10 @@ def test_vectors_read_of_the_papers_figure_9():
     assert vectors_read(32, 4, 1, 3, passed=True) == 73
     # SmolLM2's GQA: 3 KV heads, one probe: a third of the keys, then the kept share.
     assert vectors_read(3, 64, 16, 1, passed=True) == 64 + 2 * 16 + 3 * 16
+
+
+def test_select_with_the_sum_rule_ranks_by_summed_probe_importance():
+    imp = torch.tensor([[0.9, 0.8, 0.0, 0.0, 0.1], [0.9, 0.0, 0.7, 0.0, 0.1], [0.0, 0.0, 0.6, 0.0, 2.0]])
+    # Majority: {0, 2} (each in two sets); sum: 4 (2.2) then 0 (1.8).
+    assert select(imp, 2, 0.0).tokens.tolist() == [0, 2]
+    assert select(imp, 2, 0.0, rule="sum").tokens.tolist() == [0, 4]

@@ -45,6 +45,8 @@ def variants(ratios: list[float], granule: int) -> dict[str, ImpressPolicy]:
     for r in ratios:
         out[f"impress@{r:g}"] = ImpressPolicy(ratio=r)
         out[f"impress-g@{r:g}"] = ImpressPolicy(ratio=r, block=granule)
+        out[f"impress-sum@{r:g}"] = ImpressPolicy(ratio=r, vote="sum")
+        out[f"impress-sum-g@{r:g}"] = ImpressPolicy(ratio=r, vote="sum", block=granule)
         out[f"h2o@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O)
         out[f"h2o-g@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O, block=granule)
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
@@ -253,8 +255,8 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
                 stats: list[ImpressStats] = []
                 for rep in range(args.repeats + 1):  # the first run warms up and is not counted
                     drop_page_cache(root)
+                    t0 = time.perf_counter()  # opening the chunks (one header read each) counts too
                     reads = TokenReads(store, match.chunks)
-                    t0 = time.perf_counter()
                     try:
                         logits, _, st = impress_prefill(loaded.module, rope, reads, ids[match.num_tokens:], policy)
                     finally:

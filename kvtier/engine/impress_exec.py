@@ -108,7 +108,7 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
         i0 = time.perf_counter()
         if uses_probes:
             imp = pooled(column_importance(q[:, :pq], probes[li], kn[:, :probe_kv]))  # [pq, units]
-            sel = select(imp, k_units, threshold)
+            sel = select(imp, k_units, threshold, policy.vote)
             if sel is None:  # the probes disagree: every key, a set from every head
                 stats.identify_s += time.perf_counter() - i0
                 k_all = _timed(stats, lambda li=li: reads.whole(li, "k"))

@@ -99,14 +99,16 @@ class LayerSelection:
     jaccard: float  # mean pairwise Jaccard of the probe heads' top-k sets
 
 
-def select(probe_importance: torch.Tensor, k: int, threshold: float) -> LayerSelection | None:
+def select(probe_importance: torch.Tensor, k: int, threshold: float, rule: str = "majority") -> LayerSelection | None:
     """The probe step of a layer: a consensus set if the probes agree (J >= threshold), else None
-    (the caller reads every head's keys and calls `select_all`)."""
+    (the caller reads every head's keys and calls `select_all`). `rule`: "majority" (`vote`) or
+    "sum" (the probes' summed importance, as the fallback ranks every head's)."""
     sets = [top_k(row, k) for row in probe_importance]
     j = mean_pairwise_jaccard(sets)
     if j < threshold:
         return None
-    return LayerSelection(vote(probe_importance, k), True, j)
+    chosen = vote(probe_importance, k) if rule == "majority" else top_k(probe_importance.sum(dim=0), k)
+    return LayerSelection(chosen, True, j)
 
 
 def select_all(all_importance: torch.Tensor, k: int, jaccard_of_probes: float = float("nan")) -> LayerSelection:

@@ -36,12 +36,15 @@ class ImpressPolicy:
     # granules chosen by their summed importance, so a read never fetches a granule for one token
     # of it (bytes follow the ratio; a trailing part-granule is always kept).
     block: int = 1
+    vote: str = "majority"  # the probes' consensus: "majority" (in two top-k sets first) or "sum" of importance
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"importance ratio must be in (0, 1], got {self.ratio}")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if self.vote not in ("majority", "sum"):
+            raise ValueError(f"vote must be majority or sum, got {self.vote!r}")
         if self.block < 1:
             raise ValueError(f"block must be >= 1 token, got {self.block}")
 
