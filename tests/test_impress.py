@@ -94,11 +94,13 @@ def _masked_oracle(model, ids: list[int], kept: list[torch.Tensor]) -> torch.Ten
     return model.logits(h[PREFIX:])
 
 
-@pytest.mark.parametrize("selection", [Selection.IMPRESS, Selection.PROBES, Selection.H2O, Selection.RANDOM,
-                                       Selection.RECENT])
-def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection):
+@pytest.mark.parametrize("selection, score_kv_heads", [(Selection.IMPRESS, None), (Selection.PROBES, None),
+                                                       (Selection.H2O, None), (Selection.H2O, (1,)),
+                                                       (Selection.RANDOM, None), (Selection.RECENT, None)])
+def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection,
+                                                                               score_kv_heads):
     ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 2, seed=5)
-    policy = ImpressPolicy(ratio=0.25, selection=selection)
+    policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads)
     with _stored(loaded, tmp_path, ids) as store:
         rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
     k = math.ceil(0.25 * PREFIX)

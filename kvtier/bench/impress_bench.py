@@ -50,6 +50,8 @@ def variants(ratios: list[float], granule: int) -> dict[str, ImpressPolicy]:
         out[f"h2o@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O)
         out[f"h2o-g@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O, block=granule)
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
+    for j in range(3):  # which KV head's query heads would make a good probe (every key read)
+        out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
     out["random@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RANDOM)
     out["recent@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RECENT)
     return out

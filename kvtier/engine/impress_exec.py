@@ -121,7 +121,14 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
             stats.identify_s += time.perf_counter() - i0
             k_all = _timed(stats, lambda li=li: reads.whole(li, "k"))
             i0 = time.perf_counter()
-            kept = torch.arange(m) if k == m else tokens_of(select_all(pooled(column_importance(q, k_all, kn)), k_units).tokens)
+            if k == m:
+                kept = torch.arange(m)
+            else:
+                imp_all = column_importance(q, k_all, kn)  # [heads, m]
+                if policy.score_kv_heads is not None:  # only these KV heads' query heads score
+                    g = cfg.num_heads // cfg.num_kv_heads
+                    imp_all = imp_all[[h * g + i for h in policy.score_kv_heads for i in range(g)]]
+                kept = tokens_of(select_all(pooled(imp_all), k_units).tokens)
         else:
             kept = blind_selection(policy, m, k)
         stats.identify_s += time.perf_counter() - i0

@@ -37,6 +37,9 @@ class ImpressPolicy:
     # of it (bytes follow the ratio; a trailing part-granule is always kept).
     block: int = 1
     vote: str = "majority"  # the probes' consensus: "majority" (in two top-k sets first) or "sum" of importance
+    # H2O only (an ablation): score with the query heads of these KV heads alone, every key read;
+    # what a probe at those KV heads would choose. None: every head.
+    score_kv_heads: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
