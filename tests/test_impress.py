@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill
+from kvtier.engine.impress_exec import ReducedCache, calibrate_probe, extend, impress_prefill
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.restore.impress import ImpressPolicy, Selection
@@ -28,12 +28,12 @@ def _ids(vocab: int, n: int, seed: int = 3) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _stored(loaded, tmp_path, ids: list[int]) -> TieredStore:
+def _stored(loaded, tmp_path, ids: list[int], probe_first: int = 0) -> TieredStore:
     """Save the K/V of ids[:PREFIX] (computed by `extend` from an empty cache) in the importance layout."""
     cfg = loaded.config
     probe = 1 if cfg.num_kv_heads <= 2 else 2
     ns = StoreNamespace(loaded.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
-                        probe_kv_heads=probe, granule_tokens=8)
+                        probe_kv_heads=probe, granule_tokens=8, probe_first=probe_first)
     store = TieredStore.open(f"disk:{tmp_path}/d:64MB", ns, chunk_tokens=CHUNK)
     rope = Rope(cfg, 4096, torch.float32)
     empty = ReducedCache([torch.empty(0, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers,
@@ -94,14 +94,14 @@ def _masked_oracle(model, ids: list[int], kept: list[torch.Tensor]) -> torch.Ten
     return model.logits(h[PREFIX:])
 
 
-@pytest.mark.parametrize("selection, score_kv_heads", [(Selection.IMPRESS, None), (Selection.PROBES, None),
-                                                       (Selection.H2O, None), (Selection.H2O, (1,)),
-                                                       (Selection.RANDOM, None), (Selection.RECENT, None)])
+@pytest.mark.parametrize("selection, score_kv_heads, probe_first", [
+    (Selection.IMPRESS, None, 0), (Selection.IMPRESS, None, 1), (Selection.PROBES, None, 0), (Selection.H2O, None, 0),
+    (Selection.H2O, (1,), 0), (Selection.RANDOM, None, 0), (Selection.RECENT, None, 0)])
 def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection,
-                                                                               score_kv_heads):
+                                                                               score_kv_heads, probe_first):
     ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 2, seed=5)
     policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads)
-    with _stored(loaded, tmp_path, ids) as store:
+    with _stored(loaded, tmp_path, ids, probe_first) as store:
         rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
     k = math.ceil(0.25 * PREFIX)
     assert stats.kept_tokens == k and all(t.numel() == k for t in stats.kept)
@@ -152,3 +152,15 @@ def test_block_selection_keeps_whole_granules_and_reads_only_them(loaded, tmp_pa
             row = cfg.num_kv_heads * cfg.head_dim * 4
             probe_bytes = PREFIX * cfg.num_layers * (1 if cfg.num_kv_heads <= 2 else 2) * cfg.head_dim * 4
             assert stats.bytes_read == probe_bytes + cfg.num_layers * 2 * 3 * 8 * row
+
+
+def test_probe_calibration_scores_each_candidate_kv_head(loaded):
+    cfg = loaded.config
+    rope = Rope(cfg, 4096, torch.float32)
+    ids = _ids(cfg.vocab_size, 160, seed=9)
+    first, err = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1)
+    assert len(err) == cfg.num_kv_heads and all(e > 0.0 for e in err)
+    assert err[first] == min(err)
+    # Keeping the whole prefix changes nothing, whichever head chooses.
+    _, none_lost = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1, ratio=1.0)
+    assert max(none_lost) < 1e-5

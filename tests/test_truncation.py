@@ -57,7 +57,7 @@ def test_engine_truncates_and_reuses_kv_at_new_positions(tiny_gqa, tmp_path):
 
 @pytest.mark.slow
 def test_truncation_perplexity_rerope_vs_token_truncation_vs_naive(smollm2_fp32):
-    from kvtier.bench.text import stdlib_text
+    from kvtier.text import stdlib_text
 
     ids = smollm2_fp32.tokenizer.encode(stdlib_text(6000), add_special_tokens=False)
     f = truncation_fidelity(smollm2_fp32.module, ids[:512], ids[512:640], 384, TruncationConfig(keep_prefix=16))

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
-from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill
+from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill, probe_first_for
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.models.rope import Rope
 from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection, probe_kv_heads_for
@@ -57,10 +57,14 @@ def variants(ratios: list[float], granule: int) -> dict[str, ImpressPolicy]:
     return out
 
 
-def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS, probes: int = 0) -> StoreNamespace:
+def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS, probes: int = 0,
+              probe_first: int = -1) -> StoreNamespace:
+    """The importance layout the engine would open (its calibrated probe head unless one is given)."""
     c = loaded.config
+    probes = probes or probe_kv_heads_for(c.num_kv_heads)
+    first = probe_first if probe_first >= 0 else probe_first_for(loaded, probes)
     return StoreNamespace(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size,
-                          compute_dtype=name_of(loaded.dtype), probe_kv_heads=probes or probe_kv_heads_for(c.num_kv_heads),
+                          compute_dtype=name_of(loaded.dtype), probe_kv_heads=probes, probe_first=first,
                           granule_tokens=granule_tokens)
 
 
@@ -110,8 +114,9 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
         vs = {k: v for k, v in vs.items() if k in keep}
     per: dict[str, dict[str, list]] = {name: {"correct": [], "kl": [], "bytes": [], "passed": [], "identify": [],
                                               "seconds": [], "jaccard": [], "granules": []} for name in vs}
-    with TieredStore.open("memory:8GB", namespace(loaded, args.granule_tokens, args.probe_kv_heads),
-                          chunk_tokens=CHUNK) as store:
+    ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
+    print(f"probe KV heads [{ns.probe_first}, {ns.probe_first + ns.probe_kv_heads}) of {ns.num_kv_heads}", flush=True)
+    with TieredStore.open("memory:8GB", ns, chunk_tokens=CHUNK) as store:
         for item in tqdm(items, desc="needle items", unit="item"):
             cache = _empty(loaded)
             with torch.inference_mode():
@@ -155,7 +160,8 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
                          identify_share=statistics.mean(q["identify"]), seconds_p50=statistics.median(q["seconds"]),
                          granules_read_share=statistics.mean(q["granules"]),
                          jaccard_by_layer=[statistics.mean(layer) for layer in zip(*q["jaccard"])] if q["jaccard"] else []))
-    return dict(rows=rows, goals=accuracy_goals(rows), items=n, lengths=list(lengths))
+    return dict(rows=rows, goals=accuracy_goals(rows), items=n, lengths=list(lengths),
+                probe_kv_heads=[ns.probe_first, ns.probe_first + ns.probe_kv_heads])
 
 
 def _by(rows: list[dict], name: str) -> dict | None:
@@ -199,7 +205,7 @@ def accuracy_goals(rows: list[dict]) -> list[dict]:
 
 # ----- TTFT -------------------------------------------------------------------------------------
 def _history(loaded: LoadedModel, tokens: int) -> list[int]:
-    from kvtier.bench.text import stdlib_text
+    from kvtier.text import stdlib_text
 
     assert loaded.tokenizer is not None
     return loaded.tokenizer.encode(stdlib_text(tokens * 8), add_special_tokens=False)[:tokens]
@@ -384,6 +390,8 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--probe-kv-heads", type=int, default=0,
                    help="accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV heads, else 3)")
+    p.add_argument("--probe-first", type=int, default=-1,
+                   help="accuracy: first probe KV head (default -1: the engine's calibrated choice)")
     p.add_argument("--variants", default=None, help="accuracy: only these rows (comma-separated names; full is always run)")
     p.add_argument("--granule-tokens", type=int, default=PROBE_GRANULE_TOKENS,
                    help="accuracy: rows per verified granule in the importance layout (what a partial read rounds to)")

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.bench.text import stdlib_docstrings
+from kvtier.text import stdlib_docstrings
 
 # Concrete, single-word answers (spelled as they would follow "The secret word is").
 WORDS = (

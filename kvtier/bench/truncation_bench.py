@@ -13,9 +13,9 @@ import statistics
 from pathlib import Path
 
 from kvtier.bench.reference import truncation_fidelity
-from kvtier.bench.text import stdlib_text
 from kvtier.models.loading import load_model
 from kvtier.restore.truncation import TruncationConfig
+from kvtier.text import stdlib_text
 
 
 def cmd(args: argparse.Namespace) -> int:

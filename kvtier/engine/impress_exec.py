@@ -18,6 +18,8 @@ approximate: never saved, published to the device prefix cache or reported as ex
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -25,10 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier import paths
+from kvtier.dtypes import name_of
 from kvtier.engine.restore_exec import RestoreMiss, RestoreStats
 from kvtier.engine.runner import ModelRunner
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM
+from kvtier.models.loading import LoadedModel
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.restore.importance import (
     column_importance,
@@ -43,11 +48,11 @@ from kvtier.restore.impress import (
     ImpressStats,
     Selection,
     blind_selection,
-    probe_query_heads,
 )
 from kvtier.restore.plan import Plan
 from kvtier.store.selective import TokenReadMiss, TokenReads
 from kvtier.store.tiered import TieredStore
+from kvtier.text import stdlib_text
 
 
 @dataclass
@@ -90,8 +95,8 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
         return torch.cat([whole, torch.arange(units * unit, m)])  # the trailing part-unit is always kept
 
     stats = ImpressStats(prefix_tokens=m, kept_tokens=k, layers=cfg.num_layers)
-    probe_kv = reads.ns.probe_kv_heads
-    pq = probe_query_heads(cfg.num_heads, cfg.num_kv_heads, probe_kv)
+    p0, p1 = reads.ns.probe_first, reads.ns.probe_first + reads.ns.probe_kv_heads  # probe KV heads [p0, p1)
+    g = cfg.num_heads // cfg.num_kv_heads  # their query heads: [p0 * g, p1 * g)
     threshold = similarity_threshold(policy.ratio, policy.alpha) if policy.selection is Selection.IMPRESS else 0.0
     uses_probes = policy.selection in (Selection.IMPRESS, Selection.PROBES)
     r0 = time.perf_counter()
@@ -107,7 +112,7 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
         k_all = None
         i0 = time.perf_counter()
         if uses_probes:
-            imp = pooled(column_importance(q[:, :pq], probes[li], kn[:, :probe_kv]))  # [pq, units]
+            imp = pooled(column_importance(q[:, p0 * g : p1 * g], probes[li], kn[:, p0:p1]))  # [probe q heads, units]
             sel = select(imp, k_units, threshold, policy.vote)
             if sel is None:  # the probes disagree: every key, a set from every head
                 stats.identify_s += time.perf_counter() - i0
@@ -126,7 +131,6 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
             else:
                 imp_all = column_importance(q, k_all, kn)  # [heads, m]
                 if policy.score_kv_heads is not None:  # only these KV heads' query heads score
-                    g = cfg.num_heads // cfg.num_kv_heads
                     imp_all = imp_all[[h * g + i for h in policy.score_kv_heads for i in range(g)]]
                 kept = tokens_of(select_all(pooled(imp_all), k_units).tokens)
         else:
@@ -152,6 +156,60 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
         c.nbytes, c.calls, c.granules, c.granules_whole
     stats.seconds = time.perf_counter() - t0
     return model.logits(h), ReducedCache(ks, vs, m - k), stats
+
+
+@torch.inference_mode()
+def calibrate_probe(model: CausalLM, rope: Rope, prefix_ids: Sequence[int], query_ids: Sequence[int],
+                    probes: int, ratio: float = 0.25) -> tuple[int, list[float]]:
+    """Which `probes` consecutive KV heads to probe: those whose query heads' top-k choice of the
+    prefix changes the query rows' attention output (every head's) least, relative to attending
+    to the whole prefix, averaged over layers. The paper takes the first heads; on SmolLM2 that
+    choice loses the needle a quarter of the time while another KV head's choice matches every
+    head's (docs/impress.md). -> (first probe KV head, each candidate's mean relative error)."""
+    cfg = model.cfg
+    g = cfg.num_heads // cfg.num_kv_heads
+    ids = list(prefix_ids) + list(query_ids)
+    m, k = len(prefix_ids), math.ceil(ratio * len(prefix_ids))
+    dev = rope.cos_h.device
+    positions = torch.arange(len(ids), device=dev)
+    own = torch.arange(m, len(ids))
+    h = model.embed(torch.tensor(ids, dtype=torch.long, device=dev))
+    err = [0.0] * (cfg.num_kv_heads - probes + 1)
+    for layer in model.layers:
+        q, kk, v = layer.qkv(h)
+        q, kk = _rotate(rope, q, positions), _rotate(rope, kk, positions)
+        imp = column_importance(q[m:], kk[:m], kk[m:])  # [heads, m]
+        full = causal_attention(q[m:], kk, v, m).float()  # [n, heads, hd]: the query rows over everything
+        for j in range(len(err)):
+            idx = torch.cat([top_k(imp[j * g : (j + probes) * g].sum(0), k), own]).to(dev)
+            out = causal_attention(q[m:], kk.index_select(0, idx), v.index_select(0, idx), k).float()
+            err[j] += float((out - full).norm() / full.norm()) / cfg.num_layers
+        h = layer.finish(h, causal_attention(q, kk, v, 0))
+    return min(range(len(err)), key=err.__getitem__), err
+
+
+def probe_first_for(loaded: LoadedModel, probes: int) -> int:
+    """A model's calibrated first probe KV head (`calibrate_probe` over three stretches of standard
+    library docstrings, each followed by a span of itself), cached under KVTIER_HOME/probes.
+    0 (the paper's first heads) for a model without a tokenizer or when every head is a probe."""
+    cfg = loaded.config
+    if probes >= cfg.num_kv_heads or loaded.tokenizer is None:
+        return 0
+    path = paths.home() / "probes" / f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}.json"
+    try:
+        return int(json.loads(path.read_text())["probe_first"])
+    except (OSError, ValueError, KeyError):
+        pass
+    rope = Rope(cfg, 1024 + 32, loaded.dtype, loaded.module.lm_head.weight.device)
+    total = [0.0] * (cfg.num_kv_heads - probes + 1)
+    for skip in (0, 40, 80):
+        ids = loaded.tokenizer.encode(stdlib_text(12000, skip), add_special_tokens=False)[:1024]
+        _, err = calibrate_probe(loaded.module, rope, ids, ids[400:432], probes)
+        total = [a + b / 3 for a, b in zip(total, err)]
+    first = min(range(len(total)), key=total.__getitem__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"probe_first": first, "relative_error": total, "probes": probes}))
+    return first
 
 
 def mean_jaccard(importance: torch.Tensor, k: int) -> float:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kvtier.dtypes import name_of
 from kvtier.engine.config import ReuseConfig
+from kvtier.engine.impress_exec import probe_first_for
 from kvtier.engine.request import Request
 from kvtier.engine.restorer import RestoreDone, Restorer
 from kvtier.engine.runner import CaptureFn, ModelRunner
@@ -252,12 +253,15 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     cfg = model.config
     tiers = parse_spec(spec).tiers()
 
+    importance = reuse.fixed_method is Method.IMPRESS
+    probes = probe_kv_heads_for(cfg.num_kv_heads) if importance else 0
+    probe_first = probe_first_for(model, probes) if importance else 0
+
     def namespace(layout: Sequence[Repr]) -> StoreNamespace:
-        importance = reuse.fixed_method is Method.IMPRESS
         return StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                               compute_dtype=name_of(model.dtype), storage_dtype=reuse.storage_dtype,
                               layer_reprs=tuple(layout),
-                              probe_kv_heads=probe_kv_heads_for(cfg.num_kv_heads) if importance else 0,
+                              probe_kv_heads=probes, probe_first=probe_first,
                               granule_tokens=PROBE_GRANULE_TOKENS if importance else 0)
 
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout

@@ -96,11 +96,6 @@ def probe_kv_heads_for(num_kv_heads: int) -> int:
     return 1 if num_kv_heads <= 4 else 3
 
 
-def probe_query_heads(num_heads: int, num_kv_heads: int, probe_kv_heads: int) -> int:
-    """Query heads that read the probe KV heads (the first ones: query head h reads KV head h // g)."""
-    return probe_kv_heads * (num_heads // num_kv_heads)
-
-
 def blind_selection(policy: ImpressPolicy, prefix: int, k: int) -> torch.Tensor:
     """RANDOM's or RECENT's k of `prefix` tokens (no identification). -> [k] ascending."""
     if policy.selection is Selection.RECENT:

@@ -47,6 +47,7 @@ class StoreNamespace:
     # so a read of a few tokens is verified without reading the rest. 0: the plain layout.
     probe_kv_heads: int = 0
     granule_tokens: int = 0
+    probe_first: int = 0  # the probes are KV heads [probe_first, probe_first + probe_kv_heads)
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -66,6 +67,9 @@ class StoreNamespace:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.probe_kv_heads <= self.num_kv_heads:
             raise ValueError(f"probe_kv_heads must be in [0, {self.num_kv_heads}], got {self.probe_kv_heads}")
+        if not 0 <= self.probe_first <= self.num_kv_heads - self.probe_kv_heads:
+            raise ValueError(f"probe_first {self.probe_first} with {self.probe_kv_heads} probe heads is outside "
+                             f"the model's {self.num_kv_heads} KV heads")
         if self.granule_tokens < 0:
             raise ValueError(f"granule_tokens must be >= 0, got {self.granule_tokens}")
         if self.granule_tokens and self.storage_dtype == "int8":
@@ -86,7 +90,8 @@ class StoreNamespace:
             "reprs": [r.value for r in self.layer_reprs],
         }
         if self.probe_kv_heads or self.granule_tokens:  # only when set: plain keys stay what they were
-            doc["importance_layout"] = [self.probe_kv_heads, self.granule_tokens]
+            doc["importance_layout"] = [self.probe_kv_heads, self.granule_tokens] + \
+                ([self.probe_first] if self.probe_first else [])
         raw = json.dumps(doc, sort_keys=True).encode()
         return hashlib.blake2b(raw, digest_size=16).hexdigest()
 

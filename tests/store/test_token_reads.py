@@ -15,8 +15,8 @@ from store_testlib import HEAD_DIM, KV_HEADS, LAYERS, make_ns, make_state, token
 CHUNK, G = 16, 4
 
 
-def _store(spec: str, storage: str = "") -> TieredStore:
-    ns = dataclasses.replace(make_ns(storage), probe_kv_heads=1, granule_tokens=G)
+def _store(spec: str, storage: str = "", probe_first: int = 0) -> TieredStore:
+    ns = dataclasses.replace(make_ns(storage), probe_kv_heads=1, granule_tokens=G, probe_first=probe_first)
     return TieredStore.open(spec, ns, chunk_tokens=CHUNK)
 
 
@@ -62,6 +62,19 @@ def test_token_reads_return_exactly_the_stored_rows(spec):
             assert reads.counts.nbytes - before == LAYERS * (2 * 5 * G * row + 3 * CHUNK * row)
         finally:
             reads.close()
+
+
+def test_the_probe_keys_are_those_of_the_chosen_kv_head(tmp_path):
+    with _store(f"disk:{tmp_path}/d:64MB", probe_first=1) as store:
+        match, k, _ = _saved(store, CHUNK)
+        reads = TokenReads(store, match.chunks)
+        probes = reads.probe_keys()
+        reads.close()
+        assert all(torch.equal(probes[li], k[li, :, 1:2]) for li in range(LAYERS))
+    plain = dataclasses.replace(make_ns(), probe_kv_heads=1, granule_tokens=G)
+    assert dataclasses.replace(plain, probe_first=1).digest() != plain.digest()
+    with pytest.raises(ValueError, match="probe_first"):
+        dataclasses.replace(plain, probe_first=KV_HEADS)
 
 
 def test_token_reads_of_bf16_storage_decode_to_the_compute_dtype(tmp_path):
