@@ -32,6 +32,7 @@ MAGIC = b"KVTC"
 PREAMBLE = struct.Struct("<4sHHII")
 ALIGN = 512  # the usual logical block of a disk: what direct I/O aligns offsets and lengths to
 MAX_HEADER = 1 << 24
+ORDERED_PARTS = ("k", "v")  # what a reordered chunk stores out of token order
 
 
 def checksum(data: torch.Tensor | memoryview | bytes) -> int:
@@ -79,11 +80,18 @@ class ChunkHeader:
     layer_reprs: tuple[Repr, ...]
     segments: tuple[Segment, ...]
     total_bytes: int
+    # A chunk reordered by importance (IMPRESS §4.4.1): stored K/V row r of layer l holds token
+    # order[l][r] of the chunk ([layers, tokens] int64), so the tokens a query keeps share
+    # granules. None: token order. Probe keys and hidden states always stay in token order.
+    order: torch.Tensor | None = field(default=None, repr=False, compare=False)
     # (layer, part) -> segment, built once: headers are parsed once and read from many times.
     by_part: dict[tuple[int, str], Segment] = field(init=False, repr=False, compare=False)
+    # row_of[l][t]: the stored row of token t (the inverse of `order`), or None.
+    row_of: torch.Tensor | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_part", {(s.layer, s.part): s for s in self.segments})
+        object.__setattr__(self, "row_of", None if self.order is None else torch.argsort(self.order, dim=1))
 
     def segment(self, layer: int, part: str) -> Segment | None:
         return self.by_part.get((layer, part))
@@ -130,8 +138,10 @@ def _pad(n: int) -> int:
 
 
 def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: int, start: int,
-         partial: bool, layers: Mapping[int, Mapping[str, torch.Tensor]]) -> PackedChunk:
-    """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc.) into a chunk."""
+         partial: bool, layers: Mapping[int, Mapping[str, torch.Tensor]],
+         order: torch.Tensor | None = None) -> PackedChunk:
+    """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc., in token order)
+    into a chunk. `order` ([layers, tokens]) stores layer l's K/V rows as tokens order[l]."""
     tokens = -1
     pieces: list[tuple[int, str, torch.Tensor, str, tuple[int, ...]]] = []
     if ns.probe_kv_heads:  # every layer's probe keys first: one ranged read fetches them all
@@ -148,6 +158,8 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
             expected = ns.part_shape(part, tokens)
             if tuple(t.shape) != expected:
                 raise ValueError(f"layer {layer} part {part}: shape {tuple(t.shape)} != {expected}")
+            if order is not None and part in ORDERED_PARTS:
+                t = t.index_select(0, order[layer])  # [tokens, ...] in stored order
             for suffix, buf in codec.encode(t, ns.storage_dtype):
                 if suffix:
                     dtype, shape = "float32", expected[:-1]
@@ -165,6 +177,8 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
         "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
         "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs],
     }
+    if order is not None:
+        doc_base["order"] = order.tolist()
     reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, 2**32, d, list(s)] + ([[2**32] * len(g)] if g else [])
                                                         for l, p, _, _, d, s, g in seg_meta]}))
     header_space = PREAMBLE.size + reserve
@@ -240,7 +254,18 @@ def _header_from_doc(doc: dict, total: int) -> ChunkHeader:
         tokens=int(doc["tokens"]), partial=bool(doc["partial"]), ns=doc["ns"], model=doc["model"], compute_dtype=doc["compute"],
         storage_dtype=doc["storage"], layer_reprs=tuple(Repr(r) for r in doc["reprs"]),
         segments=segs, total_bytes=total,
+        order=_order_from_doc(doc),
     )
+
+
+def _order_from_doc(doc: dict) -> torch.Tensor | None:
+    if "order" not in doc:
+        return None
+    order = torch.tensor(doc["order"], dtype=torch.long)  # [layers, tokens]
+    expect = torch.arange(int(doc["tokens"]))
+    if order.shape != (len(doc["reprs"]), len(expect)) or not bool((order.sort(dim=1).values == expect).all()):
+        raise ValueError("order is not a permutation of the chunk's tokens per layer")
+    return order
 
 
 def check_segment(seg: Segment, data: torch.Tensor | memoryview) -> None:
@@ -262,22 +287,34 @@ def decode_layers(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tens
     out = []
     for layer in layers:
         rep = header.layer_reprs[layer]
-        fields: dict[str, torch.Tensor] = {}
-        for part in rep.parts():
-            if part not in parts:
-                continue
-            seg = header.by_part[(layer, part)]
-            scale = data.get((layer, part + ".scale"))
-            fields[part] = codec.decode(data[(layer, part)], seg.dtype, seg.shape,
-                                        header.compute_dtype, scale, copy)
+        fields = {part: in_token_order(header, (layer,), part, _decode_stored(header, data, layer, part, copy)[None])[0]
+                  for part in rep.parts() if part in parts}
         out.append(LayerState(layer, rep, **fields))
     return out
+
+
+def _decode_stored(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor], layer: int, part: str,
+                   copy: bool) -> torch.Tensor:
+    """One part of one layer in the compute dtype, rows as stored."""
+    seg = header.by_part[(layer, part)]
+    return codec.decode(data[(layer, part)], seg.dtype, seg.shape, header.compute_dtype,
+                        data.get((layer, part + ".scale")), copy)
+
+
+def in_token_order(header: ChunkHeader, layers: Sequence[int], part: str, x: torch.Tensor) -> torch.Tensor:
+    """`part` of `layers` as read, [len(layers), tokens, ...] in stored row order -> token order
+    (a copy for a reordered chunk's K/V; `x` itself otherwise)."""
+    if header.row_of is None or part not in ORDERED_PARTS:
+        return x
+    rows = header.row_of[list(layers)]  # [L, tokens]
+    return x[torch.arange(len(layers))[:, None], rows]
 
 
 def strided_run(header: ChunkHeader, blob: torch.Tensor, layers: Sequence[int], part: str) -> torch.Tensor | None:
     """`part` of consecutive `layers` as one strided view of a whole stored value `blob` (uint8),
     from the header's offsets alone (no tensor op per segment), or None where the bytes are not in
-    the compute dtype or not evenly spaced (then `decode_run` on read segments serves)."""
+    the compute dtype or not evenly spaced (then `decode_run` on read segments serves). Rows as
+    stored: `in_token_order` puts a reordered chunk's K/V back in token order."""
     if header.storage_dtype != header.compute_dtype:
         return None
     segs = [header.by_part[(li, part)] for li in layers]
@@ -306,7 +343,8 @@ def decode_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor]
 
     Where the bytes are already in the compute dtype and the layers' segments sit at an even
     stride in one buffer (the layer-major layout makes them so), this is a strided view of those
-    bytes: no copy. Otherwise the layers are decoded and stacked (a copy)."""
+    bytes: no copy. Otherwise the layers are decoded and stacked (a copy). Rows as stored, as
+    `strided_run`."""
     segs = [header.by_part[(li, part)] for li in layers]
     bufs = [data[(li, part)] for li in layers]
     first = segs[0]
@@ -319,5 +357,4 @@ def decode_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor]
         if even and step > 0 and step % base.element_size() == 0 and all(s.shape == first.shape for s in segs):
             return base.as_strided((len(layers), *first.shape),
                                    (step // base.element_size(), *_contiguous_strides(first.shape)), base.storage_offset())
-    states = decode_layers(header, data, layers, (part,), copy=False)
-    return torch.stack([getattr(st, part) for st in states])
+    return torch.stack([_decode_stored(header, data, li, part, copy=False) for li in layers])

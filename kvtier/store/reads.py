@@ -89,16 +89,17 @@ class PlannedReads:
                     self.release(group)
                     return None
             outs = self._staging_for(tier, opened, runs, group)
-            dests = [into[i] if into and oc.header.storage_dtype == oc.header.compute_dtype else None
-                     for i, oc in zip(idx, opened)]
+            # Straight into the pool only where the stored rows are the pool's (token order, compute dtype).
+            dests = [into[i] if into and oc.header.storage_dtype == oc.header.compute_dtype and oc.header.order is None
+                     else None for i, oc in zip(idx, opened)]
             got = tier.read_runs(opened, runs, outs, dests)
             if got is None:
                 self.release(group)
                 return None
             for i, oc, segs, r in zip(idx, opened, got, runs):
                 group.nbytes += sum(s.nbytes for run in r for s in run)
-                decoded[i] = {p: fmt.decode_run(oc.header, segs, layers, p) if (layers[0], p) in segs else None
-                              for p in parts}
+                decoded[i] = {p: fmt.in_token_order(oc.header, layers, p, fmt.decode_run(oc.header, segs, layers, p))
+                              if (layers[0], p) in segs else None for p in parts}
         group.parts = {p: [decoded[i][p] for i in wanted] for p in parts}
         return group
 
@@ -117,7 +118,8 @@ class PlannedReads:
             parts_i = {p: fmt.strided_run(oc.header, blob, layers, p) for p in parts}
             if any(v is None for v in parts_i.values()):
                 return False
-            views[i] = cast("dict[str, torch.Tensor]", parts_i)  # no None left
+            # No None left. A reordered chunk's K/V become token-ordered copies.
+            views[i] = {p: fmt.in_token_order(oc.header, layers, p, cast(torch.Tensor, v)) for p, v in parts_i.items()}
         for i, v in views.items():
             decoded[i] = v
             nbytes = sum(t.nbytes for t in v.values())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import codec
+from . import format as fmt
 from .format import FormatError
 from .index import StoredChunk
 from .layout import Repr
@@ -103,10 +104,13 @@ class TokenReads:
         return {p: torch.cat([r[0][p] for r in results]) if results else empty for p in parts}
 
     def _chunk_rows(self, layer: int, parts: tuple[str, ...], ci: int, local: list[int]):
-        """Rows `local` (ascending) of chunk `ci`: ({part: [n, kv_heads, hd]}, (bytes, calls,
-        granules read, granules held))."""
+        """Tokens `local` (ascending) of chunk `ci`: ({part: [n, kv_heads, hd]}, (bytes, calls,
+        granules read, granules held)). A reordered chunk's tokens sit at other rows (the header's
+        row_of): the granules read are those of the rows, the result is in the order asked."""
         oc, g = self.opened[ci], self.granule
-        spans = _spans(sorted({r // g for r in local}))
+        row_of = oc.header.row_of
+        rows = local if row_of is None else row_of[layer][local].tolist()
+        spans = _spans(sorted({r // g for r in rows}))
         out, nbytes, granules, whole = {}, 0, 0, 0
         for part in parts:
             seg = oc.header.by_part[(layer, part)]
@@ -123,15 +127,15 @@ class TokenReads:
                 nbytes += buf.numel()
                 granules += last - first + 1
                 pieces.append(self._decode(buf, (buf.numel() // (seg.nbytes // seg.shape[0]), *seg.shape[1:])))
-            # Where each wanted row sits among the read granules' rows (both ascending).
-            at, base, si = [], 0, 0
-            for r in local:
-                while r >= (spans[si][1] + 1) * g:
-                    base += pieces[si].shape[0]
-                    si += 1
-                at.append(base + r - spans[si][0] * g)
-            rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            out[part] = rows.index_select(0, torch.tensor(at))
+            # Where each wanted row sits among the read granules' rows.
+            base, first_row = {}, 0
+            for (first, last), piece in zip(spans, pieces):
+                for gi in range(first, last + 1):
+                    base[gi] = first_row + (gi - first) * g
+                first_row += piece.shape[0]
+            at = [base[r // g] + r % g for r in rows]
+            got = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            out[part] = got.index_select(0, torch.tensor(at))
         return out, (nbytes, len(spans) * len(parts), granules, whole)
 
     def whole(self, layer: int, part: str) -> torch.Tensor:
@@ -146,7 +150,7 @@ class TokenReads:
             self.counts.calls += 1
             self.counts.granules += len(seg.granules)
             self.counts.granules_whole += len(seg.granules)
-            out.append(self._decode(got[0][(layer, part)], seg.shape))
+            out.append(fmt.in_token_order(oc.header, (layer,), part, self._decode(got[0][(layer, part)], seg.shape)[None])[0])
         return torch.cat(out)
 
     def close(self) -> None:

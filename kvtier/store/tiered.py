@@ -8,6 +8,8 @@ if no lower tier already holds it.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -20,6 +22,7 @@ from .layout import StoreNamespace
 from .lookahead import LookAheadPolicy
 from .policy import ScorePolicy, make_policy
 from .reads import PlannedChunkRef, PlannedReads
+from .reorder import MIN_OBSERVATIONS, ImportanceStats, ReorderReport
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
 from .spec import parse_spec
 from .staging import Staging
@@ -49,6 +52,11 @@ class _Promote:
     tier: Tier
 
 
+@dataclass(frozen=True)
+class _Reorder:
+    min_observations: int
+
+
 class TieredStore:
     def __init__(self, tiers: list[Tier], namespace: StoreNamespace | None, chunk_tokens: int,
                  writer_queue_bytes: int, spec_text: str = "") -> None:
@@ -67,6 +75,10 @@ class TieredStore:
         self._promoting: set[str] = set()
         self.staging = Staging()  # aligned read buffers, kept for the next restore
         self.writer = BackgroundWriter(self._process, writer_queue_bytes)
+        self.importance = ImportanceStats()  # fed by importance-only restores, read by reorder passes
+        self.last_reorder = ReorderReport()
+        self._reorder_timer: threading.Thread | None = None
+        self._closing = threading.Event()
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -181,6 +193,66 @@ class TieredStore:
                 for key, ratio in ratios.items():
                     score.observe(key, ratio)
 
+    def observe_kept(self, kept: Mapping[str, torch.Tensor]) -> None:
+        """An importance-only restore's kept tokens per chunk ({key: [layers, tokens] bool}): what
+        reorder passes order each chunk's rows by."""
+        for key, mask in kept.items():
+            self.importance.observe(key, mask)
+
+    # --- reordering (IMPRESS §4.4.1; store/reorder.py) -----------------------------------------
+    def reorder(self, min_observations: int = MIN_OBSERVATIONS) -> ReorderReport:
+        """Rewrite every chunk seen by enough importance restores whose best row order changed."""
+        t0 = time.perf_counter()
+        report = ReorderReport()
+        for key, order in self.importance.due(min_observations):
+            n = self.rewrite(key, order)
+            if n > 0:
+                report.chunks += 1
+                report.nbytes += n
+            elif n == 0:
+                report.unchanged += 1
+            else:
+                report.missing += 1
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def rewrite(self, key: str, order: torch.Tensor) -> int:
+        """Store full chunk `key` again with layer l's K/V rows in token order `order[l]`, on every
+        tier holding it. -> bytes written; 0 if already in that order; -1 if gone or partial."""
+        ns, root = self._ns(), self._root()
+        written, held = 0, False
+        for t in self.tiers:
+            data = t.read(self._expect(key), None)  # whole and verified, or a miss
+            if data is None:
+                continue
+            h = data.header
+            if h.partial or tuple(order.shape) != (len(h.layer_reprs), h.tokens):
+                continue  # a partial chunk is superseded when it fills: nothing to gain
+            held = True
+            if h.order is not None and torch.equal(h.order, order) or h.order is None and \
+                    torch.equal(order, torch.arange(h.tokens).expand_as(order)):
+                continue
+            states = fmt.decode_layers(h, data.segments, range(len(h.layer_reprs)), ("k", "v", "h"))  # token order
+            layers = {st.layer: {p: getattr(st, p) for p in st.repr.parts()} for st in states}
+            packed = fmt.pack(ns, root, key, h.parent, h.index, h.start, False, layers, order)
+            if t.replace(packed):
+                written += packed.nbytes
+        return written if held else -1
+
+    def reorder_every(self, interval_s: float, min_observations: int = MIN_OBSERVATIONS) -> None:
+        """Queue a reorder pass on the writer every `interval_s` seconds (0: never), skipped while
+        saves are waiting: reordering only ever uses the writer's idle time."""
+        if interval_s <= 0 or self._reorder_timer is not None:
+            return
+
+        def loop() -> None:
+            while not self._closing.wait(interval_s):
+                if len(self.importance) and self.writer.idle:
+                    self.writer.submit(_Reorder(min_observations), 0)
+
+        self._reorder_timer = threading.Thread(target=loop, name="kvtier-reorder", daemon=True)
+        self._reorder_timer.start()
+
     def prefetch(self, ref: ChunkRef) -> bool:
         """Bring a chunk into the memory tier in the background (look-ahead); True if queued."""
         if self.memory is None or self.memory.contains(ref.key):
@@ -216,6 +288,8 @@ class TieredStore:
     def _process(self, job) -> None:
         if isinstance(job, _Promote):
             self._promote(job)
+        elif isinstance(job, _Reorder):
+            self.last_reorder = self.reorder(job.min_observations)
         else:
             self._write_job(job)
 
@@ -311,6 +385,9 @@ class TieredStore:
         return self.writer.flush(timeout)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._reorder_timer is not None:
+            self._reorder_timer.join()
         self.writer.close()
         for t in self.tiers:
             t.close()

@@ -223,6 +223,15 @@ class Tier(ABC):
     def put(self, packed: PackedChunk) -> bool:
         """Store a chunk (atomically: readers see all of it or nothing). False if it did not fit."""
 
+    def replace(self, packed: PackedChunk) -> bool:
+        """Store `packed` in place of the chunk this tier holds under its key (the same tokens in
+        another layout: a reordered chunk). False if the tier no longer holds it or it did not fit;
+        a reader sees the old value, the new one, or a miss, never a mix."""
+        if not self.contains(packed.header.key):
+            return False
+        self.delete(packed.header.key)
+        return self.put(packed)
+
     @abstractmethod
     def delete(self, key: str) -> None: ...
 

@@ -345,6 +345,25 @@ class DiskTier(Tier):
         self.counters["puts"] += 1
         return True
 
+    def replace(self, packed: PackedChunk) -> bool:
+        """The file renamed over (an open reader keeps the old inode)."""
+        key = packed.header.key
+        with self.lock:
+            f = self._files.get(key)
+        if f is None or packed.header.partial:
+            return False
+        try:
+            self._write_atomic(f.dir, f.path, packed)
+        except OSError as e:
+            log.warning("disk rewrite of %s failed: %s", key, e)
+            self.counters["put_errors"] += 1
+            return False
+        with self.lock:
+            if key in self._files:
+                self._index(key, _File(f.dir, f.path, packed.nbytes))
+        self.counters["bytes_written"] += packed.nbytes
+        return True
+
     def _write_atomic(self, i: int, path: str, packed: PackedChunk) -> None:
         tmpdir = os.path.join(self._ns_dir(i), "tmp")
         os.makedirs(tmpdir, exist_ok=True)

@@ -79,16 +79,7 @@ class MemoryTier(Tier):
             if n > self.capacity or not self._evict_for(self.policy, lambda: self.used, self.capacity, n,
                                                         frozenset({key})):
                 return False
-            blob = self.arena.take(n) if self.arena is not None else None
-            if blob is None:  # no arena (CPU engine), or no room in it: pageable (correct, slower copies)
-                blob = torch.empty(n, dtype=torch.uint8)
-            pos = 0
-            view = blob.numpy()
-            for b in packed.buffers:
-                m = len(memoryview(b).cast("B"))
-                view[pos:pos + m] = memoryview(b).cast("B")
-                pos += m
-            self._entries[key] = _Entry(blob, packed.header)
+            self._entries[key] = _Entry(self._blob_of(packed), packed.header)
             if packed.header.partial:
                 self._partials.setdefault(packed.header.parent, {})[key] = packed.header.tokens
             self.used += n
@@ -96,6 +87,33 @@ class MemoryTier(Tier):
             self.counters["bytes_written"] += n
             self.counters["puts"] += 1
             return True
+
+    def replace(self, packed: PackedChunk) -> bool:
+        """The entry swapped for a new blob (a reader holding the old one keeps reading it); its
+        place in the eviction policy is kept."""
+        key, n = packed.header.key, packed.nbytes
+        with self.lock:
+            old = self._entries.get(key)
+            if old is None or not self._evict_for(self.policy, lambda: self.used + n - old.blob.numel(),
+                                                  self.capacity, 0, frozenset({key})):
+                return False
+            self._entries[key] = _Entry(self._blob_of(packed), packed.header)
+            self.used += n - old.blob.numel()
+            self.counters["bytes_written"] += n
+            return True
+
+    def _blob_of(self, packed: PackedChunk) -> torch.Tensor:
+        n = packed.nbytes
+        blob = self.arena.take(n) if self.arena is not None else None
+        if blob is None:  # no arena (CPU engine), or no room in it: pageable (correct, slower copies)
+            blob = torch.empty(n, dtype=torch.uint8)
+        pos = 0
+        view = blob.numpy()
+        for b in packed.buffers:
+            m = len(memoryview(b).cast("B"))
+            view[pos:pos + m] = memoryview(b).cast("B")
+            pos += m
+        return blob
 
     def size_of(self, key: str) -> int | None:
         e = self._entries.get(key)

@@ -220,6 +220,10 @@ class RedisTier(Tier):
         self.counters["puts"] += 1
         return True
 
+    def replace(self, packed: PackedChunk) -> bool:
+        """SET overwrites in one step: readers see the old value or the new one."""
+        return not packed.header.partial and self.contains(packed.header.key) and self.put(packed)
+
     def delete(self, key: str) -> None:
         try:
             rkey = self._rkey_any(key)
