@@ -143,3 +143,21 @@ def test_score_policy_hears_what_importance_restores_needed(model, tmp_path):
         # Every chunk was read once from disk and observed at its kept share: score = 1 x share.
         shares = [policy.score(c.key) for c in chunks]
         assert all(0 < s < 1 for s in shares) and sum(shares) == pytest.approx(len(chunks) * 0.25, rel=0.05)
+
+
+def test_reordering_changes_what_is_read_not_what_is_restored(model, tmp_path):
+    ids = _ids(model, HIST + NEW, seed=16)
+    _turn_one(model, tmp_path, ids)
+    reuse = ReuseConfig(method="impress", importance_ratio=0.25, importance_reorder_s=0)
+    with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
+        # Approximate state is never published: the same prompt restores by importance each time.
+        first, second = (engine.generate([ids], GREEDY)[0] for _ in range(2))
+        store = engine.link.store
+        report = store.reorder()
+        third = engine.generate([ids], GREEDY)[0]
+    assert report.chunks == HIST // 64 and report.missing == 0  # every chunk, on both tiers
+    assert first.output_ids == second.output_ids == third.output_ids
+    assert first.restore is not None and third.restore is not None
+    assert third.restore.prefix_attended == first.restore.prefix_attended == HIST // 4
+    # The kept quarter now fills the first granules of each chunk instead of touching nearly all.
+    assert third.restore.bytes_read < 0.75 * first.restore.bytes_read

@@ -57,10 +57,17 @@ class ReuseConfig:
     # in the importance layout, a namespace of its own (state saved by other engines is not seen).
     importance_ratio: float = 0.25
     importance_alpha: float = 0.6
+    # With method auto: the planner may also choose the importance-only restore where it predicts
+    # it faster than every exact method (and recompute). Lossy, so off unless asked for; the engine
+    # then stores in the importance layout (exact methods read it as usual).
+    allow_lossy: bool = False
     importance_unit: str = "token"  # "granule": choose whole stored granules (16 tokens) by their summed importance
     # "impress": probe heads first, every key only where they disagree (the paper); "h2o": every
     # key read and every head scored (more bytes; on few KV heads it keeps the accuracy, see docs/impress.md).
     importance_selection: str = "impress"
+    # Seconds between reorder passes (IMPRESS §4.4.1, store/reorder.py): chunks importance restores
+    # have seen are stored again with K/V rows by importance. 0: never.
+    importance_reorder_s: float = 600.0
     # Which chunks the memory and disk tiers give up first: lru, lfu, fifo, or score (IMPRESS §4.4.2:
     # accesses x the share of a chunk importance-only restores needed; promotion into memory admits
     # a chunk only if it beats the lowest score held).
@@ -77,6 +84,11 @@ class ReuseConfig:
             raise ValueError(f"importance_selection {self.importance_selection!r}: use impress or h2o")
         if self.importance_unit not in ("token", "granule"):
             raise ValueError(f"importance_unit {self.importance_unit!r}: use token or granule")
+        if self.allow_lossy and self.method != AUTO:
+            raise ValueError(f"allow_lossy lets the planner choose an importance-only restore: it needs method auto, "
+                             f"not {self.method!r} (use method impress to always restore by importance)")
+        if self.importance_reorder_s < 0:
+            raise ValueError(f"importance_reorder_s must be >= 0 seconds (0: never), got {self.importance_reorder_s}")
         if self.importance_alpha < 0:
             raise ValueError(f"importance_alpha must be >= 0, got {self.importance_alpha}")
         if self.chunk_tokens < 1:
@@ -88,6 +100,12 @@ class ReuseConfig:
                 object.__setattr__(self, "layout", tuple(Repr(r).value for r in self.layout))
             except ValueError:
                 raise ValueError(f"layout {self.layout!r}: each layer is one of kv, hidden, none") from None
+
+    @property
+    def importance(self) -> bool:
+        """Whether importance-only restores may run (fixed, or chosen by auto): the store then
+        keeps the importance layout."""
+        return self.method == Method.IMPRESS.value or self.allow_lossy
 
     @property
     def fixed_method(self) -> Method | None:

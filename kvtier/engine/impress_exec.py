@@ -50,6 +50,7 @@ from kvtier.restore.impress import (
     blind_selection,
 )
 from kvtier.restore.plan import Plan
+from kvtier.store.reorder import kept_masks
 from kvtier.store.selective import TokenReadMiss, TokenReads
 from kvtier.store.tiered import TieredStore
 from kvtier.text import stdlib_text
@@ -279,7 +280,11 @@ class ImpressRestore:
                     self.runner.v_cache[li].index_copy_(0, slots, cache.v[li][:n])
             self.runner.transfer.sync_compute()  # done means written
             self.impress = st
-            self.store.observe_importance(chunk_ratios(st.kept, [(c.key, c.start, c.end) for c in self.plan.chunks]))
+            spans = [(c.key, c.start - self.plan.chunks[0].start, c.end - self.plan.chunks[0].start)
+                     for c in self.plan.chunks]  # prefix-relative, as the kept indices
+            self.store.observe_importance(chunk_ratios(st.kept, spans))
+            if self.policy.unit == 1:  # whole-granule choices say nothing about order within a granule
+                self.store.observe_kept(kept_masks(st.kept, spans))
             self.store.promote(self.plan.chunks)
             self.stats.bytes_read = st.bytes_read
             self.stats.chunks_loaded = len(self.plan.chunks)

@@ -86,6 +86,8 @@ class Restorer:
                                         block=PROBE_GRANULE_TOKENS if config.importance_unit == "granule" else 1)
         if all_kv:
             self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}
+            if config.allow_lossy:  # auto may weigh it against the exact methods
+                self.allowed[Method.IMPRESS] = self.layout
         elif all(r is Repr.HIDDEN for r in self.layout):
             self.allowed = {Method.HIDDEN: self.layout, Method.BUBBLEFREE: self.layout}
         else:
@@ -112,7 +114,12 @@ class Restorer:
         if fixed is Method.IMPRESS:
             return self._probe_importance(req, match.chunks, end)
         if fixed is None:
-            plan = self.planner.choose(usable, new, self.allowed)
+            # An importance restore reads the whole prefix: weighed only when the device holds none
+            # of it (otherwise exact restores of the rest are both cheaper and exact).
+            allowed = self.allowed if keep == 0 else {m: lay for m, lay in self.allowed.items() if m.exact}
+            plan = self.planner.choose(usable, new, allowed)
+            if plan.method is Method.IMPRESS:
+                return self._probe_importance(req, match.chunks, end, plan.predicted_s)
         else:  # a method the stored layout cannot serve (e.g. cake over hidden states) reads it as stored
             method = fixed if fixed in self.allowed else next(iter(self.allowed))
             plan = self.planner.plan(method, usable, new, self.allowed[method])
@@ -126,13 +133,13 @@ class Restorer:
             return Probe(end, keep, planned, 0, instant=True, tier_tokens=tiers, attach_tokens=plan.attach_tokens)
         return Probe(end, keep, planned, plan.background_tokens)
 
-    def _probe_importance(self, req: Request, chunks: Sequence, end: int) -> Probe:
+    def _probe_importance(self, req: Request, chunks: Sequence, end: int, predicted_s: float = 0.0) -> Probe:
         """Restore the whole stored prefix [0, end) by importance (the device's copy of part of it
         is let go: the request's slots then hold only what each layer keeps). The restore computes
         every new token but the last, which the request's own step computes and samples from."""
         chunks = [c for c in chunks if c.end <= end]
         plan = Plan(Method.IMPRESS, self.layout, end,
-                    tuple(PlannedChunk(c.key, c.start, c.end, c.tier, c.nbytes) for c in chunks), 0.0, 0.0)
+                    tuple(PlannedChunk(c.key, c.start, c.end, c.tier, c.nbytes) for c in chunks), predicted_s, 0.0)
         tiers: dict[str, int] = {}
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + c.end - c.start
@@ -277,6 +284,9 @@ class Restorer:
                                                 tl.overlap if tl else None, stats.prefix_attended)
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
+        imp = job.restore.impress if isinstance(job.restore, ImpressRestore) else None
+        if imp is not None and imp.granules_whole:
+            self.planner.observe_granules(imp.granules_read / imp.granules_whole)
         return True
 
     def abort(self, request_id: str) -> bool:

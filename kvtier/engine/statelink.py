@@ -29,7 +29,7 @@ from kvtier.models.loading import LoadedModel
 from kvtier.restore.costs import HardwareProfile, ModelShape, links
 from kvtier.restore.impress import PROBE_GRANULE_TOKENS, probe_kv_heads_for
 from kvtier.restore.plan import Method
-from kvtier.restore.planner import Planner
+from kvtier.restore.planner import ImportanceReads, Planner
 from kvtier.store import lookahead
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.lookahead import LookAheadPolicy
@@ -253,7 +253,7 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     cfg = model.config
     tiers = parse_spec(spec).tiers()
 
-    importance = reuse.fixed_method is Method.IMPRESS
+    importance = reuse.importance
     probes = probe_kv_heads_for(cfg.num_kv_heads) if importance else 0
     probe_first = probe_first_for(model, probes) if importance else 0
 
@@ -266,14 +266,21 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
 
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
     shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))
+    reads = ImportanceReads.initial(reuse.importance_ratio, probes, cfg.num_kv_heads, PROBE_GRANULE_TOKENS,
+                                    PROBE_GRANULE_TOKENS if reuse.importance_unit == "granule" else 1) \
+        if importance else None
     planner = Planner(profile, shape, links(profile, [(n, em.bandwidth, em.latency) for n, em in tiers]),
-                      prefill_chunk_tokens=prefill_chunk_tokens)
+                      prefill_chunk_tokens=prefill_chunk_tokens, importance=reads)
     if reuse.layout is not None:
         if len(reuse.layout) != cfg.num_layers:
             raise ValueError(f"ReuseConfig.layout has {len(reuse.layout)} entries; {model.name} has {cfg.num_layers} layers")
         layout = tuple(Repr(r) for r in reuse.layout)
     else:  # decided for the slowest tier of the stack
-        layout = planner.choose_layout(reuse.fixed_method, tiers[-1][0], reuse.chunk_tokens)
+        # An importance restore needs K/V in every layer: with lossy allowed, auto stores K/V too.
+        layout = planner.choose_layout(Method.IMPRESS if importance else reuse.fixed_method, tiers[-1][0],
+                                       reuse.chunk_tokens)
     store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy,
                              pin=runner.device.type == "cuda")
+    if importance:
+        store.reorder_every(reuse.importance_reorder_s)
     return StoreLink(store, layout, runner, planner, reuse)

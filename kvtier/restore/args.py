@@ -34,6 +34,9 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
                    help="how stored state comes back: auto (the planner decides per request), kv, hidden, "
                         "bubblefree, cake, recompute, or impress (lossy, opt-in: only the stored prefix tokens "
                         "the new tokens attend to; its state is never saved) (default: auto)")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="with --restore-method auto: the planner may also choose impress where it predicts it "
+                        "faster than every exact method (stores the importance layout; lossy, so off by default)")
     p.add_argument("--importance-ratio", type=_ratio, default=0.25, metavar="R",
                    help="impress: share of a stored prefix each layer keeps (default: 0.25)")
     p.add_argument("--importance-unit", default="token", choices=["token", "granule"],
@@ -46,6 +49,10 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--eviction-policy", default="lru", choices=["lru", "lfu", "fifo", "score"],
                    help="what the memory and disk tiers give up first; score: accesses x the share of a chunk "
                         "importance restores needed, admitted to memory only above the lowest held (default: lru)")
+    p.add_argument("--importance-reorder-s", type=_non_negative, default=600.0, metavar="S",
+                   help="impress: every S seconds, when the writer is idle, store the chunks importance restores "
+                        "have seen again with their tokens' K/V rows by importance, so the tokens a query keeps "
+                        "share granules (single-token selection); 0: never (default: 600)")
     p.add_argument("--importance-alpha", type=_non_negative, default=0.6, metavar="A",
                    help="impress: probe heads agree when their Jaccard index is at least j**A, j that of "
                         "two random sets (default: 0.6)")
@@ -53,7 +60,7 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
 
 def reuse_options(args: argparse.Namespace) -> dict[str, Any]:
     """ReuseConfig keyword arguments from the options above."""
-    return dict(method=args.restore_method, importance_ratio=args.importance_ratio,
+    return dict(method=args.restore_method, allow_lossy=args.allow_lossy, importance_ratio=args.importance_ratio,
                 importance_alpha=args.importance_alpha, importance_unit=args.importance_unit,
                 importance_selection=args.importance_selection,
-                eviction_policy=args.eviction_policy)
+                importance_reorder_s=args.importance_reorder_s, eviction_policy=args.eviction_policy)

@@ -38,14 +38,32 @@ class LayerCosts:
     c_token: float  # recomputing one layer from tokens
 
 
+@dataclass
+class ImportanceReads:
+    """What an importance-only restore reads (IMPRESS), for its prediction."""
+
+    ratio: float  # share of the prefix each layer keeps
+    probe_share: float  # the probe keys' share of a layer's stored K/V: probe KV heads / (2 x KV heads)
+    granule_share: float  # share of the stored K/V granules its reads touch: learned (`observe_granules`)
+
+    @staticmethod
+    def initial(ratio: float, probe_kv_heads: int, kv_heads: int, granule_tokens: int, unit: int) -> "ImportanceReads":
+        """Before any restore was seen: whole granules read what they keep; single tokens scattered
+        at random touch a granule unless all of its tokens were left out."""
+        share = ratio if unit > 1 else 1.0 - (1.0 - ratio) ** granule_tokens
+        return ImportanceReads(ratio, probe_kv_heads / (2 * kv_heads), share)
+
+
 def _tokens(chunks: Sequence[StoredChunk]) -> int:
     return chunks[-1].end if chunks else 0
 
 
 class Planner:
     def __init__(self, profile: HardwareProfile, shape: ModelShape, links: Mapping[str, TierLink],
-                 compute_chunk_tokens: int = 512, prefill_chunk_tokens: int = 2048):
+                 compute_chunk_tokens: int = 512, prefill_chunk_tokens: int = 2048,
+                 importance: ImportanceReads | None = None):
         self.profile = profile
+        self.importance = importance  # set where importance-only restores may be planned
         self.shape = shape
         self.links = dict(links)
         self.compute_chunk_tokens = compute_chunk_tokens  # Cake's front step (the executor's)
@@ -127,6 +145,8 @@ class Planner:
             t = self.prefill_chunks_s(0, hist + new)
             return t, t, 0.0, 0.0, 0
         bw = self._bandwidth(chunks)
+        if method is Method.IMPRESS:
+            return self._impress(chunks, new, bw)
         if method is Method.CAKE:
             t, nbytes, cake_comp = self._cake(chunks)
             return t + new_s, max(nbytes / bw, cake_comp + new_s), cake_comp, 0.0, 0
@@ -171,6 +191,35 @@ class Planner:
         tot = sum(ch.end - ch.start for ch in chunks)
         # Token-weighted harmonic mean: time per byte adds up across the tiers the chunks sit in.
         return 1.0 / sum((ch.end - ch.start) / tot / self._link(ch.tier).bandwidth for ch in chunks)
+
+    def _impress(self, chunks: Sequence[StoredChunk], new: int, bw: float) -> tuple[float, float, float, float, int]:
+        """The importance-only restore as the executor runs it, all in series (its reads of a layer
+        wait for that layer's choice, and compute waits for them): every layer's probe keys in one
+        read per chunk; then per layer scoring the prefix with the probe heads, one ranged read per
+        chunk of the granules kept, and the new tokens over the kept tokens."""
+        imp = self.importance
+        if imp is None:
+            raise ValueError("importance-only restores are not planned here (no importance layout)")
+        s, p, hist, n = self.shape, self.profile, _tokens(chunks), self.shape.num_layers
+        kv = s.kv_bytes_per_token_layer
+        probe = sum(self._link(c.tier).read_s(int((c.end - c.start) * kv * n * imp.probe_share), whole_chunk=True)
+                    for c in chunks)
+        kept_bytes = kv * (1 - imp.probe_share) * imp.granule_share
+        # One read call per (chunk, layer), each paying a call's latency (whole_chunk: one call).
+        dep = n * sum(self._link(c.tier).read_s(int((c.end - c.start) * kept_bytes), whole_chunk=True) for c in chunks)
+        k = math.ceil(imp.ratio * hist)
+        attention = max(0.0, p.prefill_s(hist, hist + new) - p.prefill_s(0, new))  # the new rows over the prefix
+        identify = attention * 2 * imp.probe_share  # the probe query heads' share of it
+        compute = p.prefill_s(k, k + new) + p.place_s * k * n
+        nbytes = hist * n * (kv * imp.probe_share + kept_bytes)
+        t = probe + dep + identify + compute
+        return t, max(nbytes / bw, compute), identify + compute, 0.0, 0
+
+    def observe_granules(self, share: float, weight: float = 0.3) -> None:
+        """Learn what share of the stored granules importance-only restores read (reordered chunks
+        read fewer)."""
+        if self.importance is not None and 0.0 <= share <= 1.0:
+            self.importance.granule_share += weight * (share - self.importance.granule_share)
 
     def _cake(self, chunks: Sequence[StoredChunk]) -> tuple[float, int, float]:
         """Simulate the executor's two pointers: whichever side is free first claims work; the

@@ -1,0 +1,118 @@
+"""The planner's importance-only restore: its cost model, what it learns, and `auto` choosing it only
+where the caller allows lossy restores and it predicts faster; exact when it does not."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.restore.costs import HardwareProfile, ModelShape, TierLink, TierRates
+from kvtier.restore.plan import Method, PlannedChunk
+from kvtier.restore.planner import ImportanceReads, Planner
+from kvtier.store.layout import Repr
+
+from kvtier_testlib import fake_profile
+
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-shaped, bf16
+SHAPE = ModelShape(LAYERS, 2 * KV_HEADS * HEAD_DIM * 2, 9 * HEAD_DIM * 2)
+
+
+def _chunks(hist: int) -> list[PlannedChunk]:
+    return [PlannedChunk(f"k{a}", a, a + 64, "disk", 0) for a in range(0, hist, 64)]
+
+
+def _planner(bps: float | None, unit: int = 16) -> Planner:
+    prof = fake_profile("fp", compute_scale=1.0, io_bps=2e9)
+    reads = ImportanceReads.initial(0.25, 1, KV_HEADS, 16, unit)
+    return Planner(prof, SHAPE, {"disk": TierLink(prof.tiers["disk"], bps)}, importance=reads)
+
+
+def test_initial_read_shares():
+    tokens = ImportanceReads.initial(0.25, 1, 3, 16, 1)
+    assert tokens.probe_share == pytest.approx(1 / 6)
+    assert tokens.granule_share == pytest.approx(1 - 0.75 ** 16)  # scattered tokens touch nearly every granule
+    assert ImportanceReads.initial(0.25, 3, 16, 16, 16).granule_share == 0.25  # whole granules: the ratio
+    assert ImportanceReads.initial(0.25, 3, 16, 16, 16).probe_share == pytest.approx(3 / 32)
+
+
+def test_the_predicted_bytes_follow_the_probe_and_granule_shares():
+    planner, chunks = _planner(20e6), _chunks(8192)  # slow enough that the bytes bound it
+    full = 8192 * LAYERS * SHAPE.kv_bytes_per_token_layer
+    _, ideal, _, _, _ = planner.predict(Method.IMPRESS, chunks, 64, ())
+    # Every layer's probe keys (1/6 of K/V) and a quarter of the rest: 0.375x of full K/V.
+    assert ideal == pytest.approx(full * (1 / 6 + 5 / 6 * 0.25) / planner._bandwidth(chunks), rel=1e-9)
+
+
+def test_learning_the_granule_share_moves_the_prediction():
+    planner, chunks = _planner(100e6, unit=1), _chunks(8192)
+    before = planner.predict(Method.IMPRESS, chunks, 64, ())[0]
+    planner.observe_granules(0.5)
+    assert planner.importance is not None
+    assert planner.importance.granule_share == pytest.approx(1 - 0.75 ** 16 + 0.3 * (0.5 - (1 - 0.75 ** 16)))
+    assert planner.predict(Method.IMPRESS, chunks, 64, ())[0] < before  # fewer granules: less to read
+    planner.observe_granules(1.5)  # not a share: ignored
+    assert planner.importance.granule_share < 1
+
+
+# `kvtier profile` of SmolLM2-135M bf16 on the 2-core machine docs/benchmarks.md's importance
+# tables were measured on (2026-11-24).
+SMOLLM2 = HardwareProfile(
+    "smollm2", "bfloat16", 2, prefill_a=4.386e-4, prefill_b=2.101e-7, project_s=8.808e-7, place_s=7.729e-8,
+    tiers={"disk": TierRates(8.524e8, 1.706e9, 7.814e-5, overlap=0.382)}, prefill_g=1.295e-5, prefill_c=7.766e-4)
+
+# The fastest method each cell measured (8128-token history + 64 new, medians of 3; docs/benchmarks.md).
+MEASURED_FASTEST = {(None, 1): Method.KV, (500e6, 1): Method.KV, (100e6, 1): Method.KV, (20e6, 1): Method.CAKE,
+                    (None, 16): Method.KV, (500e6, 16): Method.KV, (100e6, 16): Method.IMPRESS, (20e6, 16): Method.IMPRESS}
+
+
+@pytest.mark.parametrize("bps, unit", list(MEASURED_FASTEST))
+def test_auto_with_lossy_allowed_chooses_what_measured_fastest(bps, unit):
+    reads = ImportanceReads.initial(0.25, 1, KV_HEADS, 16, unit)
+    planner = Planner(SMOLLM2, SHAPE, {"disk": TierLink(SMOLLM2.tiers["disk"], bps)}, importance=reads)
+    kv = (Repr.KV,) * LAYERS
+    chunks = [PlannedChunk(f"k{a}", a, a + 64, "disk", 0) for a in range(0, 8128, 64)]
+    assert planner.choose(chunks, 64, {Method.KV: kv, Method.CAKE: kv, Method.IMPRESS: kv}).method \
+        is MEASURED_FASTEST[(bps, unit)]
+    assert planner.choose(chunks, 64, {Method.KV: kv, Method.CAKE: kv}).method is not Method.IMPRESS  # unless allowed
+
+
+def test_allow_lossy_needs_auto():
+    with pytest.raises(ValueError, match="auto"):
+        ReuseConfig(method="kv", allow_lossy=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kvtier.models.loading import load_model
+
+    return load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+
+
+def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, tmp_path):
+    import torch
+
+    ids = torch.randint(3, model.config.vocab_size, (268,), generator=torch.Generator().manual_seed(5)).tolist()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with Engine(model) as plain:
+        want = plain.generate([ids], greedy)[0].output_ids
+    prof = fake_profile(model.fingerprint, compute_scale=500.0)  # recompute far off
+    # A read call costs 5 ms: importance restores make one per chunk and layer, so unthrottled kv
+    # wins; at 0.2 MB/s the bytes decide and whole granules read 0.375x of them.
+    prof.tiers["disk"] = dataclasses.replace(prof.tiers["disk"], read_latency_s=5e-3)
+    reuse = ReuseConfig(allow_lossy=True, importance_ratio=0.25, importance_unit="granule")
+    spec = f"disk:{tmp_path}/d:256MB"
+    with Engine(model, store=spec, reuse=reuse, profile=prof) as first:
+        first.generate([ids[:256]], SamplingParams(max_tokens=1, temperature=0.0))
+        assert first.flush(30)
+    with Engine(model, store=spec, reuse=reuse, profile=prof) as engine:
+        out = engine.generate([ids], greedy)[0]
+    assert out.restore is not None and out.restore.method in ("kv", "cake")
+    assert out.output_ids == want  # exact methods read the importance layout exactly
+    slow = f"disk:{tmp_path}/d:256MB:bw=0.2MB/s"
+    with Engine(model, store=slow, reuse=reuse, profile=prof) as engine:
+        out = engine.generate([ids], greedy)[0]
+    assert out.restore is not None and out.restore.method == "impress"
+    assert out.restore.prefix_attended == 64 and out.restore.predicted_s > 0
