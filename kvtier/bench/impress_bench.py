@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvtier.bench import impress_admission, impress_reorder
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
@@ -101,6 +102,12 @@ def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
     return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
+def _nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] under logits [len(ids), vocab] (row i predicts i + 1)."""
+    lp = torch.log_softmax(logits[:-1].float(), -1)
+    return -lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+
+
 def cmd_accuracy(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
@@ -112,7 +119,7 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
     if args.variants:
         keep = {"full", *args.variants.split(",")}
         vs = {k: v for k, v in vs.items() if k in keep}
-    per: dict[str, dict[str, list]] = {name: {"correct": [], "kl": [], "bytes": [], "passed": [], "identify": [],
+    per: dict[str, dict[str, list]] = {name: {"correct": [], "kl": [], "nll": [], "bytes": [], "passed": [], "identify": [],
                                               "seconds": [], "jaccard": [], "granules": []} for name in vs}
     ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
     print(f"probe KV heads [{ns.probe_first}, {ns.probe_first + ns.probe_kv_heads}) of {ns.num_kv_heads}", flush=True)
@@ -139,6 +146,7 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
                 if full_logits is None:
                     full_logits = logits
                 q["kl"].append(_kl(full_logits[-len(item.query_ids):], logits[-len(item.query_ids):]))
+                q["nll"].append(_nll(logits[-len(item.query_ids):], item.query_ids))  # the question, teacher-forced
                 q["bytes"].append(st.bytes_read)
                 q["passed"].append(st.layers_passed / st.layers)
                 q["identify"].append(st.identify_s / st.seconds)
@@ -154,7 +162,8 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
         k = sum(q["correct"])
         lo, hi = wilson(k, n)
         rows.append(dict(variant=name, n=n, correct=k, accuracy=k / n, ci95=[lo, hi],
-                         kl_mean=statistics.mean(q["kl"]), bytes_vs_full=statistics.mean(
+                         kl_mean=statistics.mean(q["kl"]), perplexity=math.exp(statistics.mean(q["nll"])),
+                         bytes_vs_full=statistics.mean(
                              b / f for b, f in zip(q["bytes"], full_bytes)),
                          layers_passed=statistics.mean(q["passed"]),
                          identify_share=statistics.mean(q["identify"]), seconds_p50=statistics.median(q["seconds"]),
@@ -211,20 +220,25 @@ def _history(loaded: LoadedModel, tokens: int) -> list[int]:
     return loaded.tokenizer.encode(stdlib_text(tokens * 8), add_special_tokens=False)[:tokens]
 
 
-def _engine_ttft(loaded: LoadedModel, spec: str, method: str, ids: list[int], ratio: float, unit: str = "token"):
+def _engine_ttft(loaded: LoadedModel, spec: str, method: str, ids: list[int], ratio: float, unit: str = "token",
+                 lossy: bool = False):
     from kvtier.engine.config import EngineConfig, ReuseConfig
     from kvtier.engine.engine import Engine
     from kvtier.engine.request import SamplingParams
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
-    reuse = ReuseConfig(method=method, importance_ratio=ratio, importance_unit=unit)
+    reuse = ReuseConfig(method=method, importance_ratio=ratio, importance_unit=unit, allow_lossy=lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
     return out
 
 
-ENGINE_ROWS = {"recompute": ("recompute", "token"), "kv": ("kv", "token"), "cake": ("cake", "token"),
-               "impress": ("impress", "token"), "impress-g": ("impress", "granule")}
+# Row name -> (restore method, importance unit, lossy allowed). The auto rows let the planner
+# choose, with importance restores allowed (they store the importance layout, as impress does).
+ENGINE_ROWS = {"recompute": ("recompute", "token", False), "kv": ("kv", "token", False),
+               "cake": ("cake", "token", False), "impress": ("impress", "token", False),
+               "impress-g": ("impress", "granule", False), "auto-lossy": ("auto", "token", True),
+               "auto-lossy-g": ("auto", "granule", True)}
 
 
 def cmd_ttft(args: argparse.Namespace) -> dict:
@@ -236,7 +250,8 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
     # Turn 1, once per namespace: the exact engines' layout and the importance layout.
     for method in ("kv", "impress"):
         _engine_ttft(loaded, base, method, ids[:hist], args.ratio)
-    rows = []
+    rows: list[dict] = []
+    rows_wanted = set(args.methods.split(",")) if args.methods else set(ENGINE_ROWS) | {"read"}
     rope = Rope(loaded.config, hist + new + 64, loaded.dtype)
     reads_of = {"read:full": ImpressPolicy(selection=Selection.FULL),
                 f"read:h2o@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, selection=Selection.H2O),
@@ -244,19 +259,25 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
                 f"read:impress-g@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, block=PROBE_GRANULE_TOKENS)}
     for bw in args.bandwidths.split(","):
         spec = base if bw == "none" else f"{base}:bw={bw}MB/s"
-        for name, (method, unit) in ENGINE_ROWS.items():
+        for name, (method, unit, lossy) in ENGINE_ROWS.items():
+            if name not in rows_wanted:
+                continue
             runs = []
             for _ in range(args.repeats):
                 drop_page_cache(root)
-                runs.append(_engine_ttft(loaded, spec, method, ids, args.ratio, unit))
+                runs.append(_engine_ttft(loaded, spec, method, ids, args.ratio, unit, lossy))
             ttft = statistics.median(o.ttft for o in runs)
             rs = runs[0].restore
+            if name.startswith("auto"):
+                print(f"        {name} chose {[o.restore.method if o.restore else 'recompute' for o in runs]}")
             rows.append(dict(bandwidth=bw, method=name, ttft_s=ttft, runs=[o.ttft for o in runs],
                              bytes_read=rs.bytes_read if rs else 0, restored_by=rs.method if rs else None,
                              attended=rs.prefix_attended if rs else None))
             print(f"{bw:>5} MB/s  {name:22s} TTFT {ttft * 1000:7.0f} ms  read {rows[-1]['bytes_read'] / 1e6:7.1f} MB",
                   flush=True)
         # The same prefix read by IMPRESS, H2O-style and in full through one code path (no engine).
+        if "read" not in rows_wanted:
+            continue
         with TieredStore.open(spec, namespace(loaded), chunk_tokens=CHUNK) as store:
             match = store.lookup(ids[:hist])
             for name, policy in reads_of.items():
@@ -287,6 +308,18 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
 
 def ttft_goals(rows: list[dict], ratio: float) -> list[dict]:
     goals: list[dict] = []
+    for auto, kind in (("auto-lossy", "impress"), ("auto-lossy-g", "impress-g")):
+        picks = [r for r in rows if r["method"] == auto]
+        if not picks:
+            continue
+        wrong = 0
+        for r in picks:  # a cell where auto restored by importance although an exact method measured faster
+            cell = {x["method"]: x["ttft_s"] for x in rows if x["bandwidth"] == r["bandwidth"]}
+            best_exact = min(cell.get("kv", math.inf), cell.get("cake", math.inf))
+            if r["restored_by"] == "impress" and cell.get(kind, math.inf) > best_exact:
+                wrong += 1
+        goals.append(dict(goal=f"{auto}: never restores by importance where {kind} measured slower than kv or cake "
+                               f"(cells, of {len(picks)})", met=wrong == 0, value=wrong, target=0))
     at = [r for r in rows if r["bandwidth"] == "100"]
     if not at:
         return goals
@@ -309,12 +342,17 @@ def ttft_goals(rows: list[dict], ratio: float) -> list[dict]:
 
 
 def _table(doc: dict, mode: str) -> str:
-    if mode == "accuracy":
-        lines = ["| variant | accuracy | 95% CI | KL vs full | bytes vs full | layers passed | identify share |",
-                 "|---|---|---|---|---|---|---|"]
+    if mode == "reorder":
+        lines = [impress_reorder.table(doc)]
+    elif mode == "admission":
+        lines = [impress_admission.table(doc)]
+    elif mode == "accuracy":
+        lines = ["| variant | accuracy | 95% CI | KL vs full | query perplexity | bytes vs full | layers passed | "
+                 "identify share |", "|---|---|---|---|---|---|---|---|"]
         for r in doc["rows"]:
             lines.append(f"| {r['variant']} | {r['accuracy'] * 100:.1f}% ({r['correct']}/{r['n']}) | "
                          f"{r['ci95'][0] * 100:.1f}-{r['ci95'][1] * 100:.1f} | {r['kl_mean']:.4f} | "
+                         f"{r.get('perplexity', float('nan')):.3f} | "
                          f"{r['bytes_vs_full']:.3f} | {r['layers_passed']:.2f} | {r['identify_share']:.3f} |")
     else:
         lines = ["| bandwidth MB/s | method | TTFT ms (median) | bytes read MB |", "|---|---|---|---|"]
@@ -333,7 +371,13 @@ def _plot(doc: dict, mode: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    if mode == "accuracy":
+    if mode == "reorder":
+        ax.bar([r["phase"] for r in doc["rows"]], [r["granules"] for r in doc["rows"]])
+        ax.set_ylabel("K/V granules read per restore (median)")
+    elif mode == "admission":
+        ax.bar([r["policy"] for r in doc["rows"]], [r["important_hit_ratio"] for r in doc["rows"]])
+        ax.set_ylabel("faster tier's hit ratio on important tokens (simulated)")
+    elif mode == "accuracy":
         for kind in ("impress", "impress-g", "h2o", "h2o-g"):
             pts = sorted((float(r["variant"].split("@")[1]), r["accuracy"] * 100) for r in doc["rows"]
                          if r["variant"].startswith(kind + "@"))
@@ -355,7 +399,8 @@ def _plot(doc: dict, mode: str, path: str) -> None:
         ax.set_xlabel("emulated disk bandwidth (MB/s)")
         ax.set_ylabel("TTFT / restore seconds (median)")
         ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    if mode in ("accuracy", "ttft"):
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -368,7 +413,9 @@ def cmd(args: argparse.Namespace) -> int:
         _plot(doc, doc["mode"], args.plot or str(Path(args.replot).with_suffix(".png")))
         return 0
     torch.manual_seed(0)
-    doc = cmd_accuracy(args) if args.mode == "accuracy" else cmd_ttft(args)
+    run = {"accuracy": cmd_accuracy, "ttft": cmd_ttft, "reorder": impress_reorder.run,
+           "admission": impress_admission.run}[args.mode]
+    doc = run(args)
     doc.update(mode=args.mode, model=args.model, dtype=args.dtype, machine=machine_info(), args=vars(args) | {"func": None})
     print(_table(doc, args.mode))
     if args.json:
@@ -381,7 +428,10 @@ def cmd(args: argparse.Namespace) -> int:
 def register(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("impress", help="importance-only restore (IMPRESS): needle accuracy, bytes and TTFT "
                                              "against full KV and the exact methods")
-    p.add_argument("--mode", choices=["accuracy", "ttft"], default="accuracy")
+    p.add_argument("--mode", choices=["accuracy", "ttft", "reorder", "admission"], default="accuracy",
+                   help="accuracy: needle multiple choice; ttft: restore time by disk bandwidth; reorder: granules "
+                        "and TTFT of held-out queries of one stored document before and after a reorder pass; "
+                        "admission: the faster tier's hit ratio on important tokens by eviction policy (simulated)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--n", type=int, default=210, help="accuracy: needle items (5 depths x lengths x seeds)")
@@ -400,7 +450,13 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ratio", type=float, default=0.25, help="ttft: importance ratio")
     p.add_argument("--bandwidths", default="none,500,100,20", help="ttft: emulated disk bandwidths in MB/s")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default=None,
+                   help=f"ttft: only these rows (comma-separated: {', '.join(ENGINE_ROWS)}, read) (default: all)")
+    p.add_argument("--bandwidth", default="100", help="reorder: emulated disk bandwidth in MB/s (or none)")
+    p.add_argument("--warm", type=int, default=4, help="reorder: queries that feed the importance statistics")
+    p.add_argument("--queries", type=int, default=4, help="reorder: held-out queries timed before and after")
     p.add_argument("--dir", default=None, help="ttft: disk tier directory (default: a new temporary one)")
+    impress_admission.add_arguments(p)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw the figure of an earlier run's JSON")
