@@ -214,9 +214,12 @@ def accuracy_goals(rows: list[dict]) -> list[dict]:
 
 # ----- TTFT -------------------------------------------------------------------------------------
 def _history(loaded: LoadedModel, tokens: int) -> list[int]:
+    """Standard-library docstrings, or seeded random ids for a random-weight preset (TTFT and bytes
+    do not depend on what the tokens say)."""
     from kvtier.text import stdlib_text
 
-    assert loaded.tokenizer is not None
+    if loaded.tokenizer is None:
+        return torch.randint(3, loaded.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     return loaded.tokenizer.encode(stdlib_text(tokens * 8), add_special_tokens=False)[:tokens]
 
 
@@ -235,6 +238,15 @@ def _engine_ttft(loaded: LoadedModel, spec: str, method: str, ids: list[int], ra
 
 # Row name -> (restore method, importance unit, lossy allowed). The auto rows let the planner
 # choose, with importance restores allowed (they store the importance layout, as impress does).
+def _throttled(spec: str, bw: str) -> str:
+    """`spec` read at `bw` MB/s (emulated), or as is for "none"."""
+    if bw == "none":
+        return spec
+    if spec.startswith("redis"):
+        return f"{spec}{'&' if '?' in spec else '?'}bw={bw}MB/s"
+    return f"{spec}:bw={bw}MB/s"
+
+
 ENGINE_ROWS = {"recompute": ("recompute", "token", False), "kv": ("kv", "token", False),
                "cake": ("cake", "token", False), "impress": ("impress", "token", False),
                "impress-g": ("impress", "granule", False), "auto-lossy": ("auto", "token", True),
@@ -246,7 +258,7 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
     hist, new = args.history, args.new
     ids = _history(loaded, hist + new)
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-impress-"))
-    base = f"disk:{root}:16GB"
+    base = args.tier or f"disk:{root}:16GB"
     # Turn 1, once per namespace: the exact engines' layout and the importance layout.
     for method in ("kv", "impress"):
         _engine_ttft(loaded, base, method, ids[:hist], args.ratio)
@@ -258,7 +270,7 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
                 f"read:impress@{args.ratio:g}": ImpressPolicy(ratio=args.ratio),
                 f"read:impress-g@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, block=PROBE_GRANULE_TOKENS)}
     for bw in args.bandwidths.split(","):
-        spec = base if bw == "none" else f"{base}:bw={bw}MB/s"
+        spec = _throttled(base, bw)
         for name, (method, unit, lossy) in ENGINE_ROWS.items():
             if name not in rows_wanted:
                 continue
@@ -456,6 +468,9 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warm", type=int, default=4, help="reorder: queries that feed the importance statistics")
     p.add_argument("--queries", type=int, default=4, help="reorder: held-out queries timed before and after")
     p.add_argument("--dir", default=None, help="ttft: disk tier directory (default: a new temporary one)")
+    p.add_argument("--tier", default=None, metavar="SPEC",
+                   help="ttft: one store tier to keep the history in instead of the disk tier, e.g. "
+                        "redis://127.0.0.1:6379?prefix=bench (bandwidths are emulated on it the same way)")
     impress_admission.add_arguments(p)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
