@@ -9,7 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.impress_exec import ReducedCache, calibrate_probe, extend, impress_prefill
+from kvtier.engine import impress_exec
+from kvtier.engine.impress_exec import (
+    ReducedCache,
+    calibrate,
+    calibrate_probe,
+    extend,
+    impress_prefill,
+    probe_pass_rate,
+)
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.restore.impress import ImpressPolicy, Selection
@@ -164,3 +172,17 @@ def test_probe_calibration_scores_each_candidate_kv_head(loaded):
     # Keeping the whole prefix changes nothing, whichever head chooses.
     _, none_lost = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1, ratio=1.0)
     assert max(none_lost) < 1e-5
+
+
+def test_probe_pass_rate_and_the_cached_calibration(loaded, tmp_path, monkeypatch):
+    cfg = loaded.config
+    rope = Rope(cfg, 4096, torch.float32)
+    ids = _ids(cfg.vocab_size, 160, seed=9)
+    assert probe_pass_rate(loaded.module, rope, ids, 128, 0, 1, ratio=1.0) == 1.0  # every set is everything
+    rate = probe_pass_rate(loaded.module, rope, ids, 128, 0, 1)
+    assert 0.0 <= rate <= 1.0 and rate * cfg.num_layers == round(rate * cfg.num_layers)  # whole layers
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
+    first = calibrate(loaded, 1)
+    assert first.first == 0  # no tokenizer: the paper's first heads
+    monkeypatch.setattr(impress_exec, "probe_pass_rate", lambda *a, **k: pytest.fail("not cached"))
+    assert calibrate(loaded, 1) == first  # measured once per model, dtype and probe count

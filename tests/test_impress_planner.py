@@ -38,22 +38,31 @@ def test_initial_read_shares():
     assert ImportanceReads.initial(0.25, 3, 16, 16, 16).probe_share == pytest.approx(3 / 32)
 
 
-def test_the_predicted_bytes_follow_the_probe_and_granule_shares():
-    planner, chunks = _planner(20e6), _chunks(8192)  # slow enough that the bytes bound it
+def test_the_predicted_bytes_follow_the_probe_granule_and_pass_shares():
+    chunks = _chunks(8192)
     full = 8192 * LAYERS * SHAPE.kv_bytes_per_token_layer
-    _, ideal, _, _, _ = planner.predict(Method.IMPRESS, chunks, 64, ())
-    # Every layer's probe keys (1/6 of K/V) and a quarter of the rest: 0.375x of full K/V.
-    assert ideal == pytest.approx(full * (1 / 6 + 5 / 6 * 0.25) / planner._bandwidth(chunks), rel=1e-9)
+    for passed in (1.0, 0.0):
+        planner = _planner(20e6)  # slow enough that the bytes bound it
+        assert planner.importance is not None
+        planner.importance.pass_rate = passed
+        _, ideal, _, _, _ = planner.predict(Method.IMPRESS, chunks, 64, ())
+        # Every layer's probe keys (1/6 of K/V); then K and V of every head for the kept quarter where
+        # the probes agree, else all of K and the kept quarter of V.
+        share = 1 / 6 + (0.25 if passed else 0.5 + 0.5 * 0.25)
+        assert ideal == pytest.approx(full * share / planner._bandwidth(chunks), rel=1e-9)
 
 
-def test_learning_the_granule_share_moves_the_prediction():
+def test_learning_from_restores_moves_the_prediction():
     planner, chunks = _planner(100e6, unit=1), _chunks(8192)
-    before = planner.predict(Method.IMPRESS, chunks, 64, ())[0]
-    planner.observe_granules(0.5)
     assert planner.importance is not None
-    assert planner.importance.granule_share == pytest.approx(1 - 0.75 ** 16 + 0.3 * (0.5 - (1 - 0.75 ** 16)))
-    assert planner.predict(Method.IMPRESS, chunks, 64, ())[0] < before  # fewer granules: less to read
-    planner.observe_granules(1.5)  # not a share: ignored
+    start = 1 - 0.75 ** 16
+    assert (planner.importance.granule_share, planner.importance.pass_rate) == (pytest.approx(start), 0.8)
+    before = planner.predict(Method.IMPRESS, chunks, 64, ())[0]
+    planner.observe_importance(0.5, 1.0)  # reordered chunks, every layer agreed
+    assert planner.importance.granule_share == pytest.approx(start + 0.3 * (0.5 - start))
+    assert planner.importance.pass_rate == pytest.approx(0.8 + 0.3 * 0.2)
+    assert planner.predict(Method.IMPRESS, chunks, 64, ())[0] < before  # less to read
+    planner.observe_importance(1.5, 0.5)  # not a share: ignored
     assert planner.importance.granule_share < 1
 
 
@@ -70,7 +79,8 @@ MEASURED_FASTEST = {(None, 1): Method.KV, (500e6, 1): Method.KV, (100e6, 1): Met
 
 @pytest.mark.parametrize("bps, unit", list(MEASURED_FASTEST))
 def test_auto_with_lossy_allowed_chooses_what_measured_fastest(bps, unit):
-    reads = ImportanceReads.initial(0.25, 1, KV_HEADS, 16, unit)
+    # 97% of layers passed the threshold in the needle runs (docs/benchmarks.md).
+    reads = ImportanceReads.initial(0.25, 1, KV_HEADS, 16, unit, pass_rate=0.97)
     planner = Planner(SMOLLM2, SHAPE, {"disk": TierLink(SMOLLM2.tiers["disk"], bps)}, importance=reads)
     kv = (Repr.KV,) * LAYERS
     chunks = [PlannedChunk(f"k{a}", a, a + 64, "disk", 0) for a in range(0, 8128, 64)]
@@ -91,8 +101,15 @@ def model():
     return load_model("tiny-gqa", dtype="fp32", tokenizer=False)
 
 
-def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, tmp_path):
+def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, tmp_path, monkeypatch):
     import torch
+
+    from kvtier.engine import statelink
+    from kvtier.engine.impress_exec import ProbeCalibration
+
+    # Random weights: probe heads rarely agree, so importance restores would read most keys and auto
+    # would (rightly) not choose them; here the probes are taken to always agree.
+    monkeypatch.setattr(statelink, "calibrate", lambda model, probes: ProbeCalibration(0, 1.0))
 
     ids = torch.randint(3, model.config.vocab_size, (268,), generator=torch.Generator().manual_seed(5)).tolist()
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -116,3 +133,13 @@ def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, t
         out = engine.generate([ids], greedy)[0]
     assert out.restore is not None and out.restore.method == "impress"
     assert out.restore.prefix_attended == 64 and out.restore.predicted_s > 0
+
+
+@pytest.mark.parametrize("lossy_s, chosen", [(0.84, Method.IMPRESS), (0.86, Method.KV)])
+def test_a_lossy_plan_must_be_predicted_15_percent_faster(monkeypatch, lossy_s, chosen):
+    planner, chunks = _planner(None), _chunks(1024)
+    times = {Method.RECOMPUTE: 9.0, Method.KV: 1.0, Method.CAKE: 2.0, Method.IMPRESS: lossy_s}
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda m, *a, **k: dataclasses.replace(real(m, *a, **k), predicted_s=times[m]))
+    allowed = {Method.KV: (), Method.CAKE: (), Method.IMPRESS: ()}
+    assert planner.choose(chunks, 64, allowed).method is chosen

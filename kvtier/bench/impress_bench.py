@@ -29,7 +29,7 @@ from kvtier.bench import impress_admission, impress_reorder
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
-from kvtier.engine.impress_exec import ReducedCache, extend, impress_prefill, probe_first_for
+from kvtier.engine.impress_exec import ReducedCache, calibrate, extend, impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.models.rope import Rope
 from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection, probe_kv_heads_for
@@ -63,7 +63,7 @@ def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS, p
     """The importance layout the engine would open (its calibrated probe head unless one is given)."""
     c = loaded.config
     probes = probes or probe_kv_heads_for(c.num_kv_heads)
-    first = probe_first if probe_first >= 0 else probe_first_for(loaded, probes)
+    first = probe_first if probe_first >= 0 else calibrate(loaded, probes).first
     return StoreNamespace(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size,
                           compute_dtype=name_of(loaded.dtype), probe_kv_heads=probes, probe_first=first,
                           granule_tokens=granule_tokens)

@@ -155,6 +155,7 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     c = reads.counts
     stats.bytes_read, stats.read_calls, stats.granules_read, stats.granules_whole = \
         c.nbytes, c.calls, c.granules, c.granules_whole
+    stats.chosen_share = c.chosen / c.chosen_of if c.chosen_of else 0.0
     stats.seconds = time.perf_counter() - t0
     return model.logits(h), ReducedCache(ks, vs, m - k), stats
 
@@ -189,28 +190,62 @@ def calibrate_probe(model: CausalLM, rope: Rope, prefix_ids: Sequence[int], quer
     return min(range(len(err)), key=err.__getitem__), err
 
 
-def probe_first_for(loaded: LoadedModel, probes: int) -> int:
-    """A model's calibrated first probe KV head (`calibrate_probe` over three stretches of standard
-    library docstrings, each followed by a span of itself), cached under KVTIER_HOME/probes.
-    0 (the paper's first heads) for a model without a tokenizer or when every head is a probe."""
+@torch.inference_mode()
+def probe_pass_rate(model: CausalLM, rope: Rope, ids: Sequence[int], m: int, first: int, probes: int,
+                    ratio: float = 0.25, alpha: float = 0.6) -> float:
+    """Share of layers whose probe heads (KV heads [first, first + probes)) agree at `ratio`: the
+    mean pairwise Jaccard of their query heads' top-k sets of the prefix ids[:m], scored by the
+    rows after it, reaches the threshold. Layers below it read every key (the planner's input)."""
+    cfg = model.cfg
+    g = cfg.num_heads // cfg.num_kv_heads
+    dev = rope.cos_h.device
+    positions = torch.arange(len(ids), device=dev)
+    h = model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev))
+    k, t, passed = math.ceil(ratio * m), similarity_threshold(ratio, alpha), 0
+    for layer in model.layers:
+        q, kk, v = layer.qkv(h)
+        q, kk = _rotate(rope, q, positions), _rotate(rope, kk, positions)
+        imp = column_importance(q[m:, first * g : (first + probes) * g], kk[:m, first : first + probes], kk[m:, first : first + probes])
+        passed += mean_jaccard(imp, k) >= t
+        h = layer.finish(h, causal_attention(q, kk, v, 0))
+    return passed / cfg.num_layers
+
+
+@dataclass(frozen=True)
+class ProbeCalibration:
+    first: int  # first probe KV head
+    pass_rate: float  # share of layers whose probe heads agreed on the calibration text
+
+
+def calibrate(loaded: LoadedModel, probes: int) -> ProbeCalibration:
+    """A model's probe KV heads and how often they agree, measured once per model, dtype and probe
+    count and cached under KVTIER_HOME/probes. The probe is the candidate `calibrate_probe` finds
+    best over three stretches of standard-library docstrings (each followed by a span of itself);
+    the paper's first heads where every KV head is a probe or the model has no tokenizer (a
+    random-weight preset: its pass rate is measured on seeded random ids)."""
     cfg = loaded.config
-    if probes >= cfg.num_kv_heads or loaded.tokenizer is None:
-        return 0
     path = paths.home() / "probes" / f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}.json"
     try:
-        return int(json.loads(path.read_text())["probe_first"])
+        doc = json.loads(path.read_text())
+        return ProbeCalibration(int(doc["probe_first"]), float(doc["pass_rate"]))
     except (OSError, ValueError, KeyError):
         pass
     rope = Rope(cfg, 1024 + 32, loaded.dtype, loaded.module.lm_head.weight.device)
-    total = [0.0] * (cfg.num_kv_heads - probes + 1)
-    for skip in (0, 40, 80):
-        ids = loaded.tokenizer.encode(stdlib_text(12000, skip), add_special_tokens=False)[:1024]
-        _, err = calibrate_probe(loaded.module, rope, ids, ids[400:432], probes)
-        total = [a + b / 3 for a, b in zip(total, err)]
-    first = min(range(len(total)), key=total.__getitem__)
+    if loaded.tokenizer is None:
+        texts = [torch.randint(3, cfg.vocab_size, (1024,), generator=torch.Generator().manual_seed(s)).tolist()
+                 for s in range(3)]
+    else:
+        texts = [loaded.tokenizer.encode(stdlib_text(12000, skip), add_special_tokens=False)[:1024] for skip in (0, 40, 80)]
+    first, total = 0, [0.0] * (cfg.num_kv_heads - probes + 1)
+    if probes < cfg.num_kv_heads and loaded.tokenizer is not None:
+        for ids in texts:
+            _, err = calibrate_probe(loaded.module, rope, ids, ids[400:432], probes)
+            total = [a + b / 3 for a, b in zip(total, err)]
+        first = min(range(len(total)), key=total.__getitem__)
+    rate = sum(probe_pass_rate(loaded.module, rope, ids + ids[400:432], len(ids), first, probes) for ids in texts) / 3
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"probe_first": first, "relative_error": total, "probes": probes}))
-    return first
+    path.write_text(json.dumps({"probe_first": first, "pass_rate": rate, "relative_error": total, "probes": probes}))
+    return ProbeCalibration(first, rate)
 
 
 def mean_jaccard(importance: torch.Tensor, k: int) -> float:

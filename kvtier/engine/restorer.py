@@ -285,8 +285,8 @@ class Restorer:
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
         imp = job.restore.impress if isinstance(job.restore, ImpressRestore) else None
-        if imp is not None and imp.granules_whole:
-            self.planner.observe_granules(imp.granules_read / imp.granules_whole)
+        if imp is not None and imp.layers and imp.chosen_share:
+            self.planner.observe_importance(imp.chosen_share, imp.layers_passed / imp.layers)
         return True
 
     def abort(self, request_id: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from kvtier.dtypes import name_of
 from kvtier.engine.config import ReuseConfig
-from kvtier.engine.impress_exec import probe_first_for
+from kvtier.engine.impress_exec import ProbeCalibration, calibrate
 from kvtier.engine.request import Request
 from kvtier.engine.restorer import RestoreDone, Restorer
 from kvtier.engine.runner import CaptureFn, ModelRunner
@@ -255,20 +255,20 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
 
     importance = reuse.importance
     probes = probe_kv_heads_for(cfg.num_kv_heads) if importance else 0
-    probe_first = probe_first_for(model, probes) if importance else 0
+    calib = calibrate(model, probes) if importance else ProbeCalibration(0, 1.0)
 
     def namespace(layout: Sequence[Repr]) -> StoreNamespace:
         return StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                               compute_dtype=name_of(model.dtype), storage_dtype=reuse.storage_dtype,
                               layer_reprs=tuple(layout),
-                              probe_kv_heads=probes, probe_first=probe_first,
+                              probe_kv_heads=probes, probe_first=calib.first,
                               granule_tokens=PROBE_GRANULE_TOKENS if importance else 0)
 
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
     shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))
     reads = ImportanceReads.initial(reuse.importance_ratio, probes, cfg.num_kv_heads, PROBE_GRANULE_TOKENS,
-                                    PROBE_GRANULE_TOKENS if reuse.importance_unit == "granule" else 1) \
-        if importance else None
+                                    PROBE_GRANULE_TOKENS if reuse.importance_unit == "granule" else 1,
+                                    calib.pass_rate) if importance else None
     planner = Planner(profile, shape, links(profile, [(n, em.bandwidth, em.latency) for n, em in tiers]),
                       prefill_chunk_tokens=prefill_chunk_tokens, importance=reads)
     if reuse.layout is not None:

@@ -82,6 +82,7 @@ class ImpressStats:
     read_calls: int = 0
     granules_read: int = 0
     granules_whole: int = 0
+    chosen_share: float = 0.0  # of the stored granules of the parts read by token, the share read
     read_s: float = 0.0
     identify_s: float = 0.0  # scoring and choosing (importance, top-k, Jaccard, vote)
     seconds: float = 0.0

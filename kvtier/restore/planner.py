@@ -23,6 +23,7 @@ from kvtier.store.index import StoredChunk
 from kvtier.store.layout import Repr
 
 MAX_CORRECTION = 4.0  # the most online refinement may scale a method's predicted time, either way
+LOSSY_MARGIN = 0.85  # a lossy plan must be predicted at least 15% faster than the best exact one
 
 
 @dataclass(frozen=True)
@@ -40,18 +41,22 @@ class LayerCosts:
 
 @dataclass
 class ImportanceReads:
-    """What an importance-only restore reads (IMPRESS), for its prediction."""
+    """What an importance-only restore reads (IMPRESS), for its prediction. The two shares are
+    learned from restores (`observe_importance`)."""
 
     ratio: float  # share of the prefix each layer keeps
     probe_share: float  # the probe keys' share of a layer's stored K/V: probe KV heads / (2 x KV heads)
-    granule_share: float  # share of the stored K/V granules its reads touch: learned (`observe_granules`)
+    granule_share: float  # share of the stored K/V granules the kept tokens touch
+    pass_rate: float  # share of layers whose probe heads agree (the others read every key)
 
     @staticmethod
-    def initial(ratio: float, probe_kv_heads: int, kv_heads: int, granule_tokens: int, unit: int) -> "ImportanceReads":
+    def initial(ratio: float, probe_kv_heads: int, kv_heads: int, granule_tokens: int, unit: int,
+                pass_rate: float = 0.8) -> "ImportanceReads":
         """Before any restore was seen: whole granules read what they keep; single tokens scattered
-        at random touch a granule unless all of its tokens were left out."""
+        at random touch a granule unless all of its tokens were left out. The pass rate comes from
+        the probe calibration (0.8, the paper's "under 20% fall back", without one)."""
         share = ratio if unit > 1 else 1.0 - (1.0 - ratio) ** granule_tokens
-        return ImportanceReads(ratio, probe_kv_heads / (2 * kv_heads), share)
+        return ImportanceReads(ratio, probe_kv_heads / (2 * kv_heads), share, pass_rate)
 
 
 def _tokens(chunks: Sequence[StoredChunk]) -> int:
@@ -195,31 +200,37 @@ class Planner:
     def _impress(self, chunks: Sequence[StoredChunk], new: int, bw: float) -> tuple[float, float, float, float, int]:
         """The importance-only restore as the executor runs it, all in series (its reads of a layer
         wait for that layer's choice, and compute waits for them): every layer's probe keys in one
-        read per chunk; then per layer scoring the prefix with the probe heads, one ranged read per
-        chunk of the granules kept, and the new tokens over the kept tokens."""
+        read per chunk; then per layer scoring the prefix with the probe heads and one ranged read
+        per chunk of the kept granules (K and V of every head); a layer whose probes disagree also
+        reads all of K and scores with every head first. Then the new tokens over the kept tokens."""
         imp = self.importance
         if imp is None:
             raise ValueError("importance-only restores are not planned here (no importance layout)")
         s, p, hist, n = self.shape, self.profile, _tokens(chunks), self.shape.num_layers
-        kv = s.kv_bytes_per_token_layer
+        kv, passed = s.kv_bytes_per_token_layer, imp.pass_rate
+
+        def per_chunk_calls(share: float) -> float:  # one read call per chunk (each paying a call's latency)
+            return sum(self._link(c.tier).read_s(int((c.end - c.start) * kv * share), whole_chunk=True) for c in chunks)
+
         probe = sum(self._link(c.tier).read_s(int((c.end - c.start) * kv * n * imp.probe_share), whole_chunk=True)
                     for c in chunks)
-        kept_bytes = kv * (1 - imp.probe_share) * imp.granule_share
-        # One read call per (chunk, layer), each paying a call's latency (whole_chunk: one call).
-        dep = n * sum(self._link(c.tier).read_s(int((c.end - c.start) * kept_bytes), whole_chunk=True) for c in chunks)
+        kept = imp.granule_share
+        dep = n * (passed * per_chunk_calls(kept) + (1 - passed) * (per_chunk_calls(0.5) + per_chunk_calls(0.5 * kept)))
         k = math.ceil(imp.ratio * hist)
         attention = max(0.0, p.prefill_s(hist, hist + new) - p.prefill_s(0, new))  # the new rows over the prefix
-        identify = attention * 2 * imp.probe_share  # the probe query heads' share of it
+        identify = attention * (2 * imp.probe_share + (1 - passed))  # the probe heads; every head where they disagree
         compute = p.prefill_s(k, k + new) + p.place_s * k * n
-        nbytes = hist * n * (kv * imp.probe_share + kept_bytes)
+        nbytes = hist * n * kv * (imp.probe_share + passed * kept + (1 - passed) * 0.5 * (1 + kept))
         t = probe + dep + identify + compute
         return t, max(nbytes / bw, compute), identify + compute, 0.0, 0
 
-    def observe_granules(self, share: float, weight: float = 0.3) -> None:
-        """Learn what share of the stored granules importance-only restores read (reordered chunks
-        read fewer)."""
-        if self.importance is not None and 0.0 <= share <= 1.0:
-            self.importance.granule_share += weight * (share - self.importance.granule_share)
+    def observe_importance(self, granule_share: float, pass_rate: float, weight: float = 0.3) -> None:
+        """Learn from an importance-only restore: the share of the stored granules it read (fewer
+        once chunks are reordered) and of layers whose probes agreed."""
+        imp = self.importance
+        if imp is not None and 0.0 <= granule_share <= 1.0 and 0.0 <= pass_rate <= 1.0:
+            imp.granule_share += weight * (granule_share - imp.granule_share)
+            imp.pass_rate += weight * (pass_rate - imp.pass_rate)
 
     def _cake(self, chunks: Sequence[StoredChunk]) -> tuple[float, int, float]:
         """Simulate the executor's two pointers: whichever side is free first claims work; the
@@ -287,11 +298,15 @@ class Planner:
 
     def choose(self, chunks: Sequence[StoredChunk], new: int, allowed: Mapping[Method, Sequence[Repr]]) -> Plan:
         """The fastest predicted plan among recompute and the methods the stored layout allows
-        (`allowed` maps each method to the stored layout it would read)."""
+        (`allowed` maps each method to the stored layout it would read). A lossy method must be
+        predicted at most LOSSY_MARGIN of the fastest exact plan's time: it costs accuracy, and its
+        prediction has been off by up to a quarter (docs/benchmarks.md)."""
         plans = [self.plan(Method.RECOMPUTE, chunks, new)]
         if chunks:
             plans += [self.plan(m, chunks, new, layout) for m, layout in allowed.items()]
-        return min(plans, key=lambda pl: pl.predicted_s)
+        exact = min((pl for pl in plans if pl.method.exact), key=lambda pl: pl.predicted_s)
+        lossy = min((pl for pl in plans if not pl.method.exact), key=lambda pl: pl.predicted_s, default=None)
+        return lossy if lossy is not None and lossy.predicted_s <= LOSSY_MARGIN * exact.predicted_s else exact
 
     def choose_layout(self, method: Method | None, tier: str, chunk_tokens: int) -> tuple[Repr, ...]:
         """What to store per layer. Fixed by the method when there is one; for auto, decide once,

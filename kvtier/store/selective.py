@@ -37,6 +37,10 @@ class ReadCounts:
     calls: int = 0  # ranged reads issued
     granules: int = 0  # K/V granules read
     granules_whole: int = 0  # granules the same segments hold in all (a whole-part read)
+    # Of those, what reads of chosen tokens (not whole parts) read and could have: how much of
+    # the stored state the kept tokens touch (the planner learns it).
+    chosen: int = 0
+    chosen_of: int = 0
 
 
 class TokenReads:
@@ -100,6 +104,9 @@ class TokenReads:
             self.counts.calls += calls
             self.counts.granules += granules
             self.counts.granules_whole += whole
+            self.counts.chosen += granules
+        # Every chunk holds granules of these parts, read or not.
+        self.counts.chosen_of += sum(len(oc.header.by_part[(layer, p)].granules) for oc in self.opened for p in parts)
         empty = torch.empty(0, self.ns.num_kv_heads, self.ns.head_dim)
         return {p: torch.cat([r[0][p] for r in results]) if results else empty for p in parts}
 
