@@ -395,7 +395,7 @@ class TieredStore:
     def stats(self) -> dict:
         return dict(spec=self.spec_text, chunk_tokens=self.chunk_tokens,
                     namespace=self.root, store=dict(self.counters), writer=self.writer.stats(),
-                    tiers={t.name: t.stats() for t in self.tiers})
+                    tiers={t.name: t.stats() for t in self.tiers}, last_reorder=vars(self.last_reorder))
 
     def verify(self) -> VerifyReport:
         """Read every chunk in every tier; remove and report the ones that fail any check."""
