@@ -35,8 +35,9 @@ def add_restore_arguments(p: argparse.ArgumentParser | Any) -> None:
                         "bubblefree, cake, recompute, or impress (lossy, opt-in: only the stored prefix tokens "
                         "the new tokens attend to; its state is never saved) (default: auto)")
     p.add_argument("--allow-lossy", action="store_true",
-                   help="with --restore-method auto: the planner may also choose impress where it predicts it "
-                        "faster than every exact method (stores the importance layout; lossy, so off by default)")
+                   help="with --restore-method auto: the planner may also choose impress where it predicts it at "
+                        "least 15%% faster than every exact method (stores the importance layout; lossy, so off by "
+                        "default)")
     p.add_argument("--importance-ratio", type=_ratio, default=0.25, metavar="R",
                    help="impress: share of a stored prefix each layer keeps (default: 0.25)")
     p.add_argument("--importance-unit", default="token", choices=["token", "granule"],
