@@ -172,22 +172,29 @@ def calibrate_probe(model: CausalLM, rope: Rope, prefix_ids: Sequence[int], quer
     g = cfg.num_heads // cfg.num_kv_heads
     ids = list(prefix_ids) + list(query_ids)
     m, k = len(prefix_ids), math.ceil(ratio * len(prefix_ids))
-    dev = rope.cos_h.device
-    positions = torch.arange(len(ids), device=dev)
     own = torch.arange(m, len(ids))
-    h = model.embed(torch.tensor(ids, dtype=torch.long, device=dev))
     err = [0.0] * (cfg.num_kv_heads - probes + 1)
-    for layer in model.layers:
-        q, kk, v = layer.qkv(h)
-        q, kk = _rotate(rope, q, positions), _rotate(rope, kk, positions)
+    for q, kk, v in _layers(model, rope, ids):
         imp = column_importance(q[m:], kk[:m], kk[m:])  # [heads, m]
         full = causal_attention(q[m:], kk, v, m).float()  # [n, heads, hd]: the query rows over everything
         for j in range(len(err)):
-            idx = torch.cat([top_k(imp[j * g : (j + probes) * g].sum(0), k), own]).to(dev)
+            idx = torch.cat([top_k(imp[j * g : (j + probes) * g].sum(0), k), own]).to(kk.device)
             out = causal_attention(q[m:], kk.index_select(0, idx), v.index_select(0, idx), k).float()
             err[j] += float((out - full).norm() / full.norm()) / cfg.num_layers
-        h = layer.finish(h, causal_attention(q, kk, v, 0))
     return min(range(len(err)), key=err.__getitem__), err
+
+
+def _layers(model: CausalLM, rope: Rope, ids: Sequence[int]):
+    """A full forward over `ids`, yielding each layer's (q, k, v) with RoPE applied ([tokens,
+    heads | kv_heads, hd]) before that layer attends over all of them."""
+    dev = rope.cos_h.device
+    positions = torch.arange(len(ids), device=dev)
+    h = model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev))
+    for layer in model.layers:
+        q, kk, v = layer.qkv(h)
+        q, kk = _rotate(rope, q, positions), _rotate(rope, kk, positions)
+        yield q, kk, v
+        h = layer.finish(h, causal_attention(q, kk, v, 0))
 
 
 @torch.inference_mode()
@@ -198,16 +205,11 @@ def probe_pass_rate(model: CausalLM, rope: Rope, ids: Sequence[int], m: int, fir
     rows after it, reaches the threshold. Layers below it read every key (the planner's input)."""
     cfg = model.cfg
     g = cfg.num_heads // cfg.num_kv_heads
-    dev = rope.cos_h.device
-    positions = torch.arange(len(ids), device=dev)
-    h = model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev))
     k, t, passed = math.ceil(ratio * m), similarity_threshold(ratio, alpha), 0
-    for layer in model.layers:
-        q, kk, v = layer.qkv(h)
-        q, kk = _rotate(rope, q, positions), _rotate(rope, kk, positions)
-        imp = column_importance(q[m:, first * g : (first + probes) * g], kk[:m, first : first + probes], kk[m:, first : first + probes])
+    for q, kk, _ in _layers(model, rope, ids):
+        imp = column_importance(q[m:, first * g : (first + probes) * g], kk[:m, first : first + probes],
+                                kk[m:, first : first + probes])
         passed += mean_jaccard(imp, k) >= t
-        h = layer.finish(h, causal_attention(q, kk, v, 0))
     return passed / cfg.num_layers
 
 

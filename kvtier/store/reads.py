@@ -10,20 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 
 from . import format as fmt
+from .index import StoredChunk
 from .staging import Staging
 from .tiers.base import Expect, OpenChunk, PoolTarget, Tier
-
-
-class PlannedChunkRef(Protocol):
-    @property
-    def key(self) -> str: ...
-    @property
-    def tier(self) -> str: ...
 
 
 @dataclass
@@ -39,7 +33,7 @@ class LayerGroup:
 
 
 class PlannedReads:
-    def __init__(self, tiers: Sequence[Tier], expect: Callable[[str], Expect], chunks: Sequence[PlannedChunkRef],
+    def __init__(self, tiers: Sequence[Tier], expect: Callable[[str], Expect], chunks: Sequence[StoredChunk],
                  staging: Staging) -> None:
         by_name = {t.name: t for t in tiers}
         missing = {c.tier for c in chunks} - set(by_name)

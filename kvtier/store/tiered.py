@@ -16,12 +16,12 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from . import format as fmt
-from .index import ChunkRef, PrefixMatch, longest_prefix
+from .index import ChunkRef, PrefixMatch, StoredChunk, longest_prefix
 from .keys import chunk_key, chunk_spans, store_digest
 from .layout import StoreNamespace
 from .lookahead import LookAheadPolicy
 from .policy import ScorePolicy, make_policy
-from .reads import PlannedChunkRef, PlannedReads
+from .reads import PlannedReads
 from .reorder import MIN_OBSERVATIONS, ImportanceStats, ReorderReport
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
 from .spec import parse_spec
@@ -162,12 +162,12 @@ class TieredStore:
             return fmt.decode_layers(data.header, data.segments, want, parts, copy=copy and not t.owned_buffers)
         return None
 
-    def planned_reads(self, chunks: Sequence[PlannedChunkRef]) -> PlannedReads:
+    def planned_reads(self, chunks: Sequence[StoredChunk]) -> PlannedReads:
         """Reads of exactly `chunks`, each from the tier named on it (a restore plan's contract)."""
         self._ns()
         return PlannedReads(self.tiers, self._expect, chunks, self.staging)
 
-    def promote(self, chunks: Sequence[PlannedChunkRef]) -> None:
+    def promote(self, chunks: Sequence[StoredChunk]) -> None:
         """Copy chunks a restore read from below the memory tier into it, in the background (after
         the restore, so the copy never competes with it)."""
         score = self.score_policy()
@@ -219,25 +219,37 @@ class TieredStore:
     def rewrite(self, key: str, order: torch.Tensor) -> int:
         """Store full chunk `key` again with layer l's K/V rows in token order `order[l]`, on every
         tier holding it. -> bytes written; 0 if already in that order; -1 if gone or partial."""
-        ns, root = self._ns(), self._root()
         written, held = 0, False
+        packed: fmt.PackedChunk | None = None  # packed once, from the first tier that needs it
         for t in self.tiers:
-            data = t.read(self._expect(key), None)  # whole and verified, or a miss
-            if data is None:
+            oc = t.open_chunk(self._expect(key))  # the header alone
+            if oc is None:
                 continue
-            h = data.header
+            h = oc.header
+            oc.close()
             if h.partial or tuple(order.shape) != (len(h.layer_reprs), h.tokens):
                 continue  # a partial chunk is superseded when it fills: nothing to gain
             held = True
             if h.order is not None and torch.equal(h.order, order) or h.order is None and \
                     torch.equal(order, torch.arange(h.tokens).expand_as(order)):
                 continue
-            states = fmt.decode_layers(h, data.segments, range(len(h.layer_reprs)), ("k", "v", "h"))  # token order
-            layers = {st.layer: {p: getattr(st, p) for p in st.repr.parts()} for st in states}
-            packed = fmt.pack(ns, root, key, h.parent, h.index, h.start, False, layers, order)
+            if packed is None:
+                packed = self._repacked(t, key, order)
+                if packed is None:
+                    continue
             if t.replace(packed):
                 written += packed.nbytes
         return written if held else -1
+
+    def _repacked(self, tier: Tier, key: str, order: torch.Tensor) -> fmt.PackedChunk | None:
+        """Chunk `key` as `tier` holds it (whole and verified), packed again with K/V rows in `order`."""
+        data = tier.read(self._expect(key), None)
+        if data is None:
+            return None
+        h = data.header
+        states = fmt.decode_layers(h, data.segments, range(len(h.layer_reprs)), ("k", "v", "h"))  # token order
+        layers = {st.layer: {p: getattr(st, p) for p in st.repr.parts()} for st in states}
+        return fmt.pack(self._ns(), self._root(), key, h.parent, h.index, h.start, False, layers, order)
 
     def reorder_every(self, interval_s: float, min_observations: int = MIN_OBSERVATIONS) -> None:
         """Queue a reorder pass on the writer every `interval_s` seconds (0: never), skipped while
