@@ -23,6 +23,7 @@ USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAULT_MODEL) -> None:
+    from kvtier.engine.partial_args import add_partial_arguments
     from kvtier.store.cli import add_store_argument
 
     p.add_argument("--model", default=model_default,
@@ -38,16 +39,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
     p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
     add_restore_arguments(p)
     p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
+    add_partial_arguments(p)
 
 
 def build_engine_from_args(args: argparse.Namespace) -> Engine:
     from kvtier.engine.factory import build_engine
+    from kvtier.engine.partial_args import partial_from_args
 
     return build_engine(
         args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
         reuse=ReuseConfig(chunk_tokens=args.chunk_tokens, **reuse_options(args)),
         max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
-        max_batched_tokens=args.max_batched_tokens,
+        max_batched_tokens=args.max_batched_tokens, partial=partial_from_args(args),
     )
 
 
@@ -234,6 +237,7 @@ def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], object
         forward,
         impress_bench,
         load_bench,
+        partial_bench,
         restore_bench,
         store_bench,
         trace_bench,
@@ -241,7 +245,8 @@ def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], object
     )
 
     return [forward.register, store_bench.register, restore_bench.register, trace_bench.register,
-            truncation_bench.register, load_bench.register_bench, e2e.register, impress_bench.register]
+            truncation_bench.register, load_bench.register_bench, e2e.register, impress_bench.register,
+            partial_bench.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

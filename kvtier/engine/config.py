@@ -5,8 +5,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.dtypes import canonical
+from kvtier.engine.adaptive import ProfileCostModel
 from kvtier.restore.plan import AUTO, METHOD_CHOICES, Method
 from kvtier.store.layout import Repr
+
+PARTIAL_POLICIES = ("optimizer", "fixed")
+
+
+@dataclass(frozen=True)
+class PartialConfig:
+    """How the engine caches part of a running request's tokens."""
+
+    policy: str = "optimizer"  # optimizer: b and fronts from the solver; fixed: each front is `ratio` of its length
+    ratio: float = 0.0  # the fixed policy's uncached share
+    tpot_slo_s: float | None = None  # the optimizer keeps its predicted decode step within this
+    solver: str = "exact"  # exact (enumerate b, water-fill fronts) or slsqp (the paper's relaxation)
+    per_request: str = "tokens"  # tokens: water-filled fronts; ratio: one uncached share for all
+    swap_bytes: int = 0  # host swap space for fronts (K rotated and V, every layer); 0: recompute only
+    swap_bandwidth: float | None = None  # emulated bytes/s of reading fronts back (None: memory speed)
+    cost: ProfileCostModel | None = None  # None: calibrated on this machine (cached per model)
+    # Pin the front layers recomputed per step (the rest read from the swap space, which then must
+    # hold every front): for tests and experiments. None: chosen per step from the cost model.
+    recompute_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in PARTIAL_POLICIES:
+            raise ValueError(f"partial caching policy {self.policy!r}: use one of {', '.join(PARTIAL_POLICIES)}")
+        if not 0.0 <= self.ratio < 1.0:
+            raise ValueError(f"uncached ratio must be in [0, 1), got {self.ratio}")
+        if self.tpot_slo_s is not None and self.tpot_slo_s <= 0:
+            raise ValueError(f"the TPOT SLO must be positive seconds, got {self.tpot_slo_s}")
+        if self.solver not in ("exact", "slsqp"):
+            raise ValueError(f"solver {self.solver!r}: use exact or slsqp")
+        if self.per_request not in ("tokens", "ratio"):
+            raise ValueError(f"per_request {self.per_request!r}: use tokens or ratio")
+        if self.swap_bytes < 0:
+            raise ValueError("swap_bytes must be >= 0")
+        if self.swap_bandwidth is not None and self.swap_bandwidth <= 0:
+            raise ValueError("swap_bandwidth must be positive bytes/s")
+        if self.recompute_layers is not None and (self.recompute_layers < 0 or not self.swap_bytes):
+            raise ValueError("recompute_layers pins the layers recomputed (>= 0) and needs a swap space for the rest")
 
 
 @dataclass(frozen=True)
@@ -20,6 +58,8 @@ class EngineConfig:
     # Where the pool and every step's tensors live: the model's device when None; else it must be
     # the device the model was loaded on ("cpu", "cuda", "cuda:1"; `build_engine` loads it there).
     device: str | None = None
+    # Partial token-wise caching (eLLM): decodes may keep KV for their newest tokens only. None: off.
+    partial: PartialConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

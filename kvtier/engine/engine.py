@@ -18,6 +18,7 @@ from kvtier.device import resolve_device
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
+from kvtier.engine.partial import PartialCaching
 from kvtier.engine.profiling import estimate, load_profile
 from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner import ModelRunner, RunItem
@@ -79,6 +80,7 @@ class EngineStats:
     layout: tuple[str, ...] = ()  # what the store keeps per layer ("kv", "hidden", "none"); () without a store
     stored_bytes_per_token: int = 0  # payload bytes one token's stored state takes (all layers)
     store: dict[str, Any] | None = None  # TieredStore.stats(): per-tier bytes, hits, writer queue
+    partial: dict[str, float] | None = None  # partial token-wise caching's totals and latest step; None when off
 
 
 @dataclass
@@ -131,8 +133,14 @@ class Engine:
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
         # exits without close(): a thread still in torch code at shutdown aborts the process.
         self._closer = weakref.finalize(self, self.link.close)
+        self.partial: PartialCaching | None = None
+        if config.partial is not None:
+            from kvtier.engine.partial_profile import cost_model
+
+            cost = config.partial.cost or cost_model(model, self.runner)
+            self.partial = PartialCaching(config.partial, self.runner, cost)
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.link,
-                                   prefix_cache=config.enable_prefix_cache)
+                                   prefix_cache=config.enable_prefix_cache, fronts=self.partial)
         self.eos_ids = set(cfg.eos_token_ids)
         tok = model.tokenizer
         if tok is not None and tok.eos_token_id is not None:
@@ -235,9 +243,16 @@ class Engine:
             return None, {}
         reqs = [self._live[c.request_id].req for c in out.chunks]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
-                         dropped=r.dropped) for r, c in zip(reqs, out.chunks)]
+                         dropped=r.dropped, front=r.front) for r, c in zip(reqs, out.chunks)]
         ids = [c.request_id for c in out.chunks]
-        logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
+        if self.partial is None:
+            logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
+            return logits, self.link.after_execute(ids)
+        fronts = self.partial.step_fronts(items, reqs)
+        t = time.perf_counter()
+        logits = self.runner.execute(items + list(fronts.runs), self.link.capture_for(reqs),
+                                     before_layer=self.link.restore_hook(ids), fed=fronts.feed)
+        self.partial.observe(reqs, items, fronts, time.perf_counter() - t)
         return logits, self.link.after_execute(ids)
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: dict[str, int]) -> list[RequestOutput]:
@@ -290,7 +305,7 @@ class Engine:
                            prefix_cache_hits=self.pool.hits, counters=st.get("counters", {}),
                            reused_by_method=st.get("reused_by_method", {}), reused_by_tier=st.get("reused_by_tier", {}),
                            layout=st.get("layout", ()), stored_bytes_per_token=st.get("stored_bytes_per_token", 0),
-                           store=st.get("store"))
+                           store=st.get("store"), partial=self.partial.summary() if self.partial else None)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save handed to the store so far is written. False on timeout."""
@@ -358,6 +373,8 @@ class Engine:
         if out.finished:
             del self._live[req.request_id]
             self.link.finished(req)
+            if self.partial is not None:
+                self.partial.forget(req.request_id)
             if req.session_id is not None:
                 st = self.session_stats.setdefault(req.session_id, dict(
                     requests=0, prompt_tokens=0, prompt_tokens_reused=0, output_tokens=0))

@@ -139,6 +139,9 @@ class Request:
     # slot p - dropped (RoPE still at p).
     restored_by_importance: bool = False
     dropped: int = 0
+    # Partial caching (eLLM): the first `front` positions (whole blocks) have no slots; each decode
+    # step gets their K/V back (recomputed, or from the front swap space). Slot of p: p - front.
+    front: int = 0
     num_published: int = 0  # full blocks already registered in the device prefix cache
     attach_tokens: int = 0  # restore compute its next chunk carries (placement beside the new tokens)
     _all: list[int] = field(default_factory=list, repr=False)

@@ -41,10 +41,29 @@ class RunItem:
     # Prefix tokens not in the request's slots (importance-only restore): position p sits in slot
     # p - dropped; RoPE still rotates at p. 0 for every exact request.
     dropped: int = 0
+    # Partial caching (eLLM): a decoding run's first `front` positions are not in its slots either
+    # (position p sits in slot p - front) but, unlike dropped ones, are attended: their K/V come
+    # from the step itself (a front run recomputing them) or from a FrontFeed. A multiple of the
+    # block size.
+    front: int = 0
+    # A front run: positions [0, n) of decoding run `front_of`, recomputed from its ids. Its K/V
+    # serve that run's attention in this step only: never written to the pool nor captured.
+    front_of: int | None = None
 
     @property
     def slot_start(self) -> int:
-        return self.start - self.dropped
+        return self.start - self.dropped - self.front
+
+
+@dataclass(frozen=True)
+class FrontFeed:
+    """Where the fronts of a step's decoding runs come from, layer by layer: layers below
+    `boundary` from front runs recomputed in the batch (they leave it there: a layer's recompute
+    needs every layer before it), layers from `boundary` on from `kv(layer)` (K rotated at its
+    positions and V, [sum of fronts, kv_heads, hd], fronts back to back in decoding-run order)."""
+
+    boundary: int
+    kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,12 @@ class StepBatch:
     decode_cu: torch.Tensor | None = None
     decode_width: int = 0  # the longest decoding context
     last_rows: torch.Tensor | None = None  # [runs wanting logits] row of each one's last token
+    # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
+    # padded [decodes * width] or packed layout), from which step rows (front runs; None: a FrontFeed),
+    # and which rows' K/V enter the pool (None: all; front rows never do).
+    front_dst: torch.Tensor | None = None
+    front_src: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -146,39 +171,56 @@ class ModelRunner:
 
     # ----- one step ---------------------------------------------------------------------------
     def prepare(self, items: Sequence[RunItem]) -> StepBatch:
+        fronts = [it.front_of is not None for it in items]
+        if any(f and not later for f, later in zip(fronts, fronts[1:])):
+            raise ValueError("front runs must come after every other run of a step")
         lens = [len(it.token_ids) for it in items]
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
         rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
-        if len(rows) < 2:
+        fronted = any(items[i].front for i in rows)
+        if len(rows) < 2 and not fronted:  # a partially cached decode needs the batched path's gather
             rows = ()
-        ctx_len = [items[i].slot_start + 1 for i in rows]
+        # A decode's context: its front (slot 0 here: filled after the gather), then its slots.
+        ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
+        cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
         if self.packed_decode:  # each context's slots, back to back
-            dec_slots = torch.cat([self.slots(items[i].block_ids, 0, c) for i, c in zip(rows, ctx_len)]) \
+            dec_slots = torch.cat([F.pad(c, (items[i].front, 0)) for i, c in zip(rows, cached)]) \
                 if rows else torch.zeros(0, dtype=torch.long)
+            ctx_at = [sum(ctx_len[:r]) for r in range(len(rows))]
         else:  # padded to the longest (padding: slot 0, masked)
             dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, i in enumerate(rows):
-                dec_slots[r, : ctx_len[r]] = self.slots(items[i].block_ids, 0, ctx_len[r])
+            for r, (i, c) in enumerate(zip(rows, cached)):
+                dec_slots[r, items[i].front : ctx_len[r]] = c
+            ctx_at = [r * width for r in range(len(rows))]
+        front_dst = [torch.arange(at, at + items[i].front) for at, i in zip(ctx_at, rows)]
+        front_run = {it.front_of: j for j, it in enumerate(items) if it.front_of is not None}
+        front_src = [torch.arange(offsets[front_run[i]], offsets[front_run[i]] + items[i].front)
+                     for i in rows if items[i].front and i in front_run]
+        writes = [torch.arange(offsets[j], offsets[j + 1]) for j, it in enumerate(items) if it.front_of is None]
         last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
         ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.slot_start + n)
                     for i, (it, n) in enumerate(zip(items, lens)))
+        writing = [(it, n) for it, n in zip(items, lens) if it.front_of is None]
         # Every index tensor of the step in one host buffer, uploaded in one copy, then split.
         host = [
             torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),  # ids
             torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]),  # positions
-            torch.cat([self.slots(it.block_ids, it.slot_start, it.slot_start + n) for it, n in zip(items, lens)]),  # new slots
+            torch.cat([self.slots(it.block_ids, it.slot_start, it.slot_start + n) for it, n in writing]),  # new slots
             dec_slots.view(-1),
             torch.tensor(ctx_len, dtype=torch.long),
             torch.tensor([offsets[i] for i in rows], dtype=torch.long),  # decode q rows
             torch.tensor(last, dtype=torch.long),
+            torch.cat(front_dst) if front_dst else torch.zeros(0, dtype=torch.long),
+            torch.cat(front_src) if front_src else torch.zeros(0, dtype=torch.long),
+            torch.cat(writes),
         ] + [c for c in ctx if isinstance(c, torch.Tensor)]
         sizes = [t.numel() for t in host]
         dev = self.upload(torch.cat(host)).split(sizes)
-        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows = dev[:7]
-        gathered = iter(dev[7:])
+        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows, f_dst, f_src, write_rows = dev[:10]
+        gathered = iter(dev[10:])
         cos, sin = self.rope.halves(positions)
         dec_mask = dec_cu = None
         if rows and self.packed_decode:
@@ -201,22 +243,36 @@ class ModelRunner:
             decode_width=width,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
+            front_dst=f_dst if fronted else None,
+            front_src=f_src if front_src else None,
+            write_rows=write_rows if len(writing) < len(items) else None,
         )
 
-    def run_layer(self, li: int, h: torch.Tensor, b: StepBatch, capture: CaptureFn | None = None) -> torch.Tensor:
-        """Layer `li` for every run in the batch: writes its K/V into the pool, returns the next h."""
+    def run_layer(self, li: int, h: torch.Tensor, b: StepBatch, capture: CaptureFn | None = None,
+                  fed: FrontFeed | None = None) -> torch.Tensor:
+        """Layer `li` for every run in the batch: writes its K/V into the pool, returns the next h.
+        `fed`: the fronts of this layer come from it, not from front runs."""
         layer = self.model.layers[li]
         q, k, v = layer.qkv(h)  # [tokens, heads | kv_heads, hd], before RoPE
         q = rotate_into(q, b.cos, b.sin, torch.empty_like(q))
         k = rotate_into(k, b.cos, b.sin, torch.empty_like(k))  # fresh: captured views must outlive the step
         if capture is not None:
-            capture(li, b.offsets, h, k, v)
+            capture(li, b.offsets, h, k, v)  # front runs come last: the capture's requests stop before them
         kc, vc = self.k_cache[li], self.v_cache[li]
-        kc.index_copy_(0, b.new_slots, k)
-        vc.index_copy_(0, b.new_slots, v)
+        if b.write_rows is None:
+            kc.index_copy_(0, b.new_slots, k)
+            vc.index_copy_(0, b.new_slots, v)
+        else:  # front rows stay out of the pool
+            kc.index_copy_(0, b.new_slots, k.index_select(0, b.write_rows))
+            vc.index_copy_(0, b.new_slots, v.index_select(0, b.write_rows))
         outs: list[torch.Tensor | None] = [None] * len(b.items)
         if b.decode_rows:
-            batched = self._decode_attention(q, kc, vc, b)  # [decodes, heads, hd]
+            front = None
+            if b.front_src is not None:
+                front = k.index_select(0, b.front_src), v.index_select(0, b.front_src)
+            elif fed is not None:
+                front = fed.kv(li)
+            batched = self._decode_attention(q, kc, vc, b, front)  # [decodes, heads, hd]
             for r, i in enumerate(b.decode_rows):
                 outs[i] = batched[r : r + 1]
         for i, it in enumerate(b.items):
@@ -233,22 +289,31 @@ class ModelRunner:
         done = cast("list[torch.Tensor]", outs)  # every run has its output by now
         return layer.finish(h, torch.cat(done) if len(done) > 1 else done[0])
 
-    def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch,
+                          front: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One attention call for every decoding run: flash varlen over the packed contexts (CUDA),
-        else one SDPA call over contexts padded to the longest and masked."""
+        else one SDPA call over contexts padded to the longest and masked. `front`: K/V of the
+        decodes' uncached fronts, put in place in the gathered contexts (one copy each)."""
+
+        def gather(cache: torch.Tensor, slots: torch.Tensor, part: int) -> torch.Tensor:
+            out = cache.index_select(0, slots)  # [contexts' slots, kv_heads, hd]
+            if front is not None and b.front_dst is not None:
+                out.index_copy_(0, b.front_dst, front[part])
+            return out
+
         if b.decode_pack is not None and b.decode_cu is not None and b.decode_q is not None:
             n = len(b.decode_rows)
             cu_q = torch.arange(n + 1, device=q.device, dtype=torch.int32)
-            return varlen.attend(q.index_select(0, b.decode_q), kc.index_select(0, b.decode_pack),
-                                 vc.index_select(0, b.decode_pack), cu_q, b.decode_cu, 1, b.decode_width)  # [n, heads, hd]
+            return varlen.attend(q.index_select(0, b.decode_q), gather(kc, b.decode_pack, 0),
+                                 gather(vc, b.decode_pack, 1), cu_q, b.decode_cu, 1, b.decode_width)  # [n, heads, hd]
         if b.decode_slots is None or b.decode_mask is None or b.decode_q is None:
             raise RuntimeError("decode attention without decode rows")
         n, width = b.decode_slots.shape
         kv_heads = kc.shape[1]
         qd = q.index_select(0, b.decode_q).unsqueeze(2)  # [n, heads, 1, hd]
         flat = b.decode_slots.reshape(-1)
-        ks = kc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)  # [n, kv_heads, width, hd]
-        vs = vc.index_select(0, flat).view(n, width, kv_heads, -1).transpose(1, 2)
+        ks = gather(kc, flat, 0).view(n, width, kv_heads, -1).transpose(1, 2)  # [n, kv_heads, width, hd]
+        vs = gather(vc, flat, 1).view(n, width, kv_heads, -1).transpose(1, 2)
         out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask,
                                              enable_gqa=q.shape[1] != kv_heads)  # [n, heads, 1, hd]
         return out.squeeze(2)
@@ -261,6 +326,7 @@ class ModelRunner:
         layers: range | None = None,
         before_layer: Callable[[int], None] | None = None,
         every_token: bool = False,
+        fed: FrontFeed | None = None,
     ) -> torch.Tensor:
         """Run one step. Returns fp32 logits [num items with want_logits, vocab] (last token of each;
         with `every_token`, [tokens, vocab] for every token of the step: scoring a continuation).
@@ -268,6 +334,8 @@ class ModelRunner:
         `layers` limits the pass to a prefix of the layers (restoring by recomputing the first
         layers only; no logits then). `before_layer(l)` runs before layer l, which is how a restore
         puts a layer's history into the pool just in time for the new tokens (layer-wise overlap).
+        Front runs (partial caching) come after every other run; with `fed` they leave the batch
+        at its boundary and the fronts' remaining layers come from it.
         """
         model = self.model
         layers = layers if layers is not None else range(model.cfg.num_layers)
@@ -276,7 +344,11 @@ class ModelRunner:
         for li in layers:
             if before_layer is not None:
                 before_layer(li)
-            h = self.run_layer(li, h, b, capture)
+            if fed is not None and li == fed.boundary and b.front_src is not None:
+                kept = [it for it in items if it.front_of is None]
+                h = h[: sum(len(it.token_ids) for it in kept)]  # front rows are the last ones
+                b = self.prepare(kept)
+            h = self.run_layer(li, h, b, capture, fed if fed is not None and li >= fed.boundary else None)
         if every_token and layers.stop == model.cfg.num_layers:
             return model.logits(h)  # [tokens, vocab]
         if b.last_rows is None or not b.last_rows.numel() or layers.stop != model.cfg.num_layers:

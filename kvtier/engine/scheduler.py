@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,6 +74,26 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class FrontPlan:
+    """One step's partial caching decision: at most `cap` running sequences, and the uncached front
+    (positions, whole blocks) each decoding request should have at least."""
+
+    cap: int
+    fronts: dict[str, int] = field(default_factory=dict)
+
+
+class FrontPolicy(Protocol):
+    """Partial token-wise caching (eLLM): decides the batch cap and the decodes' fronts."""
+
+    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan: ...
+
+    def release(self, req: Request, upto: int) -> None:
+        """Positions [req.front, upto) leave the pool (their blocks are released right after):
+        keep them elsewhere if the policy serves fronts from there."""
+        ...
+
+
+@dataclass(frozen=True)
 class _Issued:
     ticket: RestoreTicket
     plan_paid: int
@@ -95,8 +115,9 @@ class StoreProbe(Protocol):
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreProbe | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, fronts: FrontPolicy | None = None):
         self.pool = pool
+        self.fronts = fronts
         self.store = store
         self.prefix_cache = prefix_cache
         self.max_batched_tokens = max_batched_tokens
@@ -121,6 +142,9 @@ class Scheduler:
         preempted: list[str] = []
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
+        cap = self.max_num_seqs
+        if self.fronts is not None:
+            cap = min(cap, self._plan_fronts(decoding, prefilling, preempted))
         scheduled: set[str] = set()
         for req in decoding + prefilling:
             if budget <= 0:
@@ -146,7 +170,7 @@ class Scheduler:
             # counts against the budget like a prefill that arrived before the queue.
             budget -= self.store.charge(max(budget, 0))
         tickets: list[RestoreTicket] = []
-        while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < cap:
             req = self.waiting[0]
             if req.request_id in preempted:
                 break  # it just gave its blocks up for lack of room: not back in the same step
@@ -176,6 +200,29 @@ class Scheduler:
             budget -= n + req.attach_tokens
             req.attach_tokens = 0
         return SchedulerOutput(tuple(chunks), tuple(tickets), tuple(preempted))
+
+    def _plan_fronts(self, decoding: list[Request], prefilling: list[Request], preempted: list[str]) -> int:
+        """Ask the front policy for this step's cap and fronts; grow the decodes' fronts to them
+        (releasing those blocks). Fronts only grow: a request keeps its front until it finishes
+        or is preempted. Blocks that prefills and restores hold or still need are not offered.
+        Decodes past the cap (FCFS: the latest arrivals) are preempted."""
+        held = sum(-(-(r.num_tokens - r.dropped) // self.pool.block_size) for r in prefilling + self.restoring)
+        assert self.fronts is not None
+        plan = self.fronts.plan(decoding, list(self.waiting), max(self.pool.num_blocks - held, 0))
+        for req in decoding[max(plan.cap, 1):][::-1]:
+            self._preempt(req)
+            preempted.append(req.request_id)
+        bs = self.pool.block_size
+        for req in decoding[: max(plan.cap, 1)]:
+            want = min(plan.fronts.get(req.request_id, 0), (req.num_computed - 1) // bs * bs)
+            if want <= req.front or req.approximate:
+                continue
+            self.fronts.release(req, want)
+            n = (want - req.front) // bs
+            self.pool.release(req.block_ids[:n])
+            req.block_ids = req.block_ids[n:]
+            req.front = want
+        return plan.cap
 
     def _admit(self, req: Request, status: RequestStatus, into: list[Request]) -> None:
         self.waiting.popleft()
@@ -266,8 +313,9 @@ class Scheduler:
             return
         req.block_hashes = block_hashes(req.all_ids[: full * self.pool.block_size], self.pool.block_size,
                                         req.block_hashes)
-        for i in range(req.num_published, full):
-            self.pool.register(req.block_ids[i], req.block_hashes[i])
+        first = req.front // self.pool.block_size  # block ids start at the front
+        for i in range(max(req.num_published, first), full):
+            self.pool.register(req.block_ids[i - first], req.block_hashes[i])
         req.num_published = full
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -297,7 +345,7 @@ class Scheduler:
         req.metrics.note_reuse("device", req.num_computed)  # reuse counts what this admission found
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = -(-(num_tokens - req.dropped) // self.pool.block_size) - len(req.block_ids)
+        need = -(-(num_tokens - req.dropped - req.front) // self.pool.block_size) - len(req.block_ids)
         if need <= 0:
             return True
         if need > self.pool.num_free:
@@ -314,6 +362,7 @@ class Scheduler:
         req.block_ids = []
         req.num_computed = 0
         req.num_published = 0
+        req.front = 0
         req.make_exact()  # recomputed from its tokens
         req.restore_tried = False
         req.attach_tokens = 0

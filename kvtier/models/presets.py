@@ -30,6 +30,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=16, num_kv_heads=16, head_dim=128, max_position_embeddings=16384, bos_token_id=1,
         eos_token_ids=(2,),
     ),
+    # A small MHA model (GPT-2-small-like shape): K+V per token 4x SmolLM2's, for serving benches
+    # where the KV budget binds (bench partial).
+    "mha-small": ModelConfig(
+        model_type="llama", vocab_size=_VOCAB, hidden_size=768, intermediate_size=2048, num_layers=12,
+        num_heads=12, num_kv_heads=12, head_dim=64, max_position_embeddings=8192, bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
     # SmolLM2-135M's shape with random weights: the real model's speed where its GGUF cannot travel.
     "smollm2-shape": ModelConfig(
         model_type="llama", vocab_size=_VOCAB, hidden_size=576, intermediate_size=1536, num_layers=30,

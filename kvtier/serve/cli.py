@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from kvtier.device import add_device_argument
+from kvtier.engine.partial_args import add_partial_arguments, partial_from_args
 from kvtier.models.loading import DEFAULT_MODEL
 from kvtier.restore.args import add_restore_arguments, reuse_options
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
@@ -87,6 +88,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add_store_argument(g)
     g.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
     add_restore_arguments(g)
+    add_partial_arguments(p)
     g.add_argument("--chunk-tokens", type=positive_int, default=64, help="tokens per stored chunk (default: 64)")
     g.add_argument("--session-ttl", type=_positive_float, default=None, metavar="SECONDS",
                    help="delete what a session (the request's prompt_cache_key) saved once it has been idle this "
@@ -142,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), max_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs, enable_prefix_cache=not args.no_prefix_cache,
+        partial=partial_from_args(args),
     )
     app = create_app(engine, config=config)
     name = config.served_model_name or engine.model.name

@@ -139,7 +139,25 @@ class EngineCollector(Collector):
         yield _counter("kvtier_restore_failures", "Store restores that failed (the prefix was recomputed)",
                        counters.get("restore_failures", 0))
         yield _counter("kvtier_saves", "Chunks of request state handed to the store's writer", counters.get("saves", 0))
+        yield from _partial_metrics(eng)
         yield from _store_metrics(engine_store(eng))
+
+
+def _partial_metrics(eng: Engine) -> Iterator[Metric]:
+    """Partial token-wise caching (eLLM); zeros when it is off, so dashboards need no change."""
+    p = getattr(eng, "partial", None)
+    st = p.summary() if p is not None else {}
+    yield _gauge("kvtier_partial_batch", "Decoding requests in the latest step (b)", st.get("last_b", 0))
+    yield _gauge("kvtier_partial_uncached_ratio", "Uncached share of the latest step's decoding tokens (r)",
+                 st.get("last_ratio", 0.0))
+    yield _gauge("kvtier_partial_recomputed_layers", "Front layers recomputed in the latest step (the rest read back)",
+                 st.get("last_boundary", 0))
+    yield _counter("kvtier_partial_recomputed_tokens", "Uncached front tokens recomputed, summed over decode steps",
+                   st.get("recomputed_tokens", 0))
+    yield _counter("kvtier_partial_swapped_tokens", "Uncached front tokens read back from host memory, summed over steps",
+                   st.get("swapped_tokens", 0))
+    yield _counter("kvtier_partial_slo_misses", "Decode steps slower than the TPOT SLO", st.get("slo_misses", 0))
+    yield _gauge("kvtier_partial_swap_bytes", "Host memory holding uncached fronts", st.get("swap_bytes", 0))
 
 
 def _store_metrics(store: Any) -> Iterator[Metric]:

@@ -1,0 +1,111 @@
+"""The measured cost of a decode step with uncached fronts on this machine (`ProfileCostModel`).
+
+Decode steps of b sequences of s tokens with fronts u, recomputed or read back, are timed on a
+scratch pool and fitted by least squares (`adaptive.fit_profile`). The fit is cached per model,
+dtype and thread count under KVTIER_HOME/partial, like the hardware profile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from kvtier import paths
+from kvtier.dtypes import name_of
+from kvtier.engine import adaptive
+from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
+from kvtier.models.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# (decodes, context tokens, front tokens, source): fronts of 0 to about half the context, both sources.
+GRID: tuple[tuple[int, int, int, str], ...] = tuple(
+    (b, s, u, src) for b in (1, 4, 12) for s in (128, 512) for u in (0, 64, s // 2)
+    for src in ("recompute", "swap") if not (u == 0 and src == "swap")
+)
+HELD_OUT: tuple[tuple[int, int, int, str], ...] = tuple(
+    (b, s, u, src) for b in (8,) for s in (320,) for u in (0, 96, 160) for src in ("recompute", "swap")
+    if not (u == 0 and src == "swap")
+)
+
+
+def _blocks(i: int, per: int) -> list[int]:
+    return list(range(i * per, (i + 1) * per))
+
+
+def _reader(runner: ModelRunner, slots: torch.Tensor) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return runner.k_cache[layer].index_select(0, slots), runner.v_cache[layer].index_select(0, slots)
+
+    return kv
+
+
+@torch.inference_mode()
+def measure(model: LoadedModel, points: Iterable[tuple[int, int, int, str]], repeats: int = 3,
+            block_size: int = 16) -> list[adaptive.Sample]:
+    """Time one decode step per point (median of `repeats` after a warm-up) on a scratch pool."""
+    points = list(points)
+    b_max = max(p[0] for p in points)
+    s_max = max(p[1] for p in points)
+    per = -(-(s_max + 1) // block_size)
+    runner = ModelRunner(model.module, b_max * per, block_size, s_max + 2)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, model.config.vocab_size, (b_max, s_max + 1), generator=gen).tolist()
+    filled = 0
+    samples = []
+    for b, s, u, src in points:
+        if filled != s:  # each sequence's [0, s) in the pool (prefilled once per context length)
+            for i in range(b_max):
+                runner.execute([RunItem(ids[i][:s], 0, _blocks(i, per), want_logits=False)])
+            filled = s
+        dec = [RunItem([ids[i][s]], s, _blocks(i, per)[u // block_size:], want_logits=True, front=u) for i in range(b)]
+        runs: list[RunItem] = []
+        feed = None
+        if u and src == "recompute":
+            runs = [RunItem(ids[i][:u], 0, (), want_logits=False, front_of=i) for i in range(b)]
+        elif u:  # read back: copies of the fronts' K/V, as the swap space hands them over
+            feed = FrontFeed(0, _reader(runner, torch.cat([runner.slots(_blocks(i, per), 0, u) for i in range(b)])))
+
+        def step(dec: list[RunItem] = dec, runs: list[RunItem] = runs, feed: FrontFeed | None = feed) -> float:
+            t = time.perf_counter()
+            runner.execute(dec + runs, fed=feed)
+            return time.perf_counter() - t
+
+        step()
+        secs = statistics.median(step() for _ in range(repeats))
+        samples.append(adaptive.Sample(tuple([s + 1] * b), tuple([u] * b), src, secs))
+    return samples
+
+
+def _cache_path(model: LoadedModel) -> Path:
+    dt = name_of(next(model.module.parameters()).dtype)
+    return paths.home() / "partial" / f"{model.fingerprint[:16]}-{dt}-t{torch.get_num_threads()}.json"
+
+
+def cost_model(model: LoadedModel, runner: ModelRunner | None = None, refresh: bool = False) -> adaptive.ProfileCostModel:
+    """The fitted model for this machine: from the cache, else measured now (once, ~10-60 s)."""
+    path = _cache_path(model)
+    if path.exists() and not refresh:
+        try:
+            return adaptive.ProfileCostModel(**json.loads(path.read_text())["model"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable partial-caching profile at %s", path)
+    log.info("measuring decode steps with uncached fronts for %s (once per machine)", model.name)
+    fitted = adaptive.fit_profile(measure(model, GRID, block_size=runner.block_size if runner else 16))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model": asdict(fitted)}, indent=2))
+    return fitted
+
+
+def held_out_error(model: LoadedModel, fitted: adaptive.ProfileCostModel,
+                   points: Sequence[tuple[int, int, int, str]] = HELD_OUT) -> tuple[float, list[adaptive.Sample]]:
+    """MAPE of the fitted model on points it was not fitted on."""
+    samples = measure(model, points)
+    return adaptive.mape(fitted, samples), samples

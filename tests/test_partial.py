@@ -1,0 +1,121 @@
+"""Partial token-wise caching (eLLM) is exact: a decode whose first tokens are not in the pool
+(recomputed in the step, or read back from the swap space from any layer on) gives the logits and
+greedy tokens of full caching; front rows never enter the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine.adaptive import ProfileCostModel
+from kvtier.engine.config import EngineConfig, PartialConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
+
+BS = 16
+# A cost model under which reading fronts back always wins (boundary 0) unless pinned.
+COST = ProfileCostModel(c0=1e-3, c1=1e-4, g=1e-6, a=1e-4, q=0.0, w=1e-6)
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("model_name", ["tiny_mha", "tiny_gqa", "smollm2_fp32"])
+def test_runner_front_logits_match_full_caching(model_name, request):
+    """One decode step of three sequences, one of them fully cached, the others with fronts of
+    1 and 5 blocks: recomputed (boundary L), read back from layer 0, and mixed (boundary L/2).
+    The released front slots hold NaN: a read of them would poison the logits."""
+    lm = request.getfixturevalue(model_name)
+    layers = lm.config.num_layers
+    lengths = [40, 57, 100]
+    per = 8
+    runner = ModelRunner(lm.module, 3 * per, BS, 256)
+    seqs = _prompts(lm.config.vocab_size, [n + 1 for n in lengths])
+    blocks = [list(range(i * per, (i + 1) * per)) for i in range(3)]
+    for ids, bl, n in zip(seqs, blocks, lengths):
+        runner.execute([RunItem(ids[:n], 0, bl, want_logits=False)])
+    full = runner.execute([RunItem([ids[n]], n, bl, want_logits=True) for ids, bl, n in zip(seqs, blocks, lengths)])
+    fronts = [0, 16, 80]
+    kept_k, kept_v = runner.k_cache.clone(), runner.v_cache.clone()
+    front_slots = torch.cat([runner.slots(bl, 0, u) for bl, u in zip(blocks, fronts) if u])
+    for boundary in (layers, 0, layers // 2):
+        runner.k_cache.copy_(kept_k)
+        runner.v_cache.copy_(kept_v)
+        # the fronts' true K/V, as the swap space would hold them, then NaN where they were
+        feed_k, feed_v = kept_k[:, front_slots].clone(), kept_v[:, front_slots].clone()
+        runner.k_cache[:, front_slots] = float("nan")
+        runner.v_cache[:, front_slots] = float("nan")
+        dec = [RunItem([ids[n]], n, bl[u // BS:], want_logits=True, front=u)
+               for ids, bl, n, u in zip(seqs, blocks, lengths, fronts)]
+        runs = [RunItem(ids[:u], 0, (), want_logits=False, front_of=i)
+                for i, (ids, u) in enumerate(zip(seqs, fronts)) if u] if boundary else []
+        feed = FrontFeed(boundary, lambda li: (feed_k[li], feed_v[li])) if boundary < layers else None
+        got = runner.execute(dec + runs, fed=feed)
+        assert torch.isfinite(got).all()
+        assert (got - full).abs().max().item() <= 1e-4, boundary
+        # front rows were not written: their slots still hold NaN in every layer
+        assert torch.isnan(runner.k_cache[:, front_slots]).all() and torch.isnan(runner.v_cache[:, front_slots]).all()
+
+
+def test_front_runs_must_come_last(tiny_gqa):
+    runner = ModelRunner(tiny_gqa.module, 4, BS, 64)
+    with pytest.raises(ValueError, match="front runs"):
+        runner.prepare([RunItem([1] * 16, 0, (), want_logits=False, front_of=1), RunItem([5], 20, [0, 1], True, front=16)])
+
+
+def _generate(lm, prompts, partial: PartialConfig | None, max_tokens: int = 32):
+    cfg = EngineConfig(kv_cache_bytes=ModelRunner.bytes_per_block(lm.module, BS) * 64, max_model_len=256,
+                       partial=partial)
+    with Engine(lm, cfg) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return [o.output_ids for o in outs], eng
+
+
+@pytest.mark.parametrize("model_name", ["tiny_mha", "tiny_gqa", "smollm2_fp32"])
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.9])
+def test_engine_partial_caching_generates_the_same_tokens(model_name, ratio, request):
+    """fp32, 32 greedy tokens of three prompts: fronts of `ratio` of each request's length
+    (growing as it decodes), recomputed every step, equal full caching's tokens."""
+    lm = request.getfixturevalue(model_name)
+    prompts = _prompts(lm.config.vocab_size, [170, 33, 220], seed=1)
+    want, _ = _generate(lm, prompts, None)
+    got, eng = _generate(lm, prompts, PartialConfig(policy="fixed", ratio=ratio, cost=COST))
+    assert got == want
+    st = eng.partial.stats
+    assert st.front_steps > 0 and st.recomputed_tokens > 0 and st.swapped_tokens == 0
+
+
+@pytest.mark.parametrize("layers", [0, 1, None])
+def test_engine_fronts_read_back_from_swap_space(tiny_gqa, layers):
+    """Fronts swapped out to host memory as they grow, read back from layer `layers` on (None:
+    chosen by the cost model, which prefers reading here): the same tokens as full caching."""
+    prompts = _prompts(tiny_gqa.config.vocab_size, [70, 33, 120], seed=2)
+    want, _ = _generate(tiny_gqa, prompts, None)
+    cfg = PartialConfig(policy="fixed", ratio=0.5, cost=COST, swap_bytes=64 << 20, recompute_layers=layers)
+    got, eng = _generate(tiny_gqa, prompts, cfg)
+    assert got == want
+    st = eng.partial.stats
+    assert st.swapped_tokens > 0
+    assert (st.recomputed_tokens > 0) == (layers == 1)
+    assert eng.partial.swap is not None and eng.partial.swap.used == 0  # every request finished: swap space empty
+
+
+def test_pool_holds_only_the_cached_tail(tiny_gqa):
+    """Blocks held = ceil((s - u) / 16): a request's front blocks go back to the pool."""
+    prompts = _prompts(tiny_gqa.config.vocab_size, [100], seed=3)
+    cfg = EngineConfig(kv_cache_bytes=ModelRunner.bytes_per_block(tiny_gqa.module, BS) * 64, max_model_len=256,
+                       partial=PartialConfig(policy="fixed", ratio=0.5, cost=COST), enable_prefix_cache=False)
+    with Engine(tiny_gqa, cfg) as eng:
+        eng.add_request(prompts[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        seen = []
+        while eng.has_work():
+            eng.step()
+            for req in eng.scheduler.running:
+                if req.front:
+                    seen.append((req.front, len(req.block_ids), req.num_computed))
+                    assert len(req.block_ids) == -(-(req.num_computed - req.front) // BS)
+                    assert eng.pool.num_free == eng.pool.num_blocks - len(req.block_ids)
+        assert seen and max(f for f, _, _ in seen) >= 48
