@@ -88,3 +88,20 @@ def test_front_never_reaches_the_newest_token():
     sched.schedule()
     a = sched.requests["a"]
     assert a.front == 32 and a.num_computed == 40 and len(a.block_ids) == 1
+
+
+def test_recomputed_fronts_share_the_budget_before_prefills():
+    """Fronts recomputed in a step take budget after the decodes, before the prefills: at most
+    half of what is left, so a running prefill still advances."""
+    pool = BlockPool(40, 16)
+    policy = ScriptedPolicy([FrontPlan(cap=1), FrontPlan(cap=2, recompute_tokens=64),
+                             FrontPlan(cap=2, recompute_tokens=1000)])
+    sched = Scheduler(pool, max_batched_tokens=200, max_num_seqs=8, fronts=policy)
+    sched.add(_req("a", 40))
+    _decode(sched, sched.schedule())
+    sched.add(_req("b", 400))
+    out = sched.schedule()  # a decodes (1), fronts take 64, b prefills the rest
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 200 - 1 - 64)]
+    _decode(sched, out)
+    out = sched.schedule()  # fronts would take everything: half of the 199 left goes to them
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 199 - 99)]

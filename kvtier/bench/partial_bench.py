@@ -122,8 +122,10 @@ class Policy:
 
 def policies(slo_s: float, cost, swap_mbps: float | None, ratios: list[float]) -> list[Policy]:
     opt = PartialConfig(policy="optimizer", tpot_slo_s=slo_s, cost=cost)
-    out = [Policy("full", ample=True), Policy("full+optimizer", opt, ample=True),
-           Policy("recompute"), Policy("swap", store="memory:8GB")]
+    # Ample memory: the optimiser without the SLO (the machinery alone: no front is needed, so it
+    # must cost nothing) and with it (the SLO then caps b below what memory allows).
+    out = [Policy("full", ample=True), Policy("full+optimizer-noslo", replace(opt, tpot_slo_s=None), ample=True),
+           Policy("full+optimizer", opt, ample=True), Policy("recompute"), Policy("swap", store="memory:8GB")]
     out += [Policy(f"fixed-r{r:g}", PartialConfig(policy="fixed", ratio=r, cost=cost)) for r in ratios]
     out += [Policy("optimizer", opt), Policy("optimizer+swap", replace(opt, swap_bytes=8 << 30))]
     if swap_mbps:
@@ -155,12 +157,17 @@ def unloaded_step(lm, prompt_len: int, max_len: int) -> float:
     return statistics.median(t for t in tbts if t is not None)
 
 
+def _slo_tag(rows: list[dict], model: str, rate: float) -> str:
+    r = next(r for r in rows if r["model"] == model and r["rate"] == rate)
+    return f"{r['slo_x']:g}x ({r['slo_s'] * 1e3:.0f} ms)"
+
+
 def evaluate_goals(rows: list[dict], mape: float | None) -> list[dict]:
     goals = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for rate in dict.fromkeys(r["rate"] for r in rows if r["model"] == model):
             by = {r["policy"]: r for r in rows if r["model"] == model and r["rate"] == rate}
-            tag = f"{model} @ {rate:g} req/s"
+            tag = f"{model} @ {rate:g} req/s, SLO {_slo_tag(rows, model, rate)}"
             if {"recompute", "swap", "optimizer"} <= by.keys():
                 base = max(by["recompute"]["tok_s"], by["swap"]["tok_s"])
                 best = max((by[p] for p in by if p.startswith("optimizer")), key=lambda r: r["tok_s"])
@@ -176,11 +183,12 @@ def evaluate_goals(rows: list[dict], mape: float | None) -> list[dict]:
                 goals.append(dict(goal=f"{tag}: fronts from the unthrottled memory tier no more than 5% below swap",
                                   met=x >= 0.95, value=round(x, 3), target=0.95,
                                   summary=f"{by['optimizer+swap']['tok_s']:.1f} vs {by['swap']['tok_s']:.1f} tok/s"))
-            if {"full", "full+optimizer"} <= by.keys():
-                x = by["full+optimizer"]["tok_s"] / by["full"]["tok_s"]
-                goals.append(dict(goal=f"{tag}: ample memory: optimizer no worse than full caching (5% noise)",
-                                  met=x >= 0.95, value=round(x, 3), target=0.95,
-                                  summary=f"{by['full+optimizer']['tok_s']:.1f} vs {by['full']['tok_s']:.1f} tok/s"))
+            if {"full", "full+optimizer-noslo"} <= by.keys():
+                x = by["full+optimizer-noslo"]["tok_s"] / by["full"]["tok_s"]
+                goals.append(dict(goal=f"{tag}: ample memory: the optimizer (no SLO cap) no worse than full caching "
+                                       f"(5% noise)", met=x >= 0.95, value=round(x, 3), target=0.95,
+                                  summary=f"{by['full+optimizer-noslo']['tok_s']:.1f} vs {by['full']['tok_s']:.1f} "
+                                          f"tok/s"))
     if mape is not None:
         goals.append(dict(goal="cost model error (MAPE) on held-out (b, u) points <= 15%", met=mape <= 0.15,
                           value=round(mape, 4), target=0.15, summary=f"{mape:.1%}"))
@@ -267,7 +275,7 @@ def cmd(args: argparse.Namespace) -> int:
                     budget = math.ceil(args.budget_share * s["peak_blocks"])
                     meta[f"{model}@{rate}:peak_blocks"] = s["peak_blocks"]
                     meta[f"{model}@{rate}:budget_blocks"] = budget
-                row = dict(model=model, rate=rate, policy=pol.name, blocks=blocks, slo_s=slo) | s
+                row = dict(model=model, rate=rate, policy=pol.name, blocks=blocks, slo_s=slo, slo_x=args.slo_x) | s
                 rows.append(row)
                 series[f"{model} {rate:g}/s {pol.name}"] = res["series"]
                 print("  " + " ".join(f"{c}={_cell(row.get(c))}" for c in COLUMNS), flush=True)
@@ -291,18 +299,18 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
                                              "beside preemption by recompute and by swap")
     p.add_argument("--models", type=lambda s: s.split(","), default=["smollm2-135m", "mha-small"])
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--rates", type=_floats, default=[1.0, 2.0], help="Poisson arrival rates, requests/s (comma list)")
-    p.add_argument("--prompt-min", type=int, default=384)
-    p.add_argument("--prompt-max", type=int, default=768)
-    p.add_argument("--mean-output", type=int, default=48, help="mean output tokens (log-normal, ShareGPT's spread)")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rates", type=_floats, default=[0.5, 1.0], help="Poisson arrival rates, requests/s (comma list)")
+    p.add_argument("--prompt-min", type=int, default=256)
+    p.add_argument("--prompt-max", type=int, default=512)
+    p.add_argument("--mean-output", type=int, default=128, help="mean output tokens (log-normal, ShareGPT's spread)")
     p.add_argument("--budget-share", type=float, default=0.25, help="KV budget as a share of the peak demand")
     p.add_argument("--slo-x", type=float, default=1.5, help="TPOT SLO as a multiple of the unloaded decode step")
     p.add_argument("--ratios", type=_floats, default=[0.2, 0.4, 0.6], help="fixed uncached shares to compare")
     p.add_argument("--swap-mbps", type=float, default=None, help="also read fronts back at this emulated MB/s")
     p.add_argument("--policies", type=lambda s: s.split(","), default=None,
                    help="run only these (the ample-memory runs always run: they set the budget)")
-    p.add_argument("--max-batched-tokens", type=int, default=512, help="per-step token budget (prefill chunks)")
+    p.add_argument("--max-batched-tokens", type=int, default=256, help="per-step token budget (prefill chunks)")
     p.add_argument("--recalibrate", action="store_true", help="measure the cost model again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)

@@ -118,7 +118,7 @@ class PartialCaching:
         bs = self.block_size
         if self.cfg.policy == "fixed":
             fronts = {r.request_id: int(self.cfg.ratio * r.num_tokens) // bs * bs for r in decoding}
-            return FrontPlan(cap=1 << 30, fronts=fronts)
+            return FrontPlan(cap=1 << 30, fronts=fronts, recompute_tokens=self._recomputed(decoding, fronts))
         # FCFS: the running decodes, then the queue (admitted in full: a prompt has no front).
         cands = list(decoding) + list(waiting)[: max(0, 4 * len(decoding) + 8)]
         wl = adaptive.Workload(
@@ -137,7 +137,15 @@ class PartialCaching:
             return FrontPlan(cap=len(decoding), fronts={})
         self.stats.last_predicted_s = d.predicted_s
         # b below the running decodes: the scheduler preempts the latest (cheaper than their fronts)
-        return FrontPlan(cap=d.b, fronts={r.request_id: u for r, u in zip(cands, d.fronts)})
+        fronts = {r.request_id: u for r, u in zip(cands, d.fronts)}
+        return FrontPlan(cap=d.b, fronts=fronts, recompute_tokens=self._recomputed(decoding[: d.b], fronts))
+
+    def _recomputed(self, decoding: Sequence[Request], fronts: dict[str, int]) -> int:
+        """Front tokens this step will recompute: those the swap space cannot serve (a front
+        that grows now is swapped out as it grows, if there is room)."""
+        if self.swap is None:
+            return sum(max(fronts.get(r.request_id, 0), r.front) for r in decoding)
+        return sum(r.front for r in decoding if r.front and self.swap.held(r.request_id) != r.front)
 
     def _solve(self, wl: adaptive.Workload) -> adaptive.Decision:
         if self.cfg.solver == "slsqp":

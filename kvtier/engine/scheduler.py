@@ -80,6 +80,9 @@ class FrontPlan:
 
     cap: int
     fronts: dict[str, int] = field(default_factory=dict)
+    # Front tokens recomputed this step (not read back): their compute shares the step's token
+    # budget, after the decodes and before any prefill (else TTFT would pay for them).
+    recompute_tokens: int = 0
 
 
 class FrontPolicy(Protocol):
@@ -142,11 +145,15 @@ class Scheduler:
         preempted: list[str] = []
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
-        cap = self.max_num_seqs
+        cap, front_tokens = self.max_num_seqs, 0
         if self.fronts is not None:
-            cap = min(cap, self._plan_fronts(decoding, prefilling, preempted))
+            plan = self._plan_fronts(decoding, prefilling, preempted)
+            cap, front_tokens = min(cap, plan.cap), plan.recompute_tokens
         scheduled: set[str] = set()
-        for req in decoding + prefilling:
+        charged = not front_tokens
+        for i, req in enumerate(decoding + prefilling):
+            if i == len(decoding) and not charged:
+                budget, charged = self._charge_fronts(budget, front_tokens), True
             if budget <= 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
@@ -165,6 +172,8 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= n + req.attach_tokens
             req.attach_tokens = 0
+        if not charged:
+            budget = self._charge_fronts(budget, front_tokens)
         if self.store is not None and self.restoring:
             # Restores compute on the same cores (recomputed layers, Cake's front): their work
             # counts against the budget like a prefill that arrived before the queue.
@@ -201,7 +210,13 @@ class Scheduler:
             req.attach_tokens = 0
         return SchedulerOutput(tuple(chunks), tuple(tickets), tuple(preempted))
 
-    def _plan_fronts(self, decoding: list[Request], prefilling: list[Request], preempted: list[str]) -> int:
+    @staticmethod
+    def _charge_fronts(budget: int, tokens: int) -> int:
+        """Recomputed fronts take budget after the decodes and before prefills, at most half of
+        what is left, so running prefills still advance."""
+        return budget - min(tokens, max(budget, 0) // 2)
+
+    def _plan_fronts(self, decoding: list[Request], prefilling: list[Request], preempted: list[str]) -> FrontPlan:
         """Ask the front policy for this step's cap and fronts; grow the decodes' fronts to them
         (releasing those blocks). Fronts only grow: a request keeps its front until it finishes
         or is preempted. Blocks that prefills and restores hold or still need are not offered.
@@ -222,7 +237,7 @@ class Scheduler:
             self.pool.release(req.block_ids[:n])
             req.block_ids = req.block_ids[n:]
             req.front = want
-        return plan.cap
+        return plan
 
     def _admit(self, req: Request, status: RequestStatus, into: list[Request]) -> None:
         self.waiting.popleft()
