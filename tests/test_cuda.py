@@ -192,3 +192,20 @@ def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
     want = [o.output_ids for o in off.generate(prompts, GREEDY)]
     for a, b in zip(got, want):
         assert sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)
+
+
+@pytest.mark.parametrize("layers", [4, 0, 2])
+def test_partial_caching_generates_the_cpu_tokens(gqa_cuda, tiny_gqa, layers):
+    """Partial token-wise caching on the GPU (front runs in the decode batch, the packed varlen
+    decode path, fronts swapped to pinned host memory and read back from layer `layers` on)
+    generates what full caching generates on the CPU."""
+    from test_partial import COST, _generate, _prompts
+
+    from kvtier.engine.config import PartialConfig
+
+    prompts = _prompts(tiny_gqa.config.vocab_size, [170, 33, 220], seed=4)
+    want, _ = _generate(tiny_gqa, prompts, None)
+    cfg = PartialConfig(policy="fixed", ratio=0.5, cost=COST, swap_bytes=64 << 20, recompute_layers=layers)
+    got, eng = _generate(gqa_cuda, prompts, cfg)
+    assert got == want
+    assert eng.partial.stats.front_steps > 0

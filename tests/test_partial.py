@@ -119,3 +119,57 @@ def test_pool_holds_only_the_cached_tail(tiny_gqa):
                     assert len(req.block_ids) == -(-(req.num_computed - req.front) // BS)
                     assert eng.pool.num_free == eng.pool.num_blocks - len(req.block_ids)
         assert seen and max(f for f, _, _ in seen) >= 48
+
+
+def test_cli_options_build_the_config():
+    import argparse
+
+    from kvtier.engine.partial_args import add_partial_arguments, partial_from_args
+
+    p = argparse.ArgumentParser()
+    add_partial_arguments(p)
+    assert partial_from_args(p.parse_args([])) is None
+    cfg = partial_from_args(p.parse_args(["--tpot-slo-ms", "60", "--front-swap-gb", "0.5"]))
+    assert cfg == PartialConfig(policy="optimizer", tpot_slo_s=0.06, swap_bytes=1 << 29)
+    cfg = partial_from_args(p.parse_args(["--partial-caching", "fixed", "--uncached-ratio", "0.4"]))
+    assert cfg is not None and (cfg.policy, cfg.ratio, cfg.tpot_slo_s) == ("fixed", 0.4, None)
+    with pytest.raises(ValueError, match="drop --partial-caching off"):
+        partial_from_args(p.parse_args(["--partial-caching", "off", "--tpot-slo-ms", "60"]))
+    with pytest.raises(ValueError, match="uncached ratio"):
+        partial_from_args(p.parse_args(["--partial-caching", "fixed", "--uncached-ratio", "1.5"]))
+
+
+def test_optimizer_with_a_calibrated_cost_model_is_exact(tiny_gqa, tmp_path, monkeypatch):
+    """No cost model given: the engine measures this machine once (cached under KVTIER_HOME) and the
+    optimiser, under a budget too small for all three requests in full, still generates full
+    caching's tokens."""
+    from kvtier.engine import partial_profile
+
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
+    monkeypatch.setattr(partial_profile, "GRID", ((1, 128, 0, "recompute"), (4, 128, 0, "recompute"),
+                                                  (4, 128, 64, "recompute"), (1, 256, 128, "recompute"),
+                                                  (4, 256, 128, "swap")))
+    prompts = _prompts(tiny_gqa.config.vocab_size, [170, 150, 220], seed=5)
+    want, _ = _generate(tiny_gqa, prompts, None)
+    cfg = EngineConfig(kv_cache_bytes=ModelRunner.bytes_per_block(tiny_gqa.module, BS) * 24, max_model_len=256,
+                       partial=PartialConfig(policy="optimizer"))
+    with Engine(tiny_gqa, cfg) as eng:
+        got = [o.output_ids for o in eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0,
+                                                                           ignore_eos=True))]
+        summary = eng.stats().partial
+    assert got == want
+    assert list((tmp_path / "partial").glob("*.json"))
+    assert summary is not None and summary["solves"] > 0 and summary["front_steps"] > 0
+
+
+def test_the_optimiser_prices_fronts_by_where_they_come_from(tiny_gqa):
+    """Without a swap space a front can only be recomputed (no read price); an emulated slow swap
+    space adds bytes / bandwidth per front token to the read price."""
+    from kvtier.engine.partial import PartialCaching
+
+    runner = ModelRunner(tiny_gqa.module, 8, BS, 128)
+    assert PartialCaching(PartialConfig(cost=COST), runner, COST).cost.w is None
+    assert PartialCaching(PartialConfig(cost=COST, swap_bytes=1 << 20), runner, COST).cost.w == COST.w
+    slow = PartialCaching(PartialConfig(cost=COST, swap_bytes=1 << 20, swap_bandwidth=1e8), runner, COST)
+    per_token = 2 * tiny_gqa.config.num_layers * tiny_gqa.config.num_kv_heads * tiny_gqa.config.head_dim * 4
+    assert slow.cost.w == pytest.approx(COST.w + per_token / 1e8)

@@ -70,35 +70,45 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None) -> dict[str, Any]:
-    """Drive the engine in real time; per-request TTFT/TPOT and per-step concurrency."""
+def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_seconds: float) -> dict[str, Any]:
+    """Drive the engine in real time for at most `max_seconds` after the first arrival (then the
+    requests still running are aborted): per-request TTFT and TPOT (requests with two or more
+    tokens, finished or not), output tokens/s over the run, per-step concurrency."""
     t0 = time.perf_counter()
     pending = list(arrivals)
-    done: dict[str, Any] = {}
+    last: dict[str, Any] = {}  # request -> its latest output
     series: list[tuple[float, int, int]] = []  # (time, running, pool blocks in use)
-    peak_blocks = 0
-    while pending or engine.has_work():
+    peak_blocks = tokens = 0
+    added: list[str] = []
+    end = arrivals[0].at + max_seconds
+    while (pending or engine.has_work()) and time.perf_counter() - t0 < end:
         now = time.perf_counter() - t0
         while pending and pending[0].at <= now:
             a = pending.pop(0)
-            engine.add_request(list(a.prompt), SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True))
+            added.append(engine.add_request(list(a.prompt), SamplingParams(max_tokens=a.max_tokens, temperature=0,
+                                                                            ignore_eos=True)))
         if not engine.has_work():
             time.sleep(max(0.0, min(pending[0].at - now, 0.05)) if pending else 0.0)
             continue
         for o in engine.step():
-            if o.finished:
-                done[o.request_id] = dict(ttft=o.ttft, tpot=o.mean_tbt, tokens=len(o.output_ids),
-                                          end=time.perf_counter() - t0)
+            last[o.request_id] = o
+            tokens += len(o.delta_ids)
         used = engine.pool.num_blocks - engine.pool.num_free
         peak_blocks = max(peak_blocks, used)
         series.append((time.perf_counter() - t0, len(engine.scheduler.running), used))
-    span = max(d["end"] for d in done.values()) - arrivals[0].at
-    tpots = [d["tpot"] for d in done.values() if d["tpot"] is not None]
-    ttfts = [d["ttft"] for d in done.values() if d["ttft"] is not None]
-    tokens = sum(d["tokens"] for d in done.values())
+    span = time.perf_counter() - t0 - arrivals[0].at
+    cut = engine.has_work() or bool(pending)
+    for rid in added:
+        if rid not in last or not last[rid].finished:
+            engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    tpots = [o.mean_tbt for o in last.values() if o.mean_tbt is not None]
+    ttfts = [o.ttft for o in last.values() if o.ttft is not None]
     st = engine.stats(with_store=False)
     running = [r for _, r, _ in series]
-    out = dict(requests=len(done), output_tokens=tokens, seconds=span, tok_s=tokens / span,
+    out = dict(requests=sum(o.finished for o in last.values()), started=len(last), cut=cut, output_tokens=tokens,
+               seconds=span, tok_s=tokens / span,
                tpot_p50=_pct(tpots, 0.5), tpot_p99=_pct(tpots, 0.99), ttft_p50=_pct(ttfts, 0.5),
                ttft_p99=_pct(ttfts, 0.99), slo_attainment=None if slo_s is None else
                sum(t <= slo_s for t in tpots) / max(1, len(tpots)),
@@ -135,13 +145,13 @@ def policies(slo_s: float, cost, swap_mbps: float | None, ratios: list[float]) -
 
 
 def run_policy(lm, pol: Policy, arrivals: list[Arrival], blocks: int, max_len: int, slo_s: float,
-               max_batched_tokens: int) -> dict[str, Any]:
+               max_batched_tokens: int, max_seconds: float) -> dict[str, Any]:
     per_block = ModelRunner.bytes_per_block(lm.module, BS)
     cfg = EngineConfig(kv_cache_bytes=per_block * blocks, max_model_len=max_len, partial=pol.partial,
                        max_batched_tokens=max_batched_tokens, enable_prefix_cache=False)
     reuse = ReuseConfig(method="kv", lookahead=False) if pol.store else None
     with Engine(lm, cfg, store=pol.store, reuse=reuse) as eng:
-        res = replay(eng, arrivals, slo_s)
+        res = replay(eng, arrivals, slo_s, max_seconds)
     return res
 
 
@@ -269,7 +279,7 @@ def cmd(args: argparse.Namespace) -> int:
                 if budget is None and not pol.ample:
                     raise SystemExit("the budget comes from the `full` run: keep it first")
                 blocks = ample if pol.ample else max(budget or 0, max_len // BS + 1)
-                res = run_policy(lm, pol, arrivals, blocks, max_len, slo, args.max_batched_tokens)
+                res = run_policy(lm, pol, arrivals, blocks, max_len, slo, args.max_batched_tokens, args.duration)
                 s = res["summary"]
                 if pol.name == "full":
                     budget = math.ceil(args.budget_share * s["peak_blocks"])
@@ -311,6 +321,8 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", type=lambda s: s.split(","), default=None,
                    help="run only these (the ample-memory runs always run: they set the budget)")
     p.add_argument("--max-batched-tokens", type=int, default=256, help="per-step token budget (prefill chunks)")
+    p.add_argument("--duration", type=float, default=90.0,
+                   help="seconds each policy runs at most after the first arrival (then running requests are aborted)")
     p.add_argument("--recalibrate", action="store_true", help="measure the cost model again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)

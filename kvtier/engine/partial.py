@@ -76,15 +76,17 @@ class FrontSwap:
         if k is not None and v is not None:
             self.used -= k.nbytes + v.nbytes
 
-    def feed(self, rids: Sequence[str], boundary: int) -> FrontFeed:
-        """Layers >= boundary of these requests' fronts, back to back in `rids` order."""
+    def feed(self, rids: Sequence[str], boundary: int, device: torch.device) -> FrontFeed:
+        """Layers >= boundary of these requests' fronts, back to back in `rids` order, on `device`.
+        On CUDA this copy is synchronous for now; a copy stream ahead of the layers (as restores
+        do) is where the paper's swap/compute overlap would go."""
 
         def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             k = torch.cat([self.k[r][layer] for r in rids])  # [sum of fronts, kv_heads, hd]
             v = torch.cat([self.v[r][layer] for r in rids])
             if self.bandwidth is not None:  # emulated tier: the read takes bytes / bandwidth
                 time.sleep((k.nbytes + v.nbytes) / self.bandwidth)
-            return k, v
+            return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
 
         return FrontFeed(boundary, kv)
 
@@ -97,7 +99,6 @@ class StepFronts:
     feed: FrontFeed | None
     boundary: int
     front_tokens: int
-    predicted_s: float
 
 
 class PartialCaching:
@@ -106,10 +107,15 @@ class PartialCaching:
     def __init__(self, cfg: PartialConfig, runner: ModelRunner, cost: adaptive.ProfileCostModel):
         self.cfg = cfg
         self.runner = runner
-        self.cost = cost
         self.block_size = runner.block_size
         self.layers = runner.model.cfg.num_layers
         self.swap = FrontSwap(cfg.swap_bytes, cfg.swap_bandwidth) if cfg.swap_bytes else None
+        # Without a swap space every front is recomputed: the optimiser must not price a read.
+        self.cost = cost if self.swap is not None else replace(cost, w=None)
+        if self.swap is not None and cfg.swap_bandwidth is not None and cost.w is not None:
+            # an emulated tier: the read also waits bytes / bandwidth per front token (all layers)
+            per_token = 2 * self.layers * runner.k_cache[0, 0].nbytes
+            self.cost = replace(cost, w=cost.w + per_token / cfg.swap_bandwidth)
         self.stats = PartialStats()
         self._t0 = time.perf_counter()
 
@@ -168,7 +174,11 @@ class PartialCaching:
         if not self.swap.room(nbytes):
             self.swap.drop(rid)
             return
-        self.swap.append(rid, self.runner.k_cache[:, slots], self.runner.v_cache[:, slots])
+        slots = slots.to(self.runner.device)
+        k, v = self.runner.k_cache[:, slots], self.runner.v_cache[:, slots]  # [layers, n, kv_heads, hd] copies
+        if k.device.type != "cpu":  # host memory is the point: the device blocks are freed
+            k, v = k.to("cpu").pin_memory(), v.to("cpu").pin_memory()
+        self.swap.append(rid, k, v)
 
     def forget(self, rid: str) -> None:
         if self.swap is not None:
@@ -182,7 +192,7 @@ class PartialCaching:
         fronted = [(i, r) for i, (it, r) in enumerate(zip(items, reqs)) if it.front]
         tokens = sum(r.front for _, r in fronted)
         if not fronted:
-            return StepFronts((), None, 0, 0, 0.0)
+            return StepFronts((), None, 0, 0)
         swapped = self.swap is not None and all(self.swap.held(r.request_id) == r.front for _, r in fronted)
         rec = sum(self.cost.recompute_s(r.front) for _, r in fronted) / self.layers
         read = sum(self.cost.swap_s(r.front) for _, r in fronted) / self.layers if swapped else float("inf")
@@ -194,8 +204,8 @@ class PartialCaching:
         feed = None
         if boundary < self.layers:
             assert self.swap is not None
-            feed = self.swap.feed([r.request_id for _, r in fronted], boundary)
-        return StepFronts(runs, feed, boundary, tokens, 0.0)
+            feed = self.swap.feed([r.request_id for _, r in fronted], boundary, self.runner.device)
+        return StepFronts(runs, feed, boundary, tokens)
 
     def observe(self, reqs: Sequence[Request], items: Sequence[RunItem], fronts: StepFronts, seconds: float) -> None:
         """Account one executed step (decodes only count toward the SLO)."""
