@@ -10,7 +10,7 @@ import torch
 from kvtier.engine.adaptive import ProfileCostModel
 from kvtier.engine.config import EngineConfig, PartialConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.request import SamplingParams
+from kvtier.engine.request import Request, SamplingParams
 from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
 
 BS = 16
@@ -173,3 +173,46 @@ def test_the_optimiser_prices_fronts_by_where_they_come_from(tiny_gqa):
     slow = PartialCaching(PartialConfig(cost=COST, swap_bytes=1 << 20, swap_bandwidth=1e8), runner, COST)
     per_token = 2 * tiny_gqa.config.num_layers * tiny_gqa.config.num_kv_heads * tiny_gqa.config.head_dim * 4
     assert slow.cost.w == pytest.approx(COST.w + per_token / 1e8)
+
+
+def test_the_optimiser_plans_against_the_steps_it_observes(tiny_gqa):
+    """The SLO is on the time per output token the requests see: the whole engine step. A step
+    slower than the model moves the planning model's per-step term by a moving average of the
+    excess; steps without a decode leave it alone. When no b meets the SLO any more, nobody new
+    is admitted and the running decodes go on."""
+    from kvtier.engine.partial import RESIDUAL_WEIGHT, PartialCaching
+
+    runner = ModelRunner(tiny_gqa.module, 8, BS, 128)
+    params = SamplingParams(max_tokens=8)
+
+    def req(rid: str, n: int) -> Request:
+        return Request(rid, list(range(n)), params, num_computed=n - 1)
+
+    decoding = [req("a", 40), req("b", 60)]
+    waiting = [req(f"w{i}", 50) for i in range(4)]
+    items = [RunItem([r.prompt_ids[-1]], r.num_tokens - 1, (), want_logits=True) for r in decoding]
+    # SLO 1.5 ms: the model (1 ms + 0.1 ms per sequence + 1 us per context token) meets it with 3
+    pc = PartialCaching(PartialConfig(tpot_slo_s=1.5e-3, cost=COST), runner, COST)
+    assert pc.plan(decoding, waiting, capacity_blocks=64).cap == 3
+
+    predicted = COST.base_s([40, 60])
+    pc.step_fronts(items, decoding)
+    pc.observe(predicted + 0.2)
+    assert pc.stats.step_residual_s == pytest.approx(RESIDUAL_WEIGHT * 0.2)
+    assert pc.planning_cost().c0 == pytest.approx(COST.c0 + RESIDUAL_WEIGHT * 0.2)
+    pc.observe(5.0)  # no step prepared: nothing to account
+    prefill = [RunItem(list(range(50)), 0, (), want_logits=True)]
+    pc.step_fronts(prefill, waiting[:1])
+    pc.observe(5.0)  # a prefill-only step is not a decode step
+    assert pc.stats.step_residual_s == pytest.approx(RESIDUAL_WEIGHT * 0.2)
+    assert pc.stats.steps == 1 and pc.stats.slo_misses == 1
+
+    plan = pc.plan(decoding, waiting, capacity_blocks=64)  # 10 ms over: no b meets 1.5 ms
+    assert plan.cap == 2 and plan.fronts == {"a": 0, "b": 0}
+    assert pc.plan([], waiting, capacity_blocks=64).cap == 1
+
+    for _ in range(200):  # faster than the model: the residual turns negative, c0 never below 0
+        pc.step_fronts(items, decoding)
+        pc.observe(0.0)
+    assert pc.stats.step_residual_s == pytest.approx(-predicted, rel=1e-3)
+    assert pc.planning_cost().c0 == 0.0

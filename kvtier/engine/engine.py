@@ -214,10 +214,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update: one forward over every scheduled run."""
         self._steps += 1
+        t = time.perf_counter()
         outputs = self._drain_inbox()
         out, restored = self._schedule()
         logits, void = self._execute(out)
-        return outputs + restored + self._update(out, logits, void)
+        outputs += restored + self._update(out, logits, void)
+        if self.partial is not None:
+            self.partial.observe(time.perf_counter() - t)
+        return outputs
 
     def _schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """Restores that became ready rejoin the scheduler; tickets it issues start preparing."""
@@ -249,10 +253,8 @@ class Engine:
             logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
             return logits, self.link.after_execute(ids)
         fronts = self.partial.step_fronts(items, reqs)
-        t = time.perf_counter()
         logits = self.runner.execute(items + list(fronts.runs), self.link.capture_for(reqs),
                                      before_layer=self.link.restore_hook(ids), fed=fronts.feed)
-        self.partial.observe(reqs, items, fronts, time.perf_counter() - t)
         return logits, self.link.after_execute(ids)
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: dict[str, int]) -> list[RequestOutput]:

@@ -23,6 +23,8 @@ from kvtier.engine.request import Request
 from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
 from kvtier.engine.scheduler import FrontPlan
 
+RESIDUAL_WEIGHT = 0.05  # the residual's moving average spans about the last 20 decode steps
+
 
 @dataclass
 class PartialStats:
@@ -40,6 +42,10 @@ class PartialStats:
     last_boundary: int = 0  # front layers recomputed in the latest step (the rest were read)
     last_predicted_s: float = 0.0
     last_step_s: float = 0.0
+    # Recent decode steps' mean excess over the cost model: the engine's own work (scheduling,
+    # sampling) and the prefill chunks that share steps with decodes. The SLO is on the mean time
+    # per output token, so the optimiser plans against the model plus this.
+    step_residual_s: float = 0.0
     # per step: (time, decodes, uncached share, front tokens, boundary, seconds)
     history: list[tuple[float, int, float, int, int, float]] = field(default_factory=list)
 
@@ -118,6 +124,8 @@ class PartialCaching:
             self.cost = replace(cost, w=cost.w + per_token / cfg.swap_bandwidth)
         self.stats = PartialStats()
         self._t0 = time.perf_counter()
+        # the step being executed: its decodes' (length, front) and fronts, until observe()
+        self._inflight: tuple[list[tuple[int, int]], StepFronts] | None = None
 
     # ----- the scheduler's side ---------------------------------------------------------------
     def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan:
@@ -135,8 +143,12 @@ class PartialCaching:
         )
         t = time.perf_counter()
         d = self._solve(wl)
-        if not d.feasible and wl.slo_s is not None:  # no b meets the SLO: the best throughput that fits
+        if not d.feasible and wl.slo_s is not None:
+            # No b meets the SLO: the best throughput that fits among the running decodes; nobody
+            # new is admitted until the steps are fast enough again.
             d = self._solve(replace(wl, slo_s=None))
+            n = min(d.b, max(1, len(decoding)))
+            d = replace(d, b=n, fronts=d.fronts[:n])
         self.stats.solves += 1
         self.stats.solve_s += time.perf_counter() - t
         if not d.feasible:  # not even one sequence fits: admit nobody; blocks run out -> preemption
@@ -153,10 +165,15 @@ class PartialCaching:
             return sum(max(fronts.get(r.request_id, 0), r.front) for r in decoding)
         return sum(r.front for r in decoding if r.front and self.swap.held(r.request_id) != r.front)
 
+    def planning_cost(self) -> adaptive.ProfileCostModel:
+        """The cost model the optimiser solves with: the fitted one, its per-step term moved by the
+        residual the engine's decode steps show."""
+        return replace(self.cost, c0=max(0.0, self.cost.c0 + self.stats.step_residual_s))
+
     def _solve(self, wl: adaptive.Workload) -> adaptive.Decision:
         if self.cfg.solver == "slsqp":
-            return adaptive.solve_slsqp(self.cost, wl)
-        return adaptive.solve_enumerate(self.cost, wl, per_request=self.cfg.per_request)
+            return adaptive.solve_slsqp(self.planning_cost(), wl)
+        return adaptive.solve_enumerate(self.planning_cost(), wl, per_request=self.cfg.per_request)
 
     def release(self, req: Request, upto: int) -> None:
         """Copy positions [req.front, upto) to the swap space while it has room (else the front
@@ -186,9 +203,16 @@ class PartialCaching:
 
     # ----- the engine's side ------------------------------------------------------------------
     def step_fronts(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts:
-        """Front runs and feed for a step's items (decodes with fronts among them). Every front
-        comes from the swap space when all are there and reading beats recomputing; otherwise
-        the boundary (recomputed layers) follows the cost model."""
+        """Front runs and feed for a step's items (decodes with fronts among them); the step is
+        held until observe() reports its time."""
+        fronts = self._fronts_for(items, reqs)
+        dec = [(r.num_tokens, r.front) for it, r in zip(items, reqs) if len(it.token_ids) == 1 and it.start > 0]
+        self._inflight = (dec, fronts)
+        return fronts
+
+    def _fronts_for(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts:
+        """Every front comes from the swap space when all are there and reading beats
+        recomputing; otherwise the boundary (recomputed layers) follows the cost model."""
         fronted = [(i, r) for i, (it, r) in enumerate(zip(items, reqs)) if it.front]
         tokens = sum(r.front for _, r in fronted)
         if not fronted:
@@ -207,12 +231,17 @@ class PartialCaching:
             feed = self.swap.feed([r.request_id for _, r in fronted], boundary, self.runner.device)
         return StepFronts(runs, feed, boundary, tokens)
 
-    def observe(self, reqs: Sequence[Request], items: Sequence[RunItem], fronts: StepFronts, seconds: float) -> None:
-        """Account one executed step (decodes only count toward the SLO)."""
-        dec = [r for r, it in zip(reqs, items) if len(it.token_ids) == 1 and it.start > 0]
-        if not dec:
+    def observe(self, seconds: float) -> None:
+        """Account the step step_fronts() prepared; `seconds` is the whole engine step (schedule,
+        forward, sampling), the time its decodes wait for their next token. Steps without a
+        decode do not count toward the SLO."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None or not inflight[0]:
             return
+        dec, fronts = inflight
         st = self.stats
+        predicted = self.cost.base_s([n for n, _ in dec]) + sum(self.cost.front_s(n, u) for n, u in dec)
+        st.step_residual_s += RESIDUAL_WEIGHT * (seconds - predicted - st.step_residual_s)
         st.steps += 1
         st.front_steps += bool(fronts.front_tokens)
         st.recomputed_tokens += fronts.front_tokens if fronts.boundary else 0
@@ -220,7 +249,7 @@ class PartialCaching:
         slo = self.cfg.tpot_slo_s
         st.slo_misses += slo is not None and seconds > slo
         st.last_b = len(dec)
-        st.last_ratio = fronts.front_tokens / max(1, sum(r.num_tokens for r in dec))
+        st.last_ratio = fronts.front_tokens / max(1, sum(n for n, _ in dec))
         st.last_boundary = fronts.boundary
         st.last_step_s = seconds
         st.history.append((time.perf_counter() - self._t0, len(dec), st.last_ratio, fronts.front_tokens,
@@ -234,4 +263,5 @@ class PartialCaching:
                     swapped_tokens=st.swapped_tokens, slo_misses=st.slo_misses, solves=st.solves,
                     solve_ms_mean=1e3 * st.solve_s / max(1, st.solves), last_b=st.last_b,
                     last_ratio=st.last_ratio, last_boundary=st.last_boundary,
+                    step_residual_ms=1e3 * st.step_residual_s,
                     swap_bytes=self.swap.used if self.swap else 0)
