@@ -210,6 +210,11 @@ def test_the_optimiser_plans_against_the_steps_it_observes(tiny_gqa):
     plan = pc.plan(decoding, waiting, capacity_blocks=64)  # 10 ms over: no b meets 1.5 ms
     assert plan.cap == 2 and plan.fronts == {"a": 0, "b": 0}
     assert pc.plan([], waiting, capacity_blocks=64).cap == 1
+    # An SLO only the first running decode meets: the second is kept, not preempted.
+    tight = PartialCaching(PartialConfig(tpot_slo_s=1.15e-3, cost=COST), runner, COST)
+    assert tight.plan(decoding, waiting, capacity_blocks=64).cap == 2
+    # Memory still preempts: two sequences of 40 and 60 tokens need more than 3 blocks with fronts.
+    assert tight.plan(decoding, waiting, capacity_blocks=3).cap == 1
 
     for _ in range(200):  # faster than the model: the residual turns negative, c0 never below 0
         pc.step_fronts(items, decoding)

@@ -135,20 +135,18 @@ class PartialCaching:
             return FrontPlan(cap=1 << 30, fronts=fronts, recompute_tokens=self._recomputed(decoding, fronts))
         # FCFS: the running decodes, then the queue (admitted in full: a prompt has no front).
         cands = list(decoding) + list(waiting)[: max(0, 4 * len(decoding) + 8)]
-        wl = adaptive.Workload(
-            lengths=tuple(r.num_tokens for r in cands), capacity_blocks=capacity_blocks, block_size=bs,
-            slo_s=self.cfg.tpot_slo_s,
-            max_fronts=tuple(((r.num_tokens - 1) // bs * bs if i < len(decoding) and not r.approximate else 0)
-                             for i, r in enumerate(cands)),
-        )
+        most = tuple(((r.num_tokens - 1) // bs * bs if i < len(decoding) and not r.approximate else 0)
+                     for i, r in enumerate(cands))
+        wl = adaptive.Workload(lengths=tuple(r.num_tokens for r in cands), capacity_blocks=capacity_blocks,
+                               block_size=bs, slo_s=self.cfg.tpot_slo_s, max_fronts=most)
         t = time.perf_counter()
         d = self._solve(wl)
-        if not d.feasible and wl.slo_s is not None:
-            # No b meets the SLO: the best throughput that fits among the running decodes; nobody
-            # new is admitted until the steps are fast enough again.
-            d = self._solve(replace(wl, slo_s=None))
-            n = min(d.b, max(1, len(decoding)))
-            d = replace(d, b=n, fronts=d.fronts[:n])
+        if wl.slo_s is not None and (not d.feasible or d.b < len(decoding)):
+            # The SLO alone would stop running decodes, or no b meets it: keep the running ones
+            # (a preempted request pays its prefill again and waits) with the fronts memory needs,
+            # and admit nobody new (one request when none runs) until the steps are fast enough.
+            keep = max(1, len(decoding))
+            d = self._solve(replace(wl, lengths=wl.lengths[:keep], max_fronts=most[:keep], slo_s=None))
         self.stats.solves += 1
         self.stats.solve_s += time.perf_counter() - t
         if not d.feasible:  # not even one sequence fits: admit nobody; blocks run out -> preemption
