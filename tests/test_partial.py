@@ -137,6 +137,8 @@ def test_cli_options_build_the_config():
         partial_from_args(p.parse_args(["--partial-caching", "off", "--tpot-slo-ms", "60"]))
     with pytest.raises(ValueError, match="uncached ratio"):
         partial_from_args(p.parse_args(["--partial-caching", "fixed", "--uncached-ratio", "1.5"]))
+    with pytest.raises(ValueError, match="slo_headroom"):
+        PartialConfig(tpot_slo_s=0.05, slo_headroom=0.0)
 
 
 def test_optimizer_with_a_calibrated_cost_model_is_exact(tiny_gqa, tmp_path, monkeypatch):
@@ -191,8 +193,11 @@ def test_the_optimiser_plans_against_the_steps_it_observes(tiny_gqa):
     decoding = [req("a", 40), req("b", 60)]
     waiting = [req(f"w{i}", 50) for i in range(4)]
     items = [RunItem([r.prompt_ids[-1]], r.num_tokens - 1, (), want_logits=True) for r in decoding]
-    # SLO 1.5 ms: the model (1 ms + 0.1 ms per sequence + 1 us per context token) meets it with 3
-    pc = PartialCaching(PartialConfig(tpot_slo_s=1.5e-3, cost=COST), runner, COST)
+    # SLO 1.5 ms: the model (1 ms + 0.1 ms per sequence + 1 us per context token) meets it with 3;
+    # planned to 90% of it (the default headroom), with 2
+    assert PartialCaching(PartialConfig(tpot_slo_s=1.5e-3, cost=COST), runner, COST).plan(
+        decoding, waiting, capacity_blocks=64).cap == 2
+    pc = PartialCaching(PartialConfig(tpot_slo_s=1.5e-3, slo_headroom=1.0, cost=COST), runner, COST)
     assert pc.plan(decoding, waiting, capacity_blocks=64).cap == 3
 
     predicted = COST.base_s([40, 60])
@@ -211,7 +216,7 @@ def test_the_optimiser_plans_against_the_steps_it_observes(tiny_gqa):
     assert plan.cap == 2 and plan.fronts == {"a": 0, "b": 0}
     assert pc.plan([], waiting, capacity_blocks=64).cap == 1
     # An SLO only the first running decode meets: the second is kept, not preempted.
-    tight = PartialCaching(PartialConfig(tpot_slo_s=1.15e-3, cost=COST), runner, COST)
+    tight = PartialCaching(PartialConfig(tpot_slo_s=1.15e-3, slo_headroom=1.0, cost=COST), runner, COST)
     assert tight.plan(decoding, waiting, capacity_blocks=64).cap == 2
     # Memory still preempts: two sequences of 40 and 60 tokens need more than 3 blocks with fronts.
     assert tight.plan(decoding, waiting, capacity_blocks=3).cap == 1

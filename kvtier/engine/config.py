@@ -19,6 +19,9 @@ class PartialConfig:
     policy: str = "optimizer"  # optimizer: b and fronts from the solver; fixed: each front is `ratio` of its length
     ratio: float = 0.0  # the fixed policy's uncached share
     tpot_slo_s: float | None = None  # the optimizer keeps its predicted decode step within this
+    # Plan to this share of the SLO. The planned step is the mean one; a request whose lifetime
+    # meets more prefill chunks than the mean sees slower steps, and the SLO is per request.
+    slo_headroom: float = 0.9
     solver: str = "exact"  # exact (enumerate b, water-fill fronts) or slsqp (the paper's relaxation)
     per_request: str = "tokens"  # tokens: water-filled fronts; ratio: one uncached share for all
     swap_bytes: int = 0  # host swap space for fronts (K rotated and V, every layer); 0: recompute only
@@ -35,6 +38,8 @@ class PartialConfig:
             raise ValueError(f"uncached ratio must be in [0, 1), got {self.ratio}")
         if self.tpot_slo_s is not None and self.tpot_slo_s <= 0:
             raise ValueError(f"the TPOT SLO must be positive seconds, got {self.tpot_slo_s}")
+        if not 0.0 < self.slo_headroom <= 1.0:
+            raise ValueError(f"slo_headroom is the share of the SLO planned to, in (0, 1]; got {self.slo_headroom}")
         if self.solver not in ("exact", "slsqp"):
             raise ValueError(f"solver {self.solver!r}: use exact or slsqp")
         if self.per_request not in ("tokens", "ratio"):

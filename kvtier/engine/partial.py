@@ -134,11 +134,12 @@ class PartialCaching:
             fronts = {r.request_id: int(self.cfg.ratio * r.num_tokens) // bs * bs for r in decoding}
             return FrontPlan(cap=1 << 30, fronts=fronts, recompute_tokens=self._recomputed(decoding, fronts))
         # FCFS: the running decodes, then the queue (admitted in full: a prompt has no front).
+        slo = self.cfg.tpot_slo_s * self.cfg.slo_headroom if self.cfg.tpot_slo_s is not None else None
         cands = list(decoding) + list(waiting)[: max(0, 4 * len(decoding) + 8)]
         most = tuple(((r.num_tokens - 1) // bs * bs if i < len(decoding) and not r.approximate else 0)
                      for i, r in enumerate(cands))
         wl = adaptive.Workload(lengths=tuple(r.num_tokens for r in cands), capacity_blocks=capacity_blocks,
-                               block_size=bs, slo_s=self.cfg.tpot_slo_s, max_fronts=most)
+                               block_size=bs, slo_s=slo, max_fronts=most)
         t = time.perf_counter()
         d = self._solve(wl)
         if wl.slo_s is not None and (not d.feasible or d.b < len(decoding)):
