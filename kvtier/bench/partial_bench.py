@@ -232,7 +232,7 @@ def plot(series: dict[str, list], rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(18, 4.5))
     for key, s in series.items():
         if s:
             a1.plot([p[0] for p in s], [p[1] for p in s], label=key, lw=0.9)
@@ -240,11 +240,21 @@ def plot(series: dict[str, list], rows: list[dict], path: str) -> None:
     a1.set_ylabel("running sequences")
     a1.set_title("concurrency over time")
     a1.legend(fontsize=6)
-    labels = [f"{r['model'][:10]} {r['rate']:g}/s {r['policy']}" for r in rows]
-    a2.barh(range(len(rows)), [r["tok_s"] for r in rows], color="tab:blue")
-    a2.set_yticks(range(len(rows)), labels, fontsize=6)
+    labels = [f"{r['model']} {r['rate']:g}/s {r['policy']}" for r in rows]
+    y = range(len(rows))
+    a2.barh(y, [r["tok_s"] for r in rows], color="tab:blue")
+    a2.set_yticks(y, labels, fontsize=6)
     a2.set_xlabel("output tokens/s")
     a2.invert_yaxis()
+    ms = [1e3 * (r["tpot_p50"] or 0) for r in rows], [1e3 * (r["tpot_p99"] or 0) for r in rows]
+    a3.barh(y, ms[1], color="tab:orange", label="TPOT p99")
+    a3.barh(y, ms[0], color="tab:blue", label="TPOT p50")
+    a3.scatter([1e3 * r["slo_s"] for r in rows], y, marker="|", s=200, color="black", label="SLO", zorder=3)
+    a3.set_yticks(y, [""] * len(rows))
+    a3.set_xscale("log")
+    a3.set_xlabel("ms per output token (log)")
+    a3.invert_yaxis()
+    a3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -15,7 +15,8 @@ def add_partial_arguments(p: argparse.ArgumentParser) -> None:
                         "request's uncached front under --tpot-slo-ms; fixed uses --uncached-ratio "
                         "(default: optimizer when --tpot-slo-ms is given, else off)")
     g.add_argument("--tpot-slo-ms", type=float, default=None,
-                   help="time-per-output-token SLO the optimizer keeps its predicted decode step within")
+                   help="time-per-output-token SLO in ms: the optimizer admits requests and sizes fronts so that "
+                        "decode steps, as the engine observes them, stay within 90%% of it")
     g.add_argument("--uncached-ratio", type=float, default=0.25,
                    help="share of each decoding request's tokens left uncached with --partial-caching fixed")
     g.add_argument("--front-swap-gb", type=float, default=0.0,
