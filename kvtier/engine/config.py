@@ -18,7 +18,7 @@ class PartialConfig:
 
     policy: str = "optimizer"  # optimizer: b and fronts from the solver; fixed: each front is `ratio` of its length
     ratio: float = 0.0  # the fixed policy's uncached share
-    tpot_slo_s: float | None = None  # the optimizer keeps its predicted decode step within this
+    tpot_slo_s: float | None = None  # the optimizer keeps decode steps (model + observed residual) within this
     # Plan to this share of the SLO. The planned step is the mean one; a request whose lifetime
     # meets more prefill chunks than the mean sees slower steps, and the SLO is per request.
     slo_headroom: float = 0.9
