@@ -1,5 +1,5 @@
 import sys
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ import time
 
 import openai
 
-from kvtier.bench.services import RedisServer
+from kvtier.testing.services import RedisServer
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.bench.services import RedisCluster, RedisServer, redis_binary
 from kvtier.models.loading import LoadedModel, load_model
+from kvtier.testing.services import RedisCluster, RedisServer, redis_binary
 
 torch.set_num_threads(2)
 

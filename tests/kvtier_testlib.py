@@ -8,7 +8,7 @@ import torch
 from kvtier.models.config import ModelConfig, RopeScaling
 from kvtier.models.loading import LoadedModel, _build
 from kvtier.models.presets import random_state_dict
-from kvtier.restore.costs import HardwareProfile, TierRates
+from kvtier.planning.costs import HardwareProfile, TierRates
 
 
 def _tiny(**kw) -> ModelConfig:

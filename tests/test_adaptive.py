@@ -1,4 +1,4 @@
-"""The eLLM request-level optimiser (kvtier/engine/adaptive.py): cost formulas checked against hand
+"""The eLLM request-level optimiser (kvtier/planning/optimizer.py): cost formulas checked against hand
 arithmetic, solvers against brute force on the block grid, and the profile fit on synthetic data."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from kvtier.engine.adaptive import (
+from kvtier.planning.optimizer import (
     Decision,
     ModelShape,
     PaperCostModel,

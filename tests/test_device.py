@@ -14,10 +14,10 @@ import torch
 from test_restore import GREEDY, HIST, _engine, _ids, check_all_methods, restore_after_saving
 
 from kvtier.device import DeviceError, resolve_device
+from kvtier.engine.link.saver import Saver
 from kvtier.engine.request import Request, SamplingParams
-from kvtier.engine.runner import ModelRunner, RunItem
-from kvtier.engine.saver import Saver
-from kvtier.engine.transfer import DONE, LazyTransfer, Transfer
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.transfer import DONE, LazyTransfer, Transfer
 from kvtier.models.llama import CausalLM
 from kvtier.models.presets import PRESETS
 from kvtier.store.layout import Repr
@@ -104,7 +104,7 @@ def test_a_device_model_steps_places_and_saves_on_the_device():
 @pytest.fixture
 def lazy(monkeypatch):
     """Every engine built in the test gets a LazyTransfer: copies deliver NaN until waited on."""
-    monkeypatch.setattr("kvtier.engine.runner.make_transfer", lambda device: LazyTransfer())
+    monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: LazyTransfer())
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
@@ -128,7 +128,7 @@ class _NoSaveSync(LazyTransfer):
 
 @pytest.mark.parametrize("broken", [_NoComputeWait, _NoSaveSync])
 def test_the_lazy_back_end_catches_a_missing_wait(monkeypatch, tiny_gqa, broken):
-    monkeypatch.setattr("kvtier.engine.runner.make_transfer", lambda device: broken())
+    monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: broken())
     ids = _ids(tiny_gqa)
     ref = _engine(tiny_gqa, None).generate([ids], GREEDY)[0].output_ids
     out = restore_after_saving(_engine(tiny_gqa, "memory:256MB", "kv"), ids)

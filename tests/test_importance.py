@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvtier.restore.importance import (
+from kvtier.engine.restore.importance import (
     column_importance,
     jaccard,
     mean_pairwise_jaccard,

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine import impress_exec
-from kvtier.engine.impress_exec import (
+from kvtier.engine.restore import impress as impress_exec
+from kvtier.engine.restore.impress import (
     ReducedCache,
     calibrate,
     calibrate_probe,
@@ -18,9 +18,9 @@ from kvtier.engine.impress_exec import (
     impress_prefill,
     probe_pass_rate,
 )
+from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
-from kvtier.restore.impress import ImpressPolicy, Selection
 from kvtier.store import StoreNamespace, TieredStore
 from kvtier.store.selective import TokenReads
 

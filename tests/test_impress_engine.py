@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine.config import ReuseConfig
+from kvtier.engine.config import ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.impress_exec import ReducedCache, chunk_ratios, extend, impress_prefill
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.restore.impress import ReducedCache, chunk_ratios, extend, impress_prefill
+from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
-from kvtier.restore.impress import ImpressPolicy, Selection
 from kvtier.store.selective import TokenReads
 
 HIST, NEW, OUT = 256, 12, 8
@@ -29,7 +29,7 @@ def _ids(model, n: int, seed: int = 11) -> list[int]:
 
 
 def _impress_engine(model, tmp_path, ratio: float) -> Engine:
-    return Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", importance_ratio=ratio))
+    return Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", impress=ImpressConfig(ratio=ratio)))
 
 
 def _turn_one(model, tmp_path, ids: list[int]) -> None:
@@ -69,7 +69,7 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int
 def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, selection, unit):
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
-    reuse = ReuseConfig(method="impress", importance_ratio=0.25, importance_selection=selection, importance_unit=unit)
+    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25, selection=selection, unit=unit))
     with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         out = engine.generate([ids], GREEDY)[0]
         policy = ImpressPolicy(ratio=0.25, selection=Selection(selection), block=16 if unit == "granule" else 1)
@@ -80,11 +80,11 @@ def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, t
 
 def test_bad_importance_options_are_refused():
     with pytest.raises(ValueError, match="importance_selection"):
-        ReuseConfig(method="impress", importance_selection="sometimes")
+        ImpressConfig(selection="sometimes")
     with pytest.raises(ValueError, match="importance_unit"):
-        ReuseConfig(method="impress", importance_unit="word")
+        ImpressConfig(unit="word")
     with pytest.raises(ValueError, match="importance_ratio"):
-        ReuseConfig(method="impress", importance_ratio=0.0)
+        ImpressConfig(ratio=0.0)
 
 
 @torch.inference_mode()
@@ -132,7 +132,7 @@ def test_chunk_ratios_average_the_kept_share_over_layers():
 def test_score_policy_hears_what_importance_restores_needed(model, tmp_path):
     ids = _ids(model, HIST + NEW, seed=15)
     _turn_one(model, tmp_path, ids)
-    reuse = ReuseConfig(method="impress", importance_ratio=0.25, eviction_policy="score")
+    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25), eviction_policy="score")
     with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         out = engine.generate([ids], GREEDY)[0]
         store = engine.link.store
@@ -148,7 +148,7 @@ def test_score_policy_hears_what_importance_restores_needed(model, tmp_path):
 def test_reordering_changes_what_is_read_not_what_is_restored(model, tmp_path):
     ids = _ids(model, HIST + NEW, seed=16)
     _turn_one(model, tmp_path, ids)
-    reuse = ReuseConfig(method="impress", importance_ratio=0.25, importance_reorder_s=0)
+    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25, reorder_s=0))
     with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         # Approximate state is never published: the same prompt restores by importance each time.
         first, second = (engine.generate([ids], GREEDY)[0] for _ in range(2))

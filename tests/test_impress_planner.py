@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from kvtier.engine.config import ReuseConfig
+from kvtier.engine.config import ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.restore.costs import HardwareProfile, ModelShape, TierLink, TierRates
-from kvtier.restore.plan import Method, PlannedChunk
-from kvtier.restore.planner import ImportanceReads, Planner
+from kvtier.planning.costs import HardwareProfile, ModelShape, TierLink, TierRates
+from kvtier.planning.plan import Method, PlannedChunk
+from kvtier.planning.planner import ImportanceReads, Planner
 from kvtier.store.layout import Repr
 
 from kvtier_testlib import fake_profile
@@ -104,8 +104,8 @@ def model():
 def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, tmp_path, monkeypatch):
     import torch
 
-    from kvtier.engine import statelink
-    from kvtier.engine.impress_exec import ProbeCalibration
+    from kvtier.engine.link import store_link as statelink
+    from kvtier.engine.restore.impress import ProbeCalibration
 
     # Random weights: probe heads rarely agree, so importance restores would read most keys and auto
     # would (rightly) not choose them; here the probes are taken to always agree.
@@ -119,7 +119,7 @@ def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, t
     # A read call costs 5 ms: importance restores make one per chunk and layer, so unthrottled kv
     # wins; at 0.2 MB/s the bytes decide and whole granules read 0.375x of them.
     prof.tiers["disk"] = dataclasses.replace(prof.tiers["disk"], read_latency_s=5e-3)
-    reuse = ReuseConfig(allow_lossy=True, importance_ratio=0.25, importance_unit="granule")
+    reuse = ReuseConfig(allow_lossy=True, impress=ImpressConfig(ratio=0.25, unit="granule"))
     spec = f"disk:{tmp_path}/d:256MB"
     with Engine(model, store=spec, reuse=reuse, profile=prof) as first:
         first.generate([ids[:256]], SamplingParams(max_tokens=1, temperature=0.0))

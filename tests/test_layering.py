@@ -17,8 +17,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
 
 TORCH_FREE = [
-    "kvtier.engine.scheduler", "kvtier.engine.block_pool", "kvtier.engine.request", "kvtier.engine.sessions",
-    "kvtier.restore.planner", "kvtier.restore.plan", "kvtier.restore.costs", "kvtier.restore.truncation",
+    "kvtier.engine.scheduler", "kvtier.engine.block_pool", "kvtier.engine.request", "kvtier.engine.link.sessions",
+    "kvtier.planning.planner", "kvtier.planning.plan", "kvtier.planning.costs", "kvtier.planning.truncation",
     "kvtier.store.keys", "kvtier.store.index", "kvtier.store.policy", "kvtier.store.lookahead",
     "kvtier.store.layout", "kvtier.store.spec", "kvtier.dtypes", "kvtier.paths",
 ]
@@ -56,7 +56,7 @@ FORBIDDEN = {
     "models": ("kvtier.engine", "kvtier.restore", "kvtier.store", "kvtier.serve", "kvtier.bench"),
     "store": ("kvtier.engine", "kvtier.restore", "kvtier.models", "kvtier.serve", "kvtier.bench"),
     "restore": ("kvtier.engine", "kvtier.models", "kvtier.serve", "kvtier.bench"),
-    "engine": ("kvtier.serve", "kvtier.bench", "kvtier.cli"),
+    "engine": ("kvtier.serve", "kvtier.bench", "kvtier.cli.main"),
 }
 
 
@@ -74,4 +74,4 @@ def test_the_import_check_sees_imports():
     """The checker itself: it finds absolute, relative and function-level imports."""
     found = _imports(PACKAGE / "store" / "tiered.py")
     assert {"kvtier.store.format", "kvtier.store.tiers.redis_tier"} <= found
-    assert "kvtier.engine.restore_exec" in _imports(PACKAGE / "engine" / "restorer.py")
+    assert "kvtier.engine.restore.layerwise" in _imports(PACKAGE / "engine" / "restorer.py")

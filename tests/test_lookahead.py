@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kvtier.bench.reference import context_state
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
 from kvtier.store import FIFOPolicy, LRUPolicy
 from kvtier.store.lookahead import LookAheadPolicy
+from kvtier.testing.reference import context_state
 
 from kvtier_testlib import fake_profile
 
@@ -82,8 +82,8 @@ def test_prefetch_only_where_it_pays():
     would not hide under compute. Waiting on a slow link pays for it; reads that hide do not."""
     import dataclasses
 
-    from kvtier.restore.costs import ModelShape, TierLink
-    from kvtier.restore.planner import Planner
+    from kvtier.planning.costs import ModelShape, TierLink
+    from kvtier.planning.planner import Planner
 
     prof = fake_profile("x", io_bps=1e9)
     hidden = dataclasses.replace(prof.tiers["disk"], overlap=1.0)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine.adaptive import ProfileCostModel
 from kvtier.engine.config import EngineConfig, PartialConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
-from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
+from kvtier.planning.optimizer import ProfileCostModel
 
 BS = 16
 # A cost model under which reading fronts back always wins (boundary 0) unless pinned.
@@ -124,7 +124,7 @@ def test_pool_holds_only_the_cached_tail(tiny_gqa):
 def test_cli_options_build_the_config():
     import argparse
 
-    from kvtier.engine.partial_args import add_partial_arguments, partial_from_args
+    from kvtier.cli.engine_args import add_partial_arguments, partial_from_args
 
     p = argparse.ArgumentParser()
     add_partial_arguments(p)
@@ -145,7 +145,7 @@ def test_optimizer_with_a_calibrated_cost_model_is_exact(tiny_gqa, tmp_path, mon
     """No cost model given: the engine measures this machine once (cached under KVTIER_HOME) and the
     optimiser, under a budget too small for all three requests in full, still generates full
     caching's tokens."""
-    from kvtier.engine import partial_profile
+    from kvtier.engine.calibrate import fronts as partial_profile
 
     monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
     monkeypatch.setattr(partial_profile, "GRID", ((1, 128, 0, "recompute"), (4, 128, 0, "recompute"),

@@ -13,19 +13,19 @@ import threading
 import pytest
 import torch
 
-from kvtier.bench.reference import context_state
 from kvtier.engine.block_pool import block_hashes
+from kvtier.engine.calibrate.hardware import COMPUTE_POINTS, fit_compute
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.profiling import COMPUTE_POINTS, fit_compute
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.restore_exec import Restore, RestoreMiss
-from kvtier.engine.runner import ModelRunner
-from kvtier.restore.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, links
-from kvtier.restore.plan import Method, PlannedChunk
-from kvtier.restore.planner import MAX_CORRECTION, Planner
+from kvtier.engine.restore.layerwise import Restore, RestoreMiss
+from kvtier.engine.runner.model_runner import ModelRunner
+from kvtier.planning.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, links
+from kvtier.planning.plan import Method, PlannedChunk
+from kvtier.planning.planner import MAX_CORRECTION, Planner
 from kvtier.store import Repr, StoreNamespace, TieredStore
 from kvtier.store.throttle import Emulation
+from kvtier.testing.reference import context_state
 
 from kvtier_testlib import fake_profile
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.bench.reference import context_state, continuation_logits, truncation_fidelity
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.restore.truncation import TruncationConfig, kept_positions
+from kvtier.planning.truncation import TruncationConfig, kept_positions
+from kvtier.testing.reference import context_state, continuation_logits, truncation_fidelity
 
 from kvtier_testlib import fake_profile
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvtier.bench.services import RedisServer, free_port  # noqa: F401  (re-exported for the benchmarks)
+from kvtier.testing.services import RedisServer, free_port  # noqa: F401  (re-exported for the benchmarks)
 
 T = TypeVar("T")
 _READ_BLOCK = 1 << 20  # 1 MiB: large enough that per-call overhead does not hide the device's bandwidth

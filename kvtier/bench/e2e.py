@@ -423,7 +423,7 @@ class E2EBench:
     def measure_profile(self, loaded):
         """This machine's profile for the model over every tier of the run (measured once, kept
         under KVTIER_HOME), so `auto` plans with real numbers, as `kvtier serve` would."""
-        from kvtier.engine.profiling import load_or_measure
+        from kvtier.engine.calibrate.hardware import load_or_measure
         from kvtier.paths import home
 
         tiers = {PEER_TIER[p] for p in self.peers if p in KV_PEERS and p in PEER_TIER}

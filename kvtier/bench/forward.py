@@ -26,7 +26,7 @@ from kvtier.dtypes import name_of
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 
 

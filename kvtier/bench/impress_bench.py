@@ -29,10 +29,16 @@ from kvtier.bench import impress_admission, impress_reorder
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
-from kvtier.engine.impress_exec import ReducedCache, calibrate, extend, impress_prefill
+from kvtier.engine.restore.impress import ReducedCache, calibrate, extend, impress_prefill
+from kvtier.engine.restore.impress_policy import (
+    PROBE_GRANULE_TOKENS,
+    ImpressPolicy,
+    ImpressStats,
+    Selection,
+    probe_kv_heads_for,
+)
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.models.rope import Rope
-from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection, probe_kv_heads_for
 from kvtier.store import StoreNamespace, TieredStore
 from kvtier.store.selective import TokenReads
 
@@ -225,12 +231,12 @@ def _history(loaded: LoadedModel, tokens: int) -> list[int]:
 
 def _engine_ttft(loaded: LoadedModel, spec: str, method: str, ids: list[int], ratio: float, unit: str = "token",
                  lossy: bool = False):
-    from kvtier.engine.config import EngineConfig, ReuseConfig
+    from kvtier.engine.config import EngineConfig, ImportanceUnit, ImpressConfig, ReuseConfig
     from kvtier.engine.engine import Engine
     from kvtier.engine.request import SamplingParams
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
-    reuse = ReuseConfig(method=method, importance_ratio=ratio, importance_unit=unit, allow_lossy=lossy)
+    reuse = ReuseConfig(method=method, impress=ImpressConfig(ratio=ratio, unit=ImportanceUnit(unit)), allow_lossy=lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
     return out

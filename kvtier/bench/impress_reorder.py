@@ -16,19 +16,19 @@ import tempfile
 from pathlib import Path
 
 from kvtier.bench.common import drop_page_cache
-from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.config import EngineConfig, ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.link.store_link import StoreLink
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.statelink import StoreLink
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS
 from kvtier.models.loading import LoadedModel, load_model
-from kvtier.restore.impress import PROBE_GRANULE_TOKENS
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def _engine(loaded: LoadedModel, spec: str, tokens: int, ratio: float) -> Engine:
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=tokens + 64)
-    reuse = ReuseConfig(method="impress", importance_ratio=ratio, importance_reorder_s=0)  # passes run by hand
+    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=ratio, reorder_s=0))  # passes run by hand
     return Engine(loaded, cfg, store=spec, reuse=reuse)
 
 

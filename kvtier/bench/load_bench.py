@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
+from kvtier.cli.engine_args import positive_int
 from kvtier.models.loading import DEFAULT_MODEL
-from kvtier.restore.plan import METHOD_CHOICES
-from kvtier.serve.cli import positive_int
+from kvtier.planning.plan import METHOD_CHOICES
 
 # A shared system prompt (as real deployments have) and varied questions: some prefix reuse,
 # mostly fresh work.

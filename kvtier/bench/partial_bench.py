@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from kvtier.bench.common import machine_info
-from kvtier.engine.config import EngineConfig, PartialConfig, ReuseConfig
+from kvtier.engine.calibrate.fronts import cost_model, held_out_error
+from kvtier.engine.config import EngineConfig, PartialConfig, PartialPolicy, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.partial_profile import cost_model, held_out_error
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 
 BS = 16
@@ -135,12 +135,12 @@ class Policy:
 
 
 def policies(slo_s: float, cost, swap_mbps: float | None, ratios: list[float]) -> list[Policy]:
-    opt = PartialConfig(policy="optimizer", tpot_slo_s=slo_s, cost=cost)
+    opt = PartialConfig(policy=PartialPolicy.OPTIMIZER, tpot_slo_s=slo_s, cost=cost)
     # Ample memory: the optimiser without the SLO (the machinery alone: no front is needed, so it
     # must cost nothing) and with it (the SLO then caps b below what memory allows).
     out = [Policy("full", ample=True), Policy("full+optimizer-noslo", replace(opt, tpot_slo_s=None), ample=True),
            Policy("full+optimizer", opt, ample=True), Policy("recompute"), Policy("swap", store="memory:8GB")]
-    out += [Policy(f"fixed-r{r:g}", PartialConfig(policy="fixed", ratio=r, cost=cost)) for r in ratios]
+    out += [Policy(f"fixed-r{r:g}", PartialConfig(policy=PartialPolicy.FIXED, ratio=r, cost=cost)) for r in ratios]
     out += [Policy("optimizer", opt), Policy("optimizer+swap", replace(opt, swap_bytes=8 << 30))]
     if swap_mbps:
         out.append(Policy(f"optimizer+swap@{swap_mbps:g}MB/s",

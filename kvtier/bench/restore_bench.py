@@ -46,7 +46,7 @@ from rich.markup import escape
 from kvtier import dtypes
 from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
 from kvtier.device import add_device_argument
-from kvtier.restore.plan import AUTO, EXACT_METHODS
+from kvtier.planning.plan import AUTO, EXACT_METHODS
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
@@ -190,7 +190,7 @@ class RestoreBench:
 
     def run_model(self, loaded) -> None:
         from kvtier.bench.hf import build_hf
-        from kvtier.engine.profiling import load_or_measure
+        from kvtier.engine.calibrate.hardware import load_or_measure
         from kvtier.paths import home
 
         spec = ",".join(tier_spec(t, None, self.workdir, self.redis_url(), "profile") for t in self.cfg.tiers)
@@ -205,7 +205,7 @@ class RestoreBench:
     def engine(self, loaded, ctx: int, spec: str | None = None, reuse=None, profile=None):
         from kvtier.engine.config import EngineConfig
         from kvtier.engine.engine import Engine
-        from kvtier.engine.runner import ModelRunner
+        from kvtier.engine.runner.model_runner import ModelRunner
 
         max_len = min(ctx + self.cfg.new_tokens + self.cfg.greedy_tokens, loaded.config.max_position_embeddings)
         kv_bytes = ModelRunner.bytes_per_block(loaded.module, 16) * (max_len // 16 + 2)  # one sequence
@@ -238,9 +238,9 @@ class RestoreBench:
 
     def run_cell(self, loaded, profile, hf, info: Context, storage: str, tier: str, bw_text: str) -> None:
         from kvtier.engine.config import ReuseConfig
-        from kvtier.restore.costs import ModelShape, links
-        from kvtier.restore.plan import PlannedChunk
-        from kvtier.restore.planner import Planner
+        from kvtier.planning.costs import ModelShape, links
+        from kvtier.planning.plan import PlannedChunk
+        from kvtier.planning.planner import Planner
         from kvtier.store.layout import Repr, StoreNamespace
 
         cfg = self.cfg

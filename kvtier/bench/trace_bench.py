@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.bench.services import RedisServer
 from kvtier.dtypes import name_of
+from kvtier.testing.services import RedisServer
 
 TIERS = ("device", "memory", "disk", "redis")
 GROUPS = ("first", "later")
@@ -670,7 +670,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.bench import workloads
-    from kvtier.engine.profiling import load_or_measure
+    from kvtier.engine.calibrate.hardware import load_or_measure
     from kvtier.models.loading import load_model
     from kvtier.paths import home
 

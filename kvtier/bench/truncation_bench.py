@@ -12,9 +12,9 @@ import json
 import statistics
 from pathlib import Path
 
-from kvtier.bench.reference import truncation_fidelity
 from kvtier.models.loading import load_model
-from kvtier.restore.truncation import TruncationConfig
+from kvtier.planning.truncation import TruncationConfig
+from kvtier.testing.reference import truncation_fidelity
 from kvtier.text import stdlib_text
 
 

@@ -2,21 +2,56 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvtier.dtypes import canonical
-from kvtier.engine.adaptive import ProfileCostModel
-from kvtier.restore.plan import AUTO, METHOD_CHOICES, Method
+from kvtier.planning.optimizer import ProfileCostModel
+from kvtier.planning.plan import AUTO, METHOD_CHOICES, Method
 from kvtier.store.layout import Repr
 
-PARTIAL_POLICIES = ("optimizer", "fixed")
+
+class PartialPolicy(str, enum.Enum):
+    OPTIMIZER = "optimizer"  # the batch size and each front from the optimiser, under the TPOT SLO
+    FIXED = "fixed"  # every front is a fixed share of its request's tokens
+
+
+class ImportanceUnit(str, enum.Enum):
+    TOKEN = "token"  # keep single tokens (the paper)
+    GRANULE = "granule"  # keep whole stored granules (16 tokens) chosen by their summed importance
+
+
+class ImportanceSelection(str, enum.Enum):
+    IMPRESS = "impress"  # probe heads first, every key only where they disagree (the paper)
+    H2O = "h2o"  # every key read and every head scored (more bytes; keeps accuracy on few KV heads)
+
+
+class EvictionPolicy(str, enum.Enum):
+    LRU = "lru"
+    LFU = "lfu"
+    FIFO = "fifo"
+    # IMPRESS §4.4.2: accesses x the share of a chunk importance-only restores needed; promotion
+    # into memory admits a chunk only if it beats the lowest score held.
+    SCORE = "score"
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _member(cls: type[E], value: object, what: str) -> E:
+    """A config string or member -> the member; a ValueError naming the choices otherwise."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r}: use one of {', '.join(str(m.value) for m in cls)}") from None
 
 
 @dataclass(frozen=True)
 class PartialConfig:
     """How the engine caches part of a running request's tokens."""
 
-    policy: str = "optimizer"  # optimizer: b and fronts from the solver; fixed: each front is `ratio` of its length
+    policy: PartialPolicy = PartialPolicy.OPTIMIZER
     ratio: float = 0.0  # the fixed policy's uncached share
     tpot_slo_s: float | None = None  # the optimizer keeps decode steps (model + observed residual) within this
     # Plan to this share of the SLO. The planned step is the mean one; a request whose lifetime
@@ -32,8 +67,7 @@ class PartialConfig:
     recompute_layers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in PARTIAL_POLICIES:
-            raise ValueError(f"partial caching policy {self.policy!r}: use one of {', '.join(PARTIAL_POLICIES)}")
+        object.__setattr__(self, "policy", _member(PartialPolicy, self.policy, "partial caching policy"))
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"uncached ratio must be in [0, 1), got {self.ratio}")
         if self.tpot_slo_s is not None and self.tpot_slo_s <= 0:
@@ -78,10 +112,35 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ImpressConfig:
+    """The importance-only restore (IMPRESS, lossy, opt-in): used when the restore method is impress,
+    or auto with allow_lossy. Its engine stores chunks in the importance layout, a namespace of its
+    own (state saved by other engines is not seen)."""
+
+    ratio: float = 0.25  # the share of a stored prefix each layer keeps
+    alpha: float = 0.6  # the similarity threshold's exponent (IMPRESS §4.3)
+    unit: ImportanceUnit = ImportanceUnit.TOKEN
+    selection: ImportanceSelection = ImportanceSelection.IMPRESS
+    # Seconds between reorder passes (IMPRESS §4.4.1, store/reorder.py): chunks importance restores
+    # have seen are stored again with K/V rows by importance. 0: never.
+    reorder_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"importance_ratio must be in (0, 1], got {self.ratio}")
+        if self.alpha < 0:
+            raise ValueError(f"importance_alpha must be >= 0, got {self.alpha}")
+        if self.reorder_s < 0:
+            raise ValueError(f"importance_reorder_s must be >= 0 seconds (0: never), got {self.reorder_s}")
+        object.__setattr__(self, "unit", _member(ImportanceUnit, self.unit, "importance_unit"))
+        object.__setattr__(self, "selection", _member(ImportanceSelection, self.selection, "importance_selection"))
+
+
+@dataclass(frozen=True)
 class ReuseConfig:
     """How the engine saves and restores state through the store."""
 
-    method: str = AUTO  # a restore method (kv, hidden, bubblefree, cake, recompute) or auto: the planner's choice
+    method: Method | str = AUTO  # a restore Method, or auto: the planner's choice per request
     chunk_tokens: int = 64
     save: bool = True
     lookahead: bool = True
@@ -97,45 +156,24 @@ class ReuseConfig:
     # Delete what a session saved once it has been idle this long (requests without a session id,
     # and chunks another live session shares, are unaffected). None = keep until evicted.
     session_ttl_s: float | None = None
-    # Importance-only restore (method "impress", lossy, opt-in): the share of a stored prefix each
-    # layer keeps and the similarity threshold's exponent (IMPRESS §4.3). Its engine stores chunks
-    # in the importance layout, a namespace of its own (state saved by other engines is not seen).
-    importance_ratio: float = 0.25
-    importance_alpha: float = 0.6
     # With method auto: the planner may also choose the importance-only restore where it predicts
     # it faster than every exact method (and recompute). Lossy, so off unless asked for; the engine
     # then stores in the importance layout (exact methods read it as usual).
     allow_lossy: bool = False
-    importance_unit: str = "token"  # "granule": choose whole stored granules (16 tokens) by their summed importance
-    # "impress": probe heads first, every key only where they disagree (the paper); "h2o": every
-    # key read and every head scored (more bytes; on few KV heads it keeps the accuracy, see docs/impress.md).
-    importance_selection: str = "impress"
-    # Seconds between reorder passes (IMPRESS §4.4.1, store/reorder.py): chunks importance restores
-    # have seen are stored again with K/V rows by importance. 0: never.
-    importance_reorder_s: float = 600.0
-    # Which chunks the memory and disk tiers give up first: lru, lfu, fifo, or score (IMPRESS §4.4.2:
-    # accesses x the share of a chunk importance-only restores needed; promotion into memory admits
-    # a chunk only if it beats the lowest score held).
-    eviction_policy: str = "lru"
+    impress: ImpressConfig = field(default_factory=ImpressConfig)
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # which chunks the memory and disk tiers give up first
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_CHOICES:
             raise ValueError(f"restore method {self.method!r}: use one of {', '.join(METHOD_CHOICES)}")
         if self.session_ttl_s is not None and self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be positive seconds (or None to keep state), got {self.session_ttl_s}")
-        if not 0.0 < self.importance_ratio <= 1.0:
-            raise ValueError(f"importance_ratio must be in (0, 1], got {self.importance_ratio}")
-        if self.importance_selection not in ("impress", "h2o"):
-            raise ValueError(f"importance_selection {self.importance_selection!r}: use impress or h2o")
-        if self.importance_unit not in ("token", "granule"):
-            raise ValueError(f"importance_unit {self.importance_unit!r}: use token or granule")
+        object.__setattr__(self, "eviction_policy", _member(EvictionPolicy, self.eviction_policy, "eviction policy"))
         if self.allow_lossy and self.method != AUTO:
             raise ValueError(f"allow_lossy lets the planner choose an importance-only restore: it needs method auto, "
-                             f"not {self.method!r} (use method impress to always restore by importance)")
-        if self.importance_reorder_s < 0:
-            raise ValueError(f"importance_reorder_s must be >= 0 seconds (0: never), got {self.importance_reorder_s}")
-        if self.importance_alpha < 0:
-            raise ValueError(f"importance_alpha must be >= 0, got {self.importance_alpha}")
+                             f"not {str(self.method)!r} (use method impress to always restore by importance)")
+        if self.method != AUTO:
+            object.__setattr__(self, "method", Method(self.method))
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.storage_dtype:

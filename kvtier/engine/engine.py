@@ -16,18 +16,18 @@ import torch
 from kvtier import paths
 from kvtier.device import resolve_device
 from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.calibrate.hardware import estimate, load_profile
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
+from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
 from kvtier.engine.partial import PartialCaching
-from kvtier.engine.profiling import estimate, load_profile
 from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
-from kvtier.engine.runner import ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample_rows
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
-from kvtier.engine.statelink import NullStateLink, StateLink, open_store_link
 from kvtier.models.loading import LoadedModel
-from kvtier.restore.costs import HardwareProfile
-from kvtier.restore.truncation import TruncationConfig, kept_positions
+from kvtier.planning.costs import HardwareProfile
+from kvtier.planning.truncation import TruncationConfig, kept_positions
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Engine:
         self._closer = weakref.finalize(self, self.link.close)
         self.partial: PartialCaching | None = None
         if config.partial is not None:
-            from kvtier.engine.partial_profile import cost_model
+            from kvtier.engine.calibrate.fronts import cost_model
 
             cost = config.partial.cost or cost_model(model, self.runner)
             self.partial = PartialCaching(config.partial, self.runner, cost)

@@ -10,11 +10,11 @@ from typing import Any
 
 from kvtier import paths
 from kvtier.device import resolve_device
+from kvtier.engine.calibrate.hardware import load_or_measure
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.profiling import load_or_measure
 from kvtier.models.loading import load_model
-from kvtier.restore.costs import HardwareProfile
+from kvtier.planning.costs import HardwareProfile
 
 
 def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,

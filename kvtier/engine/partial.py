@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvtier.engine import adaptive
 from kvtier.engine.config import PartialConfig
 from kvtier.engine.request import Request
-from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
 from kvtier.engine.scheduler import FrontPlan
+from kvtier.planning import optimizer as adaptive
 
 RESIDUAL_WEIGHT = 0.05  # the residual's moving average spans about the last 20 decode steps
 

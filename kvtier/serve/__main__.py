@@ -1,5 +1,5 @@
 import sys
 
-from kvtier.serve.cli import main
+from kvtier.cli.serve import main
 
 sys.exit(main())

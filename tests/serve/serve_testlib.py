@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.restore.costs import HardwareProfile, TierRates
+from kvtier.planning.costs import HardwareProfile, TierRates
 from kvtier.serve import create_app
 from kvtier.serve.server import ServerThread
 

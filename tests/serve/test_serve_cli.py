@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench import load_bench
-from kvtier.serve import cli
+from kvtier.cli import serve as cli
 
 
 def _serve_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvtier.bench.services import RedisServer, redis_binary
 from kvtier.store import TieredStore
+from kvtier.testing.services import RedisServer, redis_binary
 
 from serve_testlib import TINY, Served, metric, metrics, serve
 

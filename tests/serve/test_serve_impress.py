@@ -6,13 +6,13 @@ import math
 
 import openai
 
-from kvtier.engine.config import ReuseConfig
+from kvtier.engine.config import ImpressConfig, ReuseConfig
 
 from serve_testlib import TINY, metric, metrics, serve
 
 
 def test_usage_and_metrics_report_the_attended_prefix(tiny_model) -> None:
-    reuse = ReuseConfig(method="impress", chunk_tokens=16, importance_ratio=0.25)
+    reuse = ReuseConfig(method="impress", chunk_tokens=16, impress=ImpressConfig(ratio=0.25))
     for served in serve(tiny_model, store="memory:64MB", prefix_cache=False, reuse=reuse):
         client = openai.OpenAI(base_url=served.v1, api_key="unused", max_retries=0)
         messages = [{"role": "system", "content": "You are a careful assistant. " * 8}]

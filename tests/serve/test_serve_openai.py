@@ -127,7 +127,7 @@ def test_extreme_sampling_values(client: openai.OpenAI, tiny_server: Served, par
 
 def test_overlong_prompt_with_a_truncating_engine(tiny_model) -> None:
     """An engine configured to truncate keeps serving prompts longer than its window."""
-    from kvtier.restore.truncation import TruncationConfig
+    from kvtier.planning.truncation import TruncationConfig
 
     from serve_testlib import serve
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from kvtier.bench.services import free_port, redis_binary
+from kvtier.testing.services import free_port, redis_binary
 
 from serve_testlib import metric, metrics
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from kvtier.bench import store_bench
+from kvtier.cli import store as store_cli
 from kvtier.store import TieredStore
-from kvtier.store import cli as store_cli
 
 from store_testlib import make_ns, make_state, tokens
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from kvtier.bench.services import RedisServer, redis_binary
 from kvtier.store import TieredStore
+from kvtier.testing.services import RedisServer, redis_binary
 
 from store_testlib import make_state, tokens
 

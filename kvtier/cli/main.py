@@ -10,48 +10,14 @@ import sys
 import threading
 from collections.abc import Callable
 
-from kvtier.device import add_device_argument
-from kvtier.engine.config import ReuseConfig
+from kvtier.cli.engine_args import add_engine_arguments, add_model_arguments, build_engine_from_args
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
-from kvtier.restore.args import add_restore_arguments, reuse_options
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
 USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError)
-
-
-def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAULT_MODEL) -> None:
-    from kvtier.engine.partial_args import add_partial_arguments
-    from kvtier.store.cli import add_store_argument
-
-    p.add_argument("--model", default=model_default,
-                   help=f"preset (tiny-mha, tiny-gqa, mha-1b), {DEFAULT_MODEL}, HF model dir or .gguf file "
-                        f"(default: %(default)s)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32")
-    add_device_argument(p)
-    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV pool budget on the device in GiB (default: 4)")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget (default: 2048)")
-    add_store_argument(p)
-    p.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
-    add_restore_arguments(p)
-    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
-    add_partial_arguments(p)
-
-
-def build_engine_from_args(args: argparse.Namespace) -> Engine:
-    from kvtier.engine.factory import build_engine
-    from kvtier.engine.partial_args import partial_from_args
-
-    return build_engine(
-        args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
-        reuse=ReuseConfig(chunk_tokens=args.chunk_tokens, **reuse_options(args)),
-        max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
-        max_batched_tokens=args.max_batched_tokens, partial=partial_from_args(args),
-    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -189,8 +155,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _command_registrations() -> list[Callable[[argparse._SubParsersAction], object]]:
-    from kvtier.serve.cli import register as register_serve
-    from kvtier.store.cli import register as register_store
+    from kvtier.cli.serve import register as register_serve
+    from kvtier.cli.store import register as register_store
 
     return [register_serve, register_store, register_profile]
 
@@ -198,7 +164,7 @@ def _command_registrations() -> list[Callable[[argparse._SubParsersAction], obje
 def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvtier.engine.profiling import measure, profile_path, save_profile
+    from kvtier.engine.calibrate.hardware import measure, profile_path, save_profile
     from kvtier.models.loading import load_model
     from kvtier.paths import home
 
@@ -219,13 +185,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def register_profile(sub: argparse._SubParsersAction) -> None:
-    from kvtier.store.cli import add_store_argument
+    from kvtier.cli.store import add_store_argument
 
     p = sub.add_parser("profile", help="measure compute and tier read rates; the planner loads the JSON")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model to measure (default: %(default)s)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype (default: %(default)s)")
-    add_device_argument(p)
+    add_model_arguments(p)
     p.add_argument("--json", default=None, help="output path (default: KVTIER_HOME/profiles/<model>-<dtype>-...json)")
     add_store_argument(p)
     p.set_defaults(func=cmd_profile)

@@ -19,9 +19,9 @@ import torch
 
 from kvtier import paths
 from kvtier.dtypes import name_of
-from kvtier.engine import adaptive
-from kvtier.engine.runner import FrontFeed, ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
 from kvtier.models.loading import LoadedModel
+from kvtier.planning import optimizer as adaptive
 
 log = logging.getLogger(__name__)
 

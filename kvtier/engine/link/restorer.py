@@ -17,15 +17,15 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from kvtier.engine.config import ReuseConfig
-from kvtier.engine.impress_exec import ImpressRestore
+from kvtier.engine.config import ImportanceUnit, ReuseConfig
 from kvtier.engine.request import Request, RestoreReport
-from kvtier.engine.restore_exec import Restore, RestoreMiss
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.restore.impress import ImpressRestore
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
+from kvtier.engine.restore.layerwise import Restore, RestoreMiss
+from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.scheduler import Probe, RestoreTicket
-from kvtier.restore.impress import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
-from kvtier.restore.plan import Method, Plan, PlannedChunk
-from kvtier.restore.planner import Planner
+from kvtier.planning.plan import Method, Plan, PlannedChunk
+from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
 
@@ -81,9 +81,9 @@ class Restorer:
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
-        self.importance = ImpressPolicy(config.importance_ratio, config.importance_alpha,
-                                        Selection(config.importance_selection),
-                                        block=PROBE_GRANULE_TOKENS if config.importance_unit == "granule" else 1)
+        self.importance = ImpressPolicy(config.impress.ratio, config.impress.alpha,
+                                        Selection(config.impress.selection.value),
+                                        block=PROBE_GRANULE_TOKENS if config.impress.unit == ImportanceUnit.GRANULE else 1)
         if all_kv:
             self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}
             if config.allow_lossy:  # auto may weigh it against the exact methods

@@ -9,8 +9,7 @@ import json
 import sys
 
 from kvtier import paths
-
-from .spec import SPEC_HELP, SpecError, parse_spec
+from kvtier.store.spec import SPEC_HELP, SpecError, parse_spec
 
 
 def default_store_spec(home: str | None = None) -> str:
@@ -51,7 +50,7 @@ def register(subparsers) -> None:
 
 
 def _open(args):
-    from .tiered import TieredStore
+    from kvtier.store.tiered import TieredStore
     return TieredStore.open(args.store, None)
 
 
@@ -108,7 +107,7 @@ def cmd_clear(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m kvtier.store.cli stats --store ...`) until kvtier.cli wires it."""
+    """Standalone entry (`python -m kvtier.cli.store stats --store ...`) until kvtier.cli.main wires it."""
     parser = argparse.ArgumentParser(prog="kvtier")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["store", *(argv if argv is not None else sys.argv[1:])])

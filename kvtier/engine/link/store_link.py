@@ -17,19 +17,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvtier.dtypes import name_of
-from kvtier.engine.config import ReuseConfig
-from kvtier.engine.impress_exec import ProbeCalibration, calibrate
+from kvtier.engine.config import ImportanceUnit, ReuseConfig
+from kvtier.engine.link.restorer import RestoreDone, Restorer
+from kvtier.engine.link.saver import Saver
+from kvtier.engine.link.sessions import SessionRetention
 from kvtier.engine.request import Request
-from kvtier.engine.restorer import RestoreDone, Restorer
-from kvtier.engine.runner import CaptureFn, ModelRunner
-from kvtier.engine.saver import Saver
+from kvtier.engine.restore.impress import ProbeCalibration, calibrate
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
+from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.scheduler import Probe, RestoreTicket
-from kvtier.engine.sessions import SessionRetention
 from kvtier.models.loading import LoadedModel
-from kvtier.restore.costs import HardwareProfile, ModelShape, links
-from kvtier.restore.impress import PROBE_GRANULE_TOKENS, probe_kv_heads_for
-from kvtier.restore.plan import Method
-from kvtier.restore.planner import ImportanceReads, Planner
+from kvtier.planning.costs import HardwareProfile, ModelShape, links
+from kvtier.planning.plan import Method
+from kvtier.planning.planner import ImportanceReads, Planner
 from kvtier.store import lookahead
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.lookahead import LookAheadPolicy
@@ -266,8 +266,8 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
 
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
     shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))
-    reads = ImportanceReads.initial(reuse.importance_ratio, probes, cfg.num_kv_heads, PROBE_GRANULE_TOKENS,
-                                    PROBE_GRANULE_TOKENS if reuse.importance_unit == "granule" else 1,
+    reads = ImportanceReads.initial(reuse.impress.ratio, probes, cfg.num_kv_heads, PROBE_GRANULE_TOKENS,
+                                    PROBE_GRANULE_TOKENS if reuse.impress.unit == ImportanceUnit.GRANULE else 1,
                                     calib.pass_rate) if importance else None
     planner = Planner(profile, shape, links(profile, [(n, em.bandwidth, em.latency) for n, em in tiers]),
                       prefill_chunk_tokens=prefill_chunk_tokens, importance=reads)
@@ -279,8 +279,8 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
         # An importance restore needs K/V in every layer: with lossy allowed, auto stores K/V too.
         layout = planner.choose_layout(Method.IMPRESS if importance else reuse.fixed_method, tiers[-1][0],
                                        reuse.chunk_tokens)
-    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy,
+    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy.value,
                              pin=runner.device.type == "cuda")
     if importance:
-        store.reorder_every(reuse.importance_reorder_s)
+        store.reorder_every(reuse.impress.reorder_s)
     return StoreLink(store, layout, runner, planner, reuse)

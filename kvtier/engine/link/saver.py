@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.engine.request import Request
-from kvtier.engine.runner import CaptureFn
-from kvtier.engine.transfer import Handle, Transfer
+from kvtier.engine.runner.model_runner import CaptureFn
+from kvtier.engine.runner.transfer import Handle, Transfer
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
 

@@ -29,13 +29,7 @@ import torch
 
 from kvtier import paths
 from kvtier.dtypes import name_of
-from kvtier.engine.restore_exec import RestoreMiss, RestoreStats
-from kvtier.engine.runner import ModelRunner
-from kvtier.models.attention import causal_attention
-from kvtier.models.llama import CausalLM
-from kvtier.models.loading import LoadedModel
-from kvtier.models.rope import Rope, rotate_into
-from kvtier.restore.importance import (
+from kvtier.engine.restore.importance import (
     column_importance,
     mean_pairwise_jaccard,
     select,
@@ -43,13 +37,19 @@ from kvtier.restore.importance import (
     similarity_threshold,
     top_k,
 )
-from kvtier.restore.impress import (
+from kvtier.engine.restore.impress_policy import (
     ImpressPolicy,
     ImpressStats,
     Selection,
     blind_selection,
 )
-from kvtier.restore.plan import Plan
+from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
+from kvtier.engine.runner.model_runner import ModelRunner
+from kvtier.models.attention import causal_attention
+from kvtier.models.llama import CausalLM
+from kvtier.models.loading import LoadedModel
+from kvtier.models.rope import Rope, rotate_into
+from kvtier.planning.plan import Plan
 from kvtier.store.reorder import kept_masks
 from kvtier.store.selective import TokenReadMiss, TokenReads
 from kvtier.store.tiered import TieredStore

@@ -17,7 +17,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.transfer import Handle, Transfer, make_transfer
+from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM

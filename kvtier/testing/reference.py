@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine.block_pool import BlockPool
-from kvtier.engine.runner import ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.llama import CausalLM
-from kvtier.restore.truncation import TruncationConfig, kept_positions
+from kvtier.planning.truncation import TruncationConfig, kept_positions
 
 BLOCK = 16
 

@@ -29,10 +29,10 @@ import torch
 from kvtier.device import describe
 from kvtier.dtypes import name_of
 from kvtier.engine.block_pool import BlockPool
-from kvtier.engine.runner import ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.loading import LoadedModel
-from kvtier.restore.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
-from kvtier.restore.plan import PlannedChunk
+from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
+from kvtier.planning.plan import PlannedChunk
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.reads import LayerGroup
 from kvtier.store.spec import parse_spec

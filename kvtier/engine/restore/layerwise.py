@@ -29,10 +29,10 @@ from typing import cast
 
 import torch
 
-from kvtier.engine.runner import ModelRunner, RunItem
-from kvtier.engine.transfer import DONE, Handle, Timeline, Transfer
-from kvtier.restore.costs import READ_GROUP_LAYERS
-from kvtier.restore.plan import Method, Plan
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer
+from kvtier.planning.costs import READ_GROUP_LAYERS
+from kvtier.planning.plan import Method, Plan
 from kvtier.store.layout import Repr
 from kvtier.store.reads import LayerGroup, PlannedReads
 from kvtier.store.tiered import TieredStore

@@ -17,8 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier.restore.costs import HardwareProfile, ModelShape, TierLink, read_buffer_layers
-from kvtier.restore.plan import Method, Plan, PlannedChunk
+from kvtier.planning.costs import HardwareProfile, ModelShape, TierLink, read_buffer_layers
+from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.store.index import StoredChunk
 from kvtier.store.layout import Repr
 
