@@ -65,6 +65,7 @@ class RequestOutput:
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     restore_method: str | None = None
     restore: RestoreReport | None = None  # what the restore from the store did and was predicted to take
+    first_logits: torch.Tensor | None = None  # [vocab] on the host, with SamplingParams(first_logits=True)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class _Live:
     on_output: Callable[[RequestOutput], None] | None
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
 
 
 class Engine:
@@ -287,6 +289,8 @@ class Engine:
             token = tokens[c.request_id]
             if req.metrics.first_token is None:
                 req.metrics.first_token = now
+                if req.params.first_logits and logits is not None:
+                    live.first_logits = logits[rows[c.request_id]].to("cpu", copy=True)
                 req.metrics.prompt_tokens_computed = len(req.prompt_ids) - req.metrics.prompt_tokens_reused
             req.metrics.last_token = now
             req.append_output(token)
@@ -370,6 +374,7 @@ class Engine:
             reused_by_tier=dict(m.reused_by_tier),
             restore_method=m.restore_method,
             restore=m.restore,
+            first_logits=live.first_logits,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:

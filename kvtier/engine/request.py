@@ -35,6 +35,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Return the logits the first token was sampled from (RequestOutput.first_logits, on the host):
+    # what benchmarks and oracle checks compare across restore methods.
+    first_logits: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (list, str)):
