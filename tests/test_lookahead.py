@@ -65,7 +65,7 @@ def test_prefetch_brings_exactly_the_window_into_memory(tiny_gqa, tmp_path):
         for c in store.lookup(r.all_ids).chunks:
             store.tier("memory").delete(c.key)
     assert all(c.tier == "disk" for r in reqs for c in store.lookup(r.all_ids).chunks)
-    engine.link.look_ahead(reqs)
+    engine.link.scheduler_side.look_ahead(reqs)
     store.flush(30)
     tiers = [[c.tier for c in store.lookup(r.all_ids).chunks] for r in reqs]
     assert tiers == [["memory", "memory"], ["memory", "memory"], ["disk", "disk"]]

@@ -142,7 +142,7 @@ def test_cli_options_build_the_config():
 
 
 def test_optimizer_with_a_calibrated_cost_model_is_exact(tiny_gqa, tmp_path, monkeypatch):
-    """No cost model given: the engine measures this machine once (cached under KVTIER_HOME) and the
+    """No cost model given: the factory measures this machine once (cached under KVTIER_HOME) and the
     optimiser, under a budget too small for all three requests in full, still generates full
     caching's tokens."""
     from kvtier.engine.calibrate import fronts as partial_profile
@@ -155,7 +155,9 @@ def test_optimizer_with_a_calibrated_cost_model_is_exact(tiny_gqa, tmp_path, mon
     want, _ = _generate(tiny_gqa, prompts, None)
     cfg = EngineConfig(kv_cache_bytes=ModelRunner.bytes_per_block(tiny_gqa.module, BS) * 24, max_model_len=256,
                        partial=PartialConfig(policy="optimizer"))
-    with Engine(tiny_gqa, cfg) as eng:
+    from kvtier.engine.factory import make_engine
+
+    with make_engine(tiny_gqa, cfg) as eng:  # the factory measures; Engine(...) itself never does
         got = [o.output_ids for o in eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0,
                                                                            ignore_eos=True))]
         summary = eng.stats().partial

@@ -1,25 +1,30 @@
 """Restore compute shares the step's token budget; the scheduler hands out restore tickets and
-starts nothing itself: exact chunk sizes and tickets with a scripted store side."""
+hands each ticket to the store side: exact chunk sizes and tickets with a scripted store side."""
 
 from __future__ import annotations
 
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
-from kvtier.engine.scheduler import Probe, Scheduler
+from kvtier.engine.scheduler import NoStore, RestoreOrder, Scheduler, StoreOffer
+from kvtier.planning.plan import Method, Plan
 
 
-class ScriptedStore:
+class ScriptedStore(NoStore):
     """Offers every prompt of request "a" except its last token; that restore's compute costs
     `debt` tokens before its new tokens can run (the scheduler pays what it can at once)."""
 
     def __init__(self, debt: int):
         self.debt = debt
-        self.plan = object()
+        self.order = RestoreOrder(Plan(Method.KV, (), 0, (), 0.0, 0.0))
+        self.started: list[str] = []
 
-    def probe(self, req: Request) -> Probe:
+    def offer(self, req: Request) -> StoreOffer:
         if req.request_id != "a":
-            return Probe(0, req.num_computed)
-        return Probe(req.num_tokens - 1, req.num_computed, self.plan, self.debt)
+            return StoreOffer(0, req.num_computed)
+        return StoreOffer(req.num_tokens - 1, req.num_computed, self.order, self.debt)
+
+    def start(self, req: Request, ticket) -> None:
+        self.started.append(ticket.request_id)
 
     def charge(self, budget: int) -> int:  # later steps: what the ticket still owed
         pay = min(self.owed, budget)
@@ -51,7 +56,7 @@ def test_restore_compute_is_charged_before_waiting_prefills_but_after_decodes():
     out = sched.schedule()
     assert _sizes(out) == {"d": 1} and [r.request_id for r in sched.waiting] == ["bb"]
     assert [(t.request_id, t.start, t.target, t.debt) for t in out.restores] == [("a", 0, 199, 51)]
-    assert out.restores[0].plan is store.plan and a.status is RequestStatus.RESTORING
+    assert out.restores[0].order is store.order and a.status is RequestStatus.RESTORING
     assert len(a.block_ids) == 13  # blocks for [0, 200): the restore writes into them
     store.owed = out.restores[0].debt  # what the caller's restore side now owes
     # Step 2: the decode again, the last 51 tokens of restore compute, then "bb" (40 tokens) fits in the 48 left.
@@ -82,11 +87,11 @@ def test_an_instant_restore_runs_its_new_tokens_in_the_same_step():
     very step, starting at the restored position and carrying the placement's cost."""
 
     class Instant(ScriptedStore):
-        def probe(self, req: Request) -> Probe:
+        def offer(self, req: Request) -> StoreOffer:
             if req.request_id != "a":
-                return Probe(0, req.num_computed)
-            return Probe(req.num_tokens - 8, req.num_computed, self.plan, 0, instant=True,
-                         tier_tokens={"memory": req.num_tokens - 8}, attach_tokens=30)
+                return StoreOffer(0, req.num_computed)
+            order = RestoreOrder(self.order.plan, tier_tokens={"memory": req.num_tokens - 8})
+            return StoreOffer(req.num_tokens - 8, req.num_computed, order, 0, instant=True, attach_tokens=30)
 
     sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=Instant(debt=0))
     a = _req("a", 200)

@@ -32,6 +32,7 @@ from kvtier.bench.common import machine_info
 from kvtier.engine.calibrate.fronts import cost_model, held_out_error
 from kvtier.engine.config import EngineConfig, PartialConfig, PartialPolicy, ReuseConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.partial import PartialCaching
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
@@ -119,7 +120,8 @@ def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_sec
                concurrency_mean=statistics.fmean(running) if running else 0.0, concurrency_max=max(running, default=0),
                peak_blocks=peak_blocks, preemptions=st.preemptions, steps=st.steps,
                restored_tokens=st.counters.get("restored_tokens", 0))
-    if engine.partial is not None:
+    if engine.config.partial is not None:
+        assert isinstance(engine.partial, PartialCaching)
         out["partial"] = engine.partial.summary()
         hist = engine.partial.stats.history
         out["mean_ratio"] = statistics.fmean(h[2] for h in hist) if hist else 0.0

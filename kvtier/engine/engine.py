@@ -16,12 +16,14 @@ import torch
 from kvtier import paths
 from kvtier.device import resolve_device
 from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.calibrate import fronts as front_costs
 from kvtier.engine.calibrate.hardware import estimate, load_profile
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
 from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
-from kvtier.engine.partial import PartialCaching
+from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
 from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
+from kvtier.engine.restore.impress import ProbeCalibration
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample_rows
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
@@ -100,10 +102,12 @@ class _Live:
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
                  reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None,
-                 truncation: TruncationConfig | None = None):
+                 truncation: TruncationConfig | None = None, probes: ProbeCalibration | None = None):
         """`store` is a tier spec (e.g. "memory:2GB,disk:/data:100GB"); with it every request's state
-        is saved and restored across requests. `profile` defaults to the one `kvtier profile` saved
-        for this model, else a rough estimate (nothing is timed here)."""
+        is saved and restored across requests. Nothing is timed here: what the machine measures
+        (`profile`, the importance restore's `probes`, partial caching's `PartialConfig.cost`)
+        defaults to what was measured and cached before, else a documented estimate;
+        `kvtier.engine.factory.make_engine` measures what is missing first."""
         self.model = model
         self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
@@ -131,25 +135,21 @@ class Engine:
                          "`kvtier profile` measures this machine", model.name)
                 profile = estimate(model)
             self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(), profile,
-                                        config.max_batched_tokens)
+                                        config.max_batched_tokens, probes)
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
         # exits without close(): a thread still in torch code at shutdown aborts the process.
         self._closer = weakref.finalize(self, self.link.close)
-        self.partial: PartialCaching | None = None
+        self.partial: Fronts = FullCaching()
         if config.partial is not None:
-            from kvtier.engine.calibrate.fronts import cost_model
-
-            cost = config.partial.cost or cost_model(model, self.runner)
+            cost = config.partial.cost or front_costs.cached_or_estimate(model)
             self.partial = PartialCaching(config.partial, self.runner, cost)
-        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.link,
+        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.link.scheduler_side,
                                    prefix_cache=config.enable_prefix_cache, fronts=self.partial)
         self.eos_ids = set(cfg.eos_token_ids)
         tok = model.tokenizer
         if tok is not None and tok.eos_token_id is not None:
             self.eos_ids.add(tok.eos_token_id)
         self._live: dict[str, _Live] = {}
-        # Optional session ids (reuse itself is content-addressed): per-session totals.
-        self.session_stats: dict[str, dict[str, int]] = {}
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
         self._steps = 0
@@ -218,46 +218,29 @@ class Engine:
         self._steps += 1
         t = time.perf_counter()
         outputs = self._drain_inbox()
-        out, restored = self._schedule()
-        logits, void = self._execute(out)
-        outputs += restored + self._update(out, logits, void)
-        if self.partial is not None:
-            self.partial.observe(time.perf_counter() - t)
-        return outputs
-
-    def _schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
-        """Restores that became ready rejoin the scheduler; tickets it issues start preparing."""
-        outs = []
-        for done in self.link.before_schedule():
-            req = self._live[done.request_id].req
-            if done.aborted:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                outs.append(self._emit(self._live[req.request_id]))
-            else:
-                self.scheduler.restored(req, done.tokens, done.tier_tokens, done.attach_tokens)
         out = self.scheduler.schedule()
-        self.link.start(out.restores, self.scheduler.requests)
-        self.link.after_schedule(list(itertools.islice(self.scheduler.waiting, 32)))
         if not out.chunks and self.scheduler.restoring and self._inbox.empty():
             self.link.idle_wait(0.005)  # only restores in flight: sleep until one may be ready
-        return out, outs
+        logits, void = self._execute(out)
+        outputs += [self._emit(self._live[rid]) for rid in out.aborted] + self._update(out, logits, void)
+        self.partial.observe(time.perf_counter() - t)
+        return outputs
 
     def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, dict[str, int]]:
-        """One forward of every scheduled run; restores attached to it are placed layer by layer.
-        -> (logits, {request: restart position} for those whose restore failed mid-step)."""
+        """One forward of every scheduled run (and the decodes' front runs); restores attached to
+        it are placed layer by layer. -> (logits, {request: restart position} for those whose
+        restore failed mid-step)."""
         if not out.chunks:
             return None, {}
         reqs = [self._live[c.request_id].req for c in out.chunks]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
                          dropped=r.dropped, front=r.front) for r, c in zip(reqs, out.chunks)]
         ids = [c.request_id for c in out.chunks]
-        if self.partial is None:
-            logits = self.runner.execute(items, self.link.capture_for(reqs), before_layer=self.link.restore_hook(ids))
-            return logits, self.link.after_execute(ids)
         fronts = self.partial.step_fronts(items, reqs)
-        logits = self.runner.execute(items + list(fronts.runs), self.link.capture_for(reqs),
-                                     before_layer=self.link.restore_hook(ids), fed=fronts.feed)
-        return logits, self.link.after_execute(ids)
+        link = self.link.step_side
+        logits = self.runner.execute(items + list(fronts.runs), link.capture_for(reqs),
+                                     before_layer=link.restore_hook(ids), fed=fronts.feed)
+        return logits, link.after_execute(ids)
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: dict[str, int]) -> list[RequestOutput]:
         outs = []
@@ -284,7 +267,7 @@ class Engine:
                 self.scheduler.void(req, void[c.request_id])  # its step computed on garbage: not sampled
                 continue
             if c.request_id not in sampling:
-                self.link.after_step(req, finished=False)
+                self.link.step_side.after_step(req, finished=False)
                 continue  # a prefill chunk that is not the last one
             token = tokens[c.request_id]
             if req.metrics.first_token is None:
@@ -296,7 +279,7 @@ class Engine:
             req.append_output(token)
             live.delta_ids.append(token)
             status = self._check_stop(live, token)
-            self.link.after_step(req, finished=status is not None)
+            self.link.step_side.after_step(req, finished=status is not None)
             if status is not None:
                 self.scheduler.finish(req, status)
                 live.delta_text += live.detok.flush()
@@ -306,12 +289,12 @@ class Engine:
     def stats(self, with_store: bool = True) -> EngineStats:
         """What the engine did so far; `with_store=False` skips the store's own statistics (a
         remote tier's may take a round trip)."""
-        st = self.link.stats(with_store)
+        st = self.link.report(with_store)
         return EngineStats(steps=self._steps, preemptions=self.scheduler.num_preemptions,
-                           prefix_cache_hits=self.pool.hits, counters=st.get("counters", {}),
-                           reused_by_method=st.get("reused_by_method", {}), reused_by_tier=st.get("reused_by_tier", {}),
-                           layout=st.get("layout", ()), stored_bytes_per_token=st.get("stored_bytes_per_token", 0),
-                           store=st.get("store"), partial=self.partial.summary() if self.partial else None)
+                           prefix_cache_hits=self.pool.hits, counters=st.counters,
+                           reused_by_method=st.reused_by_method, reused_by_tier=st.reused_by_tier,
+                           layout=st.layout, stored_bytes_per_token=st.stored_bytes_per_token,
+                           store=st.store, partial=self.partial.summary())
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save handed to the store so far is written. False on timeout."""
@@ -335,12 +318,9 @@ class Engine:
                 req, cb = arg
                 detok = Detokenizer(self.model.tokenizer, req.params.stop)
                 self._live[req.request_id] = _Live(req, detok, make_generator(req.params), cb)
-                self.link.arrived(req)
                 self.scheduler.add(req)
-            elif (live := self._live.get(arg)) is not None:
-                if self.link.abort(arg):
-                    continue  # its restore is writing into its blocks: finish once that is done
-                self.scheduler.finish(live.req, RequestStatus.FINISHED_ABORTED)
+            elif (live := self._live.get(arg)) is not None and self.scheduler.abort(live.req):
+                # (else its restore is writing into its blocks: it ends once that is done)
                 outs.append(self._emit(live))
         return outs
 
@@ -379,16 +359,7 @@ class Engine:
         live.delta_text, live.delta_ids = "", []
         if out.finished:
             del self._live[req.request_id]
-            self.link.finished(req)
-            if self.partial is not None:
-                self.partial.forget(req.request_id)
-            if req.session_id is not None:
-                st = self.session_stats.setdefault(req.session_id, dict(
-                    requests=0, prompt_tokens=0, prompt_tokens_reused=0, output_tokens=0))
-                st["requests"] += 1
-                st["prompt_tokens"] += out.prompt_tokens
-                st["prompt_tokens_reused"] += out.prompt_tokens_reused
-                st["output_tokens"] += len(out.output_ids)
+            self.partial.forget(req.request_id)
         if live.on_output is not None:
             live.on_output(out)
         return out

@@ -1,27 +1,46 @@
-"""Build an Engine from command-line style options (shared by the CLI, the server and benchmarks).
+"""Build an Engine for the CLI, the server and benchmarks: the one place that measures the machine.
 
-Unlike `Engine(...)`, this is where a missing hardware profile gets measured (once, saved under
-KVTIER_HOME): commands that serve users should plan with this machine's real numbers.
+`Engine(...)` never times anything (it plans with what was measured and cached before, or an
+estimate). `make_engine` first measures what is missing for the engine it builds, once, and caches
+it under KVTIER_HOME: the hardware profile (with a store), the importance restore's probe heads
+(with impress or --allow-lossy), partial caching's step model (with --partial-caching).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvtier import paths
 from kvtier.device import resolve_device
-from kvtier.engine.calibrate.hardware import load_or_measure
+from kvtier.engine.calibrate import fronts, hardware
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.models.loading import load_model
+from kvtier.engine.restore.impress import ProbeCalibration, calibrate
+from kvtier.engine.restore.impress_policy import probe_kv_heads_for
+from kvtier.models.loading import LoadedModel, load_model
 from kvtier.planning.costs import HardwareProfile
+
+
+def make_engine(loaded: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
+                reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None, **kw: Any) -> Engine:
+    """An Engine over `loaded`, with every calibration it uses measured (or read from the cache)."""
+    config = config or EngineConfig()
+    reuse = reuse or ReuseConfig()
+    probes: ProbeCalibration | None = None
+    if store and profile is None:
+        profile = hardware.load_or_measure(loaded, paths.home(), store)
+    if store and reuse.importance:
+        probes = calibrate(loaded, probe_kv_heads_for(loaded.config.num_kv_heads))
+    if config.partial is not None and config.partial.cost is None:
+        config = dataclasses.replace(config, partial=dataclasses.replace(config.partial,
+                                                                         cost=fronts.cost_model(loaded)))
+    return Engine(loaded, config, store=store, reuse=reuse, profile=profile, probes=probes, **kw)
 
 
 def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,
                  profile: HardwareProfile | None = None, device: str = "auto", **config: Any) -> Engine:
-    """Load `model` on `device` and wrap it in an Engine. `store` is a tier spec (see `kvtier store --help`)."""
+    """Load `model` on `device` and build its engine. `store` is a tier spec (see `kvtier store --help`)."""
     dev = resolve_device(device)  # a DeviceError before the (slow) model load
     loaded = load_model(model, dtype=dtype, device=dev)
-    if store and profile is None:
-        profile = load_or_measure(loaded, paths.home(), store)
-    return Engine(loaded, EngineConfig(device=str(dev), **config), store=store, reuse=reuse, profile=profile)
+    return make_engine(loaded, EngineConfig(device=str(dev), **config), store=store, reuse=reuse, profile=profile)

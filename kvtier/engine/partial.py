@@ -14,13 +14,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
 from kvtier.engine.config import PartialConfig
 from kvtier.engine.request import Request
 from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
-from kvtier.engine.scheduler import FrontPlan
+from kvtier.engine.scheduler import FrontPlan, FrontPolicy, NoFronts
 from kvtier.planning import optimizer as adaptive
 
 RESIDUAL_WEIGHT = 0.05  # the residual's moving average spans about the last 20 decode steps
@@ -105,6 +106,38 @@ class StepFronts:
     feed: FrontFeed | None
     boundary: int
     front_tokens: int
+
+
+class Fronts(FrontPolicy, Protocol):
+    """The front policy as the engine sees it: the scheduler's half (FrontPolicy: the cap and each
+    decode's front) and the step's half (front runs and feed, the step's time, summaries)."""
+
+    def step_fronts(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts: ...
+
+    def observe(self, seconds: float) -> None: ...
+
+    def forget(self, rid: str) -> None: ...
+
+    def summary(self) -> dict[str, float] | None: ...
+
+
+NO_FRONTS = StepFronts((), None, 0, 0)
+
+
+class FullCaching(NoFronts):
+    """Partial caching off: every running request keeps all its KV (the null Fronts)."""
+
+    def step_fronts(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts:
+        return NO_FRONTS
+
+    def observe(self, seconds: float) -> None:
+        pass
+
+    def forget(self, rid: str) -> None:
+        pass
+
+    def summary(self) -> dict[str, float] | None:
+        return None
 
 
 class PartialCaching:
@@ -215,7 +248,7 @@ class PartialCaching:
         fronted = [(i, r) for i, (it, r) in enumerate(zip(items, reqs)) if it.front]
         tokens = sum(r.front for _, r in fronted)
         if not fronted:
-            return StepFronts((), None, 0, 0)
+            return NO_FRONTS
         swapped = self.swap is not None and all(self.swap.held(r.request_id) == r.front for _, r in fronted)
         rec = sum(self.cost.recompute_s(r.front) for _, r in fronted) / self.layers
         read = sum(self.cost.swap_s(r.front) for _, r in fronted) / self.layers if swapped else float("inf")

@@ -3,8 +3,10 @@
 Each step: running decodes first (one token each), then running chunked prefills (a request whose
 restore is ready computes its new tokens here, carrying the restore's placement cost), then the
 compute of restores still preparing, then waiting requests fill what is left of the budget. A
-waiting request whose stored prefix goes beyond the device prefix cache leaves the step as a
-`RestoreTicket`: the caller starts it; nothing here does I/O beyond the store's lookup. When
+waiting request whose stored prefix goes beyond the device prefix cache gets a `RestoreTicket`,
+handed to the store side (`StoreSide.start`), which prepares it off the step loop; the scheduler
+itself does no I/O. The store side and the front policy are protocols with null defaults
+(`NoStore`, `NoFronts`), so a step has no "is there a store?" branches. When
 blocks run out, the most recently arrived running request is preempted: its blocks are released
 and it is recomputed later from its tokens (its full blocks usually survive in the device prefix
 cache, so resuming is cheap).
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvtier.engine.block_pool import BlockPool, block_hashes
 from kvtier.engine.request import Request, RequestStatus
+from kvtier.planning.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -36,18 +39,27 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
-class Probe:
-    """What the store offers for a request: restore [keep, target) by `plan`, keeping the device's
-    [0, keep); `compute_tokens` is the plan's compute before the new tokens can start."""
+class RestoreOrder:
+    """What a restore is to do, fixed when the store side offers it: the plan, and for a truncated
+    context the stored position each restored position takes. The scheduler carries it untouched."""
+
+    plan: Plan
+    source: tuple[int, ...] | None = None  # truncated context: the stored token each restored position takes
+    tier_tokens: Mapping[str, int] = field(default_factory=dict)  # restored tokens by the tier they are read from
+
+
+@dataclass(frozen=True)
+class StoreOffer:
+    """What the store side offers for a request: restore [keep, target) by `order`, keeping the
+    device's [0, keep); `compute_tokens` is the plan's compute before the new tokens can start."""
 
     target: int  # 0: nothing worth restoring (or the plan is to recompute)
     keep: int
-    plan: Any = None  # a restore Plan (opaque here), handed on to the restore untouched
+    order: RestoreOrder | None = None
     compute_tokens: int = 0
     # Instant: nothing to wait for (views of memory, no compute before the new tokens), so the
     # new tokens run in this very step and the restore is placed layer by layer inside it.
     instant: bool = False
-    tier_tokens: dict[str, int] = field(default_factory=dict)  # restored tokens by tier (instant only)
     attach_tokens: int = 0  # placement beside the new tokens, in prefill tokens (instant only)
     lossy: bool = False  # an importance-only restore: the request's state becomes approximate
     dropped: int = 0  # prefix tokens the restore leaves out of the pool (importance-only)
@@ -55,22 +67,35 @@ class Probe:
 
 @dataclass(frozen=True)
 class RestoreTicket:
-    """Restore [start, target) of a request into its blocks by `plan`; its new tokens wait until
+    """Restore [start, target) of a request into its blocks by `order`; its new tokens wait until
     the restore is ready. `debt`: compute tokens not yet paid out of a step's budget."""
 
     request_id: str
     start: int  # device-cached positions before this are kept and never written
     target: int
-    plan: Any
+    order: RestoreOrder
     debt: int = 0
     instant: bool = False  # its new tokens are in the same step's chunks
 
 
 @dataclass(frozen=True)
+class RestoreDone:
+    """A restore left the RESTORING phase: ready (tokens will be in the pool once its step runs)
+    or failed (tokens None: the request prefills from its device part)."""
+
+    request_id: str
+    tokens: int | None
+    tier_tokens: Mapping[str, int]
+    attach_tokens: int
+    aborted: bool
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
-    restores: tuple[RestoreTicket, ...] = ()
+    restores: tuple[RestoreTicket, ...] = ()  # issued this step (already started by the store side)
     preempted: tuple[str, ...] = ()
+    aborted: tuple[str, ...] = ()  # finished this step: their abort waited for a restore to stop
 
 
 @dataclass(frozen=True)
@@ -96,32 +121,110 @@ class FrontPolicy(Protocol):
         ...
 
 
+class NoFronts:
+    """Partial caching off: every running request keeps all its KV."""
+
+    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan:
+        return FrontPlan(cap=1 << 30)
+
+    def release(self, req: Request, upto: int) -> None:
+        raise AssertionError("no fronts are planned without partial caching")
+
+
+class StoreSide(Protocol):
+    """The scheduler's half of the link to the store (vLLM's scheduler-side KV connector): offers,
+    restore compute, starting restores and hearing back from them, look-ahead."""
+
+    def begin_step(self) -> Sequence[RestoreDone]:
+        """Restores that left the RESTORING phase since the last step."""
+        ...
+
+    def offer(self, req: Request) -> StoreOffer: ...
+
+    def charge(self, budget: int) -> int:
+        """Take up to `budget` tokens of this step for the compute of restores still preparing."""
+        ...
+
+    def start(self, req: Request, ticket: RestoreTicket) -> None:
+        """Begin a restore into the blocks the scheduler just gave `req`."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Stop any restore into a request's blocks before they are released. -> True if one is
+        still writing (the request finishes once `begin_step` reports it)."""
+        ...
+
+    def end_step(self, waiting: Sequence[Request]) -> None:
+        """What is still queued after this step's admissions (the look-ahead's window)."""
+        ...
+
+    def arrived(self, req: Request) -> None: ...
+
+    def finished(self, req: Request) -> None:
+        """A request ended (any reason); its blocks are about to be released."""
+        ...
+
+
+class NoStore:
+    """No store: nothing is offered, restored or looked ahead at."""
+
+    def begin_step(self) -> Sequence[RestoreDone]:
+        return ()
+
+    def offer(self, req: Request) -> StoreOffer:
+        return StoreOffer(0, req.num_computed)
+
+    def charge(self, budget: int) -> int:
+        return 0
+
+    def start(self, req: Request, ticket: RestoreTicket) -> None:
+        raise AssertionError("no restore is offered without a store")
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def end_step(self, waiting: Sequence[Request]) -> None:
+        pass
+
+    def arrived(self, req: Request) -> None:
+        pass
+
+    def finished(self, req: Request) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class _Issued:
     ticket: RestoreTicket
     plan_paid: int
 
 
-class StoreProbe(Protocol):
-    """What the scheduler needs from the store side: a lookup and the restores' compute."""
+LOOK_AHEAD_REQUESTS = 32  # queued requests the store side looks ahead at each step
 
-    def probe(self, req: Request) -> Probe: ...
 
-    def charge(self, budget: int) -> int:
-        """Take up to `budget` tokens of this step for the compute of restores still preparing."""
-        ...
+@dataclass
+class _Step:
+    """One step as it is being scheduled."""
 
-    def abort(self, request_id: str) -> bool:
-        """A request is preempted: stop any restore into its blocks before they are released."""
-        ...
+    budget: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    tickets: list[RestoreTicket] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)
+
+    def add(self, req: Request, n: int) -> None:
+        self.chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
+        self.scheduled.add(req.request_id)
+        self.budget -= n + req.attach_tokens
+        req.attach_tokens = 0
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreProbe | None = None,
+    def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreSide | None = None,
                  prefix_cache: bool = True, fronts: FrontPolicy | None = None):
         self.pool = pool
-        self.fronts = fronts
-        self.store = store
+        self.fronts: FrontPolicy = fronts or NoFronts()
+        self.store: StoreSide = store or NoStore()
         self.prefix_cache = prefix_cache
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -133,6 +236,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        self.store.arrived(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -140,75 +244,98 @@ class Scheduler:
 
     # ----- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
+        """Decodes, then running prefills, then restore compute, then waiting requests, each out of
+        what the token budget has left."""
+        aborted = self._take_restores()
+        step = _Step(self.max_batched_tokens)
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
-        cap, front_tokens = self.max_num_seqs, 0
-        if self.fronts is not None:
-            plan = self._plan_fronts(decoding, prefilling, preempted)
-            cap, front_tokens = min(cap, plan.cap), plan.recompute_tokens
-        scheduled: set[str] = set()
+        plan = self._plan_fronts(decoding, prefilling, step.preempted)
+        self._schedule_running(step, decoding, prefilling, plan.recompute_tokens)
+        if self.restoring:
+            # Restores compute on the same cores (recomputed layers, Cake's front): their work
+            # counts against the budget like a prefill that arrived before the queue.
+            step.budget -= self.store.charge(max(step.budget, 0))
+        self._admit_waiting(step, min(self.max_num_seqs, plan.cap))
+        self.store.end_step(list(self._queued(LOOK_AHEAD_REQUESTS)))
+        return SchedulerOutput(tuple(step.chunks), tuple(step.tickets), tuple(step.preempted), aborted)
+
+    def _take_restores(self) -> tuple[str, ...]:
+        """Restores that became ready rejoin the running set; those whose request was aborted end."""
+        aborted = []
+        for done in self.store.begin_step():
+            req = self.requests[done.request_id]
+            if done.aborted:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                aborted.append(req.request_id)
+            else:
+                self.restored(req, done.tokens, dict(done.tier_tokens), done.attach_tokens)
+        return tuple(aborted)
+
+    def _schedule_running(self, step: _Step, decoding: list[Request], prefilling: list[Request],
+                          front_tokens: int) -> None:
+        """One token per decode, then recomputed fronts' share, then chunks of running prefills;
+        a request that cannot grow preempts the latest arrival not already in the step."""
         charged = not front_tokens
         for i, req in enumerate(decoding + prefilling):
             if i == len(decoding) and not charged:
-                budget, charged = self._charge_fronts(budget, front_tokens), True
-            if budget <= 0:
+                step.budget, charged = self._charge_fronts(step.budget, front_tokens), True
+            if step.budget <= 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed, max(budget - req.attach_tokens, 1))
+            n = min(req.num_tokens - req.num_computed, max(step.budget - req.attach_tokens, 1))
             while not self._grow(req, req.num_computed + n):
                 # The most recently arrived request not already in this step (`req` itself at worst).
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                victim = next(r for r in reversed(self.running) if r.request_id not in step.scheduled)
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                step.preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if req not in self.running:
-                continue
-            chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
-            scheduled.add(req.request_id)
-            budget -= n + req.attach_tokens
-            req.attach_tokens = 0
+            if req in self.running:
+                step.add(req, n)
         if not charged:
-            budget = self._charge_fronts(budget, front_tokens)
-        if self.store is not None and self.restoring:
-            # Restores compute on the same cores (recomputed layers, Cake's front): their work
-            # counts against the budget like a prefill that arrived before the queue.
-            budget -= self.store.charge(max(budget, 0))
-        tickets: list[RestoreTicket] = []
-        while self.waiting and budget > 0 and len(self.running) + len(self.restoring) < cap:
+            step.budget = self._charge_fronts(step.budget, front_tokens)
+
+    def _admit_waiting(self, step: _Step, cap: int) -> None:
+        """Waiting requests in arrival order: the device prefix cache, then the store's offer (a
+        restore ticket), then a prefill chunk, while budget, blocks and the batch cap allow."""
+        while self.waiting and step.budget > 0 and len(self.running) + len(self.restoring) < cap:
             req = self.waiting[0]
-            if req.request_id in preempted:
+            if req.request_id in step.preempted:
                 break  # it just gave its blocks up for lack of room: not back in the same step
             instant = None
             if req.num_computed == 0:
                 self._match_prefix(req)
-                issued = self._try_restore(req, budget)
+                issued = self._try_restore(req, step.budget)
                 if issued is not None:
-                    budget -= issued.plan_paid
+                    step.budget -= issued.plan_paid
                     if not issued.ticket.instant:
-                        tickets.append(issued.ticket)
+                        step.tickets.append(issued.ticket)
                         continue
                     instant = issued.ticket
-            n = min(req.num_tokens - req.num_computed, max(budget - req.attach_tokens, 1))
+            n = min(req.num_tokens - req.num_computed, max(step.budget - req.attach_tokens, 1))
             if not self._grow(req, req.num_computed + n):
                 # Wait for running requests to free blocks; hold nothing meanwhile.
                 self.pool.release(req.block_ids)
                 req.block_ids, req.num_computed, req.attach_tokens = [], 0, 0
-                if instant is not None:  # probe the store again when it can run
+                if instant is not None:  # ask the store again when it can run
                     req.restore_tried = False
                     req.metrics.forget_reuse()
                 break
             self._admit(req, RequestStatus.PREFILL, self.running)
-            chunks.append(ScheduledChunk(req.request_id, req.num_computed, n))
             if instant is not None:
-                tickets.append(instant)
-            budget -= n + req.attach_tokens
-            req.attach_tokens = 0
-        return SchedulerOutput(tuple(chunks), tuple(tickets), tuple(preempted))
+                self.store.start(req, instant)  # prepared now, placed by the chunk added next
+                step.tickets.append(instant)
+            step.add(req, n)
+
+    def _queued(self, n: int) -> list[Request]:
+        out: list[Request] = []
+        for req in self.waiting:
+            if len(out) == n:
+                break
+            out.append(req)
+        return out
 
     @staticmethod
     def _charge_fronts(budget: int, tokens: int) -> int:
@@ -222,7 +349,6 @@ class Scheduler:
         or is preempted. Blocks that prefills and restores hold or still need are not offered.
         Decodes past the cap (FCFS: the latest arrivals) are preempted."""
         held = sum(-(-(r.num_tokens - r.dropped) // self.pool.block_size) for r in prefilling + self.restoring)
-        assert self.fronts is not None
         plan = self.fronts.plan(decoding, list(self.waiting), max(self.pool.num_blocks - held, 0))
         for req in decoding[max(plan.cap, 1):][::-1]:
             self._preempt(req)
@@ -248,10 +374,10 @@ class Scheduler:
     def _try_restore(self, req: Request, budget: int) -> _Issued | None:
         """A ticket when the store holds more of `req`'s prefix than the device does. Its compute
         starts in this step: pay what the budget allows now, the rest in later steps."""
-        if self.store is None or req.restore_tried:
+        if req.restore_tried:
             return None
         req.restore_tried = True
-        probe = self.store.probe(req)
+        probe = self.store.offer(req)
         if probe.keep < req.num_computed:
             # The store lacks part of what the device cache holds: recompute that part once, so
             # its state is captured and the stored chain of chunks has no hole.
@@ -261,7 +387,7 @@ class Scheduler:
             req.num_computed = n * self.pool.block_size
             req.metrics.forget_reuse()
             req.metrics.note_reuse("device", req.num_computed)
-        if probe.target <= req.num_computed:
+        if probe.target <= req.num_computed or probe.order is None:
             return None
         req.restored_by_importance, req.dropped = probe.lossy, probe.dropped  # before growing: no slots for dropped
         if not self._grow(req, probe.target + 1):
@@ -270,12 +396,13 @@ class Scheduler:
         start = req.num_computed
         if probe.instant:  # the caller schedules its new tokens in this step, placement beside them
             req.num_computed, req.attach_tokens = probe.target, probe.attach_tokens
-            for tier, n in probe.tier_tokens.items():
+            for tier, n in probe.order.tier_tokens.items():
                 req.metrics.note_reuse(tier, n)
-            return _Issued(RestoreTicket(req.request_id, start, probe.target, probe.plan, instant=True), 0)
+            return _Issued(RestoreTicket(req.request_id, start, probe.target, probe.order, instant=True), 0)
         self._admit(req, RequestStatus.RESTORING, self.restoring)
         paid = min(max(budget, 0), probe.compute_tokens)
-        ticket = RestoreTicket(req.request_id, start, probe.target, probe.plan, probe.compute_tokens - paid)
+        ticket = RestoreTicket(req.request_id, start, probe.target, probe.order, probe.compute_tokens - paid)
+        self.store.start(req, ticket)
         return _Issued(ticket, paid)
 
     # ----- after a step ---------------------------------------------------------------------
@@ -334,6 +461,7 @@ class Scheduler:
         req.num_published = full
 
     def finish(self, req: Request, status: RequestStatus) -> None:
+        self.store.finished(req)
         req.status = status
         for queue in (self.restoring, self.running):
             if req in queue:
@@ -368,9 +496,16 @@ class Scheduler:
         req.block_ids += self.pool.allocate(need)
         return True
 
+    def abort(self, req: Request) -> bool:
+        """End a request at the client's wish. -> False while a restore still writes into its
+        blocks: it ends (and appears in `SchedulerOutput.aborted`) once the store side reports it."""
+        if self.store.abort(req.request_id):
+            return False
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
     def _preempt(self, req: Request) -> None:
-        if self.store is not None:
-            self.store.abort(req.request_id)  # a restore still reading into its blocks stops first
+        self.store.abort(req.request_id)  # a restore still reading into its blocks stops first
         self.running.remove(req)
         req.metrics.forget_reuse()
         self.pool.release(req.block_ids)

@@ -31,6 +31,9 @@ class LookAheadPolicy:
     def remove(self, key: str) -> None:
         self.base.remove(key)
 
+    def size(self, key: str) -> int:
+        return self.base.size(key)
+
     def __len__(self) -> int:
         return len(self.base)
 

@@ -20,7 +20,7 @@ from .index import ChunkRef, PrefixMatch, StoredChunk, longest_prefix
 from .keys import chunk_key, chunk_spans, store_digest
 from .layout import StoreNamespace
 from .lookahead import LookAheadPolicy
-from .policy import ScorePolicy, make_policy
+from .policy import EvictionPolicy, ScorePolicy, make_policy
 from .reads import PlannedReads
 from .reorder import MIN_OBSERVATIONS, ImportanceStats, ReorderReport
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
@@ -179,7 +179,7 @@ class TieredStore:
 
     def score_policy(self) -> ScorePolicy | None:
         """The memory tier's score policy (under the engine's look-ahead wrapper), if it runs one."""
-        policy = self.memory.policy if self.memory is not None else None
+        policy: EvictionPolicy | None = self.memory.policy if self.memory is not None else None
         if isinstance(policy, LookAheadPolicy):
             policy = policy.base
         return policy if isinstance(policy, ScorePolicy) else None

@@ -7,18 +7,17 @@ dtype and thread count under KVTIER_HOME/partial, like the hardware profile.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
-from kvtier import paths
 from kvtier.dtypes import name_of
+from kvtier.engine.calibrate import cache
+from kvtier.engine.calibrate.hardware import estimate as estimate_profile
 from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
 from kvtier.models.loading import LoadedModel
 from kvtier.planning import optimizer as adaptive
@@ -84,24 +83,35 @@ def measure(model: LoadedModel, points: Iterable[tuple[int, int, int, str]], rep
     return samples
 
 
-def _cache_path(model: LoadedModel) -> Path:
+def _key(model: LoadedModel) -> str:
     dt = name_of(next(model.module.parameters()).dtype)
-    return paths.home() / "partial" / f"{model.fingerprint[:16]}-{dt}-t{torch.get_num_threads()}.json"
+    return f"{model.fingerprint[:16]}-{dt}-t{torch.get_num_threads()}"
+
+
+def _decode(doc: dict) -> adaptive.ProfileCostModel:
+    return adaptive.ProfileCostModel(**doc["model"])
 
 
 def cost_model(model: LoadedModel, runner: ModelRunner | None = None, refresh: bool = False) -> adaptive.ProfileCostModel:
     """The fitted model for this machine: from the cache, else measured now (once, ~10-60 s)."""
-    path = _cache_path(model)
-    if path.exists() and not refresh:
-        try:
-            return adaptive.ProfileCostModel(**json.loads(path.read_text())["model"])
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring an unreadable partial-caching profile at %s", path)
-    log.info("measuring decode steps with uncached fronts for %s (once per machine)", model.name)
-    fitted = adaptive.fit_profile(measure(model, GRID, block_size=runner.block_size if runner else 16))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model": asdict(fitted)}, indent=2))
-    return fitted
+    return cache.load_or_measure(
+        "partial", _key(model),
+        lambda: adaptive.fit_profile(measure(model, GRID, block_size=runner.block_size if runner else 16)),
+        _decode, lambda fitted: {"model": asdict(fitted)}, refresh=refresh)
+
+
+def estimate(model: LoadedModel) -> adaptive.ProfileCostModel:
+    """A step model from the hardware estimate's rates, without timing anything: a step reads the
+    weights once (a prefill's per-step term), each context token costs a history token's attention,
+    each recomputed front token a prefill token. Rough: `make_engine` measures the real one."""
+    prof = estimate_profile(model)
+    return adaptive.ProfileCostModel(c0=prof.prefill_c, c1=prof.prefill_a, g=prof.prefill_g, a=prof.prefill_a,
+                                     q=prof.prefill_b, w=2 * prof.place_s * model.config.num_layers)
+
+
+def cached_or_estimate(model: LoadedModel) -> adaptive.ProfileCostModel:
+    """The measured model if one is cached for this machine, else `estimate` (times nothing)."""
+    return cache.load("partial", _key(model), _decode) or estimate(model)
 
 
 def held_out_error(model: LoadedModel, fitted: adaptive.ProfileCostModel,

@@ -1,7 +1,7 @@
 """Restoring inside the engine: tickets in, ready restores out, each placed by its request's step.
 
-The scheduler decides (a `RestoreTicket`); `start` plans it (a frozen Plan) and prepares it on the
-restore worker while the step loop serves everyone else (the RESTORING phase). Once its read
+`offer` looks a request up and plans its restore (a frozen `RestoreOrder`); the scheduler decides
+(a `RestoreTicket`), and `start` prepares it on the restore worker while the step loop serves everyone else (the RESTORING phase). Once its read
 buffer is primed, `poll` hands the request back to the scheduler, whose next step computes its
 new tokens; that step's `hook` places each layer of history just before the layer runs, and
 `finish` closes the restore. A restore that fails before that is simply recomputed; one that fails
@@ -13,17 +13,19 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvtier.engine.config import ImportanceUnit, ReuseConfig
+from kvtier.engine.link.stats import LinkStats
 from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore.impress import ImpressRestore
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
+from kvtier.engine.restore.job import RestoreJob
 from kvtier.engine.restore.layerwise import Restore, RestoreMiss
 from kvtier.engine.runner.model_runner import ModelRunner
-from kvtier.engine.scheduler import Probe, RestoreTicket
+from kvtier.engine.scheduler import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr
@@ -32,51 +34,33 @@ from kvtier.store.tiered import TieredStore
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RestoreDone:
-    """A restore left the RESTORING phase: ready (tokens will be in the pool once its step runs)
-    or failed (tokens None: the request prefills from its device part)."""
-
-    request_id: str
-    tokens: int | None
-    tier_tokens: dict[str, int]
-    attach_tokens: int
-    aborted: bool
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """What a ticket carries from probe to start (opaque to the scheduler)."""
-
-    plan: Plan
-    source: list[int] | None  # truncated context: the stored token each restored position takes
-    tier_tokens: dict[str, int]  # restored tokens by the tier they are read from
-
-
 @dataclass
 class _Job:
     req: Request
-    plan: Plan
-    restore: Restore | ImpressRestore
+    order: RestoreOrder
+    restore: RestoreJob
     future: Future
-    tier_tokens: dict[str, int]
     debt: int  # background compute (prefill-token equivalents) not yet charged to a step budget
     started: float  # when the ticket was started (perf_counter)
     aborted: bool = False
 
+    @property
+    def plan(self) -> Plan:
+        return self.order.plan
+
 
 class Restorer:
     def __init__(self, store: TieredStore, runner: ModelRunner, planner: Planner, layout: Sequence[Repr],
-                 config: ReuseConfig, counters: dict[str, int], compute_chunk_tokens: int = 512) -> None:
+                 config: ReuseConfig, stats: LinkStats, compute_chunk_tokens: int = 512) -> None:
         self.store, self.runner, self.planner = store, runner, planner
         self.layout = tuple(layout)
         self.config = config
-        self.counters = counters
+        self.stats = stats
         self.compute_chunk_tokens = compute_chunk_tokens
         self.jobs: dict[str, _Job] = {}  # preparing
         self.attached: dict[str, _Job] = {}  # ready: placed by their request's next step
         self.reused_by_method: dict[str, int] = {}
-        self.tier_tokens: dict[str, int] = {}
+        self.reused_by_tier: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-restore")
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
@@ -94,46 +78,46 @@ class Restorer:
             self.allowed = {Method.BUBBLEFREE: self.layout}
 
     # ----- the scheduler's side -----------------------------------------------------------------
-    def probe(self, req: Request) -> Probe:
+    def offer(self, req: Request) -> StoreOffer:
         """Look the request up in the store (a lookup; never waits on the writer) and plan its
         restore. Restoring is capped so one prompt token is left to compute. When filling holes,
         device-cached tokens beyond what the store holds are not kept, so their state is captured."""
         if self.config.fixed_method is Method.RECOMPUTE:
-            return Probe(0, req.num_computed)
+            return StoreOffer(0, req.num_computed)
         if req.kept is not None:
-            return self._probe_truncated(req)
+            return self._offer_truncated(req)
         match = self.store.lookup(req.all_ids)
         keep = min(req.num_computed, match.num_tokens) if self.config.save and self.config.fill_holes \
             else req.num_computed
         usable = [c for c in match.chunks if keep < c.end <= req.num_tokens - 1]
         end = usable[-1].end if usable else 0
         if end - keep < self.config.min_restore_tokens:
-            return Probe(0, keep)
+            return StoreOffer(0, keep)
         new = req.num_tokens - end
         fixed = self.config.fixed_method
         if fixed is Method.IMPRESS:
-            return self._probe_importance(req, match.chunks, end)
+            return self._offer_importance(req, match.chunks, end)
         if fixed is None:
             # An importance restore reads the whole prefix: weighed only when the device holds none
             # of it (otherwise exact restores of the rest are both cheaper and exact).
             allowed = self.allowed if keep == 0 else {m: lay for m, lay in self.allowed.items() if m.exact}
             plan = self.planner.choose(usable, new, allowed)
             if plan.method is Method.IMPRESS:
-                return self._probe_importance(req, match.chunks, end, plan.predicted_s)
+                return self._offer_importance(req, match.chunks, end, plan.predicted_s)
         else:  # a method the stored layout cannot serve (e.g. cake over hidden states) reads it as stored
             method = fixed if fixed in self.allowed else next(iter(self.allowed))
             plan = self.planner.plan(method, usable, new, self.allowed[method])
         if plan.method is Method.RECOMPUTE:
-            return Probe(0, keep)
+            return StoreOffer(0, keep)
         tiers: dict[str, int] = {}
         for c in usable:
             tiers[c.tier] = tiers.get(c.tier, 0) + c.end - max(c.start, keep)
-        planned = _Planned(plan, None, tiers)
+        order = RestoreOrder(plan, None, tiers)
         if self._instant(plan):
-            return Probe(end, keep, planned, 0, instant=True, tier_tokens=tiers, attach_tokens=plan.attach_tokens)
-        return Probe(end, keep, planned, plan.background_tokens)
+            return StoreOffer(end, keep, order, 0, instant=True, attach_tokens=plan.attach_tokens)
+        return StoreOffer(end, keep, order, plan.background_tokens)
 
-    def _probe_importance(self, req: Request, chunks: Sequence, end: int, predicted_s: float = 0.0) -> Probe:
+    def _offer_importance(self, req: Request, chunks: Sequence, end: int, predicted_s: float = 0.0) -> StoreOffer:
         """Restore the whole stored prefix [0, end) by importance (the device's copy of part of it
         is let go: the request's slots then hold only what each layer keeps). The restore computes
         every new token but the last, which the request's own step computes and samples from."""
@@ -144,7 +128,7 @@ class Restorer:
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + c.end - c.start
         new = req.num_tokens - end
-        return Probe(req.num_tokens - 1, 0, _Planned(plan, None, tiers), new, lossy=True,
+        return StoreOffer(req.num_tokens - 1, 0, RestoreOrder(plan, None, tiers), new, lossy=True,
                      dropped=end - self.importance.kept(end))
 
     def _instant(self, plan: Plan) -> bool:
@@ -155,17 +139,17 @@ class Restorer:
         tiers = {t.name: t for t in self.store.tiers}
         return all(tiers[c.tier].zero_copy for c in plan.chunks)
 
-    def _probe_truncated(self, req: Request) -> Probe:
+    def _offer_truncated(self, req: Request) -> StoreOffer:
         """Kept tokens take new, compacted positions (CachedAttention §3.4): every chunk holding one
         of the first `target` kept tokens is read, its rows picked and K rotated by the shift."""
         if Repr.NONE in self.layout:
-            return Probe(0, req.num_computed)  # recomputed layers cannot be rebuilt at new positions
+            return StoreOffer(0, req.num_computed)  # recomputed layers cannot be rebuilt at new positions
         assert req.source_ids is not None  # set together with `kept`
         match = self.store.lookup(req.source_ids)
         kept = req.kept or []
         target = min(bisect.bisect_left(kept, match.num_tokens), req.num_tokens - 1)
         if target < self.config.min_restore_tokens:
-            return Probe(0, req.num_computed)
+            return StoreOffer(0, req.num_computed)
         source = kept[:target]
         chunks = [c for c in match.chunks if c.end > source[0] and c.start <= source[-1]]
         method = Method.KV if all(r is Repr.KV for r in self.layout) else Method.BUBBLEFREE
@@ -175,7 +159,7 @@ class Restorer:
         tiers: dict[str, int] = {}
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + bisect.bisect_left(source, c.end) - bisect.bisect_left(source, c.start)
-        return Probe(target, req.num_computed, _Planned(plan, source, tiers), 0)
+        return StoreOffer(target, req.num_computed, RestoreOrder(plan, tuple(source), tiers), 0)
 
     def charge(self, budget: int) -> int:
         """Pay restore compute out of this step's token budget, oldest job first."""
@@ -186,34 +170,34 @@ class Restorer:
             pay = min(job.debt, budget - taken)
             job.debt -= pay
             taken += pay
-        self.counters["restore_tokens_charged"] += taken
+        self.stats.restore_tokens_charged += taken
         return taken
 
     # ----- starting -------------------------------------------------------------------------
-    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
-        """Start preparing each ticket's restore on the restore worker; an instant one is prepared
+    def start(self, req: Request, ticket: RestoreTicket) -> None:
+        """Start preparing a ticket's restore on the restore worker; an instant one is prepared
         here and placed by this very step (a failure then voids the request's result in it)."""
-        for t in tickets:
-            req, planned, started = requests[t.request_id], t.plan, time.perf_counter()
-            restore: Restore | ImpressRestore
-            if planned.plan.method is Method.IMPRESS:
-                restore = ImpressRestore(planned.plan, self.importance, self.store, self.runner, req.all_ids,
-                                         req.block_ids)
-            else:
-                restore = Restore(planned.plan, self.store, self.runner, req.all_ids, req.block_ids, t.start,
-                                  planned.source, self.compute_chunk_tokens)
-            if t.instant:
-                done: Future = Future()
-                try:
-                    restore.prepare()
-                    done.set_result(None)
-                except RestoreMiss as e:
-                    done.set_exception(e)  # finish() raises it again: the step's result is void
-                self.attached[t.request_id] = _Job(req, planned.plan, restore, done, planned.tier_tokens, 0, started)
-                continue
-            self.jobs[t.request_id] = _Job(req, planned.plan, restore, self._pool.submit(restore.prepare),
-                                           planned.tier_tokens, t.debt, started)
-            self.counters["restore_tokens_charged"] += planned.plan.background_tokens - t.debt
+        order, started = ticket.order, time.perf_counter()
+        restore = self._job_for(req, ticket)
+        if ticket.instant:
+            done: Future = Future()
+            try:
+                restore.prepare()
+                done.set_result(None)
+            except RestoreMiss as e:
+                done.set_exception(e)  # finish() raises it again: the step's result is void
+            self.attached[req.request_id] = _Job(req, order, restore, done, 0, started)
+            return
+        self.jobs[req.request_id] = _Job(req, order, restore, self._pool.submit(restore.prepare), ticket.debt,
+                                         started)
+        self.stats.restore_tokens_charged += order.plan.background_tokens - ticket.debt
+
+    def _job_for(self, req: Request, ticket: RestoreTicket) -> RestoreJob:
+        plan = ticket.order.plan
+        if plan.method is Method.IMPRESS:
+            return ImpressRestore(plan, self.importance, self.store, self.runner, req.all_ids, req.block_ids)
+        return Restore(plan, self.store, self.runner, req.all_ids, req.block_ids, ticket.start, ticket.order.source,
+                       self.compute_chunk_tokens)
 
     # ----- progress ---------------------------------------------------------------------------
     def poll(self) -> list[RestoreDone]:
@@ -231,7 +215,7 @@ class Restorer:
                 done.append(RestoreDone(rid, None, {}, 0, job.aborted))
                 continue
             self.attached[rid] = job
-            done.append(RestoreDone(rid, job.plan.history_tokens, dict(job.tier_tokens), job.plan.attach_tokens, False))
+            done.append(RestoreDone(rid, job.plan.history_tokens, job.order.tier_tokens, job.plan.attach_tokens, False))
         return done
 
     def hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
@@ -266,16 +250,16 @@ class Restorer:
             stats, ok = None, False
         if not ok:
             if not job.aborted:
-                self.counters["restore_failures"] += 1
+                self.stats.restore_failures += 1
             return False
         assert stats is not None  # ok: finish() returned them
-        self.counters["restores"] += 1
-        gained = sum(job.tier_tokens.values())
-        self.counters["restored_tokens"] += gained
+        self.stats.restores += 1
+        gained = sum(job.order.tier_tokens.values())
+        self.stats.restored_tokens += gained
         method = job.plan.method.value
         self.reused_by_method[method] = self.reused_by_method.get(method, 0) + gained
-        for tier, n in job.tier_tokens.items():
-            self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
+        for tier, n in job.order.tier_tokens.items():
+            self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + n
         seconds = time.perf_counter() - job.started
         tl = stats.timeline
         job.req.metrics.restore = RestoreReport(method, job.plan.describe_layout(), job.plan.predicted_s,
@@ -284,7 +268,7 @@ class Restorer:
                                                 tl.overlap if tl else None, stats.prefix_attended)
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
-        imp = job.restore.impress if isinstance(job.restore, ImpressRestore) else None
+        imp = job.restore.impress
         if imp is not None and imp.layers and imp.chosen_share:
             self.planner.observe_importance(imp.chosen_share, imp.layers_passed / imp.layers)
         return True

@@ -1,31 +1,34 @@
-"""The engine's link to the tiered store. It caches nothing: it wires the parts that do.
+"""The engine's link to the tiered store, in two typed halves along the seam vLLM's KV connector
+uses. It caches nothing itself: it wires the parts that do.
 
-    Saver       capture every computed token's state, hand chunks to the store's writer
-    Restorer    plan and run restores (tickets from the scheduler), place them in their step
-    sessions    optional per-session TTL of what a conversation saved
-    look-ahead  prefetch what queued requests need into memory and keep it from eviction
-                (CachedAttention §3.3)
+    scheduler side  `StoreScheduling` (kvtier.engine.scheduler.StoreSide): offers, restore compute,
+                    starting restores and hearing back from them, look-ahead, sessions
+    step side       `StoreStepping` (StepSide): capture for saving, the restore hook, after the step
+    the parts       Restorer (restores), Saver (chunks to the store's writer), SessionRetention,
+                    look-ahead (CachedAttention §3.3)
 
-`NullStateLink` is the same interface without a store, so the engine never asks "is there one?".
+`NullStateLink` is the same surface without a store, so the engine never asks "is there one?".
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvtier.dtypes import name_of
+from kvtier.engine.calibrate import cache
 from kvtier.engine.config import ImportanceUnit, ReuseConfig
-from kvtier.engine.link.restorer import RestoreDone, Restorer
+from kvtier.engine.link.restorer import Restorer
 from kvtier.engine.link.saver import Saver
 from kvtier.engine.link.sessions import SessionRetention
+from kvtier.engine.link.stats import LinkReport, LinkStats
 from kvtier.engine.request import Request
-from kvtier.engine.restore.impress import ProbeCalibration, calibrate
+from kvtier.engine.restore.impress import ProbeCalibration
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
-from kvtier.engine.scheduler import Probe, RestoreTicket
+from kvtier.engine.scheduler import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile, ModelShape, links
 from kvtier.planning.plan import Method
@@ -39,45 +42,44 @@ from kvtier.store.tiered import TieredStore
 log = logging.getLogger(__name__)
 
 
-class StateLink(Protocol):
-    def probe(self, req: Request) -> Probe: ...
-    def charge(self, budget: int) -> int: ...
-    def arrived(self, req: Request) -> None: ...
-    def before_schedule(self) -> list[RestoreDone]: ...
-    def after_schedule(self, waiting: Sequence[Request]) -> None: ...
-    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None: ...
+class StepSide(Protocol):
+    """The step's half of the link: what the runner captures for saving, the hook that places
+    restored layers, and what happens after the forward and after each request's step."""
+
     def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None: ...
+
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None: ...
-    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]: ...
+
+    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """Close the restores this step placed; -> {request: restart position} for those whose
+        result is void (not sampled, not saved)."""
+        ...
+
     def after_step(self, req: Request, finished: bool) -> None: ...
-    def abort(self, request_id: str) -> bool: ...
-    def finished(self, req: Request) -> None: ...
-    def idle_wait(self, timeout: float) -> None: ...
+
+
+class StateLink(Protocol):
+    """The engine's whole link: its two halves and its lifecycle."""
+
+    @property
+    def scheduler_side(self) -> StoreSide: ...
+
+    @property
+    def step_side(self) -> StepSide: ...
+
+    def idle_wait(self, timeout: float) -> None:
+        """Only restores are in flight: sleep until one may be ready, or `timeout`."""
+        ...
+
     def flush(self, timeout: float | None) -> bool: ...
-    def stats(self, with_store: bool = True) -> dict[str, Any]: ...
+
+    def report(self, with_store: bool = True) -> LinkReport: ...
+
     def close(self) -> None: ...
 
 
-class NullStateLink:
-    """No store: nothing is saved or restored."""
-
-    def probe(self, req: Request) -> Probe:
-        return Probe(0, req.num_computed)
-
-    def charge(self, budget: int) -> int:
-        return 0
-
-    def arrived(self, req: Request) -> None:
-        pass
-
-    def before_schedule(self) -> list[RestoreDone]:
-        return []
-
-    def after_schedule(self, waiting: Sequence[Request]) -> None:
-        pass
-
-    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
-        pass
+class NoStoreStep:
+    """No store: nothing is captured or placed."""
 
     def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
         return None
@@ -91,11 +93,20 @@ class NullStateLink:
     def after_step(self, req: Request, finished: bool) -> None:
         pass
 
-    def abort(self, request_id: str) -> bool:
-        return False
 
-    def finished(self, req: Request) -> None:
-        pass
+class NullStateLink:
+    """No store: nothing is saved or restored."""
+
+    def __init__(self) -> None:
+        self._scheduler_side, self._step_side = NoStore(), NoStoreStep()
+
+    @property
+    def scheduler_side(self) -> StoreSide:
+        return self._scheduler_side
+
+    @property
+    def step_side(self) -> StepSide:
+        return self._step_side
 
     def idle_wait(self, timeout: float) -> None:
         pass
@@ -103,44 +114,51 @@ class NullStateLink:
     def flush(self, timeout: float | None) -> bool:
         return True
 
-    def stats(self, with_store: bool = True) -> dict[str, Any]:
-        return {}
+    def report(self, with_store: bool = True) -> LinkReport:
+        return LinkReport()
 
     def close(self) -> None:
         pass
 
 
-class StoreLink:
-    def __init__(self, store: TieredStore, layout: Sequence[Repr], runner: ModelRunner, planner: Planner,
-                 config: ReuseConfig) -> None:
-        self.store = store
-        self.layout = tuple(layout)
-        self.config = config
-        self.counters = dict(restores=0, restore_failures=0, restored_tokens=0, prefetches=0,
-                             restore_tokens_charged=0, sessions_expired=0)
-        self.saver = Saver(store, self.layout, config.chunk_tokens, runner.transfer)
-        self.planner = planner
-        self.restorer = Restorer(store, runner, planner, self.layout, config, self.counters)
+class StoreScheduling:
+    """The scheduler side over a store: what the scheduler asks while it schedules a step."""
+
+    def __init__(self, store: TieredStore, restorer: Restorer, saver: Saver, planner: Planner, config: ReuseConfig,
+                 stats: LinkStats) -> None:
+        self.store, self.restorer, self.saver, self.planner = store, restorer, saver, planner
+        self.stats = stats
         self.sessions = SessionRetention(config.session_ttl_s) if config.session_ttl_s else None
         self._next_expiry = 0.0
         self.lookahead = self._steer_eviction() if config.lookahead else []
 
     def _steer_eviction(self) -> list[LookAheadPolicy]:
         """Wrap every tier's eviction policy so the look-ahead window can steer it."""
-        out = []
-        for t in self.store.tiers:
-            for holder in [t] + list(getattr(t, "dirs", [])):
-                if getattr(holder, "policy", None) is not None:
-                    holder.policy = LookAheadPolicy(holder.policy)
-                    out.append(holder.policy)
-        return out
+        return [p for t in self.store.tiers for p in t.wrap_policies(LookAheadPolicy)]
 
-    # ----- scheduling -------------------------------------------------------------------------
-    def probe(self, req: Request) -> Probe:
-        return self.restorer.probe(req)
+    # ----- StoreSide ----------------------------------------------------------------------------
+    def begin_step(self) -> Sequence[RestoreDone]:
+        """Expire idle sessions; -> restores that left RESTORING."""
+        self.expire_sessions()
+        return self.restorer.poll()
+
+    def offer(self, req: Request) -> StoreOffer:
+        return self.restorer.offer(req)
 
     def charge(self, budget: int) -> int:
         return self.restorer.charge(budget)
+
+    def start(self, req: Request, ticket: RestoreTicket) -> None:
+        self.restorer.start(req, ticket)
+
+    def abort(self, request_id: str) -> bool:
+        """-> True if a restore is writing into the request's blocks (finish it once that ends)."""
+        self.saver.drop(request_id)
+        return self.restorer.abort(request_id)
+
+    def end_step(self, waiting: Sequence[Request]) -> None:
+        """Look ahead at what is still queued (what was just admitted is being read already)."""
+        self.look_ahead(waiting)
 
     def arrived(self, req: Request) -> None:
         # The prompt's chunks count as the session's from arrival on, so a chunk this request is
@@ -148,50 +166,11 @@ class StoreLink:
         if self.sessions is not None and req.session_id is not None:
             self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids), time.monotonic())
 
-    def before_schedule(self) -> list[RestoreDone]:
-        """Expire idle sessions; -> restores that left RESTORING."""
-        self.expire_sessions()
-        return self.restorer.poll()
-
-    def after_schedule(self, waiting: Sequence[Request]) -> None:
-        """Look ahead at what is still queued (what was just admitted is being read already)."""
-        self.look_ahead(waiting)
-
-    def start(self, tickets: Sequence[RestoreTicket], requests: Mapping[str, Request]) -> None:
-        self.restorer.start(tickets, requests)
-
-    # ----- a step -----------------------------------------------------------------------------
-    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
-        return self.saver.capture_for(reqs) if self.config.save else None
-
-    def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
-        return self.restorer.hook(request_ids)
-
-    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
-        """Close the restores this step placed; -> {request: restart position} for those whose
-        result is void (and not saved)."""
-        failed = self.restorer.finish(request_ids)
-        for rid in failed:
-            self.saver.drop(rid)
-        return failed
-
-    def after_step(self, req: Request, finished: bool) -> None:
-        if self.config.save:
-            self.saver.after_step(req, finished)
-
-    def abort(self, request_id: str) -> bool:
-        """-> True if a restore is writing into the request's blocks (finish it once that ends)."""
-        self.saver.drop(request_id)
-        return self.restorer.abort(request_id)
-
     def finished(self, req: Request) -> None:
         """A request ended (any reason): what it saved belongs to its session."""
         if self.sessions is not None and req.session_id is not None:
             saved = self.store.keys_for(req.all_ids[: req.num_computed]) if not req.approximate else []
             self.sessions.finished(req.session_id, saved, time.monotonic())
-
-    def idle_wait(self, timeout: float) -> None:
-        self.restorer.wait_any(timeout)
 
     # ----- retention and look-ahead -----------------------------------------------------------
     def expire_sessions(self, now: float | None = None) -> int:
@@ -206,7 +185,7 @@ class StoreLink:
         if not gone:
             return 0
         n = self.store.discard(keys)
-        self.counters["sessions_expired"] += len(gone)
+        self.stats.sessions_expired += len(gone)
         log.info("expired %d idle session(s): removed %d stored chunks", len(gone), n)
         return n
 
@@ -216,7 +195,7 @@ class StoreLink:
         mem = self.store.memory
         if not self.lookahead or mem is None or not waiting:
             return
-        matches = [self.store.lookup(r.all_ids) for r in waiting[:32]]
+        matches = [self.store.lookup(r.all_ids) for r in waiting]
         next_use: dict[str, int] = {}
         for pos, m in enumerate(matches):
             for c in m.chunks:
@@ -229,33 +208,94 @@ class StoreLink:
             for c in m.chunks:
                 if c.tier != mem.name and self.planner.prefetch_pays(c.tier, c.nbytes, mem.name) \
                         and self.store.prefetch(c):
-                    self.counters["prefetches"] += 1
+                    self.stats.prefetches += 1
 
-    # ----- lifecycle --------------------------------------------------------------------------
+
+class StoreStepping:
+    """The step side over a store: capture for the saver, the restorer's hook and close-out."""
+
+    def __init__(self, restorer: Restorer, saver: Saver, config: ReuseConfig) -> None:
+        self.restorer, self.saver = restorer, saver
+        self.save = config.save
+
+    def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
+        return self.saver.capture_for(reqs) if self.save else None
+
+    def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
+        return self.restorer.hook(request_ids)
+
+    def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
+        failed = self.restorer.finish(request_ids)
+        for rid in failed:
+            self.saver.drop(rid)
+        return failed
+
+    def after_step(self, req: Request, finished: bool) -> None:
+        if self.save:
+            self.saver.after_step(req, finished)
+
+
+class StoreLink:
+    """The link over a store: both halves share one restorer and one saver."""
+
+    def __init__(self, store: TieredStore, layout: Sequence[Repr], runner: ModelRunner, planner: Planner,
+                 config: ReuseConfig) -> None:
+        self.store = store
+        self.layout = tuple(layout)
+        self.stats = LinkStats()
+        self.saver = Saver(store, self.layout, config.chunk_tokens, runner.transfer)
+        self.restorer = Restorer(store, runner, planner, self.layout, config, self.stats)
+        self._scheduler_side = StoreScheduling(store, self.restorer, self.saver, planner, config, self.stats)
+        self._step_side = StoreStepping(self.restorer, self.saver, config)
+
+    @property
+    def scheduler_side(self) -> StoreScheduling:
+        return self._scheduler_side
+
+    @property
+    def step_side(self) -> StoreStepping:
+        return self._step_side
+
+    def idle_wait(self, timeout: float) -> None:
+        self.restorer.wait_any(timeout)
+
     def flush(self, timeout: float | None) -> bool:
         return self.store.flush(timeout)
 
-    def stats(self, with_store: bool = True) -> dict[str, Any]:
-        return dict(counters=dict(self.counters, saves=self.saver.saves),
-                    reused_by_method=dict(self.restorer.reused_by_method),
-                    reused_by_tier=dict(self.restorer.tier_tokens), layout=tuple(r.value for r in self.layout),
-                    stored_bytes_per_token=self.store.namespace.bytes_per_token() if self.store.namespace else 0,
-                    store=self.store.stats() if with_store else None)
+    def report(self, with_store: bool = True) -> LinkReport:
+        return LinkReport(counters=self.stats.as_dict(self.saver.saves),
+                          reused_by_method=dict(self.restorer.reused_by_method),
+                          reused_by_tier=dict(self.restorer.reused_by_tier), layout=tuple(r.value for r in self.layout),
+                          stored_bytes_per_token=self.store.namespace.bytes_per_token() if self.store.namespace else 0,
+                          store=self.store.stats() if with_store else None)
 
     def close(self) -> None:
         self.restorer.close()
         self.store.close()
 
 
+# Without a measurement: the paper's first heads, and probes assumed to agree in every layer (the
+# planner then learns the real pass rate from restores).
+UNCALIBRATED = ProbeCalibration(0, 1.0)
+
+
+def cached_calibration(loaded: LoadedModel, probes: int) -> ProbeCalibration | None:
+    """The probe calibration cached for this model, dtype and probe count, if any (times nothing)."""
+    return cache.load("probes", f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}",
+                      lambda doc: ProbeCalibration(int(doc["probe_first"]), float(doc["pass_rate"])))
+
+
 def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: ReuseConfig, profile: HardwareProfile,
-                    prefill_chunk_tokens: int) -> StoreLink:
-    """Choose what to store per layer, open the store in that namespace, wire the planner."""
+                    prefill_chunk_tokens: int, calibration: ProbeCalibration | None = None) -> StoreLink:
+    """Choose what to store per layer, open the store in that namespace, wire the planner.
+    `calibration`: the importance restore's probe heads (default: the cached one, else the paper's
+    first heads)."""
     cfg = model.config
     tiers = parse_spec(spec).tiers()
 
     importance = reuse.importance
     probes = probe_kv_heads_for(cfg.num_kv_heads) if importance else 0
-    calib = calibrate(model, probes) if importance else ProbeCalibration(0, 1.0)
+    calib = calibration or (cached_calibration(model, probes) if importance else None) or UNCALIBRATED
 
     def namespace(layout: Sequence[Repr]) -> StoreNamespace:
         return StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,

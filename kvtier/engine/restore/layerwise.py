@@ -29,6 +29,7 @@ from typing import cast
 
 import torch
 
+from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer
 from kvtier.planning.costs import READ_GROUP_LAYERS
@@ -246,6 +247,8 @@ class TwoEndedCursor:
 class Restore:
     """Restore [start, plan.history_tokens) of a request into its blocks (see the module docstring).
     `source`, for a truncated context, maps each restored position to the stored token it takes."""
+
+    impress: ImpressStats | None = None  # (RestoreJob) an exact restore chooses no tokens
 
     def __init__(self, plan: Plan, store: TieredStore, runner: ModelRunner, token_ids: Sequence[int],
                  block_ids: Sequence[int], start: int = 0, source: Sequence[int] | None = None,

@@ -16,7 +16,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -34,6 +34,8 @@ from ..format import (
 from ..policy import EvictionPolicy
 from ..throttle import Emulation, Throttle
 from .breaker import Outage
+
+W = TypeVar("W", bound=EvictionPolicy)  # a wrapper an engine puts around a tier's eviction policy
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +253,12 @@ class Tier(ABC):
 
     def touch(self, key: str) -> None:
         pass
+
+    def wrap_policies(self, wrap: Callable[[EvictionPolicy], W]) -> list[W]:
+        """Put `wrap(policy)` in place of each eviction policy this tier keeps (one per directory of
+        a disk tier; none for a remote tier, whose server evicts) and return the wrappers: the
+        engine's look-ahead steers eviction through them."""
+        return []
 
     def size_of(self, key: str) -> int | None:
         """Stored bytes of `key` if the tier knows them without a read (memory, disk), else None."""

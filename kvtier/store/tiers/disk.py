@@ -29,7 +29,7 @@ from ..format import PackedChunk, Segment
 from ..policy import EvictionPolicy
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
-from .base import Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, log
+from .base import Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
 
 # Reads in flight at once: a device serves several requests faster than one at a time (queue
 # depth), and the threads wait in the kernel without the GIL.
@@ -393,6 +393,14 @@ class DiskTier(Tier):
     def _make_room(self, i: int, n: int, protected: frozenset[str]) -> bool:
         d = self.dirs[i]
         return self._evict_for(d.policy, lambda: d.used, d.capacity, n, protected)
+
+    def wrap_policies(self, wrap: Callable[[EvictionPolicy], W]) -> list[W]:
+        out = []
+        for d in self.dirs:
+            wrapped = wrap(d.policy)
+            d.policy = wrapped
+            out.append(wrapped)
+        return out
 
     def size_of(self, key: str) -> int | None:
         f = self._files.get(key)

@@ -3,7 +3,7 @@ are carved from a pinned arena (sources of asynchronous copies to the device).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -11,7 +11,7 @@ from ..arena import PinnedArena
 from ..format import ChunkHeader, PackedChunk
 from ..policy import EvictionPolicy, LRUPolicy
 from ..throttle import Emulation
-from .base import Reader, Tier
+from .base import Reader, Tier, W
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,18 @@ class MemoryTier(Tier):
                  emulation: Emulation = Emulation(), pin: bool = False) -> None:
         super().__init__(emulation)
         self.capacity = capacity
-        self.policy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
+        self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
         self._entries: dict[str, _Entry] = {}
         self._partials: dict[str, dict[str, int]] = {}  # parent -> {key: tokens}
         self.used = 0
         self.arena = PinnedArena(capacity) if pin else None  # the engine runs on CUDA
         # Called with (tier, key) before an entry is evicted, so the store can demote it.
+
+    def wrap_policies(self, wrap: Callable[[EvictionPolicy], W]) -> list[W]:
+        with self.lock:
+            wrapped = wrap(self.policy)
+            self.policy = wrapped
+        return [wrapped]
 
     def _open(self, key: str) -> Reader | None:
         e = self._entries.get(key)
