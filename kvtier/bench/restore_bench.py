@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -44,7 +43,15 @@ import torch
 from rich.markup import escape
 
 from kvtier import dtypes
-from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
+from kvtier.bench.common import (
+    RedisServer,
+    csv_arg,
+    drop_page_cache,
+    machine_info,
+    median,
+    timed,
+    write_json_atomic,
+)
 from kvtier.device import add_device_argument
 from kvtier.planning.plan import AUTO, EXACT_METHODS
 from kvtier.store.spec import parse_spec
@@ -68,10 +75,6 @@ def parse_bandwidth(text: str) -> float | None:
 def bw_label(text: str) -> str:
     t = text.strip()
     return "none" if parse_bandwidth(t) is None else f"{t} (emulated)"
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
 
 
 # ----- configuration ----------------------------------------------------------------------------
@@ -142,6 +145,7 @@ class RestoreBench:
         self.workdir = Path(cfg.workdir)
         self._redis: RedisServer | None = None
         self._redis_url = cfg.redis_url
+        self._warm = False  # one throwaway run before the first measured cell
 
     def log(self, msg: str) -> None:  # rich markup: escape([...]) where brackets are data
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
@@ -230,11 +234,31 @@ class RestoreBench:
         plain.close()
         if hf is not None:
             self.hf_recompute(loaded, hf, info)
+        if not self._warm:
+            self.warm_up(loaded, profile, info)
         for storage in cfg.storage:
             for tier in cfg.tiers:
                 for bw in cfg.bandwidths:
                     self.run_cell(loaded, profile, hf, info, storage, tier, bw)
                     self.write_partial()
+
+    def warm_up(self, loaded, profile, info: Context) -> None:
+        """One throwaway run of the first cell's first method, not recorded: the process's first
+        engine pays one-time costs (allocator, kernels, thread pools) that --warmup, per method,
+        does not absorb (the first cell measured recompute 3.5x slower than later in the run)."""
+        from kvtier.engine.config import ReuseConfig
+
+        cfg = self.cfg
+        tier, method = cfg.tiers[0], cfg.methods[0]
+        bw = parse_bandwidth(cfg.bandwidths[0])
+        self.log(f"[dim]warm-up: {method} on {tier} (not recorded)[/dim]")
+        tag = f"warmup-{time.monotonic_ns()}"
+        layout = ("kv",) * loaded.config.num_layers if method in ("kv", "cake", "recompute") else None
+        reuse = ReuseConfig(method=method, chunk_tokens=cfg.chunk_tokens, layout=layout, storage_dtype=cfg.storage[0],
+                            lookahead=False, save=method != "recompute")
+        self.measure(loaded, profile, info, tier_spec(tier, bw, self.workdir, self.redis_url(), tag), reuse, tier)
+        shutil.rmtree(self.workdir / "disk" / tag, ignore_errors=True)
+        self._warm = True
 
     def run_cell(self, loaded, profile, hf, info: Context, storage: str, tier: str, bw_text: str) -> None:
         from kvtier.engine.config import ReuseConfig
@@ -290,27 +314,18 @@ class RestoreBench:
         try:
             engine.generate([info.ids[: info.hist]], SamplingParams(max_tokens=1, temperature=0.0))
             engine.flush()
-            logits: list[torch.Tensor] = []
-            execute = engine.runner.execute
-
-            def spy(*a, **kw):  # the first token's logits, as the engine's own step returned them
-                out = execute(*a, **kw)
-                if out.numel() and len(logits) == 0:
-                    logits.append(out[0].clone())
-                return out
-
-            engine.runner.execute = spy
-            greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True)
+            # first_logits: the row the first token was sampled from, as the engine's own step made it
+            greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True, first_logits=True)
             runs, first_report = [], None
             for i in range(cfg.warmup + cfg.repeats):
-                logits.clear()
                 if tier == "disk":  # cold even where the filesystem refuses direct I/O
                     drop_page_cache(self.workdir / "disk")
                 out = engine.generate([info.ids], greedy)[0]
                 engine.flush()  # the new tokens' saves land before the next run, untimed
                 first_report = first_report or out.restore
                 if i >= cfg.warmup:
-                    runs.append((out, logits[0]))
+                    assert out.first_logits is not None
+                    runs.append((out, out.first_logits))
             stats = engine.stats()
         finally:
             engine.close()
@@ -318,14 +333,14 @@ class RestoreBench:
         rep = out.restore
         first_report = first_report or rep
         timed_runs = [o.restore for o, _ in runs if o.restore is not None and o.restore.copy_s is not None]
-        return dict(ttft_s=_median([o.ttft for o, _ in runs]),
-                    copy_s=_median([r.copy_s for r in timed_runs]) if timed_runs else None,
-                    overlap=_median([r.overlap for r in timed_runs]) if timed_runs else None,
-                    restore_s=_median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
+        return dict(ttft_s=median([o.ttft for o, _ in runs]),
+                    copy_s=median([r.copy_s for r in timed_runs]) if timed_runs else None,
+                    overlap=median([r.overlap for r in timed_runs]) if timed_runs else None,
+                    restore_s=median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
                     bytes_read=rep.bytes_read if rep else 0, stored_bytes_per_token=stats.stored_bytes_per_token,
                     predicted=first_report.predicted_s if first_report else None,
                     ideal=first_report.ideal_s if first_report else None,
-                    max_logit_diff=float((first - info.ref_logits).abs().max()),
+                    max_logit_diff=float((first.float() - info.ref_logits).abs().max()),
                     greedy_match=out.output_ids == info.ref_greedy, repeats=len(runs),
                     plan=f"{rep.method} [{rep.layout}]" if rep else "recompute (no restore)")
 
@@ -335,7 +350,7 @@ class RestoreBench:
         peer = HFPeers(hf, info.ids, info.hist, ["hf_recompute"], self.workdir / "hf.pt", None, "")
         for _ in range(self.cfg.warmup):
             peer.hf_recompute()
-        secs = _median([timed(peer.hf_recompute)[0] for _ in range(self.cfg.repeats)])
+        secs = median([timed(peer.hf_recompute)[0] for _ in range(self.cfg.repeats)])
         self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
                       new_tokens=self.cfg.new_tokens, tier="-", bandwidth="-", method="hf_recompute", restore_s=secs,
                       ttft_s=secs, bytes_read=0, stored_bytes_per_token=0, max_logit_diff=0.0,
@@ -355,7 +370,7 @@ class RestoreBench:
             fn = getattr(peer, name)
             for _ in range(self.cfg.warmup):
                 fn()
-            secs = _median([timed(fn)[0] for _ in range(self.cfg.repeats)])
+            secs = median([timed(fn)[0] for _ in range(self.cfg.repeats)])
             nbytes = sum(k.nbytes + v.nbytes for k, v in peer.host_kv) if name == "hf_offload" else 0
             self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
                           new_tokens=self.cfg.new_tokens, tier=tier, bandwidth="none" if tier != "-" else "-",
@@ -395,7 +410,7 @@ class RestoreBench:
             runs = [once() for _ in range(self.cfg.repeats)]
         finally:
             peer.close()
-        ttft = _median([r[0] for r in runs])
+        ttft = median([r[0] for r in runs])
         self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
                       new_tokens=self.cfg.new_tokens, tier=tier, bandwidth=label, method="hf_torch_save", restore_s=None,
                       ttft_s=ttft, bytes_read=len(peer.blob), stored_bytes_per_token=len(peer.blob) // info.hist,
