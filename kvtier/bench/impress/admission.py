@@ -76,11 +76,3 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         lines.append(f"| {r['policy']} | {r['hit_ratio']:.3f} | {r['important_hit_ratio']:.3f} |")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=200, help="admission: stored documents")
-    p.add_argument("--doc-chunks", type=int, default=32, help="admission: chunks per document")
-    p.add_argument("--requests", type=int, default=3000, help="admission: requests in the trace")
-    p.add_argument("--zipf", type=float, default=0.8, help="admission: Zipf exponent of document popularity")
-    p.add_argument("--capacity", type=float, default=0.2, help="admission: faster tier's share of all chunks")

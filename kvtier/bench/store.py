@@ -12,7 +12,6 @@ that used it says so.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -197,28 +196,3 @@ def cmd_bench_store(args) -> int:
         with open(args.markdown, "w") as f:
             f.write(to_markdown(res) + "\n")
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4096, help="context length written and read per tier")
-    p.add_argument("--chunk-tokens", type=int, default=64)
-    p.add_argument("--capacity", default="4GB", help="memory and disk tier capacity")
-    p.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir under /tmp)")
-    p.add_argument("--disk-opts", default="", help="extra disk spec options, e.g. ':bw=500MB/s:lat=100us'")
-    p.add_argument("--redis", default=None, help="also benchmark this redis URL, e.g. redis://127.0.0.1:6379")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (best is reported)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write results as JSON")
-    p.add_argument("--markdown", metavar="FILE", default=None, help="write a markdown table")
-
-
-def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("store", help="store throughput per tier vs raw device bandwidth",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=cmd_bench_store)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.store_bench")
-    add_arguments(parser)
-    raise SystemExit(cmd_bench_store(parser.parse_args()))

@@ -29,9 +29,7 @@ Writes partial JSON after each cell, so an interrupted run keeps what it measure
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -45,20 +43,17 @@ from rich.markup import escape
 from kvtier import dtypes
 from kvtier.bench.common import (
     RedisServer,
-    csv_arg,
     drop_page_cache,
     machine_info,
     median,
     timed,
     write_json_atomic,
 )
-from kvtier.device import add_device_argument
-from kvtier.planning.plan import AUTO, EXACT_METHODS
+from kvtier.bench.restore.methods import METHODS
+from kvtier.planning.plan import EXACT_METHODS
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
-METHODS = tuple(m.value for m in EXACT_METHODS) + (AUTO,)  # the table's column order
-BASELINES = ("hf_recompute", "hf_torch_save")
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
             "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap")
@@ -733,51 +728,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 # ----- command line -----------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="comma-separated model names (default: %(default)s)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "auto"], help="compute dtype")
-    add_device_argument(p)
-    p.add_argument("--storage-dtype", default="", help="comma-separated storage dtypes (int8, fp16, bf16, fp32); "
-                                                       "empty = the compute dtype (lossless)")
-    p.add_argument("--context", default="1024,4096,8192", help="comma-separated history lengths")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--tier", default="memory,disk,redis", help="comma-separated tiers: memory, disk, redis")
-    p.add_argument("--bandwidth", default="none,500MB/s,100MB/s,20MB/s",
-                   help="comma-separated read limits; anything but none is emulated")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    p.add_argument("--no-baselines", action="store_true", help="skip the HF transformers baselines")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each method per model/context")
-    p.add_argument("--greedy-tokens", type=int, default=8, help="greedy tokens compared after each restore")
-    p.add_argument("--chunk-tokens", type=int, default=64)
-    p.add_argument("--workdir", default="out/restore-work", help="disk tier directory (wiped at start)")
-    p.add_argument("--redis-url", default=None, help="redis server to use (default: start a private redis-server)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    p.add_argument("--plot", default=None, help="PNG path of TTFT vs bandwidth per method")
-    p.add_argument("--seed", type=int, default=0)
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    storage = [dtypes.canonical(s) for s in csv_arg(args.storage_dtype)] or [""]
-    methods = csv_arg(args.methods)
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}: use {', '.join(METHODS)}")
-    if "recompute" in methods:  # measured first: every other method is compared with it
-        methods = ["recompute"] + [m for m in methods if m != "recompute"]
-    for b in csv_arg(args.bandwidth):
-        parse_bandwidth(b)
-    return BenchConfig(models=csv_arg(args.model), dtype=args.dtype, device=args.device, storage=storage,
-                       contexts=[int(c) for c in csv_arg(args.context)], new_tokens=args.new_tokens,
-                       tiers=csv_arg(args.tier), bandwidths=csv_arg(args.bandwidth), methods=methods,
-                       baselines=not args.no_baselines, repeats=args.repeats, warmup=args.warmup,
-                       greedy_tokens=args.greedy_tokens, chunk_tokens=args.chunk_tokens, workdir=args.workdir,
-                       redis_url=args.redis_url, json_path=args.json, markdown_path=args.markdown,
-                       plot_path=args.plot, seed=args.seed)
-
-
-def cmd_restore(args: argparse.Namespace) -> int:
+def cmd_restore(cfg: BenchConfig) -> int:
     import signal
 
     from rich.console import Console
@@ -785,7 +738,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     # SIGTERM ends the run through the finally blocks: partial JSON written, redis-server stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     console = Console(width=None if sys.stdout.isatty() else 200)
-    cfg = config_from_args(args)
     bench = RestoreBench(cfg, console)
     rows = bench.run()
     goals = evaluate_goals(rows)
@@ -819,36 +771,16 @@ def merge_runs(docs: list[dict], names: Sequence[str]) -> tuple[list[dict], dict
     return list(merged.values()), meta
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("restore", help="TTFT of every restore method vs tier and (emulated) bandwidth")
-    add_arguments(p)
-    p.set_defaults(func=cmd_restore)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.restore_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sub = parser.add_subparsers(dest="sub")  # `report` re-renders a JSON file (markdown, plot, goals)
-    rp = sub.add_parser("report", help="re-render markdown/plot/goals from JSON written by runs; with several "
-                                       "files, a later file's row replaces an earlier one of the same cell and method")
-    rp.add_argument("json_in", nargs="+")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.sub == "report":
-        rows, meta = merge_runs([json.loads(Path(f).read_text()) for f in args.json_in], args.json_in)
-        goals = evaluate_goals(rows)
-        if args.json:
-            write_json(args.json, rows, goals, meta)
-        if args.markdown:
-            Path(args.markdown).write_text(markdown(rows, goals))
-        if args.plot:
-            plot(rows, args.plot)
-        for g in goals:
-            print(f"{'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['summary']}")
-        return 0
-    return cmd_restore(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def report(json_in: list[str], json_path: str | None, markdown_path: str | None, plot_path: str | None) -> int:
+    """`kvtier bench restore report A.json [B.json ...]`: merge runs, re-judge the goals, re-render."""
+    rows, meta = merge_runs([json.loads(Path(f).read_text()) for f in json_in], json_in)
+    goals = evaluate_goals(rows)
+    if json_path:
+        write_json(json_path, rows, goals, meta)
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(rows, goals))
+    if plot_path:
+        plot(rows, plot_path)
+    for g in goals:
+        print(f"{'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['summary']}")
+    return 0

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.load_bench import (
+from kvtier.bench.load.run import (
     QUESTIONS,
     SYSTEM,
     LoadReport,
