@@ -21,6 +21,10 @@ from pathlib import Path
 import torch
 
 from kvtier.dtypes import name_of
+
+# One warm-up call, then the median of `repeats` synchronized calls: the calibration's own timer.
+from kvtier.engine.calibrate.hardware import _sync
+from kvtier.engine.calibrate.hardware import _time as median_time
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -43,23 +47,6 @@ class Row:
         return self.kvtier_tok_s / self.hf_tok_s
 
 
-def _sync() -> None:
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (allocator, kernels)
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -75,10 +62,10 @@ def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None) -> En
 def bench_prefill(loaded, hf, length: int, repeats: int) -> tuple[float, float]:
     ids = _prompt(length, loaded.config.vocab_size, length)
     engine = _engine(loaded, max(length + 8, 1024))
-    ours = _median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
+    ours = median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
     t = torch.tensor([ids], device=hf.lm_head.weight.device)
     with torch.inference_mode():
-        theirs = _median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
+        theirs = median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
     return length / ours, length / theirs
 
 

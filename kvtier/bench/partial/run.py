@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.common import machine_info
+from kvtier.bench.stats import quantile_round
 from kvtier.engine.calibrate.fronts import cost_model, held_out_error
 from kvtier.engine.config import EngineConfig, PartialConfig, PartialPolicy, ReuseConfig
 from kvtier.engine.engine import Engine
@@ -61,13 +62,6 @@ def workload(n: int, rate: float, prompt_range: tuple[int, int], mean_output: fl
         m = int(min(max(rng.lognormvariate(math.log(mean_output) - sigma * sigma / 2, sigma), 8), 4 * mean_output))
         out.append(Arrival(t, tuple(torch.randint(10, vocab, (plen,), generator=g).tolist()), m))
     return out
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_seconds: float) -> dict[str, Any]:
@@ -109,8 +103,8 @@ def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_sec
     running = [r for _, r, _ in series]
     out = dict(requests=sum(o.finished for o in last.values()), started=len(last), cut=cut, output_tokens=tokens,
                seconds=span, tok_s=tokens / span,
-               tpot_p50=_pct(tpots, 0.5), tpot_p99=_pct(tpots, 0.99), ttft_p50=_pct(ttfts, 0.5),
-               ttft_p99=_pct(ttfts, 0.99), slo_attainment=None if slo_s is None else
+               tpot_p50=quantile_round(tpots, 0.5), tpot_p99=quantile_round(tpots, 0.99), ttft_p50=quantile_round(ttfts, 0.5),
+               ttft_p99=quantile_round(ttfts, 0.99), slo_attainment=None if slo_s is None else
                sum(t <= slo_s for t in tpots) / max(1, len(tpots)),
                # output tokens/s of the requests that finished within the SLO (DistServe's goodput)
                goodput_tok_s=None if slo_s is None else sum(

@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.common import write_json_atomic
+from kvtier.bench.stats import quantile_linear
 from kvtier.dtypes import name_of
 from kvtier.testing.services import RedisServer
 
@@ -301,15 +303,6 @@ def sequential_rows(recs: list[dict]) -> list[dict]:
 
 
 # ----- aggregation ------------------------------------------------------------------------------
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q  # linear interpolation between closest ranks
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def hit_rates(recs: list[dict]) -> dict[str, float]:
     """Per tier: the share of reused prompt tokens that tier served. `overall`: reused / prompt tokens.
     `store_memory`: memory's share of the tokens the store (not the device cache) served."""
@@ -353,7 +346,7 @@ def make_rows(workload: str, cfg: RunConfig, recs: list[dict], totals: dict, bas
         rows.append(dict(
             workload=workload, dtype=totals.get("dtype", "?"), config=cfg.name, method=cfg.method, storage=cfg.storage, policy=cfg.policy,
             save=cfg.save, pressure=cfg.pressure, device_cache=totals.get("device_cache", False), turns=g,
-            requests=len(rs), ttft_p50_s=_pct(ttfts, 0.5), ttft_p99_s=_pct(ttfts, 0.99),
+            requests=len(rs), ttft_p50_s=quantile_linear(ttfts, 0.5), ttft_p99_s=quantile_linear(ttfts, 0.99),
             ttft_mean_s=statistics.fmean(ttfts), tbt_mean_s=statistics.fmean(tbts) if tbts else None,
             throughput_tok_s=totals["throughput_tok_s"], hit_rate=hit_rates(rs),
             tokens_reused=sum(r["reused"] for r in rs), tokens_computed=sum(r["computed"] for r in rs),
@@ -543,9 +536,7 @@ def plot(requests: list[dict], path: str) -> None:
 
 
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict, requests: list[dict]) -> None:
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(rows=rows, goals=goals, meta=meta, requests=requests), indent=1, default=str))
-    tmp.replace(path)
+    write_json_atomic(path, dict(rows=rows, goals=goals, meta=meta, requests=requests))
 
 
 def render(rows, goals, requests, args) -> None:
