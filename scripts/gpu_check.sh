@@ -30,7 +30,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  $PY -m kvtier.bench.restore_bench --device cuda --dtype bf16 \
+  $PY -m kvtier bench restore --device cuda --dtype bf16 \
       --model "${MODELS:-smollm2-shape,llama3-8b,llama2-7b}" --context "${CONTEXTS:-4096,8192,16384}" \
       --tier "${TIERS:-memory,disk}" --bandwidth "${BANDWIDTHS:-none}" --repeats "${REPEATS:-3}" \
       --workdir /tmp/kvtier-restore-work --json "$OUT/restore_gpu.json" --markdown "$OUT/restore_gpu.md" \
@@ -39,7 +39,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 if [ -z "${SKIP_FORWARD:-}" ]; then
   # Prefill beside HF; batched decode at long context (packed flash decode vs HF), with saving on and off.
-  $PY -m kvtier.bench.forward --device cuda --dtype bf16 --model "${FORWARD_MODEL:-smollm2-shape}" \
+  $PY -m kvtier bench forward --device cuda --dtype bf16 --model "${FORWARD_MODEL:-smollm2-shape}" \
       --prefill "${FORWARD_PREFILL:-4096,16384}" --batch "${FORWARD_BATCH:-1,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" \
       --new-tokens 32 --repeats "${REPEATS:-3}" --saving --json "$OUT/forward_gpu.json" 2>&1 | tee "$OUT/forward_gpu.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.bench.restore_bench import evaluate_goals, merge_runs
+from kvtier.bench.restore.run import evaluate_goals, merge_runs
 
 
 def _row(method: str, ttft: float, model: str = "mha-1b", bw: str = "100MB/s (emulated)", ideal: float | None = None,

@@ -14,15 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from kvtier.device import add_device_argument
 from kvtier.dtypes import name_of
+
+# One warm-up call, then the median of `repeats` synchronized calls: the calibration's own timer.
+from kvtier.engine.calibrate.hardware import _sync
+from kvtier.engine.calibrate.hardware import _time as median_time
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -45,23 +47,6 @@ class Row:
         return self.kvtier_tok_s / self.hf_tok_s
 
 
-def _sync() -> None:
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (allocator, kernels)
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -77,10 +62,10 @@ def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None) -> En
 def bench_prefill(loaded, hf, length: int, repeats: int) -> tuple[float, float]:
     ids = _prompt(length, loaded.config.vocab_size, length)
     engine = _engine(loaded, max(length + 8, 1024))
-    ours = _median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
+    ours = median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
     t = torch.tensor([ids], device=hf.lm_head.weight.device)
     with torch.inference_mode():
-        theirs = _median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
+        theirs = median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
     return length / ours, length / theirs
 
 
@@ -182,36 +167,3 @@ def cmd(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "machine": machine_info(),
                                                "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}, indent=2))
     return 0
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def register(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser("forward", help="prefill/decode tokens/s of kvtier beside HF transformers")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", type=lambda s: s.split(","), default=["fp32", "bf16"], help="comma list (fp32,bf16)")
-    p.add_argument("--prefill", type=_ints, default=[512, 2048, 4096, 8192],
-                   help="prompt lengths, prefilled in chunks of the default token budget (comma list)")
-    p.add_argument("--batch", type=_ints, default=[1, 8], help="decode batch sizes (comma list)")
-    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
-    p.add_argument("--prompt-len", type=int, default=128, help="context of each decoding sequence (default: 128)")
-    p.add_argument("--saving", action="store_true", help="also decode with every token saved to a memory tier")
-    add_device_argument(p)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
-    p.add_argument("--json", default=None, help="write rows as JSON to this file")
-    p.set_defaults(func=cmd)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvtier.bench.forward ...`: the same command without the whole CLI's imports."""
-    p = argparse.ArgumentParser(prog="kvtier bench")
-    register(p.add_subparsers(dest="bench_command", required=True))
-    args = p.parse_args(["forward", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

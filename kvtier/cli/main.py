@@ -195,21 +195,9 @@ def register_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], object]]:
-    from kvtier.bench import (
-        e2e,
-        forward,
-        impress_bench,
-        load_bench,
-        partial_bench,
-        restore_bench,
-        store_bench,
-        trace_bench,
-        truncation_bench,
-    )
+    from kvtier.cli.bench import register_all
 
-    return [forward.register, store_bench.register, restore_bench.register, trace_bench.register,
-            truncation_bench.register, load_bench.register_bench, e2e.register, impress_bench.register,
-            partial_bench.register]
+    return [register_all]
 
 
 def build_parser() -> argparse.ArgumentParser:

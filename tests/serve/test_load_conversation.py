@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
-from kvtier.bench import load_bench
+from kvtier.cli.main import main as kvtier_main
 
 
 def test_conversation_mode_reports_reuse_samples_and_verdict(tmp_path):
     out, png = tmp_path / "conv.json", tmp_path / "conv.png"
-    rc = load_bench.main([
+    rc = kvtier_main([
+        "bench", "load",
         "--mode", "conversation", "--model", "tiny-gqa", "--dtype", "fp32", "--clients", "3", "--duration", "8",
         "--turns", "3", "--max-tokens", "6", "--sample-every", "1", "--kv-cache-gb", "0.05", "--no-prefix-cache",
         "--restore-method", "kv", "--store", f"memory:32MB,disk:{tmp_path}/disk:64MB",

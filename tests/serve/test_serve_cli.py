@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import load_bench
+from kvtier.bench.load import run as load_bench
 from kvtier.cli import serve as cli
+from kvtier.cli.bench import load as load_cli
+from kvtier.cli.main import main as kvtier_main
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -73,9 +75,9 @@ def test_module_entry_point_reports_a_bad_model() -> None:
 
 def test_bench_load_registration() -> None:
     parser = argparse.ArgumentParser(prog="kvtier bench")
-    load_bench.register_bench(parser.add_subparsers(dest="bench_command"))
+    load_cli.register(parser.add_subparsers(dest="bench_command"))
     args = parser.parse_args(["load", "--model", "tiny-gqa", "--clients", "3", "--duration", "2", "--json", "x.json"])
-    assert (args.clients, args.duration, args.json, args.func) == (3, 2.0, "x.json", load_bench.cmd_load)
+    assert (args.clients, args.duration, args.json, args.func) == (3, 2.0, "x.json", load_cli.run)
 
 
 def test_percentile() -> None:
@@ -88,7 +90,7 @@ def test_percentile() -> None:
 def test_short_load_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark end to end on the tiny model: a server subprocess, streaming clients, JSON."""
     out = tmp_path / "load.json"
-    code = load_bench.main(["--model", "tiny-gqa", "--clients", "4", "--duration", "3", "--max-tokens", "8",
+    code = kvtier_main(["bench", "load", "--model", "tiny-gqa", "--clients", "4", "--duration", "3", "--max-tokens", "8",
                             "--kv-cache-gb", "0.05", "--no-store", "--json", str(out)])
     report = json.loads(out.read_text())
     assert code == 0, report

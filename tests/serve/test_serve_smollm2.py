@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.bench.load_bench import ServerProcess
+from kvtier.bench.load.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 

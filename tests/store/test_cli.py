@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kvtier.bench import store_bench
 from kvtier.cli import store as store_cli
+from kvtier.cli.bench import store as store_bench
 from kvtier.store import TieredStore
 
 from store_testlib import make_ns, make_state, tokens

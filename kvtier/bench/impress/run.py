@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvtier.bench import impress_admission, impress_reorder
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
+from kvtier.bench.impress import admission as impress_admission
+from kvtier.bench.impress import reorder as impress_reorder
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
 from kvtier.engine.restore.impress import ReducedCache, calibrate, extend, impress_prefill
@@ -442,45 +443,3 @@ def cmd(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(doc, args.mode, args.plot)
     return 0
-
-
-def register(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser("impress", help="importance-only restore (IMPRESS): needle accuracy, bytes and TTFT "
-                                             "against full KV and the exact methods")
-    p.add_argument("--mode", choices=["accuracy", "ttft", "reorder", "admission"], default="accuracy",
-                   help="accuracy: needle multiple choice; ttft: restore time by disk bandwidth; reorder: granules "
-                        "and TTFT of held-out queries of one stored document before and after a reorder pass; "
-                        "admission: the faster tier's hit ratio on important tokens by eviction policy (simulated)")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--n", type=int, default=210, help="accuracy: needle items (5 depths x lengths x seeds)")
-    p.add_argument("--lengths", default="1024,2048,4096", help="accuracy: document lengths in tokens")
-    p.add_argument("--ratios", default="0.5,0.25,0.1", help="accuracy: importance ratios")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--probe-kv-heads", type=int, default=0,
-                   help="accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV heads, else 3)")
-    p.add_argument("--probe-first", type=int, default=-1,
-                   help="accuracy: first probe KV head (default -1: the engine's calibrated choice)")
-    p.add_argument("--variants", default=None, help="accuracy: only these rows (comma-separated names; full is always run)")
-    p.add_argument("--granule-tokens", type=int, default=PROBE_GRANULE_TOKENS,
-                   help="accuracy: rows per verified granule in the importance layout (what a partial read rounds to)")
-    p.add_argument("--history", type=int, default=8128, help="ttft: stored history tokens")
-    p.add_argument("--new", type=int, default=64, help="ttft: new tokens after the history")
-    p.add_argument("--ratio", type=float, default=0.25, help="ttft: importance ratio")
-    p.add_argument("--bandwidths", default="none,500,100,20", help="ttft: emulated disk bandwidths in MB/s")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--methods", default=None,
-                   help=f"ttft: only these rows (comma-separated: {', '.join(ENGINE_ROWS)}, read) (default: all)")
-    p.add_argument("--bandwidth", default="100", help="reorder: emulated disk bandwidth in MB/s (or none)")
-    p.add_argument("--warm", type=int, default=4, help="reorder: queries that feed the importance statistics")
-    p.add_argument("--queries", type=int, default=4, help="reorder: held-out queries timed before and after")
-    p.add_argument("--dir", default=None, help="ttft: disk tier directory (default: a new temporary one)")
-    p.add_argument("--tier", default=None, metavar="SPEC",
-                   help="ttft: one store tier to keep the history in instead of the disk tier, e.g. "
-                        "redis://127.0.0.1:6379?prefix=bench (bandwidths are emulated on it the same way)")
-    impress_admission.add_arguments(p)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None)
-    p.add_argument("--replot", default=None, metavar="JSON", help="only draw the figure of an earlier run's JSON")
-    p.set_defaults(func=cmd)
-

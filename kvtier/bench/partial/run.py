@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.common import machine_info
+from kvtier.bench.stats import quantile_round
 from kvtier.engine.calibrate.fronts import cost_model, held_out_error
 from kvtier.engine.config import EngineConfig, PartialConfig, PartialPolicy, ReuseConfig
 from kvtier.engine.engine import Engine
@@ -62,13 +63,6 @@ def workload(n: int, rate: float, prompt_range: tuple[int, int], mean_output: fl
         m = int(min(max(rng.lognormvariate(math.log(mean_output) - sigma * sigma / 2, sigma), 8), 4 * mean_output))
         out.append(Arrival(t, tuple(torch.randint(10, vocab, (plen,), generator=g).tolist()), m))
     return out
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_seconds: float) -> dict[str, Any]:
@@ -110,8 +104,8 @@ def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_sec
     running = [r for _, r, _ in series]
     out = dict(requests=sum(o.finished for o in last.values()), started=len(last), cut=cut, output_tokens=tokens,
                seconds=span, tok_s=tokens / span,
-               tpot_p50=_pct(tpots, 0.5), tpot_p99=_pct(tpots, 0.99), ttft_p50=_pct(ttfts, 0.5),
-               ttft_p99=_pct(ttfts, 0.99), slo_attainment=None if slo_s is None else
+               tpot_p50=quantile_round(tpots, 0.5), tpot_p99=quantile_round(tpots, 0.99), ttft_p50=quantile_round(ttfts, 0.5),
+               ttft_p99=quantile_round(ttfts, 0.99), slo_attainment=None if slo_s is None else
                sum(t <= slo_s for t in tpots) / max(1, len(tpots)),
                # output tokens/s of the requests that finished within the SLO (DistServe's goodput)
                goodput_tok_s=None if slo_s is None else sum(
@@ -322,35 +316,3 @@ def cmd(args: argparse.Namespace) -> int:
     if args.plot:
         plot(series, rows, args.plot)
     return 0
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def register(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser("partial", help="serving under a small KV budget: partial token-wise caching (eLLM) "
-                                             "beside preemption by recompute and by swap")
-    p.add_argument("--models", type=lambda s: s.split(","), default=["smollm2-135m", "mha-small"],
-                   help="models or presets, comma list (default: smollm2-135m,mha-small)")
-    p.add_argument("--dtype", default="auto", help="fp32, bf16 or auto (bf16 where the CPU has it)")
-    p.add_argument("--requests", type=int, default=24, help="requests per policy and rate")
-    p.add_argument("--rates", type=_floats, default=[0.5, 1.0], help="Poisson arrival rates, requests/s (comma list)")
-    p.add_argument("--prompt-min", type=int, default=256, help="shortest prompt, tokens")
-    p.add_argument("--prompt-max", type=int, default=512, help="longest prompt, tokens")
-    p.add_argument("--mean-output", type=int, default=128, help="mean output tokens (log-normal, ShareGPT's spread)")
-    p.add_argument("--budget-share", type=float, default=0.25, help="KV budget as a share of the peak demand")
-    p.add_argument("--slo-x", type=float, default=1.5, help="TPOT SLO as a multiple of the unloaded decode step")
-    p.add_argument("--ratios", type=_floats, default=[0.2, 0.4, 0.6], help="fixed uncached shares to compare")
-    p.add_argument("--swap-mbps", type=float, default=None, help="also read fronts back at this emulated MB/s")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=None,
-                   help="run only these (the ample-memory runs always run: they set the budget)")
-    p.add_argument("--max-batched-tokens", type=int, default=256, help="per-step token budget (prefill chunks)")
-    p.add_argument("--duration", type=float, default=90.0,
-                   help="seconds each policy runs at most after the first arrival (then running requests are aborted)")
-    p.add_argument("--recalibrate", action="store_true", help="measure the cost model again")
-    p.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompts")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--json", default=None, help="write rows and goals to this JSON file")
-    p.add_argument("--plot", default=None, help="write concurrency over time and throughput to this PNG")
-    p.set_defaults(func=cmd)

@@ -12,7 +12,6 @@ that used it says so.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,21 +21,12 @@ import time
 import numpy as np
 import torch
 
+from kvtier.bench.stats import best_of
 from kvtier.store import StoreNamespace, TieredStore
 from kvtier.store.spec import parse_spec
 
 # SmolLM2-135M shapes: the default real model of kvtier.
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576, params=134.5e6)
-
-
-def _best(fn, reps: int) -> float:
-    """Fastest of `reps` runs, in seconds (the least disturbed by other work on the machine)."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def _drop_cache(paths: list[str]) -> None:
@@ -60,7 +50,7 @@ def estimate_prefill_tokens_per_s(params: float) -> float:
     """Rough smollm2 prefill rate here: measured fp32 matmul FLOP/s over 2 FLOPs per parameter."""
     a = torch.randn(512, 576)
     b = torch.randn(576, 1536)
-    secs = _best(lambda: [a @ b for _ in range(20)], 3)
+    secs = best_of(lambda: [a @ b for _ in range(20)], 3)
     flops = 20 * 2 * 512 * 576 * 1536 / secs
     return flops / (2 * params)
 
@@ -99,8 +89,8 @@ def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, r
         paths: list[str] = []
         if kind == "disk":
             paths = [tier.path_of(c.key) for c in match.chunks]
-        rows.append(dict(tier=kind, op="read whole chunks", bytes=total, seconds=_best(read_whole, reps), note=note))
-        rows.append(dict(tier=kind, op="read per layer", bytes=total, seconds=_best(read_layers, reps), note=note))
+        rows.append(dict(tier=kind, op="read whole chunks", bytes=total, seconds=best_of(read_whole, reps), note=note))
+        rows.append(dict(tier=kind, op="read per layer", bytes=total, seconds=best_of(read_layers, reps), note=note))
         if kind == "memory":
             buf = torch.empty(max(c.nbytes for c in match.chunks), dtype=torch.uint8)
             n = len(match.chunks)
@@ -111,14 +101,14 @@ def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, r
                     np.copyto(dst, src)
 
             rows.append(dict(tier=kind, op="raw: memcpy (DRAM)", bytes=buf.numel() * n,
-                             seconds=_best(memcpy, reps), note="into a reused buffer"))
+                             seconds=best_of(memcpy, reps), note="into a reused buffer"))
             rows.append(dict(tier=kind, op="raw: memcpy into fresh buffers", bytes=buf.numel() * n,
-                             seconds=_best(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], reps),
+                             seconds=best_of(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], reps),
                              note="page faults, as a read that returns new tensors pays"))
         elif kind == "disk":
             size = max(os.path.getsize(p) for p in paths)
             rows.append(dict(tier=kind, op="raw: sequential file read (warm)", bytes=total,
-                             seconds=_best(lambda: _raw_file_read(paths, size), reps), note="page cache"))
+                             seconds=best_of(lambda: _raw_file_read(paths, size), reps), note="page cache"))
 
             def cold(fn):
                 def run():
@@ -134,7 +124,7 @@ def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, r
         else:
             rkeys = [tier._c(c.key) for c in match.chunks]
             rows.append(dict(tier=kind, op="raw: GET of the same values", bytes=total,
-                             seconds=_best(lambda: [tier.client.get(r) for r in rkeys], reps), note=""))
+                             seconds=best_of(lambda: [tier.client.get(r) for r in rkeys], reps), note=""))
         store.clear()
     finally:
         store.close()
@@ -197,28 +187,3 @@ def cmd_bench_store(args) -> int:
         with open(args.markdown, "w") as f:
             f.write(to_markdown(res) + "\n")
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4096, help="context length written and read per tier")
-    p.add_argument("--chunk-tokens", type=int, default=64)
-    p.add_argument("--capacity", default="4GB", help="memory and disk tier capacity")
-    p.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir under /tmp)")
-    p.add_argument("--disk-opts", default="", help="extra disk spec options, e.g. ':bw=500MB/s:lat=100us'")
-    p.add_argument("--redis", default=None, help="also benchmark this redis URL, e.g. redis://127.0.0.1:6379")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (best is reported)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write results as JSON")
-    p.add_argument("--markdown", metavar="FILE", default=None, help="write a markdown table")
-
-
-def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("store", help="store throughput per tier vs raw device bandwidth",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=cmd_bench_store)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.store_bench")
-    add_arguments(parser)
-    raise SystemExit(cmd_bench_store(parser.parse_args()))

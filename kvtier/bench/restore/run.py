@@ -29,11 +29,8 @@ Writes partial JSON after each cell, so an interrupted run keeps what it measure
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -44,14 +41,19 @@ import torch
 from rich.markup import escape
 
 from kvtier import dtypes
-from kvtier.bench.common import RedisServer, csv_arg, drop_page_cache, machine_info, timed, write_json_atomic
-from kvtier.device import add_device_argument
-from kvtier.planning.plan import AUTO, EXACT_METHODS
+from kvtier.bench.common import (
+    RedisServer,
+    drop_page_cache,
+    machine_info,
+    median,
+    timed,
+    write_json_atomic,
+)
+from kvtier.bench.restore.methods import METHODS
+from kvtier.planning.plan import EXACT_METHODS
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
-METHODS = tuple(m.value for m in EXACT_METHODS) + (AUTO,)  # the table's column order
-BASELINES = ("hf_recompute", "hf_torch_save")
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
             "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap")
@@ -68,10 +70,6 @@ def parse_bandwidth(text: str) -> float | None:
 def bw_label(text: str) -> str:
     t = text.strip()
     return "none" if parse_bandwidth(t) is None else f"{t} (emulated)"
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
 
 
 # ----- configuration ----------------------------------------------------------------------------
@@ -142,6 +140,7 @@ class RestoreBench:
         self.workdir = Path(cfg.workdir)
         self._redis: RedisServer | None = None
         self._redis_url = cfg.redis_url
+        self._warm = False  # one throwaway run before the first measured cell
 
     def log(self, msg: str) -> None:  # rich markup: escape([...]) where brackets are data
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
@@ -230,11 +229,31 @@ class RestoreBench:
         plain.close()
         if hf is not None:
             self.hf_recompute(loaded, hf, info)
+        if not self._warm:
+            self.warm_up(loaded, profile, info)
         for storage in cfg.storage:
             for tier in cfg.tiers:
                 for bw in cfg.bandwidths:
                     self.run_cell(loaded, profile, hf, info, storage, tier, bw)
                     self.write_partial()
+
+    def warm_up(self, loaded, profile, info: Context) -> None:
+        """One throwaway run of the first cell's first method, not recorded: the process's first
+        engine pays one-time costs (allocator, kernels, thread pools) that --warmup, per method,
+        does not absorb (the first cell measured recompute 3.5x slower than later in the run)."""
+        from kvtier.engine.config import ReuseConfig
+
+        cfg = self.cfg
+        tier, method = cfg.tiers[0], cfg.methods[0]
+        bw = parse_bandwidth(cfg.bandwidths[0])
+        self.log(f"[dim]warm-up: {method} on {tier} (not recorded)[/dim]")
+        tag = f"warmup-{time.monotonic_ns()}"
+        layout = ("kv",) * loaded.config.num_layers if method in ("kv", "cake", "recompute") else None
+        reuse = ReuseConfig(method=method, chunk_tokens=cfg.chunk_tokens, layout=layout, storage_dtype=cfg.storage[0],
+                            lookahead=False, save=method != "recompute")
+        self.measure(loaded, profile, info, tier_spec(tier, bw, self.workdir, self.redis_url(), tag), reuse, tier)
+        shutil.rmtree(self.workdir / "disk" / tag, ignore_errors=True)
+        self._warm = True
 
     def run_cell(self, loaded, profile, hf, info: Context, storage: str, tier: str, bw_text: str) -> None:
         from kvtier.engine.config import ReuseConfig
@@ -290,27 +309,18 @@ class RestoreBench:
         try:
             engine.generate([info.ids[: info.hist]], SamplingParams(max_tokens=1, temperature=0.0))
             engine.flush()
-            logits: list[torch.Tensor] = []
-            execute = engine.runner.execute
-
-            def spy(*a, **kw):  # the first token's logits, as the engine's own step returned them
-                out = execute(*a, **kw)
-                if out.numel() and len(logits) == 0:
-                    logits.append(out[0].clone())
-                return out
-
-            engine.runner.execute = spy
-            greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True)
+            # first_logits: the row the first token was sampled from, as the engine's own step made it
+            greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True, first_logits=True)
             runs, first_report = [], None
             for i in range(cfg.warmup + cfg.repeats):
-                logits.clear()
                 if tier == "disk":  # cold even where the filesystem refuses direct I/O
                     drop_page_cache(self.workdir / "disk")
                 out = engine.generate([info.ids], greedy)[0]
                 engine.flush()  # the new tokens' saves land before the next run, untimed
                 first_report = first_report or out.restore
                 if i >= cfg.warmup:
-                    runs.append((out, logits[0]))
+                    assert out.first_logits is not None
+                    runs.append((out, out.first_logits))
             stats = engine.stats()
         finally:
             engine.close()
@@ -318,14 +328,14 @@ class RestoreBench:
         rep = out.restore
         first_report = first_report or rep
         timed_runs = [o.restore for o, _ in runs if o.restore is not None and o.restore.copy_s is not None]
-        return dict(ttft_s=_median([o.ttft for o, _ in runs]),
-                    copy_s=_median([r.copy_s for r in timed_runs]) if timed_runs else None,
-                    overlap=_median([r.overlap for r in timed_runs]) if timed_runs else None,
-                    restore_s=_median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
+        return dict(ttft_s=median([o.ttft for o, _ in runs]),
+                    copy_s=median([r.copy_s for r in timed_runs]) if timed_runs else None,
+                    overlap=median([r.overlap for r in timed_runs]) if timed_runs else None,
+                    restore_s=median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
                     bytes_read=rep.bytes_read if rep else 0, stored_bytes_per_token=stats.stored_bytes_per_token,
                     predicted=first_report.predicted_s if first_report else None,
                     ideal=first_report.ideal_s if first_report else None,
-                    max_logit_diff=float((first - info.ref_logits).abs().max()),
+                    max_logit_diff=float((first.float() - info.ref_logits).abs().max()),
                     greedy_match=out.output_ids == info.ref_greedy, repeats=len(runs),
                     plan=f"{rep.method} [{rep.layout}]" if rep else "recompute (no restore)")
 
@@ -335,7 +345,7 @@ class RestoreBench:
         peer = HFPeers(hf, info.ids, info.hist, ["hf_recompute"], self.workdir / "hf.pt", None, "")
         for _ in range(self.cfg.warmup):
             peer.hf_recompute()
-        secs = _median([timed(peer.hf_recompute)[0] for _ in range(self.cfg.repeats)])
+        secs = median([timed(peer.hf_recompute)[0] for _ in range(self.cfg.repeats)])
         self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
                       new_tokens=self.cfg.new_tokens, tier="-", bandwidth="-", method="hf_recompute", restore_s=secs,
                       ttft_s=secs, bytes_read=0, stored_bytes_per_token=0, max_logit_diff=0.0,
@@ -355,7 +365,7 @@ class RestoreBench:
             fn = getattr(peer, name)
             for _ in range(self.cfg.warmup):
                 fn()
-            secs = _median([timed(fn)[0] for _ in range(self.cfg.repeats)])
+            secs = median([timed(fn)[0] for _ in range(self.cfg.repeats)])
             nbytes = sum(k.nbytes + v.nbytes for k, v in peer.host_kv) if name == "hf_offload" else 0
             self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
                           new_tokens=self.cfg.new_tokens, tier=tier, bandwidth="none" if tier != "-" else "-",
@@ -395,7 +405,7 @@ class RestoreBench:
             runs = [once() for _ in range(self.cfg.repeats)]
         finally:
             peer.close()
-        ttft = _median([r[0] for r in runs])
+        ttft = median([r[0] for r in runs])
         self.add(dict(model=loaded.name, dtype=self.cfg.dtype, storage="", context_tokens=info.hist,
                       new_tokens=self.cfg.new_tokens, tier=tier, bandwidth=label, method="hf_torch_save", restore_s=None,
                       ttft_s=ttft, bytes_read=len(peer.blob), stored_bytes_per_token=len(peer.blob) // info.hist,
@@ -718,51 +728,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 # ----- command line -----------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="comma-separated model names (default: %(default)s)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "auto"], help="compute dtype")
-    add_device_argument(p)
-    p.add_argument("--storage-dtype", default="", help="comma-separated storage dtypes (int8, fp16, bf16, fp32); "
-                                                       "empty = the compute dtype (lossless)")
-    p.add_argument("--context", default="1024,4096,8192", help="comma-separated history lengths")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--tier", default="memory,disk,redis", help="comma-separated tiers: memory, disk, redis")
-    p.add_argument("--bandwidth", default="none,500MB/s,100MB/s,20MB/s",
-                   help="comma-separated read limits; anything but none is emulated")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    p.add_argument("--no-baselines", action="store_true", help="skip the HF transformers baselines")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each method per model/context")
-    p.add_argument("--greedy-tokens", type=int, default=8, help="greedy tokens compared after each restore")
-    p.add_argument("--chunk-tokens", type=int, default=64)
-    p.add_argument("--workdir", default="out/restore-work", help="disk tier directory (wiped at start)")
-    p.add_argument("--redis-url", default=None, help="redis server to use (default: start a private redis-server)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    p.add_argument("--plot", default=None, help="PNG path of TTFT vs bandwidth per method")
-    p.add_argument("--seed", type=int, default=0)
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    storage = [dtypes.canonical(s) for s in csv_arg(args.storage_dtype)] or [""]
-    methods = csv_arg(args.methods)
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}: use {', '.join(METHODS)}")
-    if "recompute" in methods:  # measured first: every other method is compared with it
-        methods = ["recompute"] + [m for m in methods if m != "recompute"]
-    for b in csv_arg(args.bandwidth):
-        parse_bandwidth(b)
-    return BenchConfig(models=csv_arg(args.model), dtype=args.dtype, device=args.device, storage=storage,
-                       contexts=[int(c) for c in csv_arg(args.context)], new_tokens=args.new_tokens,
-                       tiers=csv_arg(args.tier), bandwidths=csv_arg(args.bandwidth), methods=methods,
-                       baselines=not args.no_baselines, repeats=args.repeats, warmup=args.warmup,
-                       greedy_tokens=args.greedy_tokens, chunk_tokens=args.chunk_tokens, workdir=args.workdir,
-                       redis_url=args.redis_url, json_path=args.json, markdown_path=args.markdown,
-                       plot_path=args.plot, seed=args.seed)
-
-
-def cmd_restore(args: argparse.Namespace) -> int:
+def cmd_restore(cfg: BenchConfig) -> int:
     import signal
 
     from rich.console import Console
@@ -770,7 +738,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     # SIGTERM ends the run through the finally blocks: partial JSON written, redis-server stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     console = Console(width=None if sys.stdout.isatty() else 200)
-    cfg = config_from_args(args)
     bench = RestoreBench(cfg, console)
     rows = bench.run()
     goals = evaluate_goals(rows)
@@ -804,36 +771,16 @@ def merge_runs(docs: list[dict], names: Sequence[str]) -> tuple[list[dict], dict
     return list(merged.values()), meta
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("restore", help="TTFT of every restore method vs tier and (emulated) bandwidth")
-    add_arguments(p)
-    p.set_defaults(func=cmd_restore)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.restore_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sub = parser.add_subparsers(dest="sub")  # `report` re-renders a JSON file (markdown, plot, goals)
-    rp = sub.add_parser("report", help="re-render markdown/plot/goals from JSON written by runs; with several "
-                                       "files, a later file's row replaces an earlier one of the same cell and method")
-    rp.add_argument("json_in", nargs="+")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.sub == "report":
-        rows, meta = merge_runs([json.loads(Path(f).read_text()) for f in args.json_in], args.json_in)
-        goals = evaluate_goals(rows)
-        if args.json:
-            write_json(args.json, rows, goals, meta)
-        if args.markdown:
-            Path(args.markdown).write_text(markdown(rows, goals))
-        if args.plot:
-            plot(rows, args.plot)
-        for g in goals:
-            print(f"{'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['summary']}")
-        return 0
-    return cmd_restore(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def report(json_in: list[str], json_path: str | None, markdown_path: str | None, plot_path: str | None) -> int:
+    """`kvtier bench restore report A.json [B.json ...]`: merge runs, re-judge the goals, re-render."""
+    rows, meta = merge_runs([json.loads(Path(f).read_text()) for f in json_in], json_in)
+    goals = evaluate_goals(rows)
+    if json_path:
+        write_json(json_path, rows, goals, meta)
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(rows, goals))
+    if plot_path:
+        plot(rows, plot_path)
+    for g in goals:
+        print(f"{'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['summary']}")
+    return 0

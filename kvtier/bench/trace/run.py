@@ -35,13 +35,14 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.common import write_json_atomic
+from kvtier.bench.stats import quantile_linear
 from kvtier.dtypes import name_of
 from kvtier.testing.services import RedisServer
 
@@ -302,15 +303,6 @@ def sequential_rows(recs: list[dict]) -> list[dict]:
 
 
 # ----- aggregation ------------------------------------------------------------------------------
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q  # linear interpolation between closest ranks
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def hit_rates(recs: list[dict]) -> dict[str, float]:
     """Per tier: the share of reused prompt tokens that tier served. `overall`: reused / prompt tokens.
     `store_memory`: memory's share of the tokens the store (not the device cache) served."""
@@ -354,7 +346,7 @@ def make_rows(workload: str, cfg: RunConfig, recs: list[dict], totals: dict, bas
         rows.append(dict(
             workload=workload, dtype=totals.get("dtype", "?"), config=cfg.name, method=cfg.method, storage=cfg.storage, policy=cfg.policy,
             save=cfg.save, pressure=cfg.pressure, device_cache=totals.get("device_cache", False), turns=g,
-            requests=len(rs), ttft_p50_s=_pct(ttfts, 0.5), ttft_p99_s=_pct(ttfts, 0.99),
+            requests=len(rs), ttft_p50_s=quantile_linear(ttfts, 0.5), ttft_p99_s=quantile_linear(ttfts, 0.99),
             ttft_mean_s=statistics.fmean(ttfts), tbt_mean_s=statistics.fmean(tbts) if tbts else None,
             throughput_tok_s=totals["throughput_tok_s"], hit_rate=hit_rates(rs),
             tokens_reused=sum(r["reused"] for r in rs), tokens_computed=sum(r["computed"] for r in rs),
@@ -544,9 +536,7 @@ def plot(requests: list[dict], path: str) -> None:
 
 
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict, requests: list[dict]) -> None:
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(rows=rows, goals=goals, meta=meta, requests=requests), indent=1, default=str))
-    tmp.replace(path)
+    write_json_atomic(path, dict(rows=rows, goals=goals, meta=meta, requests=requests))
 
 
 def render(rows, goals, requests, args) -> None:
@@ -558,65 +548,6 @@ def render(rows, goals, requests, args) -> None:
 
 
 # ----- the command ------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    w = p.add_argument_group("workload")
-    w.add_argument("--model", default="smollm2-135m")
-    w.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    w.add_argument("--workload", default="all", choices=["multiturn", "longdoc", "all"])
-    w.add_argument("--sessions", type=int, default=10, help="multiturn: chat sessions (default: %(default)s)")
-    w.add_argument("--rate", type=float, default=0.5, help="multiturn: session arrivals per second (Poisson)")
-    w.add_argument("--think", type=float, default=3.0, help="multiturn: mean think time between turns, s "
-                   "(exponential; HCache uses 30 s, scaled down here)")
-    w.add_argument("--output-scale", type=float, default=0.2,
-                   help="multiturn: multiply answer lengths (mean 359 tokens) by this (default: 0.2)")
-    w.add_argument("--max-turns", type=int, default=12)
-    w.add_argument("--documents", type=int, default=3, help="longdoc: documents (one reader each)")
-    w.add_argument("--questions", type=int, default=4, help="longdoc: questions per document")
-    w.add_argument("--doc-tokens", type=int, default=3000, help="longdoc: document length in tokens")
-    w.add_argument("--doc-rate", type=float, default=0.2, help="longdoc: reader arrivals per second")
-    w.add_argument("--doc-think", type=float, default=3.0, help="longdoc: mean think time between questions, s")
-    w.add_argument("--doc-output-tokens", type=float, default=50.0, help="longdoc: mean answer tokens (L-Eval ~50)")
-    w.add_argument("--seed", type=int, default=0)
-    e = p.add_argument_group("engine and store")
-    e.add_argument("--configs", default="auto",
-                   help="comma list of configuration names or groups main,pressure,tbt,full,all (default: all on "
-                        "multiturn, main on longdoc)")
-    e.add_argument("--no-baseline", action="store_true",
-                   help="do not add the recompute run that outputs are compared with")
-    e.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: robust on a shared CPU; 0 = torch's default)")
-    e.add_argument("--max-num-seqs", type=int, default=8)
-    e.add_argument("--max-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-model-len", type=int, default=4096)
-    e.add_argument("--kv-cache-gb", type=float, default=1.0, help="device KV pool (default: 1 GB, never full)")
-    e.add_argument("--chunk-tokens", type=int, default=64)
-    e.add_argument("--memory", default="1GB", help="memory tier of the unpressured stacks")
-    e.add_argument("--disk", default="4GB", help="disk tier size")
-    e.add_argument("--pressure-memory", default="24MB", help="memory tier under pressure (working set: ~100s of MB)")
-    e.add_argument("--pressure-disk", default="64MB", help="disk tier of the full stack (redis below it)")
-    e.add_argument("--pressure-max-num-seqs", type=int, default=3, help="max_num_seqs under pressure (requests queue)")
-    e.add_argument("--pressure-kv-cache-gb", type=float, default=0.125,
-                   help="device pool of the full stack, with the device prefix cache on")
-    e.add_argument("--device-cache", action="store_true", help="device prefix cache on in every store config")
-    e.add_argument("--fill-holes", action="store_true",
-                   help="with the device prefix cache on: ReuseConfig(fill_holes=True), recompute device-cached "
-                        "tokens the store lacks so the stored chain of chunks has no hole (engine default: off)")
-    e.add_argument("--redis", default="auto", help="auto (start /usr/bin/redis-server privately), none, or a binary")
-    e.add_argument("--home", default=None, help="where the hardware profile is cached (default: KVTIER_HOME)")
-    e.add_argument("--workdir", default=None, help="scratch dir for disk tiers (default: a temp dir, removed)")
-    c = p.add_argument_group("sequential lossless check")
-    c.add_argument("--check-sessions", type=int, default=0,
-                   help="also replay this many multiturn sessions one turn at a time (batch 1) through a recompute "
-                        "and a reuse engine and compare greedy outputs on identical prompts (default: 0 = off)")
-    c.add_argument("--check-tokens", type=int, default=32, help="answer tokens per turn in the check")
-    c.add_argument("--check-method", default="kv", choices=["kv", "auto", "hidden", "bubblefree"])
-    c.add_argument("--check-only", action="store_true", help="run only the sequential check")
-    o = p.add_argument_group("output")
-    o.add_argument("--json", default=None, help="write {rows, goals, meta, requests}; rewritten after every config")
-    o.add_argument("--markdown", default=None)
-    o.add_argument("--plot", default=None, help="PNG of the TTFT CDFs, first vs later turns")
-    o.add_argument("--from-json", default=None, help="only re-render markdown/plot/goals from a JSON of a run")
-    o.add_argument("--merge", nargs="*", default=[], help="with --from-json: more JSON files whose rows to add")
 
 
 def rebuild_rows(reqs: list[dict], runs: dict, dtype: str) -> list[dict]:
@@ -751,22 +682,3 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0
-
-
-def register(bench_subparsers) -> None:
-    """Add `trace` to the `kvtier bench` subcommands."""
-    p = bench_subparsers.add_parser("trace", help="multi-turn and long-document traces: recompute vs reuse, per tier",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=cmd_trace)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.trace_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return cmd_trace(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -50,17 +50,3 @@ def cmd(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "mean": mean, "rerope_vs_tokens": rel}, indent=2))
     return 0
-
-
-def register(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser("truncation", help="perplexity after context truncation: re-RoPE KV vs recompute vs naive")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--context", type=int, default=512, help="tokens before truncation")
-    p.add_argument("--limit", type=int, default=384, help="context window the history must fit into")
-    p.add_argument("--continuation", type=int, default=128, help="tokens whose perplexity is measured")
-    p.add_argument("--keep-prefix", type=int, default=16)
-    p.add_argument("--drop-ratio", type=float, default=0.5)
-    p.add_argument("--windows", type=int, default=6)
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=cmd)

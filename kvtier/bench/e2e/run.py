@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import signal
@@ -39,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.common import (
     RedisServer,
-    csv_arg,
     drop_page_cache,
     machine_info,
     median,
@@ -47,24 +45,12 @@ from kvtier.bench.common import (
     timed,
     write_json_atomic,
 )
+from kvtier.bench.e2e.peers import HF_PEERS, KV_PEERS, LONG_H, PEER_TIER, PEERS, PLOT_STYLE
 from kvtier.bench.hf import HFPeers
 
 if TYPE_CHECKING:
     import redis
 
-HF_PEERS = ("hf_recompute", "hf_floor", "hf_load_bytes", "hf_load_cold_file", "hf_load_redis")
-KV_PEERS = ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory", "kvtier_disk_cold", "kvtier_redis")
-PEERS = HF_PEERS + KV_PEERS
-# The tier a peer needs (--tiers filters peers); recompute peers need none.
-PEER_TIER = {"hf_floor": "memory", "hf_load_bytes": "memory", "hf_load_cold_file": "disk", "hf_load_redis": "redis",
-             "kvtier_device_cache": "memory", "kvtier_memory": "memory", "kvtier_disk_cold": "disk",
-             "kvtier_redis": "redis"}
-# Plot order and colours: hatched HF bar beside the kvtier peer it is compared with.
-PLOT_STYLE = {"hf_recompute": "tab:blue", "kvtier_recompute": "tab:blue", "hf_floor": "tab:orange",
-              "kvtier_device_cache": "tab:orange", "hf_load_bytes": "tab:green", "kvtier_memory": "tab:green",
-              "hf_load_cold_file": "tab:red", "kvtier_disk_cold": "tab:red", "hf_load_redis": "tab:purple",
-              "kvtier_redis": "tab:purple"}
-LONG_H = 4096  # the disk goal is stricter from this history length on
 
 
 # ----- goals: a pure function of the rows ---------------------------------------------------------
@@ -506,28 +492,6 @@ class E2EBench:
 
 
 # ----- command line -------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
-    a("--dtype", type=csv_arg, default="fp32,bf16", help="comma-separated compute dtypes (default: %(default)s)")
-    a("--history", type=lambda t: [int(x) for x in csv_arg(t)], default="1024,4096,8128",
-      help="comma-separated history lengths H; H + new tokens must fit the model's window "
-           "(smollm2: H <= 8128) (default: %(default)s)")
-    a("--new-tokens", type=int, default=64, help="new tokens after the history (default: %(default)s)")
-    a("--contexts", type=int, default=3, help="timed random contexts per cell, plus one warm-up (default: %(default)s)")
-    a("--tiers", type=csv_arg, default="memory,disk,redis", help="tiers to measure (default: %(default)s)")
-    a("--peers", type=csv_arg, default=",".join(PEERS), help="subset of peers (default: %(default)s)")
-    a("--method", default="auto", help="kvtier restore method, as ReuseConfig(method=...) takes it: auto, kv, "
-                                       "hidden, bubblefree, cake, recompute (default: %(default)s)")
-    a("--kv-cache", default="4GB", help="Engine KV budget (default: %(default)s)")
-    a("--max-batched-tokens", type=int, default=None,
-      help="Engine per-step token budget (default: the EngineConfig default)")
-    a("--workdir", default="out/e2e-work", help="disk tier and HF files; wiped at start (default: %(default)s)")
-    a("--redis-url", default=None, help="Redis server (default: %(default)s = start a private redis-server)")
-    a("--json", default=None, help="JSON output, rewritten after every row (default: %(default)s)")
-    a("--markdown", default=None, help="markdown table + goals (default: %(default)s)")
-    a("--plot", default=None, help="PNG of TTFT per peer (default: %(default)s)")
-    a("--seed", type=int, default=0, help="seed of the random contexts (default: %(default)s)")
 
 
 def render(rows: list[dict], meta: dict, markdown_path: str | None, plot_path: str | None, console) -> list[dict]:
@@ -568,38 +532,3 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     bench.run()
     render(bench.rows, bench.meta, args.markdown, args.plot, console)
     return 0
-
-
-def _add_report(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="sub")
-    rp = sub.add_parser("report", help="re-render the table, goals, markdown and plot from a JSON file")
-    rp.add_argument("json_in", help="JSON written by a run")
-    rp.add_argument("--markdown", dest="report_markdown", default=None, help="markdown output (default: %(default)s)")
-    rp.add_argument("--plot", dest="report_plot", default=None, help="PNG output (default: %(default)s)")
-
-
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("e2e", help="returning-context TTFT through the public API vs HF peers",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    _add_report(p)
-    p.set_defaults(func=cmd_e2e)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.e2e", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    _add_report(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        return cmd_e2e(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.bench.common import drop_page_cache
+from kvtier.bench.goals import Goal, evaluate
 from kvtier.engine.config import EngineConfig, ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.link.store_link import StoreLink
@@ -50,6 +52,14 @@ def granules(loaded: LoadedModel, history: int, bytes_read: float) -> float:
     return (bytes_read - probe) / (PROBE_GRANULE_TOKENS * c.num_kv_heads * c.head_dim * item)
 
 
+def _granule_cut(rows: Sequence[dict]) -> list[dict]:
+    return [dict(value=rows[0]["granules"] / max(rows[1]["granules"], 1e-9), target=1.2)]
+
+
+GOALS = (Goal("one reorder pass cuts K/V granules read by >= 1.2x on a repeated-prefix trace", _granule_cut,
+              lambda g: g["value"] >= g["target"], lambda gs: gs[0]),)
+
+
 def run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, dtype=args.dtype)
     assert loaded.tokenizer is not None
@@ -80,10 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{phase:12s} TTFT {rows[-1]['ttft_s'] * 1000:7.0f} ms  read {b / 1e6:6.1f} MB  "
               f"granules {rows[-1]['granules']:.0f}", flush=True)
     print(f"reorder pass: {report.chunks} chunks rewritten ({report.nbytes / 1e6:.1f} MB) in {report.seconds:.2f} s")
-    cut = rows[0]["granules"] / max(rows[1]["granules"], 1e-9)
-    goals = [dict(goal="one reorder pass cuts K/V granules read by >= 1.2x on a repeated-prefix trace",
-                  met=cut >= 1.2, value=cut, target=1.2)]
-    return dict(rows=rows, goals=goals, history=hist, new=new, warm=args.warm, queries=args.queries,
+    return dict(rows=rows, goals=evaluate(GOALS, rows), history=hist, new=new, warm=args.warm, queries=args.queries,
                 bandwidth=args.bandwidth, reorder=vars(report), dir=str(root))
 
 

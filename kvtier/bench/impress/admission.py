@@ -13,9 +13,11 @@ hit). Hit ratio on important tokens = important tokens read from the faster tier
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.bench.goals import Goal, evaluate
 from kvtier.store.policy import ScorePolicy, make_policy
 
 
@@ -52,6 +54,15 @@ def simulate(policy_name: str, shares: np.ndarray, trace: np.ndarray, capacity: 
     return dict(policy=policy_name, hit_ratio=hits / reads, important_hit_ratio=hit_imp / all_imp)
 
 
+def _score_gain(rows: Sequence[dict]) -> list[dict]:
+    by = {r["policy"]: r["important_hit_ratio"] for r in rows}
+    return [dict(value=(by["score"] - max(by["lru"], by["lfu"])) * 100, target=5.0)]
+
+
+GOALS = (Goal("score admission: faster tier's hit ratio on important tokens >= 5 points above LRU and LFU "
+              "(simulated trace)", _score_gain, lambda g: g["value"] >= g["target"], lambda gs: gs[0]),)
+
+
 def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     shares = rng.beta(0.5, 1.5, size=(args.docs, args.doc_chunks))
@@ -61,11 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = [simulate(p, shares, trace, capacity, args.seed) for p in ("lru", "lfu", "score")]
     for r in rows:
         print(f"{r['policy']:6s} hit ratio {r['hit_ratio']:.3f}  on important tokens {r['important_hit_ratio']:.3f}")
-    by = {r["policy"]: r["important_hit_ratio"] for r in rows}
-    gain = (by["score"] - max(by["lru"], by["lfu"])) * 100
-    goals = [dict(goal="score admission: faster tier's hit ratio on important tokens >= 5 points above LRU and LFU "
-                       "(simulated trace)", met=gain >= 5.0, value=gain, target=5.0)]
-    return dict(rows=rows, goals=goals, simulated=True, docs=args.docs, doc_chunks=args.doc_chunks,
+    return dict(rows=rows, goals=evaluate(GOALS, rows), simulated=True, docs=args.docs, doc_chunks=args.doc_chunks,
                 requests=args.requests, zipf=args.zipf, capacity=args.capacity)
 
 
@@ -76,11 +83,3 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         lines.append(f"| {r['policy']} | {r['hit_ratio']:.3f} | {r['important_hit_ratio']:.3f} |")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=200, help="admission: stored documents")
-    p.add_argument("--doc-chunks", type=int, default=32, help="admission: chunks per document")
-    p.add_argument("--requests", type=int, default=3000, help="admission: requests in the trace")
-    p.add_argument("--zipf", type=float, default=0.8, help="admission: Zipf exponent of document popularity")
-    p.add_argument("--capacity", type=float, default=0.2, help="admission: faster tier's share of all chunks")

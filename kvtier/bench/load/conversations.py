@@ -13,23 +13,13 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvtier.bench.load_bench import (
-    QUESTIONS,
-    SYSTEM,
-    LoadReport,
-    StreamResult,
-    markdown_table,
-    mib,
-    ms,
-    percentile,
-    rss_mb,
-    stream_chat,
-)
+from kvtier.bench.load.client import QUESTIONS, SYSTEM, LoadReport, StreamResult, rss_mb, stream_chat
+from kvtier.bench.report import markdown_table, mib, ms, pyplot, save_figure
+from kvtier.bench.stats import percentile
 
 WORDS = ("river", "ledger", "orbit", "copper", "meadow", "signal", "harbor", "lantern", "quartz", "summit",
          "archive", "falcon", "garden", "pillar", "tundra", "vessel", "canyon", "beacon", "mosaic", "thistle")
@@ -246,12 +236,7 @@ def format_table(rep: ConversationReport) -> str:
 
 def plot(rep: ConversationReport, path: str) -> None:
     """RSS over time, and each tier's bytes against its capacity over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(11, 4))
     t = [s.t / 60 for s in rep.samples]
     a.plot(t, [s.rss_mb for s in rep.samples], label="server RSS")
     a.set(xlabel="minutes", ylabel="MiB", title="server resident memory")
@@ -265,6 +250,4 @@ def plot(rep: ConversationReport, path: str) -> None:
     b.legend(fontsize=8)
     fig.suptitle(f"{rep.model}: {rep.clients} conversation clients, {rep.errors} errors")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

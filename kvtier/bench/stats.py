@@ -1,0 +1,46 @@
+"""Percentiles and timers every benchmark shares (one definition each; no torch)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(min(rank, len(ordered))) - 1]
+
+
+def quantile_round(xs: list[float], q: float) -> float | None:
+    """The sample at index round(q * (n - 1)) of the sorted values (q in [0, 1]); None for none.
+    (`kvtier bench partial`'s percentiles: kept so its numbers compare with earlier runs.)"""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def quantile_linear(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (q in [0, 1]); None for no values.
+    (`kvtier bench trace`'s percentiles.)"""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """Fastest of `reps` runs, in seconds (the least disturbed by other work on the machine)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+

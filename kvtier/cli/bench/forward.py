@@ -1,0 +1,36 @@
+"""`kvtier bench forward`: options of the prefill/decode throughput benchmark."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.cli.bench.options import described_by, int_list, split_commas
+from kvtier.device import add_device_argument
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
+    p.add_argument("--dtype", type=split_commas, default=["fp32", "bf16"], help="comma list (fp32,bf16)")
+    p.add_argument("--prefill", type=int_list, default=[512, 2048, 4096, 8192],
+                   help="prompt lengths, prefilled in chunks of the default token budget (comma list)")
+    p.add_argument("--batch", type=int_list, default=[1, 8], help="decode batch sizes (comma list)")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
+    p.add_argument("--prompt-len", type=int, default=128, help="context of each decoding sequence (default: 128)")
+    p.add_argument("--saving", action="store_true", help="also decode with every token saved to a memory tier")
+    add_device_argument(p)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; medians are reported (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
+    p.add_argument("--json", default=None, help="write rows as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.forward import cmd
+
+    return cmd(args)
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser("forward", help="prefill/decode tokens/s of kvtier beside HF transformers",
+                                    **described_by("kvtier.bench.forward"))
+    add_arguments(p)
+    p.set_defaults(func=run)

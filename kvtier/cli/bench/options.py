@@ -1,0 +1,38 @@
+"""Option pieces the bench commands share (the engine's own live in kvtier.cli.engine_args)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+from pathlib import Path
+
+from kvtier.cli.engine_args import DTYPE_CHOICES
+
+
+def add_dtype_argument(p: argparse._ActionsContainer, default: str = "auto") -> None:
+    """--dtype, with the engine's choices (kvtier.cli.engine_args.DTYPE_CHOICES)."""
+    p.add_argument("--dtype", default=default, choices=DTYPE_CHOICES,
+                   help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32 "
+                        "(default: %(default)s)")
+
+
+def split_commas(text: str) -> list[str]:
+    """'a,b' -> ['a', 'b'] (as given: no stripping)."""
+    return text.split(",")
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def described_by(module: str) -> dict:
+    """add_parser keywords that show a benchmark module's docstring as the command's description,
+    read from its source: importing the benchmark (torch, the engine) would slow every `kvtier` call."""
+    spec = importlib.util.find_spec(module)
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
+    return dict(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
