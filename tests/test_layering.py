@@ -1,8 +1,18 @@
-"""Dependencies point one way: models, store <- restore <- engine <- serve, bench, cli.
+"""The rooms of the package and what each may import (docs/architecture.md draws the map).
 
-The pure modules (scheduler, block pool, planner, plan, costs, store keys, index and policies)
-import without torch, so their logic can be reasoned about and tested as plain values; `store`
-and `models` never import `engine` or `restore`. Each check runs in a fresh interpreter.
+    models, store                 know nothing of the engine, planning or anything above
+    planning                      pure and torch-free: plain values in, plain values out
+    engine core                   scheduler, block pool, request, config, sampler, detokenizer:
+                                  never the rooms beside it (runner, link, restore, calibrate, partial)
+    engine/runner                 step tensors and host/device copies; never the link or the executors
+    engine/restore                executors applying a Plan; never the link
+    engine/link                   engine <-> store; never the facade
+    engine/calibrate              measure once and cache; never the link
+    engine.py, factory.py         the facade that wires the rooms
+    serve, cli, bench             on top; only bench (and the tests) may use kvtier.testing
+
+Pure modules import without torch or numpy, so their logic is reasoned about and tested as plain
+values. Each import check runs in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -32,6 +42,15 @@ def test_pure_modules_import_without_torch(module):
     assert out.stdout.strip() == "[]", f"{module} pulls in {out.stdout.strip()}"
 
 
+def test_planning_is_torch_free_throughout():
+    """Every planning module imports without torch (numpy is allowed where a module fits data)."""
+    mods = sorted(f"kvtier.planning.{p.stem}" for p in (PACKAGE / "planning").glob("*.py") if p.stem != "__init__")
+    code = f"import sys, {', '.join(mods)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", f"one of {mods} pulls in torch"
+
+
 def _imports(path: Path) -> set[str]:
     """Every kvtier module a source file imports (absolute or relative, at any depth)."""
     tree = ast.parse(path.read_text())
@@ -51,21 +70,46 @@ def _imports(path: Path) -> set[str]:
     return {m for m in found if m.startswith("kvtier")}
 
 
-# package -> packages it must never import
-FORBIDDEN = {
-    "models": ("kvtier.engine", "kvtier.restore", "kvtier.store", "kvtier.serve", "kvtier.bench"),
-    "store": ("kvtier.engine", "kvtier.restore", "kvtier.models", "kvtier.serve", "kvtier.bench"),
-    "restore": ("kvtier.engine", "kvtier.models", "kvtier.serve", "kvtier.bench"),
-    "engine": ("kvtier.serve", "kvtier.bench", "kvtier.cli.main"),
+ABOVE_ENGINE = ("kvtier.serve", "kvtier.bench", "kvtier.cli", "kvtier.testing")
+BESIDE_CORE = ("kvtier.engine.runner", "kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
+               "kvtier.engine.partial", "kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.background")
+CORE = [f"engine/{m}.py" for m in ("scheduler", "block_pool", "request", "config", "sampler", "detokenizer")]
+
+# files (globs under kvtier/) -> module prefixes they must never import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "models/**/*.py": ("kvtier.engine", "kvtier.planning", "kvtier.store") + ABOVE_ENGINE,
+    "store/**/*.py": ("kvtier.engine", "kvtier.planning", "kvtier.models") + ABOVE_ENGINE,
+    "planning/**/*.py": ("kvtier.engine", "kvtier.models") + ABOVE_ENGINE,
+    **{core: BESIDE_CORE + ABOVE_ENGINE for core in CORE},
+    "engine/runner/*.py": ("kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
+                           "kvtier.engine.partial", "kvtier.engine.engine", "kvtier.engine.factory",
+                           "kvtier.engine.scheduler") + ABOVE_ENGINE,
+    "engine/restore/*.py": ("kvtier.engine.link", "kvtier.engine.calibrate", "kvtier.engine.partial",
+                            "kvtier.engine.engine", "kvtier.engine.factory") + ABOVE_ENGINE,
+    "engine/link/*.py": ("kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.partial") + ABOVE_ENGINE,
+    "engine/calibrate/*.py": ("kvtier.engine.link", "kvtier.engine.partial", "kvtier.engine.engine",
+                              "kvtier.engine.factory") + ABOVE_ENGINE,
+    "engine/partial.py": ("kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.engine") + ABOVE_ENGINE,
+    "engine/*.py": ABOVE_ENGINE,
+    "serve/*.py": ("kvtier.cli", "kvtier.bench", "kvtier.testing"),
+    "cli/**/*.py": ("kvtier.testing",),
+    "bench/**/*.py": ("kvtier.cli",),
+    "testing/*.py": ("kvtier.cli", "kvtier.bench", "kvtier.serve"),
+    "*.py": ("kvtier.testing",),
 }
+ENTRY_POINTS = {"__main__.py"}  # `python -m kvtier.serve` may reach up to the CLI that parses its options
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_dependencies_point_one_way(package):
+@pytest.mark.parametrize("pattern", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(pattern):
     bad = []
-    for path in sorted((PACKAGE / package).rglob("*.py")):
+    files = sorted(PACKAGE.glob(pattern))
+    assert files, f"{pattern} matches no file: update the map"
+    for path in files:
+        if path.name in ENTRY_POINTS:
+            continue
         for mod in _imports(path):
-            if mod.startswith(FORBIDDEN[package]):
+            if mod.startswith(FORBIDDEN[pattern]):
                 bad.append(f"{path.relative_to(PACKAGE.parent)} imports {mod}")
     assert not bad, "\n".join(bad)
 
@@ -74,4 +118,12 @@ def test_the_import_check_sees_imports():
     """The checker itself: it finds absolute, relative and function-level imports."""
     found = _imports(PACKAGE / "store" / "tiered.py")
     assert {"kvtier.store.format", "kvtier.store.tiers.redis_tier"} <= found
-    assert "kvtier.engine.restore.layerwise" in _imports(PACKAGE / "engine" / "restorer.py")
+    assert "kvtier.engine.restore.layerwise" in _imports(PACKAGE / "engine" / "link" / "restorer.py")
+    assert "kvtier.engine.factory" in _imports(PACKAGE / "cli" / "engine_args.py")  # inside a function
+
+
+def test_the_map_covers_every_file():
+    """A new room gets a rule: every module of the package falls under some pattern."""
+    covered = {p for pattern in FORBIDDEN for p in PACKAGE.glob(pattern)}
+    missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p not in covered]
+    assert not missing, f"no layering rule for {missing}"
