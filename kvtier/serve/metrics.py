@@ -108,9 +108,8 @@ def reused_by_method(out: RequestOutput) -> dict[str, int]:
 
 
 def engine_store(engine: Engine) -> Any:
-    """The engine's TieredStore when it runs with one, else None. A plain `engine.store`
-    attribute is honoured first (tests attach a fake one)."""
-    return getattr(engine, "store", None) or getattr(engine.link, "store", None)
+    """The engine's TieredStore when it runs with one, else None."""
+    return engine.link.store
 
 
 class EngineCollector(Collector):

@@ -144,7 +144,7 @@ class BrokenStore:
 
 def test_store_metrics(tiny_model) -> None:
     for served in serve(tiny_model):
-        served.engine.store = FakeStore()
+        served.engine.link.store = FakeStore()
         s = _samples(httpx.get(served.url + "/metrics").text)
         assert _value(s, "kvtier_store_bytes", tier="memory") == 1024
         assert _value(s, "kvtier_store_hits_total", tier="memory") == 7
@@ -153,5 +153,5 @@ def test_store_metrics(tiny_model) -> None:
         assert _value(s, "kvtier_store_write_queue_depth") == 1
         assert _value(s, "kvtier_store_chunks_written_total") == 11
         assert _value(s, "kvtier_store_chunks_skipped_total") == 2
-        served.engine.store = BrokenStore()  # a scrape must survive an unreachable tier
+        served.engine.link.store = BrokenStore()  # a scrape must survive an unreachable tier
         assert httpx.get(served.url + "/metrics").status_code == 200

@@ -20,7 +20,6 @@ from kvtier.bench.common import drop_page_cache
 from kvtier.bench.goals import Goal, evaluate
 from kvtier.engine.config import EngineConfig, ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.link.store_link import StoreLink
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS
 from kvtier.models.loading import LoadedModel, load_model
@@ -79,8 +78,9 @@ def run(args: argparse.Namespace) -> dict:
         before = _timed(engine, root, held)
     with _engine(loaded, spec, hist + new, args.ratio) as engine:
         _timed(engine, root, warm)
-        assert isinstance(engine.link, StoreLink)
-        report = engine.link.store.reorder()
+        store = engine.link.store
+        assert store is not None
+        report = store.reorder()
         after = _timed(engine, root, held)
     rows = []
     for phase, runs in (("token order", before), ("reordered", after)):

@@ -61,6 +61,8 @@ class StepSide(Protocol):
 class StateLink(Protocol):
     """The engine's whole link: its two halves and its lifecycle."""
 
+    store: TieredStore | None  # for statistics and admin; the halves are how the engine uses it
+
     @property
     def scheduler_side(self) -> StoreSide: ...
 
@@ -98,6 +100,7 @@ class NullStateLink:
     """No store: nothing is saved or restored."""
 
     def __init__(self) -> None:
+        self.store: TieredStore | None = None
         self._scheduler_side, self._step_side = NoStore(), NoStoreStep()
 
     @property
@@ -240,7 +243,8 @@ class StoreLink:
 
     def __init__(self, store: TieredStore, layout: Sequence[Repr], runner: ModelRunner, planner: Planner,
                  config: ReuseConfig) -> None:
-        self.store = store
+        self.store: TieredStore | None = store
+        self._store = store
         self.layout = tuple(layout)
         self.stats = LinkStats()
         self.saver = Saver(store, self.layout, config.chunk_tokens, runner.transfer)
@@ -260,18 +264,18 @@ class StoreLink:
         self.restorer.wait_any(timeout)
 
     def flush(self, timeout: float | None) -> bool:
-        return self.store.flush(timeout)
+        return self._store.flush(timeout)
 
     def report(self, with_store: bool = True) -> LinkReport:
         return LinkReport(counters=self.stats.as_dict(self.saver.saves),
                           reused_by_method=dict(self.restorer.reused_by_method),
                           reused_by_tier=dict(self.restorer.reused_by_tier), layout=tuple(r.value for r in self.layout),
-                          stored_bytes_per_token=self.store.namespace.bytes_per_token() if self.store.namespace else 0,
-                          store=self.store.stats() if with_store else None)
+                          stored_bytes_per_token=self._store.namespace.bytes_per_token() if self._store.namespace else 0,
+                          store=self._store.stats() if with_store else None)
 
     def close(self) -> None:
         self.restorer.close()
-        self.store.close()
+        self._store.close()
 
 
 # Without a measurement: the paper's first heads, and probes assumed to agree in every layer (the
