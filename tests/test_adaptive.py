@@ -1,5 +1,6 @@
-"""The eLLM request-level optimiser (kvtier/planning/optimizer.py): cost formulas checked against hand
-arithmetic, solvers against brute force on the block grid, and the profile fit on synthetic data."""
+"""The eLLM request-level optimiser (kvtier/planning/optimizer.py, the paper's method in
+kvtier/testing/paper.py): cost formulas checked against hand arithmetic, solvers against brute
+force on the block grid, and the profile fit on synthetic data."""
 
 from __future__ import annotations
 
@@ -11,28 +12,32 @@ from fractions import Fraction
 
 import pytest
 
+from kvtier.planning import optimizer
 from kvtier.planning.optimizer import (
     Decision,
-    ModelShape,
-    PaperCostModel,
     ProfileCostModel,
     Sample,
     Workload,
     choose_boundary,
-    choose_overlap,
     fit_profile,
+    mape,
+    step_s,
+)
+from kvtier.testing.paper import (
+    PaperCostModel,
+    PaperShape,
+    balanced_boundary,
+    choose_overlap,
     fronts_for,
     kernel_work,
-    mape,
     paper_recompute_s,
     paper_swap_s,
     solve_enumerate,
     solve_slsqp,
-    step_s,
     thread_split,
 )
 
-TINY = ModelShape(hidden=2, layers=3, vocab=5, kv_dim=2)
+TINY = PaperShape(hidden=2, layers=3, vocab=5, kv_dim=2)
 LENGTHS = [4, 6]
 
 
@@ -81,7 +86,7 @@ def test_paper_model_as_cost_model_is_eq4(literal):
 
 def test_kv_bytes_are_eq1():
     assert TINY.kv_token_bytes == 4 * TINY.layers * TINY.hidden  # fp16 MHA: 4Lh bytes a token
-    assert ModelShape(hidden=64, layers=2, vocab=10, kv_dim=16, dtype_bytes=4).kv_token_bytes == 2 * 2 * 16 * 4
+    assert PaperShape(hidden=64, layers=2, vocab=10, kv_dim=16, dtype_bytes=4).kv_token_bytes == 2 * 2 * 16 * 4
 
 
 def test_eq6_to_eq9_by_hand():
@@ -124,17 +129,17 @@ def test_choose_overlap():
 
 def test_choose_boundary():
     # no overlap: linear cost, an endpoint; ties read everything
-    assert choose_boundary(1.0, 2.0, 10, overlap=False) == 10
-    assert choose_boundary(2.0, 1.0, 10, overlap=False) == 0
-    assert choose_boundary(1.0, 1.0, 10, overlap=False) == 0
-    assert choose_boundary(1.0, math.inf, 10, overlap=False) == 10
+    assert choose_boundary(1.0, 2.0, 10) == 10
+    assert choose_boundary(2.0, 1.0, 10) == 0
+    assert choose_boundary(1.0, 1.0, 10) == 0
+    assert choose_boundary(1.0, math.inf, 10) == 10
     # overlap: balance l_R rec against (L - l_R) swap
-    assert choose_boundary(1.0, 1.0, 10, overlap=True) == 5
-    assert choose_boundary(1.0, 3.0, 8, overlap=True) == 6  # max(6, 3 * 2)
-    assert choose_boundary(2.0, 1.0, 9, overlap=True) == 3  # max(2 * 3, 6)
-    assert choose_boundary(1.0, 1.0, 3, overlap=True) == 1  # max(1, 2) = max(2, 1): the smaller
-    assert choose_boundary(1.0, math.inf, 4, overlap=True) == 4
-    assert choose_boundary(1.0, 1.0, 0, overlap=True) == 0
+    assert balanced_boundary(1.0, 1.0, 10) == 5
+    assert balanced_boundary(1.0, 3.0, 8) == 6  # max(6, 3 * 2)
+    assert balanced_boundary(2.0, 1.0, 9) == 3  # max(2 * 3, 6)
+    assert balanced_boundary(1.0, 1.0, 3) == 1  # max(1, 2) = max(2, 1): the smaller
+    assert balanced_boundary(1.0, math.inf, 4) == 4
+    assert balanced_boundary(1.0, 1.0, 0) == 0
 
 
 # ----- the profile model and its fit -----------------------------------------------------------
@@ -276,12 +281,13 @@ def test_enumerate_tokens_equals_brute_force():
         d = solve_enumerate(model, wl, "tokens")
         _check_respects(model, wl, d)
         assert d.throughput == pytest.approx(_best(model, wl, _all_fronts(wl)), rel=1e-9, abs=1e-12), wl
+        assert optimizer.solve_enumerate(model, wl) == d  # the engine's solver is the "tokens" mode
 
 
 def test_enumerate_tokens_equals_brute_force_paper_model():
     """PaperCostModel's front cost is convex too (quadratic in the front)."""
     rng = random.Random(1)
-    shape = ModelShape(hidden=8, layers=2, vocab=16, kv_dim=8)
+    shape = PaperShape(hidden=8, layers=2, vocab=16, kv_dim=8)
     for _ in range(60):
         _, wl = _random_case(rng)
         model = PaperCostModel(shape, flops=1e4, literal=rng.random() < 0.5)
@@ -424,7 +430,7 @@ def test_slsqp_respects_constraints_on_mixed_lengths(seed):
 def test_slsqp_degenerate_under_the_paper_flop_model():
     """With a pure FLOP sum and equal lengths, b / T is the same for every b: SLSQP has nothing to
     follow along b and returns its start, while enumeration breaks the tie to the largest b."""
-    model = PaperCostModel(ModelShape(hidden=512, layers=8, vocab=1000, kv_dim=512), flops=1e12)
+    model = PaperCostModel(PaperShape(hidden=512, layers=8, vocab=1000, kv_dim=512), flops=1e12)
     wl = Workload((300,) * 16, capacity_blocks=10_000, block_size=16)  # slack: no fronts needed
     thr = [b / model.step_s_ratio((300,) * b, 0.0) for b in (1, 8, 16)]
     assert thr[0] == pytest.approx(thr[1]) == pytest.approx(thr[2])

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,7 +25,6 @@ from kvtier.planning.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape
 from kvtier.planning.plan import Method, PlannedChunk
 from kvtier.planning.planner import MAX_CORRECTION, Planner
 from kvtier.store import Repr, StoreNamespace, TieredStore
-from kvtier.store.throttle import Emulation
 from kvtier.testing.reference import context_state
 
 from kvtier_testlib import fake_profile
@@ -190,44 +190,65 @@ def test_a_chunk_missing_from_its_planned_tier_is_a_miss_not_a_read_elsewhere(ti
     store.close()
 
 
+class _ProgressLink:
+    """Stands in for the disk tier's read throttle with a link whose speed is set by the restore's
+    own progress instead of a clock, so the race between Cake's loader and its compute cannot go
+    either way by chance. A fast read returns at once. A slow read returns only once the compute
+    side has done every chunk the loader has not claimed: slower than computing, however fast the
+    machine computes. `slow(bytes read before this read, chunks computed)` says which it is, and
+    is asked again while a slow read waits: the link can speed up under it."""
+
+    def __init__(self, slow: Callable[[int, int], bool]):
+        self.slow = slow
+        self.restore: Restore | None = None
+        self.reads = 0  # reads begun: chunks the loader claimed
+        self.bytes = 0  # bytes of the reads finished
+
+    def read(self, nbytes: int) -> None:
+        assert self.restore is not None
+        self.reads += 1
+        stats, total = self.restore.stats, len(self.restore.plan.chunks)
+        deadline = time.monotonic() + 60
+        while self.slow(self.bytes, stats.chunks_computed) and stats.chunks_computed + self.reads < total:
+            assert time.monotonic() < deadline, "the compute side stopped short of the loader's chunks"
+            time.sleep(1e-3)
+        self.bytes += nbytes
+
+
 def test_cake_adapts_when_bandwidth_changes_mid_restore(tiny_gqa, tmp_path):
     ids = torch.randint(3, tiny_gqa.config.vocab_size, (640,), generator=torch.Generator().manual_seed(3)).tolist()
     chunk_bytes = 4 * 16 * 2 * 32 * 4  # layers * tokens * (K+V) * kv_dim * fp32 = 16 KiB
-    fast, slow = chunk_bytes / 1e-4, chunk_bytes / 0.03  # 0.1 ms vs 30 ms per chunk
     ref = context_state(tiny_gqa.module, ids)
 
-    def loaded(tag: str, start_bps: float, switch_bps: float | None, after_s: float) -> int:
+    def loaded(tag: str, slow: Callable[[int, int], bool]) -> int:
         cfg = tiny_gqa.config
         ns = StoreNamespace(tiny_gqa.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
         store = TieredStore.open(f"disk:{tmp_path}/{tag}:1GB", ns, chunk_tokens=16)
         store.save(ids, 0, ref.k, ref.v, None)
         store.flush(30)
-        disk = store.tier("disk")
-        disk.throttle.emulation = Emulation(bandwidth=start_bps)
+        link = _ProgressLink(slow)
+        store.tier("disk").throttle = link
         prof = fake_profile(tiny_gqa.fingerprint)
         planner = Planner(prof, _shape(tiny_gqa), links(prof, [("disk", None, 0.0)]), compute_chunk_tokens=16)
         plan = planner.plan(Method.CAKE, store.lookup(ids + [1]).chunks, 1)
         runner, blocks = _runner(tiny_gqa, 640)
-        timer = None
-        if switch_bps is not None:
-            timer = threading.Timer(after_s, lambda: setattr(disk.throttle, "emulation", Emulation(bandwidth=switch_bps)))
-            timer.start()
-        restore = Restore(plan, store, runner, ids, blocks, compute_chunk_tokens=16)
+        restore = link.restore = Restore(plan, store, runner, ids, blocks, compute_chunk_tokens=16)
         restore.prepare()
         stats = restore.finish()
-        if timer:
-            timer.cancel()
         slots = runner.slots(blocks, 0, 640)
         assert (runner.k_cache[:, slots] - ref.k).abs().max().item() <= 1e-4
         assert (runner.v_cache[:, slots] - ref.v).abs().max().item() <= 1e-4
         assert stats.chunks_loaded + stats.chunks_computed == len(plan.chunks)
+        assert link.reads == stats.chunks_loaded and link.bytes == link.reads * chunk_bytes  # one read a chunk
         store.close()
         return stats.chunks_loaded
 
-    steady_fast = loaded("a", fast, None, 0)
-    fast_then_slow = loaded("b", fast, slow, 0.0)
-    steady_slow = loaded("c", slow, None, 0)
-    slow_then_fast = loaded("d", slow, fast, 0.01)
+    steady_fast = loaded("a", lambda read, computed: False)
+    fast_then_slow = loaded("b", lambda read, computed: read >= chunk_bytes)  # slow once a chunk is in
+    steady_slow = loaded("c", lambda read, computed: True)
+    slow_then_fast = loaded("d", lambda read, computed: computed < 1)  # fast once a chunk is computed
+    print(f"chunks loaded: fast {steady_fast}, fast then slow {fast_then_slow}, slow {steady_slow}, "
+          f"slow then fast {slow_then_fast}")
     assert fast_then_slow < steady_fast
     assert slow_then_fast > steady_slow
 

@@ -57,8 +57,6 @@ class PartialConfig:
     # Plan to this share of the SLO. The planned step is the mean one; a request whose lifetime
     # meets more prefill chunks than the mean sees slower steps, and the SLO is per request.
     slo_headroom: float = 0.9
-    solver: str = "exact"  # exact (enumerate b, water-fill fronts) or slsqp (the paper's relaxation)
-    per_request: str = "tokens"  # tokens: water-filled fronts; ratio: one uncached share for all
     swap_bytes: int = 0  # host swap space for fronts (K rotated and V, every layer); 0: recompute only
     swap_bandwidth: float | None = None  # emulated bytes/s of reading fronts back (None: memory speed)
     cost: ProfileCostModel | None = None  # None: calibrated on this machine (cached per model)
@@ -74,10 +72,6 @@ class PartialConfig:
             raise ValueError(f"the TPOT SLO must be positive seconds, got {self.tpot_slo_s}")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError(f"slo_headroom is the share of the SLO planned to, in (0, 1]; got {self.slo_headroom}")
-        if self.solver not in ("exact", "slsqp"):
-            raise ValueError(f"solver {self.solver!r}: use exact or slsqp")
-        if self.per_request not in ("tokens", "ratio"):
-            raise ValueError(f"per_request {self.per_request!r}: use tokens or ratio")
         if self.swap_bytes < 0:
             raise ValueError("swap_bytes must be >= 0")
         if self.swap_bandwidth is not None and self.swap_bandwidth <= 0:

@@ -203,9 +203,7 @@ class PartialCaching:
         return replace(self.cost, c0=max(0.0, self.cost.c0 + self.stats.step_residual_s))
 
     def _solve(self, wl: adaptive.Workload) -> adaptive.Decision:
-        if self.cfg.solver == "slsqp":
-            return adaptive.solve_slsqp(self.planning_cost(), wl)
-        return adaptive.solve_enumerate(self.planning_cost(), wl, per_request=self.cfg.per_request)
+        return adaptive.solve_enumerate(self.planning_cost(), wl)
 
     def release(self, req: Request, upto: int) -> None:
         """Copy positions [req.front, upto) to the swap space while it has room (else the front
@@ -252,7 +250,7 @@ class PartialCaching:
         swapped = self.swap is not None and all(self.swap.held(r.request_id) == r.front for _, r in fronted)
         rec = sum(self.cost.recompute_s(r.front) for _, r in fronted) / self.layers
         read = sum(self.cost.swap_s(r.front) for _, r in fronted) / self.layers if swapped else float("inf")
-        boundary = adaptive.choose_boundary(rec, read, self.layers, overlap=False) if swapped else self.layers
+        boundary = adaptive.choose_boundary(rec, read, self.layers) if swapped else self.layers
         if swapped and self.cfg.recompute_layers is not None:
             boundary = min(self.cfg.recompute_layers, self.layers)
         runs = tuple(RunItem(r.all_ids[: r.front], 0, (), want_logits=False, front_of=i)

@@ -46,10 +46,6 @@ class PrefixMatch:
     chunks: tuple[ChunkRef, ...]
     num_tokens: int
 
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(c.key for c in self.chunks)
-
 
 class TierView(Protocol):
     """What lookup needs from a tier (tiers satisfy it structurally)."""
