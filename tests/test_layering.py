@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
 
 TORCH_FREE = [
     "kvtier.engine.scheduler", "kvtier.engine.block_pool", "kvtier.engine.request", "kvtier.engine.link.sessions",
-    "kvtier.planning.planner", "kvtier.planning.plan", "kvtier.planning.costs", "kvtier.planning.truncation",
+    "kvtier.planning.planner", "kvtier.planning.plan", "kvtier.planning.optimizer", "kvtier.planning.costs", "kvtier.planning.truncation",
     "kvtier.store.keys", "kvtier.store.index", "kvtier.store.policy", "kvtier.store.lookahead",
     "kvtier.store.layout", "kvtier.store.spec", "kvtier.dtypes", "kvtier.paths",
 ]

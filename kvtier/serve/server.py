@@ -54,10 +54,3 @@ class ServerThread:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for servers started in another process)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

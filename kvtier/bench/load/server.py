@@ -17,7 +17,7 @@ class ServerProcess:
     """`python -m kvtier.serve ARGS` on a free loopback port; output goes to a log file."""
 
     def __init__(self, serve_args: list[str], env: dict[str, str] | None = None) -> None:
-        from kvtier.serve.server import free_port
+        from kvtier.testing.services import free_port
 
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvtier-serve-", suffix=".log", delete=False)
