@@ -4,7 +4,7 @@ from its ids in the same batch as the decodes (one pass over the weights serves 
 a host swap space, and is dropped after the step.
 
 `PartialCaching` is the scheduler's front policy (b and every front, from the optimizer in
-`adaptive.py` or a fixed ratio) and the engine's source of each step's front runs and front feed.
+`kvtier/planning/optimizer.py` or a fixed ratio) and the engine's source of each step's front runs and front feed.
 A causal prefix depends on nothing after it, so a recomputed front is exact: the tokens generated
 equal those of a fully cached request (tests/test_partial.py).
 """
@@ -22,7 +22,7 @@ from kvtier.engine.config import PartialConfig
 from kvtier.engine.request import Request
 from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
 from kvtier.engine.scheduler import FrontPlan, FrontPolicy, NoFronts
-from kvtier.planning import optimizer as adaptive
+from kvtier.planning import optimizer
 
 RESIDUAL_WEIGHT = 0.05  # the residual's moving average spans about the last 20 decode steps
 
@@ -143,7 +143,7 @@ class FullCaching(NoFronts):
 class PartialCaching:
     """The scheduler's front policy and the engine's source of front runs."""
 
-    def __init__(self, cfg: PartialConfig, runner: ModelRunner, cost: adaptive.ProfileCostModel):
+    def __init__(self, cfg: PartialConfig, runner: ModelRunner, cost: optimizer.ProfileCostModel):
         self.cfg = cfg
         self.runner = runner
         self.block_size = runner.block_size
@@ -171,7 +171,7 @@ class PartialCaching:
         cands = list(decoding) + list(waiting)[: max(0, 4 * len(decoding) + 8)]
         most = tuple(((r.num_tokens - 1) // bs * bs if i < len(decoding) and not r.approximate else 0)
                      for i, r in enumerate(cands))
-        wl = adaptive.Workload(lengths=tuple(r.num_tokens for r in cands), capacity_blocks=capacity_blocks,
+        wl = optimizer.Workload(lengths=tuple(r.num_tokens for r in cands), capacity_blocks=capacity_blocks,
                                block_size=bs, slo_s=slo, max_fronts=most)
         t = time.perf_counter()
         d = self._solve(wl)
@@ -197,13 +197,13 @@ class PartialCaching:
             return sum(max(fronts.get(r.request_id, 0), r.front) for r in decoding)
         return sum(r.front for r in decoding if r.front and self.swap.held(r.request_id) != r.front)
 
-    def planning_cost(self) -> adaptive.ProfileCostModel:
+    def planning_cost(self) -> optimizer.ProfileCostModel:
         """The cost model the optimiser solves with: the fitted one, its per-step term moved by the
         residual the engine's decode steps show."""
         return replace(self.cost, c0=max(0.0, self.cost.c0 + self.stats.step_residual_s))
 
-    def _solve(self, wl: adaptive.Workload) -> adaptive.Decision:
-        return adaptive.solve_enumerate(self.planning_cost(), wl)
+    def _solve(self, wl: optimizer.Workload) -> optimizer.Decision:
+        return optimizer.solve_enumerate(self.planning_cost(), wl)
 
     def release(self, req: Request, upto: int) -> None:
         """Copy positions [req.front, upto) to the swap space while it has room (else the front
@@ -250,7 +250,7 @@ class PartialCaching:
         swapped = self.swap is not None and all(self.swap.held(r.request_id) == r.front for _, r in fronted)
         rec = sum(self.cost.recompute_s(r.front) for _, r in fronted) / self.layers
         read = sum(self.cost.swap_s(r.front) for _, r in fronted) / self.layers if swapped else float("inf")
-        boundary = adaptive.choose_boundary(rec, read, self.layers) if swapped else self.layers
+        boundary = optimizer.choose_boundary(rec, read, self.layers) if swapped else self.layers
         if swapped and self.cfg.recompute_layers is not None:
             boundary = min(self.cfg.recompute_layers, self.layers)
         runs = tuple(RunItem(r.all_ids[: r.front], 0, (), want_logits=False, front_of=i)

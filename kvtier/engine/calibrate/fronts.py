@@ -1,7 +1,7 @@
 """The measured cost of a decode step with uncached fronts on this machine (`ProfileCostModel`).
 
 Decode steps of b sequences of s tokens with fronts u, recomputed or read back, are timed on a
-scratch pool and fitted by least squares (`adaptive.fit_profile`). The fit is cached per model,
+scratch pool and fitted by least squares (`optimizer.fit_profile`). The fit is cached per model,
 dtype and thread count under KVTIER_HOME/partial, like the hardware profile.
 """
 
@@ -20,7 +20,7 @@ from kvtier.engine.calibrate import cache
 from kvtier.engine.calibrate.hardware import estimate as estimate_profile
 from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
 from kvtier.models.loading import LoadedModel
-from kvtier.planning import optimizer as adaptive
+from kvtier.planning import optimizer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _reader(runner: ModelRunner, slots: torch.Tensor) -> Callable[[int], tuple[t
 
 @torch.inference_mode()
 def measure(model: LoadedModel, points: Iterable[tuple[int, int, int, str]], repeats: int = 3,
-            block_size: int = 16) -> list[adaptive.Sample]:
+            block_size: int = 16) -> list[optimizer.Sample]:
     """Time one decode step per point (median of `repeats` after a warm-up) on a scratch pool."""
     points = list(points)
     b_max = max(p[0] for p in points)
@@ -79,7 +79,7 @@ def measure(model: LoadedModel, points: Iterable[tuple[int, int, int, str]], rep
 
         step()
         secs = statistics.median(step() for _ in range(repeats))
-        samples.append(adaptive.Sample(tuple([s + 1] * b), tuple([u] * b), src, secs))
+        samples.append(optimizer.Sample(tuple([s + 1] * b), tuple([u] * b), src, secs))
     return samples
 
 
@@ -88,34 +88,34 @@ def _key(model: LoadedModel) -> str:
     return f"{model.fingerprint[:16]}-{dt}-t{torch.get_num_threads()}"
 
 
-def _decode(doc: dict) -> adaptive.ProfileCostModel:
-    return adaptive.ProfileCostModel(**doc["model"])
+def _decode(doc: dict) -> optimizer.ProfileCostModel:
+    return optimizer.ProfileCostModel(**doc["model"])
 
 
-def cost_model(model: LoadedModel, runner: ModelRunner | None = None, refresh: bool = False) -> adaptive.ProfileCostModel:
+def cost_model(model: LoadedModel, runner: ModelRunner | None = None, refresh: bool = False) -> optimizer.ProfileCostModel:
     """The fitted model for this machine: from the cache, else measured now (once, ~10-60 s)."""
     return cache.load_or_measure(
         "partial", _key(model),
-        lambda: adaptive.fit_profile(measure(model, GRID, block_size=runner.block_size if runner else 16)),
+        lambda: optimizer.fit_profile(measure(model, GRID, block_size=runner.block_size if runner else 16)),
         _decode, lambda fitted: {"model": asdict(fitted)}, refresh=refresh)
 
 
-def estimate(model: LoadedModel) -> adaptive.ProfileCostModel:
+def estimate(model: LoadedModel) -> optimizer.ProfileCostModel:
     """A step model from the hardware estimate's rates, without timing anything: a step reads the
     weights once (a prefill's per-step term), each context token costs a history token's attention,
     each recomputed front token a prefill token. Rough: `make_engine` measures the real one."""
     prof = estimate_profile(model)
-    return adaptive.ProfileCostModel(c0=prof.prefill_c, c1=prof.prefill_a, g=prof.prefill_g, a=prof.prefill_a,
+    return optimizer.ProfileCostModel(c0=prof.prefill_c, c1=prof.prefill_a, g=prof.prefill_g, a=prof.prefill_a,
                                      q=prof.prefill_b, w=2 * prof.place_s * model.config.num_layers)
 
 
-def cached_or_estimate(model: LoadedModel) -> adaptive.ProfileCostModel:
+def cached_or_estimate(model: LoadedModel) -> optimizer.ProfileCostModel:
     """The measured model if one is cached for this machine, else `estimate` (times nothing)."""
     return cache.load("partial", _key(model), _decode) or estimate(model)
 
 
-def held_out_error(model: LoadedModel, fitted: adaptive.ProfileCostModel,
-                   points: Sequence[tuple[int, int, int, str]] = HELD_OUT) -> tuple[float, list[adaptive.Sample]]:
+def held_out_error(model: LoadedModel, fitted: optimizer.ProfileCostModel,
+                   points: Sequence[tuple[int, int, int, str]] = HELD_OUT) -> tuple[float, list[optimizer.Sample]]:
     """MAPE of the fitted model on points it was not fitted on."""
     samples = measure(model, points)
-    return adaptive.mape(fitted, samples), samples
+    return optimizer.mape(fitted, samples), samples
