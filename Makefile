@@ -23,11 +23,10 @@ demo: $(VENV_STAMP)
 test: $(VENV_STAMP)
 	$(PY) -m pytest -q -x --durations=15
 
-# The quicker loop: everything but the tests marked slow (the real smollm2 model) or cuda, 516 of
-# 551 tests. Measured once on 2 CPU cores shared with other jobs (load average ~6, niced): the first
-# 418 tests took 7.5 min (stopped there by -x); the whole target was not timed.
+# The quick loop: the suite without the tests that load the real smollm2 model (slow), start Redis
+# servers and clusters (redis) or need a GPU (cuda).
 test-fast: $(VENV_STAMP)
-	$(PY) -m pytest -q -x -m "not slow and not cuda"
+	$(PY) -m pytest -q -x -m "not slow and not redis and not cuda"
 
 # ruff (pyflakes, pycodestyle, bugbear, import order) and mypy, configured in pyproject.toml.
 lint: $(VENV_STAMP)
