@@ -144,8 +144,7 @@ class EngineCollector(Collector):
 
 def _partial_metrics(eng: Engine) -> Iterator[Metric]:
     """Partial token-wise caching (eLLM); zeros when it is off, so dashboards need no change."""
-    p = getattr(eng, "partial", None)
-    st = p.summary() if p is not None else {}
+    st = eng.partial.summary() or {}
     yield _gauge("kvtier_partial_batch", "Decoding requests in the latest step (b)", st.get("last_b", 0))
     yield _gauge("kvtier_partial_uncached_ratio", "Uncached share of the latest step's decoding tokens (r)",
                  st.get("last_ratio", 0.0))
