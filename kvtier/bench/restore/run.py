@@ -49,8 +49,8 @@ from kvtier.bench.common import (
     timed,
     write_json_atomic,
 )
+from kvtier.bench.restore.goals import KVTIER, cells, evaluate_goals, evaluate_gpu_goals
 from kvtier.bench.restore.methods import METHODS
-from kvtier.planning.plan import EXACT_METHODS
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
@@ -415,201 +415,6 @@ class RestoreBench:
         self.log(f"  hf_torch_save ttft {ttft:7.3f}s  ({len(peer.blob) / 1e6:.1f} MB)")
 
 
-# ----- goals ------------------------------------------------------------------------------------
-KVTIER = tuple(m.value for m in EXACT_METHODS)
-
-
-def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    out: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        if r["tier"] == "-":
-            continue
-        k = (r["model"], r["dtype"], r["storage"], r["context_tokens"], r["tier"], r["bandwidth"])
-        out.setdefault(k, {})[r["method"]] = r
-    return out
-
-
-def _fmt_cell(k: tuple) -> str:
-    model, dtype, storage, ctx, tier, bw = k
-    return f"{model}/{dtype}{'/' + storage if storage else ''} ctx={ctx} {tier} {bw}"
-
-
-def evaluate_goals(rows: list[dict]) -> list[dict]:
-    cells = _cells(rows)
-    goals = []
-    # 1. auto within 15% of the best method in every cell
-    worst, detail = None, []
-    for k, m in cells.items():
-        if "auto" not in m:
-            continue
-        best_name = min((n for n in KVTIER if n in m), key=lambda n: m[n]["ttft_s"], default=None)
-        if best_name is None:
-            continue
-        ratio = m["auto"]["ttft_s"] / m[best_name]["ttft_s"]
-        detail.append(dict(cell=_fmt_cell(k), auto_s=m["auto"]["ttft_s"], best=best_name,
-                           best_s=m[best_name]["ttft_s"], ratio=round(ratio, 3), met=ratio <= 1.15))
-        worst = ratio if worst is None else max(worst, ratio)
-    if detail:
-        bad = [d for d in detail if not d["met"]]
-        goals.append(dict(goal="auto within 15% of the best method in every cell", met=not bad,
-                          summary=f"worst auto/best = {worst:.2f}; {len(detail) - len(bad)}/{len(detail)} cells within 15%",
-                          failing=bad, cells=detail))
-    # 1b. the planner's predictions within 20% of the measured TTFT, every method in every cell
-    det = []
-    for k, m in cells.items():
-        for name, r in m.items():
-            if name in KVTIER + ("auto",) and r.get("predicted_s"):
-                ratio = r["predicted_s"] / r["ttft_s"]
-                det.append(dict(cell=_fmt_cell(k), method=name, predicted_s=r["predicted_s"], ttft_s=r["ttft_s"],
-                                ratio=round(ratio, 3), met=abs(ratio - 1) <= 0.2))
-    if det:
-        bad = [d for d in det if not d["met"]]
-        worst = max(det, key=lambda d: abs(d["ratio"] - 1))
-        goals.append(dict(goal="planner predictions within 20% of the measured TTFT in every cell", met=not bad,
-                          summary=f"{len(det) - len(bad)}/{len(det)} rows within 20%; worst predicted/measured "
-                                  f"{worst['ratio']:.2f} ({worst['method']}, {worst['cell']})",
-                          failing=bad, cells=det))
-    # 2. bubblefree and cake within 15% of their own ideal bound
-    for name in ("bubblefree", "cake"):
-        det = []
-        for k, m in cells.items():
-            row = m.get(name)
-            if row and row.get("ideal_s"):
-                ratio = row["ttft_s"] / row["ideal_s"]
-                det.append(dict(cell=_fmt_cell(k), ttft_s=row["ttft_s"], ideal_s=row["ideal_s"], ratio=round(ratio, 3),
-                                met=bool(ratio <= 1.15)))
-        if det:
-            bad = [d for d in det if not d["met"]]
-            below = sum(d["ratio"] < 1.0 for d in det)
-            # With an emulated limit most of the IO time is waiting, which can overlap compute; at a
-            # real tier's own speed the reads are copies on the compute cores (no copy engine here).
-            emu = [d for d in det if "emulated" in d["cell"]]
-            # A measured time under the "ideal" means the profile over-predicts: the bound is not a
-            # bound on this run, so "within 15%" says little there; count those cells separately.
-            goals.append(dict(goal=f"{name} within 15% of its ideal bound", met=not bad,
-                              summary=f"ttft/ideal from {min(d['ratio'] for d in det):.2f} to "
-                                      f"{max(d['ratio'] for d in det):.2f}; {len(det) - len(bad)}/{len(det)} cells within 15%"
-                                      + (f" ({sum(d['met'] for d in emu)}/{len(emu)} of the emulated-bandwidth cells)"
-                                         if emu else "")
-                                      + (f"; in {below} cells TTFT is below the ideal, i.e. the profile-based bound "
-                                         "is not a true bound there" if below else ""),
-                              failing=bad, cells=det))
-    # 3. mha-1b, 4096, 100 MB/s: best mixed >= 1.3x faster than the best single
-    det = []
-    for k, m in cells.items():
-        model, dtype, storage, ctx, tier, bw = k
-        if model == "mha-1b" and ctx == 4096 and bw.startswith("100MB/s") and not storage:
-            mixed = [n for n in ("bubblefree", "cake") if n in m]
-            single = [n for n in ("kv", "recompute") if n in m]
-            if mixed and single:
-                bm = min(mixed, key=lambda n: m[n]["ttft_s"])
-                bs = min(single, key=lambda n: m[n]["ttft_s"])
-                sp = m[bs]["ttft_s"] / m[bm]["ttft_s"]
-                det.append(dict(cell=_fmt_cell(k), best_mixed=bm, mixed_s=m[bm]["ttft_s"], best_single=bs,
-                                single_s=m[bs]["ttft_s"], speedup=round(sp, 3), met=sp >= 1.3))
-    goals.append(dict(goal="mha-1b, 4096 tokens, 100 MB/s: best mixed >= 1.3x faster than best of kv/recompute",
-                      met=bool(det) and all(d["met"] for d in det),
-                      summary="; ".join(f"{d['cell']}: {d['best_mixed']} {d['mixed_s']:.2f}s vs {d['best_single']} "
-                                        f"{d['single_s']:.2f}s = {d['speedup']:.2f}x" for d in det) or "not measured",
-                      cells=det))
-    # 4. smollm2 4096 + 64 from local disk: TTFT <= half of the torch.save/torch.load workaround
-    det = []
-    for k, m in cells.items():
-        model, dtype, storage, ctx, tier, bw = k
-        if model.startswith("smollm2") and ctx == 4096 and tier == "disk" and bw == "none" and not storage \
-                and "hf_torch_save" in m:
-            base = m["hf_torch_save"]["ttft_s"]
-            for n in ("auto",):
-                if n in m:
-                    best = min((x for x in KVTIER if x in m), key=lambda x: m[x]["ttft_s"])
-                    det.append(dict(cell=_fmt_cell(k), auto_s=m[n]["ttft_s"], best=best, best_s=m[best]["ttft_s"],
-                                    workaround_s=base, ratio=round(m[n]["ttft_s"] / base, 3),
-                                    met=m[n]["ttft_s"] <= 0.5 * base))
-    goals.append(dict(goal="smollm2, 4096 + 64 tokens from local disk: TTFT <= 1/2 of torch.save/torch.load workaround",
-                      met=bool(det) and all(d["met"] for d in det),
-                      summary="; ".join(f"auto {d['auto_s']:.3f}s (best {d['best']} {d['best_s']:.3f}s) vs workaround "
-                                        f"{d['workaround_s']:.3f}s = {d['ratio']:.2f}x" for d in det) or "not measured",
-                      cells=det))
-    # 5. mha-1b hidden bytes/token about half of KV
-    kvb = next((r["stored_bytes_per_token"] for r in rows if r["model"] == "mha-1b" and r["method"] == "kv"
-                and not r["storage"]), None)
-    hb = next((r["stored_bytes_per_token"] for r in rows if r["model"] == "mha-1b" and r["method"] == "hidden"
-               and not r["storage"]), None)
-    if kvb and hb:
-        goals.append(dict(goal="mha-1b: hidden-state storage about half the bytes per token of KV",
-                          met=abs(hb / kvb - 0.5) <= 0.05,
-                          summary=f"hidden {hb} B/token vs KV {kvb} B/token = {hb / kvb:.3f}"))
-    else:
-        goals.append(dict(goal="mha-1b: hidden-state storage about half the bytes per token of KV", met=False,
-                          summary="not measured"))
-    # 6. lower precision storage: fidelity is reported
-    low = [r for r in rows if r["storage"] and r["method"] in KVTIER + ("auto",)]
-    if low:
-        by: dict[str, list[dict]] = {}
-        for r in low:
-            by.setdefault(r["storage"], []).append(r)
-        summ = "; ".join(f"{s}: max logit diff {max(x['max_logit_diff'] for x in rs):.3g}, greedy match "
-                         f"{sum(bool(x['greedy_match']) for x in rs)}/{len(rs)}" for s, rs in by.items())
-        goals.append(dict(goal="lower-precision storage reports logit difference and greedy agreement", met=True,
-                          summary=summ))
-    return goals
-
-
-# ----- reports ----------------------------------------------------------------------------------
-def evaluate_gpu_goals(rows: list[dict], pinned_bps: float | None) -> list[dict]:
-    """The CUDA path's goals (issue: the CUDA path), from the rows of a `--device cuda` run and the
-    plain pinned host-to-device copy rate measured in the same run."""
-    goals = []
-    by_ctx: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        if r["tier"] in ("-", "memory") and r["bandwidth"] in ("-", "none") and not r["storage"]:
-            by_ctx.setdefault((r["model"], r["context_tokens"]), {})[r["method"]] = r
-
-    def add(goal: str, detail: list[dict], ok: list[bool], summary: str) -> None:
-        goals.append(dict(goal=goal, met=bool(ok) and all(ok), summary=summary if ok else "not measured",
-                          detail=detail))
-
-    # 1-3: restore from pinned memory: TTFT vs the bound, achieved copy rate, overlap (8K and 16K)
-    d1, d2, d3 = [], [], []
-    for (model, ctx), m in sorted(by_ctx.items()):
-        kv, floor = m.get("kv"), m.get("hf_floor")
-        if kv is None or ctx < 8192:
-            continue
-        if floor is not None and pinned_bps:
-            bound = max(floor["ttft_s"], kv["bytes_read"] / pinned_bps)
-            d1.append(dict(cell=f"{model} {ctx}", ttft_s=kv["ttft_s"], bound_s=bound, ratio=kv["ttft_s"] / bound))
-        if kv.get("copy_s") and pinned_bps:
-            rate = kv["bytes_read"] / kv["copy_s"]
-            d2.append(dict(cell=f"{model} {ctx}", copy_GBps=rate / 1e9, share=rate / pinned_bps))
-        if kv.get("overlap") is not None:
-            d3.append(dict(cell=f"{model} {ctx}", overlap=kv["overlap"]))
-    add("restore from pinned memory (kv): TTFT <= 1.2 x max(HF floor, KV bytes / pinned H2D rate) at 8K and 16K",
-        d1, [d["ratio"] <= 1.2 for d in d1], ", ".join(f"{d['cell']}: {d['ratio']:.2f}x" for d in d1))
-    add("achieved host-to-device copy rate >= 80% of the plain pinned copy", d2, [d["share"] >= 0.8 for d in d2],
-        ", ".join(f"{d['cell']}: {d['copy_GBps']:.1f} GB/s ({d['share']:.0%})" for d in d2))
-    add("copy/compute overlap >= 0.9 (CUDA events)", d3, [d["overlap"] >= 0.9 for d in d3],
-        ", ".join(f"{d['cell']}: {d['overlap']:.2f}" for d in d3))
-    # 4: MHA (Llama-2-7B shape): hidden or bubble-free >= 1.5x faster than kv from memory
-    d4 = []
-    for (model, ctx), m in sorted(by_ctx.items()):
-        alts = [m[k]["ttft_s"] for k in ("hidden", "bubblefree") if k in m]
-        if model.startswith("llama2") and "kv" in m and alts:
-            d4.append(dict(cell=f"{model} {ctx}", speedup=m["kv"]["ttft_s"] / min(alts)))
-    add("llama2-7b shape (MHA): hidden or bubble-free >= 1.5x faster than kv from memory", d4,
-        [d["speedup"] >= 1.5 for d in d4], ", ".join(f"{d['cell']}: {d['speedup']:.2f}x" for d in d4))
-    # 5: GQA (Llama-3-8B shape): the planner does not pick hidden
-    d5 = [dict(cell=f"{r['model']} {r['context_tokens']} {r['tier']} {r['bandwidth']}", plan=r["plan"])
-          for r in rows if r["method"] == "auto" and r["model"].startswith("llama3")]
-    add("llama3-8b shape (GQA): auto never stores or loads hidden states", d5,
-        [not d["plan"].startswith(("hidden", "bubblefree")) for d in d5], "; ".join(f"{d['cell']}: {d['plan']}" for d in d5))
-    # 6: prefill at least as fast as HF
-    d6 = [dict(cell=f"{model} {ctx}", ratio=m["hf_recompute"]["ttft_s"] / m["recompute"]["ttft_s"])
-          for (model, ctx), m in sorted(by_ctx.items()) if "recompute" in m and "hf_recompute" in m]
-    add("prefill (recompute) at least as fast as HF on the same GPU", d6, [d["ratio"] >= 1.0 for d in d6],
-        ", ".join(f"{d['cell']}: {d['ratio']:.2f}x HF" for d in d6))
-    return goals
-
-
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict) -> None:
     write_json_atomic(path, {"rows": rows, "goals": goals, "meta": meta})
 
@@ -623,12 +428,12 @@ def markdown(rows: list[dict], goals: list[dict]) -> str:
              "device; `none` is the real tier. Times are medians in seconds. `bytes_read` is in MB (storage dtype).",
              ""]
     # pivot: one line per cell, TTFT per method
-    cells = _cells(rows)
-    cols = [m for m in METHODS + ("hf_torch_save",) if any(m in c for c in cells.values())]
+    cells_ = cells(rows)
+    cols = [m for m in METHODS + ("hf_torch_save",) if any(m in c for c in cells_.values())]
     lines.append("| model | storage | context | tier | bandwidth | " + " | ".join(cols) + " | hf_recompute | best |")
     lines.append("|" + "---|" * (len(cols) + 7))
     hfr = {(r["model"], r["dtype"], r["context_tokens"]): r for r in rows if r["method"] == "hf_recompute"}
-    for k, m in cells.items():
+    for k, m in cells_.items():
         model, dtype, storage, ctx, tier, bw = k
         best = min((n for n in KVTIER if n in m), key=lambda n: m[n]["ttft_s"], default="-")
         h = hfr.get((model, dtype, ctx))
