@@ -43,6 +43,7 @@ from pathlib import Path
 
 from kvtier.bench.common import write_json_atomic
 from kvtier.bench.stats import quantile_linear
+from kvtier.bench.trace.goals import evaluate_goals
 from kvtier.dtypes import name_of
 from kvtier.testing.services import RedisServer
 
@@ -355,101 +356,6 @@ def make_rows(workload: str, cfg: RunConfig, recs: list[dict], totals: dict, bas
             run_wall_s=totals["wall_s"], max_num_seqs=totals.get("max_num_seqs"),
             loadavg=[totals.get("loadavg_start"), totals.get("loadavg_end")]))
     return rows
-
-
-# ----- goals ------------------------------------------------------------------------------------
-def _row(rows, workload, config, turns):
-    return next((r for r in rows if r["workload"] == workload and r["config"] == config and r["turns"] == turns), None)
-
-
-def evaluate_goals(rows: list[dict]) -> list[dict]:
-    goals = []
-    # 1. later-turn TTFT p50: reuse >= 5x lower than recompute (multiturn decides; longdoc reported).
-    for wl in ("multiturn", "longdoc"):
-        base = _row(rows, wl, "recompute", "later")
-        reuse = [r for r in rows if r["workload"] == wl and r["turns"] == "later" and r["method"] in ("kv", "auto")
-                 and not r["pressure"]]
-        if base is None or not reuse:
-            continue
-        speed = {r["config"]: base["ttft_p50_s"] / r["ttft_p50_s"] for r in reuse if r["ttft_p50_s"]}
-        store_only = [v for r in reuse for k, v in speed.items() if k == r["config"] and not r["device_cache"]]
-        worst = min(store_only or speed.values())
-        seq = [r for r in rows if r["workload"] == f"{wl}-sequential" and r["turns"] == "later"]
-        sb = next((r for r in seq if r["method"] == "recompute"), None)
-        sr = next((r for r in seq if r["method"] != "recompute"), None)
-        unloaded = (f"; unloaded (sequential, batch 1): recompute {sb['ttft_p50_s'] * 1000:.0f} ms vs "
-                    f"{sr['config']} {sr['ttft_p50_s'] * 1000:.0f} ms ({sb['ttft_p50_s'] / sr['ttft_p50_s']:.1f}x)"
-                    if sb and sr else "")
-        goals.append(dict(goal=f"{wl}: later-turn TTFT p50 with reuse >= 5x lower than recompute "
-                               f"(every store configuration, device prefix cache off)",
-                          met=worst >= 5.0, value=worst, target=5.0,
-                          summary=f"recompute p50 {base['ttft_p50_s'] * 1000:.0f} ms; " + ", ".join(
-                              f"{k} {base['ttft_p50_s'] / speed[k] * 1000:.0f} ms ({v:.1f}x)" for k, v in speed.items())
-                          + unloaded))
-    # 2. look-ahead raises the memory-tier hit rate by >= 20 points over LRU under memory pressure.
-    for wl in ("multiturn", "longdoc"):
-        lru = [r for r in rows if r["workload"] == wl and r["config"].endswith("pressure-lru")]
-        la = [r for r in rows if r["workload"] == wl and r["config"].endswith("pressure-lookahead")]
-        if not lru or not la:
-            continue
-        def mem_rate(rs):  # over all turns of the run, weighted by store-served tokens
-            mem = sum(r["hit_rate"]["memory"] * r["tokens_reused"] for r in rs)
-            store = sum((r["hit_rate"]["memory"] + r["hit_rate"]["disk"] + r["hit_rate"]["redis"]) * r["tokens_reused"]
-                        for r in rs)
-            return mem / store if store else 0.0
-        a, b = mem_rate(lru), mem_rate(la)
-        goals.append(dict(goal=f"{wl}: under memory pressure, look-ahead raises the memory-tier hit rate by >= 20 "
-                               f"points over LRU", met=(b - a) * 100 >= 20, value=(b - a) * 100, target=20.0,
-                          summary=f"memory tier served {a * 100:.1f}% of store-restored tokens with LRU, "
-                                  f"{b * 100:.1f}% with look-ahead ({(b - a) * 100:+.1f} points)"))
-        # ... and it pays in latency: later turns no slower than with LRU (prefetching shares the cores).
-        slow = _row(rows, wl, "kv/memory+disk/pressure-lru", "later")
-        fast = _row(rows, wl, "kv/memory+disk/pressure-lookahead", "later")
-        if slow and fast:
-            ratio = max(fast["ttft_p50_s"] / slow["ttft_p50_s"], fast["ttft_p99_s"] / slow["ttft_p99_s"])
-            goals.append(dict(goal=f"{wl}: under memory pressure, later-turn TTFT p50 and p99 with look-ahead no "
-                                   f"worse than with LRU", met=ratio <= 1.0, value=ratio, target=1.0,
-                              summary=f"p50 {slow['ttft_p50_s'] * 1000:.0f} -> {fast['ttft_p50_s'] * 1000:.0f} ms, "
-                                      f"p99 {slow['ttft_p99_s'] * 1000:.0f} -> {fast['ttft_p99_s'] * 1000:.0f} ms "
-                                      f"(LRU -> look-ahead; worst ratio {ratio:.3f})"))
-    # 3. greedy outputs identical with and without reuse. The sequential check (identical prompts, batch 1)
-    # decides; the trace's own comparison is reported beside it (batch composition differs run to run).
-    seq = [r for r in rows if r.get("sequential") and r["method"] in ("kv", "auto")]
-    trace = [r for r in rows if not r.get("sequential") and r["method"] in ("kv", "auto")]
-    control = [r for r in rows if not r.get("sequential") and r["method"] == "recompute" and r["storage"] != "none"]
-
-    def tally(rs):
-        return sum(r["mismatched_turns"] for r in rs), sum(r["compared_turns"] for r in rs)
-
-    parts = []
-    for dt in sorted({r["dtype"] for r in seq}):
-        m, n = tally([r for r in seq if r["dtype"] == dt])
-        parts.append(f"sequential {dt}: {m} of {n} turns differ")
-    if trace:
-        m, n = tally(trace)
-        parts.append(f"trace (batched, timing-dependent): {m} of {n} same-prompt reuse turns differ")
-    if control:
-        m, n = tally(control)
-        parts.append(f"trace control (store, restore method recompute, i.e. no reuse): {m} of {n} differ")
-    decide = seq or trace
-    if decide and tally(decide)[1]:
-        m, n = tally(decide)
-        goals.append(dict(goal="greedy outputs identical with and without reuse (lossless configuration)",
-                          met=m == 0, value=m, target=0, summary="; ".join(parts)))
-    # 4. decoding does not slow down: mean TBT with saving on within 5% of saving off.
-    for wl in ("multiturn", "longdoc"):
-        on = [r for r in rows if r["workload"] == wl and r["config"].endswith("save-on") and r["tbt_mean_s"]]
-        off = [r for r in rows if r["workload"] == wl and r["config"].endswith("save-off") and r["tbt_mean_s"]]
-        if not on or not off:
-            continue
-        def mean_tbt(rs):  # request-weighted over both turn groups
-            n = sum(r["requests"] for r in rs)
-            return sum(r["tbt_mean_s"] * r["requests"] for r in rs) / n
-        a, b = mean_tbt(off), mean_tbt(on)
-        goals.append(dict(goal=f"{wl}: mean TBT with saving on within 5% of saving off", met=b <= a * 1.05,
-                          value=b / a, target=1.05,
-                          summary=f"saving off {a * 1000:.1f} ms, on {b * 1000:.1f} ms (ratio {b / a:.3f})"))
-    return goals
 
 
 # ----- reports ----------------------------------------------------------------------------------
