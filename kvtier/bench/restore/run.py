@@ -49,8 +49,9 @@ from kvtier.bench.common import (
     timed,
     write_json_atomic,
 )
-from kvtier.bench.restore.goals import KVTIER, cells, evaluate_goals, evaluate_gpu_goals
+from kvtier.bench.restore.goals import evaluate_goals, evaluate_gpu_goals
 from kvtier.bench.restore.methods import METHODS
+from kvtier.bench.restore.report import markdown, num, plot, rich_table
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
@@ -290,7 +291,7 @@ class RestoreBench:
                           ideal_s=ideal))
             self.write_partial()  # a slow cell keeps every method it finished
             r = self.rows[-1]
-            self.log(f"  {method:10s} ttft {r['ttft_s']:7.3f}s  pred {_f(r['predicted_s'])}s  ideal {_f(r['ideal_s'])}s  "
+            self.log(f"  {method:10s} ttft {r['ttft_s']:7.3f}s  pred {num(r['predicted_s'])}s  ideal {num(r['ideal_s'])}s  "
                      f"read {r['bytes_read'] / 1e6:8.1f} MB  diff {r['max_logit_diff']:.2e}  "
                      f"greedy {'ok' if r['greedy_match'] else 'DIFF'}  {escape(r['plan'])}")
             if tier == "disk":
@@ -417,119 +418,6 @@ class RestoreBench:
 
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict) -> None:
     write_json_atomic(path, {"rows": rows, "goals": goals, "meta": meta})
-
-
-def _f(x, nd=3) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def markdown(rows: list[dict], goals: list[dict]) -> str:
-    lines = ["Bandwidths marked `(emulated)` are limits imposed by the store's read throttle on top of the real "
-             "device; `none` is the real tier. Times are medians in seconds. `bytes_read` is in MB (storage dtype).",
-             ""]
-    # pivot: one line per cell, TTFT per method
-    cells_ = cells(rows)
-    cols = [m for m in METHODS + ("hf_torch_save",) if any(m in c for c in cells_.values())]
-    lines.append("| model | storage | context | tier | bandwidth | " + " | ".join(cols) + " | hf_recompute | best |")
-    lines.append("|" + "---|" * (len(cols) + 7))
-    hfr = {(r["model"], r["dtype"], r["context_tokens"]): r for r in rows if r["method"] == "hf_recompute"}
-    for k, m in cells_.items():
-        model, dtype, storage, ctx, tier, bw = k
-        best = min((n for n in KVTIER if n in m), key=lambda n: m[n]["ttft_s"], default="-")
-        h = hfr.get((model, dtype, ctx))
-        lines.append(f"| {model} ({dtype}) | {storage or dtype} | {ctx} | {tier} | {bw} | "
-                     + " | ".join(_f(m[c]["ttft_s"]) if c in m else "-" for c in cols)
-                     + f" | {_f(h['ttft_s']) if h else '-'} | {best} |")
-    lines += ["", "Full rows (TTFT, restore time = TTFT minus the new tokens' prefill on a ready cache, ideal bound, "
-              "fidelity):", "",
-              "| model | storage | ctx | new | tier | bandwidth | method | restore_s | ttft_s | ideal_s | bytes_read MB "
-              "| stored B/token | max_logit_diff | greedy | repeats | plan |",
-              "|" + "---|" * 16]
-    for r in rows:
-        lines.append(f"| {r['model']} ({r['dtype']}) | {r['storage'] or r['dtype']} | {r['context_tokens']} | "
-                     f"{r['new_tokens']} | {r['tier']} | {r['bandwidth']} | {r['method']} | {_f(r['restore_s'])} | "
-                     f"{_f(r['ttft_s'])} | {_f(r['ideal_s'])} | {r['bytes_read'] / 1e6:.1f} | "
-                     f"{r['stored_bytes_per_token']} | {r['max_logit_diff']:.2e} | "
-                     f"{'yes' if r['greedy_match'] else 'NO'} | {r['repeats']} | {r['plan'] or ''} |")
-    lines += ["", "Goals:", ""]
-    for g in goals:
-        lines.append(f"- **{'met' if g['met'] else 'NOT met'}**: {g['goal']}: {g['summary']}")
-        for d in g.get("failing", [])[:12]:
-            lines.append(f"  - failing: {d['cell']}{' ' + d['method'] if 'method' in d else ''} ratio {d['ratio']}")
-    return "\n".join(lines) + "\n"
-
-
-def rich_table(rows: list[dict]):
-    from rich.table import Table
-
-    t = Table(title="kvtier restore benchmark (medians; '(emulated)' bandwidths are throttled)")
-    for c in ("model", "storage", "ctx", "tier", "bandwidth", "method", "restore_s", "ttft_s", "pred_s", "ideal_s",
-              "MB read", "B/token", "copy GB/s", "overlap", "logit diff", "greedy"):
-        t.add_column(c)
-    for r in rows:
-        copy = r.get("copy_s")
-        t.add_row(r["model"], r["storage"] or r["dtype"], str(r["context_tokens"]), r["tier"], r["bandwidth"],
-                  r["method"], _f(r["restore_s"]), _f(r["ttft_s"]), _f(r.get("predicted_s")), _f(r["ideal_s"]),
-                  f"{r['bytes_read'] / 1e6:.1f}", str(r["stored_bytes_per_token"]),
-                  f"{r['bytes_read'] / copy / 1e9:.1f}" if copy else "-", _f(r.get("overlap"), 2),
-                  f"{r['max_logit_diff']:.1e}", "yes" if r["greedy_match"] else "NO")
-    return t
-
-
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from kvtier.store.spec import parse_rate
-
-    def xval(bw: str) -> float:
-        return 2e9 if bw == "none" else parse_rate(bw.split()[0])
-
-    panels: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r["tier"] != "-":
-            panels.setdefault((r["model"], r["dtype"], r["storage"], r["context_tokens"], r["tier"]), []).append(r)
-    hfr = {(r["model"], r["dtype"], r["context_tokens"]): r["ttft_s"] for r in rows if r["method"] == "hf_recompute"}
-    keys = sorted(panels, key=lambda k: (k[0], k[2], k[3], ["memory", "disk", "redis"].index(k[4])
-                                         if k[4] in ("memory", "disk", "redis") else 9))
-    if not keys:
-        return
-    ncol = 3
-    nrow = -(-len(keys) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
-    styles = {"recompute": ("k", "o", "-"), "kv": ("tab:blue", "s", "-"), "hidden": ("tab:orange", "^", "-"),
-              "bubblefree": ("tab:green", "D", "-"), "cake": ("tab:red", "v", "-"),
-              "auto": ("tab:purple", "*", ":"), "hf_torch_save": ("tab:gray", "x", "--")}
-    for ax, k in zip(axes.flat, keys):
-        rs = panels[k]
-        for m, (col, mark, ls) in styles.items():
-            pts = sorted((xval(r["bandwidth"]), r["ttft_s"]) for r in rs if r["method"] == m)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=col, marker=mark, linestyle=ls, label=m,
-                        markersize=7 if m == "auto" else 5)
-        h = hfr.get((k[0], k[1], k[3]))
-        if h:
-            ax.axhline(h, color="tab:gray", linestyle=":", label="hf_recompute")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        xs = sorted({xval(r["bandwidth"]) for r in rs})
-        ax.set_xticks(xs)
-        ax.set_xticklabels(["none" if x == 2e9 else f"{x / 1e6:g}MB/s*" for x in xs], fontsize=8)
-        ax.minorticks_off()
-        ax.set_title(f"{k[0]} {k[2] or k[1]} ctx={k[3]} {k[4]}", fontsize=9)
-        ax.set_ylabel("TTFT (s)")
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9)
-    fig.text(0.5, 0.005, "read bandwidth (* = emulated limit; 'none' = the real tier, unthrottled)", ha="center")
-    fig.tight_layout(rect=(0, 0.02, 1, 0.96))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----- command line -----------------------------------------------------------------------------
