@@ -494,27 +494,44 @@ def _load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
     return rows, reqs, meta
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.from_json:
-        rows, reqs, meta = _load([args.from_json, *args.merge])
-        goals = evaluate_goals(rows)
+def _print_rows(new: list[dict], totals: dict) -> None:
+    for r in new:
+        print(f"    {r['turns']:>5}: n={r['requests']} TTFT p50 {_ms(r['ttft_p50_s'])} ms p99 "
+              f"{_ms(r['ttft_p99_s'])} ms, TBT {_ms(r['tbt_mean_s'])} ms, reuse {_pc(r['hit_rate']['overall'])}"
+              f" (mem {_pc(r['hit_rate']['memory'])}, disk {_pc(r['hit_rate']['disk'])}), "
+              f"mismatch {r['mismatched_turns']}/{r['compared_turns']}", flush=True)
+    print(f"    wall {totals['wall_s']:.1f} s, {totals['throughput_tok_s']:.1f} tok/s, "
+          f"load {totals['loadavg_start']:.1f}->{totals['loadavg_end']:.1f}", flush=True)
+
+
+def run_plan(model, profile, plan, args: argparse.Namespace, workdir: Path, redis: RedisServer | None,
+             meta: dict) -> tuple[list[dict], list[dict]]:
+    """Every (workload, configuration) of the plan in turn: rows and per-turn records (JSON after each)."""
+    rows: list[dict] = []
+    reqs: list[dict] = []
+    baselines: dict[str, dict] = {}
+    for wl, cfg in plan:
+        print(f"[{time.strftime('%H:%M:%S')}] {wl.name} / {cfg.name} ...", flush=True)
+        records, totals = run_config(model, profile, wl, cfg, args, workdir, redis)
+        recs = [dict(dataclasses.asdict(r), workload=wl.name, config=cfg.name) for r in records]
+        for r in recs:
+            r.pop("output_ids")
+        if cfg.name == "recompute":
+            baselines[wl.name] = {(r["session"], r["turn"]): r["output_digest"] for r in recs}
+        new = make_rows(wl.name, cfg, recs, totals, None if cfg.name == "recompute" else baselines.get(wl.name),
+                        same_prompts=wl.name == "longdoc")  # longdoc prompts never carry earlier answers
+        rows += new
+        reqs += recs
+        meta["runs"][f"{wl.name}/{cfg.name}"] = totals
+        _print_rows(new, totals)
         if args.json:
-            write_json(args.json, rows, goals, meta, reqs)
-        render(rows, goals, reqs, args)
-        return 0
+            write_json(args.json, rows, evaluate_goals(rows), meta, reqs)
+    return rows, reqs
 
-    import torch
 
+def _workloads(args: argparse.Namespace, tok) -> list:
     from kvtier.bench import workloads
-    from kvtier.engine.calibrate.hardware import load_or_measure
-    from kvtier.models.loading import load_model
-    from kvtier.paths import home
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype)
-    tok = model.tokenizer
     wls = []
     if args.workload in ("multiturn", "all"):
         wls.append(workloads.multiturn(tok, args.sessions, args.rate, args.think, args.output_scale, args.seed,
@@ -522,6 +539,34 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.workload in ("longdoc", "all"):
         wls.append(workloads.longdoc(tok, args.documents, args.questions, args.doc_rate, args.doc_think,
                                      args.doc_tokens, args.doc_output_tokens, args.seed))
+    return wls
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    """--from-json: rows rebuilt from saved per-turn records, goals re-judged, reports re-rendered."""
+    rows, reqs, meta = _load([args.from_json, *args.merge])
+    goals = evaluate_goals(rows)
+    if args.json:
+        write_json(args.json, rows, goals, meta, reqs)
+    render(rows, goals, reqs, args)
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.from_json:
+        return _rerender(args)
+
+    import torch
+
+    from kvtier.engine.calibrate.hardware import load_or_measure
+    from kvtier.models.loading import load_model
+    from kvtier.paths import home
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype)
+    wls = _workloads(args, model.tokenizer)
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-trace-") if own_workdir else args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -547,30 +592,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     workloads={wl.name: dict(wl.params, sessions_n=len(wl.sessions), turns_n=wl.num_turns)
                                for wl in wls},
                     profile=dataclasses.asdict(profile) if profile else None, runs={})
-        rows, reqs = [], []  # list[dict] each, as from _load above
-        baselines: dict[str, dict] = {}
-        for wl, cfg in plan:
-            print(f"[{time.strftime('%H:%M:%S')}] {wl.name} / {cfg.name} ...", flush=True)
-            records, totals = run_config(model, profile, wl, cfg, args, workdir, redis)
-            recs = [dict(dataclasses.asdict(r), workload=wl.name, config=cfg.name) for r in records]
-            for r in recs:
-                r.pop("output_ids")
-            if cfg.name == "recompute":
-                baselines[wl.name] = {(r["session"], r["turn"]): r["output_digest"] for r in recs}
-            new = make_rows(wl.name, cfg, recs, totals, None if cfg.name == "recompute" else baselines.get(wl.name),
-                            same_prompts=wl.name == "longdoc")  # longdoc prompts never carry earlier answers
-            rows += new
-            reqs += recs
-            meta["runs"][f"{wl.name}/{cfg.name}"] = totals
-            for r in new:
-                print(f"    {r['turns']:>5}: n={r['requests']} TTFT p50 {_ms(r['ttft_p50_s'])} ms p99 "
-                      f"{_ms(r['ttft_p99_s'])} ms, TBT {_ms(r['tbt_mean_s'])} ms, reuse {_pc(r['hit_rate']['overall'])}"
-                      f" (mem {_pc(r['hit_rate']['memory'])}, disk {_pc(r['hit_rate']['disk'])}), "
-                      f"mismatch {r['mismatched_turns']}/{r['compared_turns']}", flush=True)
-            print(f"    wall {totals['wall_s']:.1f} s, {totals['throughput_tok_s']:.1f} tok/s, "
-                  f"load {totals['loadavg_start']:.1f}->{totals['loadavg_end']:.1f}", flush=True)
-            if args.json:
-                write_json(args.json, rows, evaluate_goals(rows), meta, reqs)
+        rows, reqs = run_plan(model, profile, plan, args, workdir, redis, meta)
         if args.check_sessions:
             multi = next((w for w in wls if w.name == "multiturn"), None)
             if multi is not None:
