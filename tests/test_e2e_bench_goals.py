@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.bench.common import csv_arg, median, write_json_atomic
-from kvtier.bench.e2e.run import evaluate_goals, markdown, pivot
+from kvtier.bench.e2e.goals import evaluate_goals
+from kvtier.bench.e2e.run import markdown, pivot
 
 
 def _row(peer: str, ttft: float, h: int = 4096, dtype: str = "fp32", **extra) -> dict:

@@ -1,7 +1,7 @@
 """`kvtier bench impress` goal verdicts from hand-made rows (what the JSON's `goals` report)."""
 from __future__ import annotations
 
-from kvtier.bench.impress.run import ttft_goals
+from kvtier.bench.impress.goals import ttft_goals
 
 
 def _row(bw: str, method: str, ttft: float, by: str | None = None) -> dict:

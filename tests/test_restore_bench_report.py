@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvtier.bench.restore.run import evaluate_goals, merge_runs
+from kvtier.bench.restore.goals import evaluate_goals
+from kvtier.bench.restore.run import merge_runs
 
 
 def _row(method: str, ttft: float, model: str = "mha-1b", bw: str = "100MB/s (emulated)", ideal: float | None = None,

@@ -1,5 +1,5 @@
 """The trace benchmark's look-ahead goals are judged from its rows: hit rate and latency."""
-from kvtier.bench.trace.run import evaluate_goals
+from kvtier.bench.trace.goals import evaluate_goals
 
 
 def _row(config: str, p50: float, p99: float, memory: float) -> dict:

@@ -63,3 +63,18 @@ def one(item: Item | None) -> list[Item]:
 
 def met_label(met: bool | None) -> str:
     return "not measured" if met is None else ("met" if met else "NOT met")
+
+
+def verdict(item: Item) -> bool | None:
+    """The check of a goal whose items carry their own verdict under "met"."""
+    return item["met"]
+
+
+def figure_fields(items: list[Item]) -> dict[str, Any]:
+    """The entry of a goal judged on one figure: that item's fields (its verdict is the entry's "met")."""
+    return {k: v for k, v in items[0].items() if k != "met"}
+
+
+def figure(name: str, select: Callable[[Sequence[Item]], list[Item]], empty: Empty = Empty.OMIT) -> Goal:
+    """A goal on one figure (value, target, summary ...) that `select` judges as it computes it."""
+    return Goal(name, select, verdict, figure_fields, empty)

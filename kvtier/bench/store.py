@@ -17,6 +17,8 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,76 +57,103 @@ def estimate_prefill_tokens_per_s(params: float) -> float:
     return flops / (2 * params)
 
 
+@dataclass
+class _Stored:
+    """One tier's store holding the benchmark's context, and what the read phases need of it."""
+
+    store: TieredStore
+    ns: StoreNamespace
+    kind: str
+    match: Any  # the lookup of the whole context
+    total: int  # its bytes
+    note: str  # the tier's emulation, if any
+    reps: int
+
+    @property
+    def tier(self) -> Any:
+        return self.store.tier(self.kind)
+
+    def read_whole(self) -> None:
+        for c in self.match.chunks:
+            assert self.store.read_chunk(c) is not None
+
+    def read_layers(self) -> None:
+        for c in self.match.chunks:
+            for layer in range(self.ns.num_layers):
+                assert self.store.read_layers(c, [layer]) is not None
+
+    def row(self, op: str, seconds: float, note: str | None = None, nbytes: int | None = None) -> dict:
+        return dict(tier=self.kind, op=op, bytes=self.total if nbytes is None else nbytes, seconds=seconds,
+                    note=self.note if note is None else note)
+
+
+def _write(store: TieredStore, ns: StoreNamespace, kind: str, tokens: int, reps: int) -> tuple[_Stored, dict]:
+    """Save one long context and flush it: the write row, and the stored context to read back."""
+    ids = list(range(tokens))
+    k = torch.randn(ns.num_layers, tokens, ns.num_kv_heads, ns.head_dim)  # [layers, tokens, kv_heads, head_dim]
+    v = torch.randn_like(k)
+    t0 = time.perf_counter()
+    store.save(ids, 0, k, v, None)
+    store.flush()
+    wsec = time.perf_counter() - t0
+    match = store.lookup(ids)
+    assert match.num_tokens == tokens, "benchmark chunks were not all stored (capacity too small?)"
+    total = sum(c.nbytes for c in match.chunks)
+    note = store.tier(kind).emulation.describe()
+    stored = _Stored(store, ns, kind, match, total, note, reps)
+    return stored, dict(tier=kind, op="write (save+flush)", bytes=total, seconds=wsec, tokens_per_s=tokens / wsec,
+                        note=note and "reads only: " + note)
+
+
+def _raw_memory(s: _Stored) -> list[dict]:
+    buf = torch.empty(max(c.nbytes for c in s.match.chunks), dtype=torch.uint8)
+    n = len(s.match.chunks)
+    src, dst = buf.numpy(), np.empty_like(buf.numpy())
+
+    def memcpy() -> None:  # numpy: a single-threaded memcpy, free of torch's intra-op thread hand-off
+        for _ in range(n):
+            np.copyto(dst, src)
+
+    return [s.row("raw: memcpy (DRAM)", best_of(memcpy, s.reps), "into a reused buffer", buf.numel() * n),
+            s.row("raw: memcpy into fresh buffers",
+                  best_of(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], s.reps),
+                  "page faults, as a read that returns new tensors pays", buf.numel() * n)]
+
+
+def _raw_disk(s: _Stored) -> list[dict]:
+    paths = [s.tier.path_of(c.key) for c in s.match.chunks]
+    size = max(os.path.getsize(p) for p in paths)
+
+    def cold(fn):
+        def run():
+            _drop_cache(paths)
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+        return min(run() for _ in range(s.reps))
+
+    return [s.row("raw: sequential file read (warm)", best_of(lambda: _raw_file_read(paths, size), s.reps),
+                  "page cache"),
+            s.row("read whole chunks (cold)", cold(s.read_whole)),
+            s.row("raw: sequential file read (cold)", cold(lambda: _raw_file_read(paths, size)), "fadvise DONTNEED")]
+
+
+def _raw_redis(s: _Stored) -> list[dict]:
+    tier = s.tier
+    rkeys = [tier._c(c.key) for c in s.match.chunks]
+    return [s.row("raw: GET of the same values", best_of(lambda: [tier.client.get(r) for r in rkeys], s.reps), "")]
+
+
 def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, reps: int) -> list[dict]:
     spec = parse_spec(entry)
-    rows: list[dict] = []
     kind = "memory" if spec.memory else "disk" if spec.disk else "redis"
     store = TieredStore.open(entry, ns, chunk_tokens=chunk_tokens, writer_queue_bytes=1 << 40)
     try:
         store.clear()
-        ids = list(range(tokens))
-        k = torch.randn(ns.num_layers, tokens, ns.num_kv_heads, ns.head_dim)  # [layers, tokens, kv_heads, head_dim]
-        v = torch.randn_like(k)
-        t0 = time.perf_counter()
-        store.save(ids, 0, k, v, None)
-        store.flush()
-        wsec = time.perf_counter() - t0
-        match = store.lookup(ids)
-        assert match.num_tokens == tokens, "benchmark chunks were not all stored (capacity too small?)"
-        total = sum(c.nbytes for c in match.chunks)
-        tier = store.tier(kind)
-        note = tier.emulation.describe()
-        rows.append(dict(tier=kind, op="write (save+flush)", bytes=total, seconds=wsec,
-                         tokens_per_s=tokens / wsec, note=note and "reads only: " + note))
-
-        def read_whole():
-            for c in match.chunks:
-                assert store.read_chunk(c) is not None
-
-        def read_layers():
-            for c in match.chunks:
-                for layer in range(ns.num_layers):
-                    assert store.read_layers(c, [layer]) is not None
-
-        paths: list[str] = []
-        if kind == "disk":
-            paths = [tier.path_of(c.key) for c in match.chunks]
-        rows.append(dict(tier=kind, op="read whole chunks", bytes=total, seconds=best_of(read_whole, reps), note=note))
-        rows.append(dict(tier=kind, op="read per layer", bytes=total, seconds=best_of(read_layers, reps), note=note))
-        if kind == "memory":
-            buf = torch.empty(max(c.nbytes for c in match.chunks), dtype=torch.uint8)
-            n = len(match.chunks)
-            src, dst = buf.numpy(), np.empty_like(buf.numpy())
-
-            def memcpy() -> None:  # numpy: a single-threaded memcpy, free of torch's intra-op thread hand-off
-                for _ in range(n):
-                    np.copyto(dst, src)
-
-            rows.append(dict(tier=kind, op="raw: memcpy (DRAM)", bytes=buf.numel() * n,
-                             seconds=best_of(memcpy, reps), note="into a reused buffer"))
-            rows.append(dict(tier=kind, op="raw: memcpy into fresh buffers", bytes=buf.numel() * n,
-                             seconds=best_of(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], reps),
-                             note="page faults, as a read that returns new tensors pays"))
-        elif kind == "disk":
-            size = max(os.path.getsize(p) for p in paths)
-            rows.append(dict(tier=kind, op="raw: sequential file read (warm)", bytes=total,
-                             seconds=best_of(lambda: _raw_file_read(paths, size), reps), note="page cache"))
-
-            def cold(fn):
-                def run():
-                    _drop_cache(paths)
-                    t = time.perf_counter()
-                    fn()
-                    return time.perf_counter() - t
-                return min(run() for _ in range(reps))
-
-            rows.append(dict(tier=kind, op="read whole chunks (cold)", bytes=total, seconds=cold(read_whole), note=note))
-            rows.append(dict(tier=kind, op="raw: sequential file read (cold)", bytes=total,
-                             seconds=cold(lambda: _raw_file_read(paths, size)), note="fadvise DONTNEED"))
-        else:
-            rkeys = [tier._c(c.key) for c in match.chunks]
-            rows.append(dict(tier=kind, op="raw: GET of the same values", bytes=total,
-                             seconds=best_of(lambda: [tier.client.get(r) for r in rkeys], reps), note=""))
+        stored, write_row = _write(store, ns, kind, tokens, reps)
+        rows = [write_row, stored.row("read whole chunks", best_of(stored.read_whole, reps)),
+                stored.row("read per layer", best_of(stored.read_layers, reps))]
+        rows += {"memory": _raw_memory, "disk": _raw_disk, "redis": _raw_redis}[kind](stored)
         store.clear()
     finally:
         store.close()
@@ -142,6 +171,8 @@ def run(args) -> dict:
         entries.append(args.redis)
     rows: list[dict] = []
     try:
+        print(f"warm-up: {entries[0].split(':')[0]} tier (not recorded)", flush=True)
+        bench_tier(entries[0], ns, args.tokens, args.chunk_tokens, 1)
         for e in entries:
             rows += bench_tier(e, ns, args.tokens, args.chunk_tokens, args.reps)
     finally:

@@ -45,95 +45,13 @@ from kvtier.bench.common import (
     timed,
     write_json_atomic,
 )
-from kvtier.bench.e2e.peers import HF_PEERS, KV_PEERS, LONG_H, PEER_TIER, PEERS, PLOT_STYLE
+from kvtier.bench.e2e.goals import RATIOS, cells_of, evaluate_goals, ratio, ttft_of
+from kvtier.bench.e2e.peers import HF_PEERS, KV_PEERS, PEER_TIER, PEERS, PLOT_STYLE
 from kvtier.bench.hf import HFPeers
 
 if TYPE_CHECKING:
     import redis
 
-
-
-# ----- goals: a pure function of the rows ---------------------------------------------------------
-def _cells(rows: Sequence[dict]) -> dict[tuple[str, int], dict[str, dict]]:
-    """(dtype, history) -> {peer: row}, in the order rows were measured."""
-    cells: dict[tuple[str, int], dict[str, dict]] = {}
-    for r in rows:
-        cells.setdefault((r["dtype"], r["history"]), {})[r["peer"]] = r
-    return cells
-
-
-def _ttft(cell: dict[str, dict], peer: str) -> float | None:
-    t = (cell.get(peer) or {}).get("ttft_s")
-    return None if t is None or t != t else t  # NaN (no sample) counts as not measured
-
-
-def disk_bound(cell: dict[str, dict]) -> float | None:
-    """max(hf_floor, bytes restored / raw cold disk bandwidth): no restore from disk can beat it."""
-    floor, d = _ttft(cell, "hf_floor"), cell.get("kvtier_disk_cold")
-    if floor is None or not d or not d.get("disk_read_bps") or d.get("bytes_restored") is None:
-        return None
-    return max(floor, d["bytes_restored"] / d["disk_read_bps"])
-
-
-# ratio column -> (numerator peer, denominator from the cell)
-RATIOS: dict[str, tuple[str, Callable[[dict], float | None]]] = {
-    "mem/floor": ("kvtier_memory", lambda c: _ttft(c, "hf_floor")),
-    "disk/cold_file": ("kvtier_disk_cold", lambda c: _ttft(c, "hf_load_cold_file")),
-    "disk/bound": ("kvtier_disk_cold", disk_bound),
-    "redis/hf_redis": ("kvtier_redis", lambda c: _ttft(c, "hf_load_redis")),
-    "recompute/hf": ("kvtier_recompute", lambda c: _ttft(c, "hf_recompute")),
-}
-
-
-@dataclass(frozen=True)
-class GoalSpec:
-    text: str
-    ratio: str  # a RATIOS key
-    target: float
-    applies: Callable[[int], bool] = lambda h: True
-
-
-GOALS = (
-    GoalSpec("from the memory tier: TTFT <= 1.10 x hf_floor at every H", "mem/floor", 1.10),
-    GoalSpec(f"from disk after a restart, cold, H >= {LONG_H}: TTFT <= 0.8 x hf_load_cold_file", "disk/cold_file",
-             0.8, lambda h: h >= LONG_H),
-    GoalSpec(f"from disk after a restart, cold, H >= {LONG_H}: TTFT <= 1.15 x max(hf_floor, bytes/disk_read_bps)",
-             "disk/bound", 1.15, lambda h: h >= LONG_H),
-    GoalSpec(f"from disk after a restart, cold, H < {LONG_H}: TTFT <= 1.0 x hf_load_cold_file", "disk/cold_file",
-             1.0, lambda h: h < LONG_H),
-    GoalSpec("from Redis: TTFT <= 0.9 x hf_load_redis", "redis/hf_redis", 0.9),
-    GoalSpec("kvtier_recompute <= 1.0 x hf_recompute", "recompute/hf", 1.0),
-)
-
-
-def ratio(cell: dict[str, dict], name: str) -> float | None:
-    peer, den = RATIOS[name]
-    num, d = _ttft(cell, peer), den(cell)
-    return num / d if num is not None and d else None
-
-
-def evaluate_goals(rows: Sequence[dict]) -> list[dict]:
-    """One goal per (dtype, goal): met when every measured H meets the target (an H missing a peer
-    is listed as not measured); met=None when no H of this dtype has both sides. value = the worst
-    ratio. Plus an exactness goal per dtype (value = rows whose first tokens differ)."""
-    cells = _cells(rows)
-    goals = []
-    for dtype in dict.fromkeys(k[0] for k in cells):
-        hs = sorted(h for d, h in cells if d == dtype)
-        for g in GOALS:
-            pts = [(h, ratio(cells[(dtype, h)], g.ratio)) for h in hs if g.applies(h)]
-            detail = ", ".join(f"H={h}: {'not measured' if r is None else f'{r:.3f}'}" for h, r in pts)
-            worst = max((r for _, r in pts if r is not None), default=None)
-            goals.append(dict(goal=f"{dtype}: {g.text}", dtype=dtype, ratio=g.ratio, target=g.target,
-                              value=None if worst is None else round(worst, 4),
-                              met=None if worst is None else bool(worst <= g.target),
-                              detail=detail or "no such history length measured"))
-        judged = [r for r in rows if r["dtype"] == dtype and r.get("first_token_match") is not None]
-        bad = [f"{r['peer']}@H={r['history']}" for r in judged if r["first_token_match"] is False]
-        goals.append(dict(goal=f"{dtype}: exactness: first token equals the recompute's (kvtier vs kvtier_recompute, "
-                               "HF vs hf_recompute)", dtype=dtype, ratio=None, target=0, value=len(bad),
-                          met=(not bad) if judged else None, detail=", ".join(bad) or f"{len(judged)} rows match"))
-    return goals
 
 
 # ----- reports ------------------------------------------------------------------------------------
@@ -147,14 +65,14 @@ def _met(g: dict) -> str:
 
 def pivot(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     """One line per (dtype, H): median TTFT of each measured peer, the goals' ratios, disk bandwidth."""
-    cells = _cells(rows)
+    cells = cells_of(rows)
     peers = [p for p in PEERS if any(p in c for c in cells.values())]
     head = ["dtype", "H"] + [f"{p} s" for p in peers] + list(RATIOS) + ["disk MB/s"]
     body = []
     for (dtype, h), c in cells.items():
         d = c.get("kvtier_disk_cold") or {}
         bw = d.get("disk_read_bps")
-        body.append([dtype, str(h)] + [_s(_ttft(c, p)) for p in peers] + [_s(ratio(c, n), 2) for n in RATIOS]
+        body.append([dtype, str(h)] + [_s(ttft_of(c, p)) for p in peers] + [_s(ratio(c, n), 2) for n in RATIOS]
                     + [_s(bw / 1e6 if bw else None, 0)])
     return head, body
 
@@ -210,7 +128,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = _cells(rows)
+    cells = cells_of(rows)
     dtypes = list(dict.fromkeys(k[0] for k in cells))
     if not dtypes:
         return
@@ -220,7 +138,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
         hs = sorted(h for d, h in cells if d == dtype)
         width = 0.8 / max(1, len(peers))
         for i, p in enumerate(peers):
-            ys = [_ttft(cells[(dtype, h)], p) for h in hs]
+            ys = [ttft_of(cells[(dtype, h)], p) for h in hs]
             xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(hs))]
             ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], width, label=p, color=PLOT_STYLE[p],
                    hatch="//" if p.startswith("hf") else None, edgecolor="white")

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
 from kvtier.bench.impress import admission as impress_admission
 from kvtier.bench.impress import reorder as impress_reorder
+from kvtier.bench.impress.goals import accuracy_goals, ttft_goals, variant
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
 from kvtier.engine.restore.impress import ReducedCache, calibrate, extend, impress_prefill
@@ -180,45 +181,6 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
                 probe_kv_heads=[ns.probe_first, ns.probe_first + ns.probe_kv_heads])
 
 
-def _by(rows: list[dict], name: str) -> dict | None:
-    return next((r for r in rows if r["variant"] == name), None)
-
-
-def accuracy_goals(rows: list[dict]) -> list[dict]:
-    """The issue's goals, for IMPRESS choosing tokens (the paper) and choosing whole granules."""
-    goals: list[dict] = []
-    full = _by(rows, "full")
-    if full is None:
-        return goals
-    for kind in ("impress", "impress-g"):
-        for ratio, limit in ((0.5, 1.0), (0.25, 2.0)):
-            r = _by(rows, f"{kind}@{ratio:g}")
-            if r:
-                drop = (full["accuracy"] - r["accuracy"]) * 100
-                goals.append(dict(goal=f"{kind}: needle accuracy drop vs full KV at ratio {ratio:g} <= {limit:g} points",
-                                  met=drop <= limit, value=drop, target=limit))
-        r = _by(rows, f"{kind}@0.25")
-        if not r:
-            continue
-        goals.append(dict(goal=f"{kind}: KL(full || variant) at ratio 0.25 <= 0.05", met=r["kl_mean"] <= 0.05,
-                          value=r["kl_mean"], target=0.05))
-        goals.append(dict(goal=f"{kind}: bytes read at ratio 0.25 <= 0.45x of full KV", met=r["bytes_vs_full"] <= 0.45,
-                          value=r["bytes_vs_full"], target=0.45))
-        goals.append(dict(goal=f"{kind}: identification <= 10% of the restore's time (memory tier)",
-                          met=r["identify_share"] <= 0.10, value=r["identify_share"], target=0.10))
-        h2o = _by(rows, "h2o-g@0.25" if kind.endswith("-g") else "h2o@0.25")
-        if h2o:
-            gap = (h2o["accuracy"] - r["accuracy"]) * 100
-            goals.append(dict(goal=f"{kind}: within 1 point of H2O over all keys at ratio 0.25", met=gap <= 1.0,
-                              value=gap, target=1.0))
-        for ref in ("random@0.25", "recent@0.25"):
-            b = _by(rows, ref)
-            if b:
-                gain = (r["accuracy"] - b["accuracy"]) * 100
-                goals.append(dict(goal=f"{kind}: >= 10 points above {ref}", met=gain >= 10.0, value=gain, target=10.0))
-    return goals
-
-
 # ----- TTFT -------------------------------------------------------------------------------------
 def _history(loaded: LoadedModel, tokens: int) -> list[int]:
     """Standard-library docstrings, or seeded random ids for a random-weight preset (TTFT and bytes
@@ -326,41 +288,6 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
     return dict(rows=rows, goals=ttft_goals(rows, args.ratio, tier), history=hist, new=new, dir=str(root), tier=base)
 
 
-def ttft_goals(rows: list[dict], ratio: float, tier: str = "disk") -> list[dict]:
-    goals: list[dict] = []
-    for auto, kind in (("auto-lossy", "impress"), ("auto-lossy-g", "impress-g")):
-        picks = [r for r in rows if r["method"] == auto]
-        if not picks:
-            continue
-        wrong = 0
-        for r in picks:  # a cell where auto restored by importance although an exact method measured faster
-            cell = {x["method"]: x["ttft_s"] for x in rows if x["bandwidth"] == r["bandwidth"]}
-            best_exact = min(cell.get("kv", math.inf), cell.get("cake", math.inf))
-            if r["restored_by"] == "impress" and cell.get(kind, math.inf) > best_exact:
-                wrong += 1
-        goals.append(dict(goal=f"{auto}: never restores by importance where {kind} measured slower than kv or cake "
-                               f"(cells, of {len(picks)})", met=wrong == 0, value=wrong, target=0))
-    at = [r for r in rows if r["bandwidth"] == "100"]
-    if not at:
-        return goals
-
-    def t(name: str) -> float | None:
-        return next((r["ttft_s"] for r in at if r["method"] == name), None)
-
-    exact = [x for x in (t("kv"), t("cake")) if x]
-    for kind in ("impress", "impress-g"):
-        imp = t(kind)
-        if imp and exact:
-            v = imp / min(exact)
-            goals.append(dict(goal=f"{tier} at 100 MB/s: {kind} TTFT <= 0.6x the best exact method (kv, cake)",
-                              met=v <= 0.6, value=v, target=0.6))
-        a, b = t(f"read:h2o@{ratio:g}"), t(f"read:{kind}@{ratio:g}")
-        if a and b:
-            goals.append(dict(goal=f"{tier} at 100 MB/s: {kind} >= 1.3x faster than H2O-style loading of all keys",
-                              met=a / b >= 1.3, value=a / b, target=1.3))
-    return goals
-
-
 def _table(doc: dict, mode: str) -> str:
     if mode == "reorder":
         lines = [impress_reorder.table(doc)]
@@ -403,7 +330,7 @@ def _plot(doc: dict, mode: str, path: str) -> None:
                          if r["variant"].startswith(kind + "@"))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=kind)
-        full = _by(doc["rows"], "full")
+        full = variant(doc["rows"], "full")
         if full:
             ax.axhline(full["accuracy"] * 100, color="k", ls="--", label="full KV")
         ax.axhline(25, color="grey", ls=":", label="chance")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.common import machine_info
+from kvtier.bench.partial.goals import evaluate_goals
 from kvtier.bench.stats import quantile_round
 from kvtier.engine.calibrate.fronts import cost_model, held_out_error
 from kvtier.engine.config import EngineConfig, PartialConfig, PartialPolicy, ReuseConfig
@@ -165,51 +166,6 @@ def unloaded_step(lm, prompt_len: int, max_len: int) -> float:
         tbts = [eng.generate([ids], SamplingParams(max_tokens=33, temperature=0, ignore_eos=True))[0].mean_tbt
                 for _ in range(3)]
     return statistics.median(t for t in tbts if t is not None)
-
-
-def _slo_tag(rows: list[dict], model: str, rate: float) -> str:
-    r = next(r for r in rows if r["model"] == model and r["rate"] == rate)
-    return f"{r['slo_x']:g}x ({r['slo_s'] * 1e3:.0f} ms)"
-
-
-def _goodput(row: dict) -> str:
-    g = row.get("goodput_tok_s")
-    return "-" if g is None else f"{g:.1f}"
-
-
-def evaluate_goals(rows: list[dict], mape: float | None) -> list[dict]:
-    goals = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        for rate in dict.fromkeys(r["rate"] for r in rows if r["model"] == model):
-            by = {r["policy"]: r for r in rows if r["model"] == model and r["rate"] == rate}
-            tag = f"{model} @ {rate:g} req/s, SLO {_slo_tag(rows, model, rate)}"
-            if {"recompute", "swap", "optimizer"} <= by.keys():
-                base = max(by["recompute"]["tok_s"], by["swap"]["tok_s"])
-                best = max((by[p] for p in by if p.startswith("optimizer")), key=lambda r: r["tok_s"])
-                x = best["tok_s"] / base
-                att = best["slo_attainment"] or 0.0
-                goals.append(dict(goal=f"{tag}: optimizer throughput >= 1.3x the better of recompute and swap, "
-                                       f">= 90% of requests within the SLO", met=x >= 1.3 and att >= 0.9,
-                                  value=round(x, 3), target=1.3,
-                                  summary=f"{best['policy']} {best['tok_s']:.1f} tok/s = {x:.2f}x of "
-                                          f"{base:.1f}; SLO attainment {att:.0%}; goodput "
-                                          f"{_goodput(best)} vs {_goodput(by['recompute'])} (recompute), "
-                                          f"{_goodput(by['swap'])} (swap) tok/s"))
-            if {"swap", "optimizer+swap"} <= by.keys():
-                x = by["optimizer+swap"]["tok_s"] / by["swap"]["tok_s"]
-                goals.append(dict(goal=f"{tag}: fronts from the unthrottled memory tier no more than 5% below swap",
-                                  met=x >= 0.95, value=round(x, 3), target=0.95,
-                                  summary=f"{by['optimizer+swap']['tok_s']:.1f} vs {by['swap']['tok_s']:.1f} tok/s"))
-            if {"full", "full+optimizer-noslo"} <= by.keys():
-                x = by["full+optimizer-noslo"]["tok_s"] / by["full"]["tok_s"]
-                goals.append(dict(goal=f"{tag}: ample memory: the optimizer (no SLO cap) no worse than full caching "
-                                       f"(5% noise)", met=x >= 0.95, value=round(x, 3), target=0.95,
-                                  summary=f"{by['full+optimizer-noslo']['tok_s']:.1f} vs {by['full']['tok_s']:.1f} "
-                                          f"tok/s"))
-    if mape is not None:
-        goals.append(dict(goal="cost model error (MAPE) on held-out (b, u) points <= 15%", met=mape <= 0.15,
-                          value=round(mape, 4), target=0.15, summary=f"{mape:.1%}"))
-    return goals
 
 
 COLUMNS = ("model", "rate", "policy", "tok_s", "goodput_tok_s", "tpot_p50", "tpot_p99", "slo_attainment", "ttft_p50",

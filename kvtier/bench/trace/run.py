@@ -43,6 +43,7 @@ from pathlib import Path
 
 from kvtier.bench.common import write_json_atomic
 from kvtier.bench.stats import quantile_linear
+from kvtier.bench.trace.goals import evaluate_goals
 from kvtier.dtypes import name_of
 from kvtier.testing.services import RedisServer
 
@@ -357,101 +358,6 @@ def make_rows(workload: str, cfg: RunConfig, recs: list[dict], totals: dict, bas
     return rows
 
 
-# ----- goals ------------------------------------------------------------------------------------
-def _row(rows, workload, config, turns):
-    return next((r for r in rows if r["workload"] == workload and r["config"] == config and r["turns"] == turns), None)
-
-
-def evaluate_goals(rows: list[dict]) -> list[dict]:
-    goals = []
-    # 1. later-turn TTFT p50: reuse >= 5x lower than recompute (multiturn decides; longdoc reported).
-    for wl in ("multiturn", "longdoc"):
-        base = _row(rows, wl, "recompute", "later")
-        reuse = [r for r in rows if r["workload"] == wl and r["turns"] == "later" and r["method"] in ("kv", "auto")
-                 and not r["pressure"]]
-        if base is None or not reuse:
-            continue
-        speed = {r["config"]: base["ttft_p50_s"] / r["ttft_p50_s"] for r in reuse if r["ttft_p50_s"]}
-        store_only = [v for r in reuse for k, v in speed.items() if k == r["config"] and not r["device_cache"]]
-        worst = min(store_only or speed.values())
-        seq = [r for r in rows if r["workload"] == f"{wl}-sequential" and r["turns"] == "later"]
-        sb = next((r for r in seq if r["method"] == "recompute"), None)
-        sr = next((r for r in seq if r["method"] != "recompute"), None)
-        unloaded = (f"; unloaded (sequential, batch 1): recompute {sb['ttft_p50_s'] * 1000:.0f} ms vs "
-                    f"{sr['config']} {sr['ttft_p50_s'] * 1000:.0f} ms ({sb['ttft_p50_s'] / sr['ttft_p50_s']:.1f}x)"
-                    if sb and sr else "")
-        goals.append(dict(goal=f"{wl}: later-turn TTFT p50 with reuse >= 5x lower than recompute "
-                               f"(every store configuration, device prefix cache off)",
-                          met=worst >= 5.0, value=worst, target=5.0,
-                          summary=f"recompute p50 {base['ttft_p50_s'] * 1000:.0f} ms; " + ", ".join(
-                              f"{k} {base['ttft_p50_s'] / speed[k] * 1000:.0f} ms ({v:.1f}x)" for k, v in speed.items())
-                          + unloaded))
-    # 2. look-ahead raises the memory-tier hit rate by >= 20 points over LRU under memory pressure.
-    for wl in ("multiturn", "longdoc"):
-        lru = [r for r in rows if r["workload"] == wl and r["config"].endswith("pressure-lru")]
-        la = [r for r in rows if r["workload"] == wl and r["config"].endswith("pressure-lookahead")]
-        if not lru or not la:
-            continue
-        def mem_rate(rs):  # over all turns of the run, weighted by store-served tokens
-            mem = sum(r["hit_rate"]["memory"] * r["tokens_reused"] for r in rs)
-            store = sum((r["hit_rate"]["memory"] + r["hit_rate"]["disk"] + r["hit_rate"]["redis"]) * r["tokens_reused"]
-                        for r in rs)
-            return mem / store if store else 0.0
-        a, b = mem_rate(lru), mem_rate(la)
-        goals.append(dict(goal=f"{wl}: under memory pressure, look-ahead raises the memory-tier hit rate by >= 20 "
-                               f"points over LRU", met=(b - a) * 100 >= 20, value=(b - a) * 100, target=20.0,
-                          summary=f"memory tier served {a * 100:.1f}% of store-restored tokens with LRU, "
-                                  f"{b * 100:.1f}% with look-ahead ({(b - a) * 100:+.1f} points)"))
-        # ... and it pays in latency: later turns no slower than with LRU (prefetching shares the cores).
-        slow = _row(rows, wl, "kv/memory+disk/pressure-lru", "later")
-        fast = _row(rows, wl, "kv/memory+disk/pressure-lookahead", "later")
-        if slow and fast:
-            ratio = max(fast["ttft_p50_s"] / slow["ttft_p50_s"], fast["ttft_p99_s"] / slow["ttft_p99_s"])
-            goals.append(dict(goal=f"{wl}: under memory pressure, later-turn TTFT p50 and p99 with look-ahead no "
-                                   f"worse than with LRU", met=ratio <= 1.0, value=ratio, target=1.0,
-                              summary=f"p50 {slow['ttft_p50_s'] * 1000:.0f} -> {fast['ttft_p50_s'] * 1000:.0f} ms, "
-                                      f"p99 {slow['ttft_p99_s'] * 1000:.0f} -> {fast['ttft_p99_s'] * 1000:.0f} ms "
-                                      f"(LRU -> look-ahead; worst ratio {ratio:.3f})"))
-    # 3. greedy outputs identical with and without reuse. The sequential check (identical prompts, batch 1)
-    # decides; the trace's own comparison is reported beside it (batch composition differs run to run).
-    seq = [r for r in rows if r.get("sequential") and r["method"] in ("kv", "auto")]
-    trace = [r for r in rows if not r.get("sequential") and r["method"] in ("kv", "auto")]
-    control = [r for r in rows if not r.get("sequential") and r["method"] == "recompute" and r["storage"] != "none"]
-
-    def tally(rs):
-        return sum(r["mismatched_turns"] for r in rs), sum(r["compared_turns"] for r in rs)
-
-    parts = []
-    for dt in sorted({r["dtype"] for r in seq}):
-        m, n = tally([r for r in seq if r["dtype"] == dt])
-        parts.append(f"sequential {dt}: {m} of {n} turns differ")
-    if trace:
-        m, n = tally(trace)
-        parts.append(f"trace (batched, timing-dependent): {m} of {n} same-prompt reuse turns differ")
-    if control:
-        m, n = tally(control)
-        parts.append(f"trace control (store, restore method recompute, i.e. no reuse): {m} of {n} differ")
-    decide = seq or trace
-    if decide and tally(decide)[1]:
-        m, n = tally(decide)
-        goals.append(dict(goal="greedy outputs identical with and without reuse (lossless configuration)",
-                          met=m == 0, value=m, target=0, summary="; ".join(parts)))
-    # 4. decoding does not slow down: mean TBT with saving on within 5% of saving off.
-    for wl in ("multiturn", "longdoc"):
-        on = [r for r in rows if r["workload"] == wl and r["config"].endswith("save-on") and r["tbt_mean_s"]]
-        off = [r for r in rows if r["workload"] == wl and r["config"].endswith("save-off") and r["tbt_mean_s"]]
-        if not on or not off:
-            continue
-        def mean_tbt(rs):  # request-weighted over both turn groups
-            n = sum(r["requests"] for r in rs)
-            return sum(r["tbt_mean_s"] * r["requests"] for r in rs) / n
-        a, b = mean_tbt(off), mean_tbt(on)
-        goals.append(dict(goal=f"{wl}: mean TBT with saving on within 5% of saving off", met=b <= a * 1.05,
-                          value=b / a, target=1.05,
-                          summary=f"saving off {a * 1000:.1f} ms, on {b * 1000:.1f} ms (ratio {b / a:.3f})"))
-    return goals
-
-
 # ----- reports ----------------------------------------------------------------------------------
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
@@ -588,27 +494,44 @@ def _load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
     return rows, reqs, meta
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.from_json:
-        rows, reqs, meta = _load([args.from_json, *args.merge])
-        goals = evaluate_goals(rows)
+def _print_rows(new: list[dict], totals: dict) -> None:
+    for r in new:
+        print(f"    {r['turns']:>5}: n={r['requests']} TTFT p50 {_ms(r['ttft_p50_s'])} ms p99 "
+              f"{_ms(r['ttft_p99_s'])} ms, TBT {_ms(r['tbt_mean_s'])} ms, reuse {_pc(r['hit_rate']['overall'])}"
+              f" (mem {_pc(r['hit_rate']['memory'])}, disk {_pc(r['hit_rate']['disk'])}), "
+              f"mismatch {r['mismatched_turns']}/{r['compared_turns']}", flush=True)
+    print(f"    wall {totals['wall_s']:.1f} s, {totals['throughput_tok_s']:.1f} tok/s, "
+          f"load {totals['loadavg_start']:.1f}->{totals['loadavg_end']:.1f}", flush=True)
+
+
+def run_plan(model, profile, plan, args: argparse.Namespace, workdir: Path, redis: RedisServer | None,
+             meta: dict) -> tuple[list[dict], list[dict]]:
+    """Every (workload, configuration) of the plan in turn: rows and per-turn records (JSON after each)."""
+    rows: list[dict] = []
+    reqs: list[dict] = []
+    baselines: dict[str, dict] = {}
+    for wl, cfg in plan:
+        print(f"[{time.strftime('%H:%M:%S')}] {wl.name} / {cfg.name} ...", flush=True)
+        records, totals = run_config(model, profile, wl, cfg, args, workdir, redis)
+        recs = [dict(dataclasses.asdict(r), workload=wl.name, config=cfg.name) for r in records]
+        for r in recs:
+            r.pop("output_ids")
+        if cfg.name == "recompute":
+            baselines[wl.name] = {(r["session"], r["turn"]): r["output_digest"] for r in recs}
+        new = make_rows(wl.name, cfg, recs, totals, None if cfg.name == "recompute" else baselines.get(wl.name),
+                        same_prompts=wl.name == "longdoc")  # longdoc prompts never carry earlier answers
+        rows += new
+        reqs += recs
+        meta["runs"][f"{wl.name}/{cfg.name}"] = totals
+        _print_rows(new, totals)
         if args.json:
-            write_json(args.json, rows, goals, meta, reqs)
-        render(rows, goals, reqs, args)
-        return 0
+            write_json(args.json, rows, evaluate_goals(rows), meta, reqs)
+    return rows, reqs
 
-    import torch
 
+def _workloads(args: argparse.Namespace, tok) -> list:
     from kvtier.bench import workloads
-    from kvtier.engine.calibrate.hardware import load_or_measure
-    from kvtier.models.loading import load_model
-    from kvtier.paths import home
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype)
-    tok = model.tokenizer
     wls = []
     if args.workload in ("multiturn", "all"):
         wls.append(workloads.multiturn(tok, args.sessions, args.rate, args.think, args.output_scale, args.seed,
@@ -616,6 +539,34 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.workload in ("longdoc", "all"):
         wls.append(workloads.longdoc(tok, args.documents, args.questions, args.doc_rate, args.doc_think,
                                      args.doc_tokens, args.doc_output_tokens, args.seed))
+    return wls
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    """--from-json: rows rebuilt from saved per-turn records, goals re-judged, reports re-rendered."""
+    rows, reqs, meta = _load([args.from_json, *args.merge])
+    goals = evaluate_goals(rows)
+    if args.json:
+        write_json(args.json, rows, goals, meta, reqs)
+    render(rows, goals, reqs, args)
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.from_json:
+        return _rerender(args)
+
+    import torch
+
+    from kvtier.engine.calibrate.hardware import load_or_measure
+    from kvtier.models.loading import load_model
+    from kvtier.paths import home
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype)
+    wls = _workloads(args, model.tokenizer)
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-trace-") if own_workdir else args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -641,30 +592,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     workloads={wl.name: dict(wl.params, sessions_n=len(wl.sessions), turns_n=wl.num_turns)
                                for wl in wls},
                     profile=dataclasses.asdict(profile) if profile else None, runs={})
-        rows, reqs = [], []  # list[dict] each, as from _load above
-        baselines: dict[str, dict] = {}
-        for wl, cfg in plan:
-            print(f"[{time.strftime('%H:%M:%S')}] {wl.name} / {cfg.name} ...", flush=True)
-            records, totals = run_config(model, profile, wl, cfg, args, workdir, redis)
-            recs = [dict(dataclasses.asdict(r), workload=wl.name, config=cfg.name) for r in records]
-            for r in recs:
-                r.pop("output_ids")
-            if cfg.name == "recompute":
-                baselines[wl.name] = {(r["session"], r["turn"]): r["output_digest"] for r in recs}
-            new = make_rows(wl.name, cfg, recs, totals, None if cfg.name == "recompute" else baselines.get(wl.name),
-                            same_prompts=wl.name == "longdoc")  # longdoc prompts never carry earlier answers
-            rows += new
-            reqs += recs
-            meta["runs"][f"{wl.name}/{cfg.name}"] = totals
-            for r in new:
-                print(f"    {r['turns']:>5}: n={r['requests']} TTFT p50 {_ms(r['ttft_p50_s'])} ms p99 "
-                      f"{_ms(r['ttft_p99_s'])} ms, TBT {_ms(r['tbt_mean_s'])} ms, reuse {_pc(r['hit_rate']['overall'])}"
-                      f" (mem {_pc(r['hit_rate']['memory'])}, disk {_pc(r['hit_rate']['disk'])}), "
-                      f"mismatch {r['mismatched_turns']}/{r['compared_turns']}", flush=True)
-            print(f"    wall {totals['wall_s']:.1f} s, {totals['throughput_tok_s']:.1f} tok/s, "
-                  f"load {totals['loadavg_start']:.1f}->{totals['loadavg_end']:.1f}", flush=True)
-            if args.json:
-                write_json(args.json, rows, evaluate_goals(rows), meta, reqs)
+        rows, reqs = run_plan(model, profile, plan, args, workdir, redis, meta)
         if args.check_sessions:
             multi = next((w for w in wls if w.name == "multiturn"), None)
             if multi is not None:

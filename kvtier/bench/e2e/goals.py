@@ -1,0 +1,117 @@
+"""`kvtier bench e2e`'s goals as data: `Goal` records judged by `kvtier.bench.goals.evaluate`.
+
+The goals are a pure function of the rows, so `report` re-judges a saved JSON. Per dtype measured:
+one goal per ratio goal below (met when every measured H meets the target; an H missing a peer is
+listed as not measured; met=None when no H of this dtype has both sides; value = the worst ratio),
+and an exactness goal (value = rows whose first tokens differ).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.bench.e2e.peers import LONG_H
+from kvtier.bench.goals import Empty, Goal, Item, evaluate
+
+
+def cells_of(rows: Sequence[Item]) -> dict[tuple[str, int], dict[str, Item]]:
+    """(dtype, history) -> {peer: row}, in the order rows were measured."""
+    cells: dict[tuple[str, int], dict[str, Item]] = {}
+    for r in rows:
+        cells.setdefault((r["dtype"], r["history"]), {})[r["peer"]] = r
+    return cells
+
+
+def ttft_of(cell: dict[str, Item], peer: str) -> float | None:
+    t = (cell.get(peer) or {}).get("ttft_s")
+    return None if t is None or t != t else t  # NaN (no sample) counts as not measured
+
+
+def disk_bound(cell: dict[str, Item]) -> float | None:
+    """max(hf_floor, bytes restored / raw cold disk bandwidth): no restore from disk can beat it."""
+    floor, d = ttft_of(cell, "hf_floor"), cell.get("kvtier_disk_cold")
+    if floor is None or not d or not d.get("disk_read_bps") or d.get("bytes_restored") is None:
+        return None
+    return max(floor, d["bytes_restored"] / d["disk_read_bps"])
+
+
+# ratio column -> (numerator peer, denominator from the cell)
+RATIOS: dict[str, tuple[str, Callable[[dict], float | None]]] = {
+    "mem/floor": ("kvtier_memory", lambda c: ttft_of(c, "hf_floor")),
+    "disk/cold_file": ("kvtier_disk_cold", lambda c: ttft_of(c, "hf_load_cold_file")),
+    "disk/bound": ("kvtier_disk_cold", disk_bound),
+    "redis/hf_redis": ("kvtier_redis", lambda c: ttft_of(c, "hf_load_redis")),
+    "recompute/hf": ("kvtier_recompute", lambda c: ttft_of(c, "hf_recompute")),
+}
+
+
+def ratio(cell: dict[str, Item], name: str) -> float | None:
+    peer, den = RATIOS[name]
+    num, d = ttft_of(cell, peer), den(cell)
+    return num / d if num is not None and d else None
+
+
+@dataclass(frozen=True)
+class RatioGoal:
+    """One ratio goal, judged per dtype at every history length H it applies to."""
+
+    text: str
+    ratio: str  # a RATIOS key
+    target: float
+    applies: Callable[[int], bool] = lambda h: True
+
+
+RATIO_GOALS = (
+    RatioGoal("from the memory tier: TTFT <= 1.10 x hf_floor at every H", "mem/floor", 1.10),
+    RatioGoal(f"from disk after a restart, cold, H >= {LONG_H}: TTFT <= 0.8 x hf_load_cold_file", "disk/cold_file",
+              0.8, lambda h: h >= LONG_H),
+    RatioGoal(f"from disk after a restart, cold, H >= {LONG_H}: TTFT <= 1.15 x max(hf_floor, bytes/disk_read_bps)",
+              "disk/bound", 1.15, lambda h: h >= LONG_H),
+    RatioGoal(f"from disk after a restart, cold, H < {LONG_H}: TTFT <= 1.0 x hf_load_cold_file", "disk/cold_file",
+              1.0, lambda h: h < LONG_H),
+    RatioGoal("from Redis: TTFT <= 0.9 x hf_load_redis", "redis/hf_redis", 0.9),
+    RatioGoal("kvtier_recompute <= 1.0 x hf_recompute", "recompute/hf", 1.0),
+)
+
+
+def _shown(r: float | None) -> str:
+    return "not measured" if r is None else f"{r:.3f}"
+
+
+def _ratio_goal(dtype: str, spec: RatioGoal) -> Goal:
+    def select(rows: Sequence[Item]) -> list[Item]:  # one item per H: {h, r} (r None: not measured)
+        cells = cells_of(rows)
+        return [dict(h=h, r=ratio(cells[(dtype, h)], spec.ratio))
+                for h in sorted(h for d, h in cells if d == dtype) if spec.applies(h)]
+
+    def fields(pts: list[Item]) -> dict[str, Any]:
+        worst = max((p["r"] for p in pts if p["r"] is not None), default=None)
+        return dict(dtype=dtype, ratio=spec.ratio, target=spec.target, value=None if worst is None else round(worst, 4),
+                    detail=", ".join(f"H={p['h']}: {_shown(p['r'])}" for p in pts) or "no such history length measured")
+
+    return Goal(f"{dtype}: {spec.text}", select, lambda p: None if p["r"] is None else bool(p["r"] <= spec.target),
+                fields, Empty.UNJUDGED)
+
+
+def _exactness_goal(dtype: str) -> Goal:
+    def fields(judged: list[Item]) -> dict[str, Any]:
+        bad = [f"{r['peer']}@H={r['history']}" for r in judged if r["first_token_match"] is False]
+        return dict(dtype=dtype, ratio=None, target=0, value=len(bad),
+                    detail=", ".join(bad) or f"{len(judged)} rows match")
+
+    return Goal(f"{dtype}: exactness: first token equals the recompute's (kvtier vs kvtier_recompute, "
+                "HF vs hf_recompute)",
+                lambda rows: [r for r in rows if r["dtype"] == dtype and r.get("first_token_match") is not None],
+                lambda r: r["first_token_match"] is not False, fields, Empty.UNJUDGED)
+
+
+def goals_for(rows: Sequence[Item]) -> list[Goal]:
+    """The goals of every dtype the rows measured, in the order measured."""
+    return [g for dtype in dict.fromkeys(r["dtype"] for r in rows)
+            for g in (*(_ratio_goal(dtype, spec) for spec in RATIO_GOALS), _exactness_goal(dtype))]
+
+
+def evaluate_goals(rows: Sequence[Item]) -> list[Item]:
+    return evaluate(goals_for(rows), rows)
