@@ -9,20 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.restore import impress as impress_exec
-from kvtier.engine.restore.impress import (
-    ReducedCache,
-    calibrate,
-    calibrate_probe,
-    extend,
-    impress_prefill,
-    probe_pass_rate,
-)
+from kvtier.engine.calibrate import probes as probe_calibration
+from kvtier.engine.calibrate.probes import calibrate, calibrate_probe, probe_pass_rate
 from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
+from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store import StoreNamespace, TieredStore
 from kvtier.store.selective import TokenReads
+from kvtier.testing.impress_harness import ReducedCache, extend
 
 PREFIX, NEW, CHUNK = 96, 8, 32
 
@@ -73,7 +68,7 @@ def test_keeping_every_token_equals_the_full_forward(loaded, tmp_path, policy):
     torch.testing.assert_close(logits, want[PREFIX : PREFIX + NEW], atol=1e-4, rtol=1e-4)
     assert cache.rope_offset == 0 and cache.slots == PREFIX + NEW
     # Decoding on over the cache (teacher-forced) still matches.
-    torch.testing.assert_close(extend(loaded.module, rope, cache, ids[PREFIX + NEW :]), want[PREFIX + NEW :],
+    torch.testing.assert_close(extend(loaded.module, rope, ReducedCache.of(cache), ids[PREFIX + NEW :]), want[PREFIX + NEW :],
                                atol=1e-4, rtol=1e-4)
 
 
@@ -184,5 +179,5 @@ def test_probe_pass_rate_and_the_cached_calibration(loaded, tmp_path, monkeypatc
     monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
     first = calibrate(loaded, 1)
     assert first.first == 0  # no tokenizer: the paper's first heads
-    monkeypatch.setattr(impress_exec, "probe_pass_rate", lambda *a, **k: pytest.fail("not cached"))
+    monkeypatch.setattr(probe_calibration, "probe_pass_rate", lambda *a, **k: pytest.fail("not cached"))
     assert calibrate(loaded, 1) == first  # measured once per model, dtype and probe count

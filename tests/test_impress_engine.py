@@ -9,11 +9,13 @@ import torch
 from kvtier.engine.config import ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.restore.impress import ReducedCache, chunk_ratios, extend, impress_prefill
+from kvtier.engine.restore.impress import chunk_ratios
 from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
+from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
 from kvtier.store.selective import TokenReads
+from kvtier.testing.impress_harness import ReducedCache, extend
 
 HIST, NEW, OUT = 256, 12, 8
 GREEDY = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
@@ -56,9 +58,10 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int
     reads = TokenReads(store, store.lookup(ids[:HIST]).chunks)
     rope = Rope(model.config, 4096, torch.float32)
     try:
-        logits, cache, _ = impress_prefill(model.module, rope, reads, ids[HIST:], policy)
+        logits, kv, _ = impress_prefill(model.module, rope, reads, ids[HIST:], policy)
     finally:
         reads.close()
+    cache = ReducedCache.of(kv)
     out = [int(logits[-1].argmax())]
     while len(out) < OUT:
         out.append(int(extend(model.module, rope, cache, out[-1:])[-1].argmax()))

@@ -104,8 +104,8 @@ def model():
 def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, tmp_path, monkeypatch):
     import torch
 
+    from kvtier.engine.calibrate.probes import ProbeCalibration
     from kvtier.engine.link import store_link as statelink
-    from kvtier.engine.restore.impress import ProbeCalibration
 
     # Random weights: probe heads rarely agree, so importance restores would read most keys and auto
     # would (rightly) not choose them; here the probes are taken to always agree.

@@ -4,11 +4,17 @@ Parameter names match Hugging Face's `LlamaForCausalLM`, so a transformers state
 Each layer exposes its steps (`qkv`, `kv`, `finish`) instead of one opaque forward, so the engine
 can capture a layer's input hidden state and pre-RoPE K/V, rebuild K/V from a stored hidden state,
 and run new tokens against KV that someone else placed in the pool.
+
+`CausalLM.run_layers` is the project's one loop over the decoder layers: every pass (the engine's
+step, the plain reference forward, the probe calibration, the importance restore) runs it and
+passes a `LayerAttention` for what differs between them, namely which rows enter a layer and
+what their queries attend to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import abc
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import torch
@@ -17,7 +23,7 @@ from torch import nn
 
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
-from kvtier.models.rope import Rope, rotate
+from kvtier.models.rope import Rope, rotate, rotate_into
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +97,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder. `forward` is a plain single-sequence pass used as the simplest reference."""
+    """The decoder. `forward` is a plain single-sequence pass used as the simplest reference (the
+    HF oracle checks it); `run_layers` is the layer loop every pass shares."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -117,16 +124,83 @@ class CausalLM(nn.Module):
         """h: [tokens, hidden] final residual stream -> fp32 logits [tokens, vocab]."""
         return self.lm_head(self.model.norm(h)).float()
 
+    def run_layers(self, h: torch.Tensor, attention: LayerAttention, layers: Iterable[int] | None = None) -> torch.Tensor:
+        """The decoder layers (`layers`, default all) over the rows h [tokens, hidden]; `attention`
+        says what each layer's queries attend to. -> the last layer's output rows [tokens', hidden]
+        (fewer rows than h where `attention.enter` let some leave)."""
+        for li in layers if layers is not None else range(self.cfg.num_layers):
+            h = attention.enter(li, h)
+            layer = self.layers[li]
+            q, k, v = layer.qkv(h)  # [tokens, heads | kv_heads, hd], before RoPE
+            q, k = attention.rotate(q, k)
+            h = layer.finish(h, attention.attend(li, h, q, k, v))
+        return h
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """ids: [tokens] -> logits [tokens, vocab] for one sequence starting at position 0."""
         dev = self.lm_head.weight.device
         ids = ids.to(dev)
         rope = rope or Rope(self.cfg, ids.shape[0], self.dtype, dev)
-        cos, sin = rope.cos_sin(torch.arange(ids.shape[0], device=dev))
-        h = self.embed(ids)
-        for layer in self.layers:
-            q, k, v = layer.qkv(h)
-            o = causal_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, q_start=0)
-            h = layer.finish(h, o)
-        return self.logits(h)
+        return self.logits(self.run_layers(self.embed(ids), _HFRotation(rope, torch.arange(ids.shape[0], device=dev))))
+
+
+class LayerAttention(abc.ABC):
+    """What differs between the passes over the decoder layers (`CausalLM.run_layers`): the rows
+    that enter each layer, their RoPE tables, and the keys and values their queries attend to."""
+
+    @property
+    @abc.abstractmethod
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin half tables [tokens, 1, hd/2] at the positions of the rows entering the layer."""
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, hd] and k [tokens, kv_heads, hd] rotated at the rows' positions, each into
+        a fresh tensor (a capture may keep k past the step)."""
+        cos, sin = self.rope
+        return rotate_into(q, cos, sin, torch.empty_like(q)), rotate_into(k, cos, sin, torch.empty_like(k))
+
+    def enter(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        """Before layer `li`, whose input rows are h [tokens, hidden]: -> the rows that go through it
+        (a pass may place restored K/V in time for it, or let rows leave). Default: every row."""
+        return h
+
+    @abc.abstractmethod
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer `li`'s attention for the rows h [tokens, hidden]: q [tokens, heads, hd] and k [tokens,
+        kv_heads, hd] rotated at their positions, v [tokens, kv_heads, hd]. -> [tokens, heads, hd]."""
+
+
+# observe(layer, q, k, v): a layer's rotated q [tokens, heads, hd], k, v [tokens, kv_heads, hd].
+ObserveFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class SelfAttention(LayerAttention):
+    """One fresh sequence attending causally to itself, its rows at positions [0, tokens).
+    `observe` sees each layer's q/k/v before the layer attends (the probe calibration's scores)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, observe: ObserveFn | None = None) -> None:
+        self.cos, self.sin, self.observe = cos, sin, observe  # [tokens, 1, hd/2]
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.observe is not None:
+            self.observe(li, q, k, v)
+        return causal_attention(q, k, v, 0)
+
+
+class _HFRotation(SelfAttention):
+    """`CausalLM.forward`'s pass: RoPE in HF's own arithmetic (`rotate`, full tables) rather than
+    the engine's fused `rotate_into`, which rounds differently (bf16 logits move by up to ~0.5), so
+    the plain reference stays what the HF oracle checks."""
+
+    def __init__(self, rope: Rope, positions: torch.Tensor) -> None:
+        super().__init__(*rope.halves(positions))
+        self.full = rope.cos_sin(positions)  # [tokens, 1, hd]
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.full
+        return rotate(q, cos, sin), rotate(k, cos, sin)

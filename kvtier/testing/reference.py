@@ -1,6 +1,7 @@
-"""Reference computations for tests and benchmarks, built on the engine's own runner (one
-decoder-layer loop in the project: `ModelRunner.execute`; `CausalLM.forward` stays as the plain
-single-sequence reference the HF oracle checks).
+"""Reference computations for tests and benchmarks, built on the engine's own runner
+(`ModelRunner.execute`), which runs the project's one decoder-layer loop, `CausalLM.run_layers`
+(as do `CausalLM.forward`, the plain single-sequence reference the HF oracle checks, the probe
+calibration and the importance restore).
 
     context_state        a context's storable state (layer inputs, K rotated, V), as the engine captures it
     continuation_logits  logits of new tokens after a context given as stored K/V, optionally moved

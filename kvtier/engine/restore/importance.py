@@ -63,6 +63,11 @@ def mean_pairwise_jaccard(sets: list[torch.Tensor]) -> float:
     return sum(jaccard(a, b) for a, b in pairs) / len(pairs) if pairs else 1.0
 
 
+def mean_jaccard(importance: torch.Tensor, k: int) -> float:
+    """How much several heads agree: the mean pairwise Jaccard of their top-k sets. importance [heads, m]."""
+    return mean_pairwise_jaccard([top_k(row, k) for row in importance])
+
+
 def random_jaccard(ratio: float) -> float:
     """Expected Jaccard index of two random k-of-n sets, k/n = ratio: (k/n) / (2 - k/n)."""
     return ratio / (2.0 - ratio)

@@ -5,6 +5,7 @@ one matmul per layer; attention runs per request over that request's blocks in t
 from the pool when its blocks are consecutive, else gathered), or, for decoding requests, in one
 padded batch. K enters the pool rotated at its position; a capture callback can take each layer's
 input and the K (rotated) and V computed for every run on the way, which is what the store saves.
+A step goes through the model's shared layer loop (`CausalLM.run_layers`) as a `StepAttention`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
 from kvtier.models.attention import causal_attention
-from kvtier.models.llama import CausalLM
+from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import aligned_empty
 from kvtier.store.tiers.base import PoolTarget
@@ -108,6 +109,40 @@ class StepBatch:
     write_rows: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class _DecodeLayout:
+    """The decodes of a step batched: which runs, and their contexts' pool slots (host tensors)."""
+
+    rows: tuple[int, ...]  # run indices
+    ctx_len: list[int]  # per decode: front + cached positions + its token
+    width: int  # the longest context
+    slots: torch.Tensor  # [sum ctx_len] packed or [decodes * width] padded, flat
+    ctx_at: list[int]  # where each decode's context starts in `slots`
+    fronted: bool  # some decode has an uncached front
+
+
+@dataclass(frozen=True)
+class _FrontLayout:
+    """Partial caching on the host: where the decodes' front K/V go in their gathered contexts,
+    from which step rows (front runs), and which rows' K/V enter the pool."""
+
+    dst: torch.Tensor  # [sum of fronts] flat rows of the decodes' contexts
+    src: torch.Tensor  # [sum of fronts computed by front runs] step rows
+    writes: torch.Tensor  # [rows entering the pool] every row but the front runs'
+    from_runs: bool  # some front is computed by a front run of this step
+
+
+def _front_layout(items: Sequence[RunItem], offsets: Sequence[int], dec: _DecodeLayout) -> _FrontLayout:
+    empty = torch.zeros(0, dtype=torch.long)
+    dst = [torch.arange(at, at + items[i].front) for at, i in zip(dec.ctx_at, dec.rows)]
+    front_run = {it.front_of: j for j, it in enumerate(items) if it.front_of is not None}
+    src = [torch.arange(offsets[front_run[i]], offsets[front_run[i]] + items[i].front)
+           for i in dec.rows if items[i].front and i in front_run]
+    writes = [torch.arange(offsets[j], offsets[j + 1]) for j, it in enumerate(items) if it.front_of is None]
+    return _FrontLayout(torch.cat(dst) if dst else empty, torch.cat(src) if src else empty, torch.cat(writes),
+                        bool(src))
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_positions: int,
                  transfer: Transfer | None = None):
@@ -171,6 +206,8 @@ class ModelRunner:
 
     # ----- one step ---------------------------------------------------------------------------
     def prepare(self, items: Sequence[RunItem]) -> StepBatch:
+        """A step's index tensors: where each run's context is read from, the decodes' batched
+        layout and the partially cached decodes' fronts, built on the host and uploaded at once."""
         fronts = [it.front_of is not None for it in items]
         if any(f and not later for f, later in zip(fronts, fronts[1:])):
             raise ValueError("front runs must come after every other run of a step")
@@ -178,50 +215,57 @@ class ModelRunner:
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
+        dec = self._decode_layout(items, lens)
+        front = _front_layout(items, offsets, dec)
+        ctx = tuple(None if it.start == 0 or i in dec.rows else self._context(it.block_ids, it.slot_start + n)
+                    for i, (it, n) in enumerate(zip(items, lens)))
+        return self._upload(items, lens, offsets, dec, front, ctx)
+
+    def _decode_layout(self, items: Sequence[RunItem], lens: Sequence[int]) -> _DecodeLayout:
+        """Which runs decode in one batch (single tokens with history), and their contexts' pool
+        slots: packed back to back (flash varlen) or padded to the longest (padding: slot 0, masked).
+        A decode's context is its front (slot 0 here: filled after the gather), then its slots."""
         rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
         fronted = any(items[i].front for i in rows)
         if len(rows) < 2 and not fronted:  # a partially cached decode needs the batched path's gather
             rows = ()
-        # A decode's context: its front (slot 0 here: filled after the gather), then its slots.
         ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
         if self.packed_decode:  # each context's slots, back to back
-            dec_slots = torch.cat([F.pad(c, (items[i].front, 0)) for i, c in zip(rows, cached)]) \
-                if rows else torch.zeros(0, dtype=torch.long)
+            slots = torch.cat([F.pad(c, (items[i].front, 0)) for i, c in zip(rows, cached)]) \
+                if rows else torch.zeros(0, dtype=torch.long)  # [sum ctx_len]
             ctx_at = [sum(ctx_len[:r]) for r in range(len(rows))]
-        else:  # padded to the longest (padding: slot 0, masked)
-            dec_slots = torch.zeros(len(rows), width, dtype=torch.long)
+        else:  # padded to the longest
+            slots = torch.zeros(len(rows), width, dtype=torch.long)  # [decodes, width]
             for r, (i, c) in enumerate(zip(rows, cached)):
-                dec_slots[r, items[i].front : ctx_len[r]] = c
+                slots[r, items[i].front : ctx_len[r]] = c
             ctx_at = [r * width for r in range(len(rows))]
-        front_dst = [torch.arange(at, at + items[i].front) for at, i in zip(ctx_at, rows)]
-        front_run = {it.front_of: j for j, it in enumerate(items) if it.front_of is not None}
-        front_src = [torch.arange(offsets[front_run[i]], offsets[front_run[i]] + items[i].front)
-                     for i in rows if items[i].front and i in front_run]
-        writes = [torch.arange(offsets[j], offsets[j + 1]) for j, it in enumerate(items) if it.front_of is None]
-        last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
-        ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.slot_start + n)
-                    for i, (it, n) in enumerate(zip(items, lens)))
+        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted)
+
+    def _upload(self, items: Sequence[RunItem], lens: Sequence[int], offsets: list[int], dec: _DecodeLayout,
+                front: _FrontLayout, ctx: tuple[range | torch.Tensor | None, ...]) -> StepBatch:
+        """Every index tensor of the step in one host buffer, uploaded in one copy, then split."""
         writing = [(it, n) for it, n in zip(items, lens) if it.front_of is None]
-        # Every index tensor of the step in one host buffer, uploaded in one copy, then split.
+        last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
         host = [
             torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),  # ids
             torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]),  # positions
             torch.cat([self.slots(it.block_ids, it.slot_start, it.slot_start + n) for it, n in writing]),  # new slots
-            dec_slots.view(-1),
-            torch.tensor(ctx_len, dtype=torch.long),
-            torch.tensor([offsets[i] for i in rows], dtype=torch.long),  # decode q rows
+            dec.slots,
+            torch.tensor(dec.ctx_len, dtype=torch.long),
+            torch.tensor([offsets[i] for i in dec.rows], dtype=torch.long),  # decode q rows
             torch.tensor(last, dtype=torch.long),
-            torch.cat(front_dst) if front_dst else torch.zeros(0, dtype=torch.long),
-            torch.cat(front_src) if front_src else torch.zeros(0, dtype=torch.long),
-            torch.cat(writes),
+            front.dst,
+            front.src,
+            front.writes,
         ] + [c for c in ctx if isinstance(c, torch.Tensor)]
         sizes = [t.numel() for t in host]
         dev = self.upload(torch.cat(host)).split(sizes)
         ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows, f_dst, f_src, write_rows = dev[:10]
         gathered = iter(dev[10:])
         cos, sin = self.rope.halves(positions)
+        rows, width = dec.rows, dec.width
         dec_mask = dec_cu = None
         if rows and self.packed_decode:
             dec_cu = F.pad(dec_len.cumsum(0), (1, 0)).to(torch.int32)  # [decodes + 1], on the device
@@ -243,19 +287,15 @@ class ModelRunner:
             decode_width=width,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
-            front_dst=f_dst if fronted else None,
-            front_src=f_src if front_src else None,
+            front_dst=f_dst if dec.fronted else None,
+            front_src=f_src if front.from_runs else None,
             write_rows=write_rows if len(writing) < len(items) else None,
         )
 
-    def run_layer(self, li: int, h: torch.Tensor, b: StepBatch, capture: CaptureFn | None = None,
-                  fed: FrontFeed | None = None) -> torch.Tensor:
-        """Layer `li` for every run in the batch: writes its K/V into the pool, returns the next h.
-        `fed`: the fronts of this layer come from it, not from front runs."""
-        layer = self.model.layers[li]
-        q, k, v = layer.qkv(h)  # [tokens, heads | kv_heads, hd], before RoPE
-        q = rotate_into(q, b.cos, b.sin, torch.empty_like(q))
-        k = rotate_into(k, b.cos, b.sin, torch.empty_like(k))  # fresh: captured views must outlive the step
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: StepBatch,
+               capture: CaptureFn | None = None, fed: FrontFeed | None = None) -> torch.Tensor:
+        """Layer `li`'s attention for every run in the batch (q, k rotated): writes its K/V into the
+        pool, -> [tokens, heads, hd]. `fed`: the fronts of this layer come from it, not from front runs."""
         if capture is not None:
             capture(li, b.offsets, h, k, v)  # front runs come last: the capture's requests stop before them
         kc, vc = self.k_cache[li], self.v_cache[li]
@@ -287,7 +327,7 @@ class ModelRunner:
             else:
                 outs[i] = causal_attention(q[lo:hi], kc.index_select(0, ctx), vc.index_select(0, ctx), it.slot_start)
         done = cast("list[torch.Tensor]", outs)  # every run has its output by now
-        return layer.finish(h, torch.cat(done) if len(done) > 1 else done[0])
+        return torch.cat(done) if len(done) > 1 else done[0]
 
     def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch,
                           front: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -339,18 +379,11 @@ class ModelRunner:
         """
         model = self.model
         layers = layers if layers is not None else range(model.cfg.num_layers)
-        b = self.prepare(items)
-        h = model.embed(b.ids)  # [tokens, hidden]
-        for li in layers:
-            if before_layer is not None:
-                before_layer(li)
-            if fed is not None and li == fed.boundary and b.front_src is not None:
-                kept = [it for it in items if it.front_of is None]
-                h = h[: sum(len(it.token_ids) for it in kept)]  # front rows are the last ones
-                b = self.prepare(kept)
-            h = self.run_layer(li, h, b, capture, fed if fed is not None and li >= fed.boundary else None)
+        step = StepAttention(self, items, capture, before_layer, fed)
+        h = model.run_layers(model.embed(step.batch.ids), step, layers)  # [tokens, hidden]
         if every_token and layers.stop == model.cfg.num_layers:
             return model.logits(h)  # [tokens, vocab]
+        b = step.batch
         if b.last_rows is None or not b.last_rows.numel() or layers.stop != model.cfg.num_layers:
             return torch.empty(0, model.cfg.vocab_size, device=self.device)
         return model.logits(h.index_select(0, b.last_rows))  # [requests sampling, vocab]
@@ -395,3 +428,31 @@ class ModelRunner:
         k = k.to(self.k_cache.dtype)
         self.k_cache[layer].index_copy_(0, slots, rotate_into(k, cos, sin, torch.empty_like(k)))
         self.v_cache[layer].index_copy_(0, slots, v.to(self.v_cache.dtype))
+
+
+class StepAttention(LayerAttention):
+    """One engine step through the shared layer loop: the restore's `before_layer` hook, front runs
+    leaving the batch at the feed's boundary (their rows are the last ones), and each layer's pool
+    writes and per-run attention (`ModelRunner.attend`)."""
+
+    def __init__(self, runner: ModelRunner, items: Sequence[RunItem], capture: CaptureFn | None,
+                 before_layer: Callable[[int], None] | None, fed: FrontFeed | None) -> None:
+        self.runner, self.items, self.capture, self.before_layer, self.fed = runner, items, capture, before_layer, fed
+        self.batch = runner.prepare(items)
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch.cos, self.batch.sin  # [tokens, 1, hd/2]
+
+    def enter(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        if self.before_layer is not None:
+            self.before_layer(li)
+        if self.fed is not None and li == self.fed.boundary and self.batch.front_src is not None:
+            kept = [it for it in self.items if it.front_of is None]
+            h = h[: sum(len(it.token_ids) for it in kept)]  # front rows are the last ones
+            self.batch = self.runner.prepare(kept)
+        return h
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fed = self.fed if self.fed is not None and li >= self.fed.boundary else None
+        return self.runner.attend(li, h, q, k, v, self.batch, self.capture, fed)

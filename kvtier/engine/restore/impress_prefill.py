@@ -1,0 +1,149 @@
+"""The importance restore's compute: a request's new tokens through the shared layer loop
+(`CausalLM.run_layers`), each layer's queries attending to the prefix tokens the policy keeps.
+
+Per layer, the new rows' queries score the prefix with the probe heads' keys (read up front, one
+read per chunk for every layer); if the probe heads' top-k sets agree one consensus set is kept
+and only its tokens' K and V are read; otherwise every key is read and the set comes from all
+heads (the fallback). The kept tokens take compact slots with K at its original position (stored K
+is already rotated there), so each layer keeps exactly k slots of prefix, possibly different tokens
+per layer, and no mask is needed; the new tokens follow at RoPE positions prefix + i.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from kvtier.engine.restore.importance import LayerSelection, similarity_threshold
+from kvtier.engine.restore.impress_policy import ImpressPolicy, ImpressStats, Selection, blind_selection
+from kvtier.engine.restore.impress_reads import TimedReads
+from kvtier.engine.restore.impress_select import ProbeHeads, Units, fallback_selection, h2o_selection, probe_selection
+from kvtier.models.attention import causal_attention
+from kvtier.models.config import ModelConfig
+from kvtier.models.llama import CausalLM, LayerAttention
+from kvtier.models.rope import Rope
+from kvtier.store.selective import TokenReads
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CompactKV:
+    """One sequence's K/V per layer in compact slots: the kept prefix tokens of that layer (K rotated
+    at their original positions), then the new tokens, at RoPE position slot + rope_offset."""
+
+    k: list[torch.Tensor]  # per layer [slots, kv_heads, hd]
+    v: list[torch.Tensor]
+    rope_offset: int  # prefix tokens dropped (the same number in every layer)
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+
+@dataclass(frozen=True)
+class Choice:
+    kept: torch.Tensor  # [k] prefix tokens a layer keeps, ascending
+    keys: torch.Tensor | None = None  # [m, kv_heads, hd] every prefix key, where choosing read them
+
+
+class ImportanceAttention(LayerAttention):
+    """The new rows (RoPE tables cos/sin) attend, per layer, to the kept prefix tokens' K/V then to
+    their own; what each layer kept is collected in `k`/`v` (`CompactKV`) and `stats`."""
+
+    def __init__(self, cfg: ModelConfig, policy: ImpressPolicy, reads: TimedReads, probes: dict[int, torch.Tensor],
+                 stats: ImpressStats, cos: torch.Tensor, sin: torch.Tensor, probe_first: int, probe_count: int) -> None:
+        m = stats.prefix_tokens
+        count, kept_units = policy.units(m)
+        g = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
+        self.policy, self.reads, self.probes, self.stats, self.cos, self.sin = policy, reads, probes, stats, cos, sin
+        self.units = Units(m, policy.unit, count, kept_units)
+        self.heads = ProbeHeads.of(probe_first, probe_count, g)
+        self.score_heads = None if policy.score_kv_heads is None else \
+            [h * g + i for h in policy.score_kv_heads for i in range(g)]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.threshold = similarity_threshold(policy.ratio, policy.alpha)
+        self._choose: dict[Selection, Callable[[int, torch.Tensor, torch.Tensor], Choice]] = {
+            Selection.IMPRESS: self._impress, Selection.PROBES: self._probes, Selection.H2O: self._h2o,
+            Selection.FULL: self._full, Selection.RANDOM: self._blind, Selection.RECENT: self._blind}
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor) -> torch.Tensor:
+        st = self.stats
+        choice = self._choose[self.policy.selection](li, q, kn)
+        st.kept.append(choice.kept)
+        k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, st.kept_tokens == st.prefix_tokens)
+        kc = torch.cat([k_kept.to(kn.device, kn.dtype), kn])  # [k + n, kv_heads, hd]
+        vc = torch.cat([v_kept.to(vn.device, vn.dtype), vn])
+        self.k.append(kc)
+        self.v.append(vc)
+        return causal_attention(q, kc, vc, st.kept_tokens)  # the new rows start after the k kept slots
+
+    def _identify(self, compute: Callable[[], T]) -> T:
+        t = time.perf_counter()
+        out = compute()
+        self.stats.identify_s += time.perf_counter() - t
+        return out
+
+    def _impress(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
+        """The probes' consensus where they agree (J >= threshold), else every key and every head."""
+        return self._by_probes(li, q, kn, self.threshold)
+
+    def _probes(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
+        """The probes' consensus in every layer: with no threshold they always agree."""
+        return self._by_probes(li, q, kn, 0.0)
+
+    def _by_probes(self, li: int, q: torch.Tensor, kn: torch.Tensor, threshold: float) -> Choice:
+        probe_keys, rule = self.probes[li], self.policy.vote
+        imp, sel = self._identify(lambda: probe_selection(q, kn, probe_keys, self.heads, self.units, threshold, rule))
+        keys = None
+        if sel is None:  # the probes disagree: every key, a set from every head
+            keys = self.reads.keys(li)
+            sel = self._identify(lambda: fallback_selection(q, keys, kn, self.units, imp))
+        chosen: LayerSelection = sel
+        self.stats.jaccard.append(chosen.jaccard)
+        self.stats.layers_passed += chosen.passed
+        return Choice(self.units.tokens(chosen.tokens), keys)
+
+    def _h2o(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
+        """H2O: every key read, a set from all (or the chosen) heads' importance."""
+        keys = self.reads.keys(li)
+        if self.stats.kept_tokens == self.stats.prefix_tokens:
+            return Choice(torch.arange(self.stats.prefix_tokens), keys)
+        return Choice(self._identify(lambda: h2o_selection(q, keys, kn, self.units, self.score_heads)), keys)
+
+    def _full(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
+        """The whole prefix (exact): read as whole segments."""
+        return Choice(torch.arange(self.stats.prefix_tokens))
+
+    def _blind(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
+        """RANDOM and RECENT: k tokens without looking at the queries."""
+        return Choice(self._identify(lambda: blind_selection(self.policy, self.stats.prefix_tokens, self.stats.kept_tokens)))
+
+
+@torch.inference_mode()
+def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Sequence[int],
+                    policy: ImpressPolicy) -> tuple[torch.Tensor, CompactKV, ImpressStats]:
+    """Compute `new_ids` after the stored prefix `reads` opens, keeping per layer only the tokens
+    `policy` selects. -> (fp32 logits [new, vocab], each layer's compact K/V, stats)."""
+    t0 = time.perf_counter()
+    m, n = reads.tokens, len(new_ids)
+    stats = ImpressStats(prefix_tokens=m, kept_tokens=policy.kept(m), layers=model.cfg.num_layers)
+    timed = TimedReads(reads, stats)
+    probes = timed.probe_keys() if policy.selection in (Selection.IMPRESS, Selection.PROBES) else {}
+    dev = rope.cos_h.device
+    cos, sin = rope.halves(torch.arange(m, m + n, device=dev))  # [n, 1, hd/2]: the new rows follow the prefix
+    attention = ImportanceAttention(model.cfg, policy, timed, probes, stats, cos, sin,
+                                    reads.ns.probe_first, reads.ns.probe_kv_heads)
+    h = model.run_layers(model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev)), attention)
+    timed.report()
+    stats.seconds = time.perf_counter() - t0
+    return model.logits(h), CompactKV(attention.k, attention.v, m - stats.kept_tokens), stats
