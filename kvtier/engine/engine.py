@@ -18,12 +18,12 @@ from kvtier.device import resolve_device
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import fronts as front_costs
 from kvtier.engine.calibrate.hardware import estimate, load_profile
+from kvtier.engine.calibrate.probes import ProbeCalibration
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
 from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
 from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
 from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
-from kvtier.engine.restore.impress import ProbeCalibration
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample_rows
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput

@@ -14,9 +14,9 @@ from typing import Any
 from kvtier import paths
 from kvtier.device import resolve_device
 from kvtier.engine.calibrate import fronts, hardware
+from kvtier.engine.calibrate.probes import ProbeCalibration, calibrate
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.restore.impress import ProbeCalibration, calibrate
 from kvtier.engine.restore.impress_policy import probe_kv_heads_for
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.planning.costs import HardwareProfile

@@ -31,7 +31,7 @@ from kvtier.bench.impress import reorder as impress_reorder
 from kvtier.bench.impress.goals import accuracy_goals, ttft_goals, variant
 from kvtier.bench.tasks import needle_items
 from kvtier.dtypes import name_of
-from kvtier.engine.restore.impress import ReducedCache, calibrate, extend, impress_prefill
+from kvtier.engine.calibrate.probes import calibrate
 from kvtier.engine.restore.impress_policy import (
     PROBE_GRANULE_TOKENS,
     ImpressPolicy,
@@ -39,10 +39,12 @@ from kvtier.engine.restore.impress_policy import (
     Selection,
     probe_kv_heads_for,
 )
+from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.models.rope import Rope
 from kvtier.store import StoreNamespace, TieredStore
 from kvtier.store.selective import TokenReads
+from kvtier.testing.impress_harness import ReducedCache, extend
 
 CHUNK = 64
 
@@ -148,7 +150,7 @@ def cmd_accuracy(args: argparse.Namespace) -> dict:
                     logits, reduced, st = impress_prefill(loaded.module, rope, reads, new, policy)
                 finally:
                     reads.close()
-                scores = [_choice_loglik(loaded, rope, reduced, logits[-1], c) for c in item.choices]
+                scores = [_choice_loglik(loaded, rope, ReducedCache.of(reduced), logits[-1], c) for c in item.choices]
                 q = per[name]
                 q["correct"].append(int(max(range(4), key=scores.__getitem__) == item.answer))
                 if full_logits is None:

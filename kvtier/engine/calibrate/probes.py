@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvtier.dtypes import name_of
-from kvtier.engine.calibrate.cache import load_or_measure
+from kvtier.engine.calibrate.cache import load, load_or_measure
 from kvtier.engine.restore.importance import column_importance, mean_jaccard, similarity_threshold, top_k
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM, ObserveFn, SelfAttention
@@ -112,6 +112,20 @@ def _measure(loaded: LoadedModel, probes: int) -> ProbeCalibration:
     return ProbeCalibration(first, rate, tuple(total))
 
 
+# Without a measurement: the paper's first heads, and probes assumed to agree in every layer (the
+# planner then learns the real pass rate from restores).
+UNCALIBRATED = ProbeCalibration(0, 1.0)
+
+
+def _key(loaded: LoadedModel, probes: int) -> str:
+    return f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}"
+
+
+def _decode(doc: dict[str, Any]) -> ProbeCalibration:
+    return ProbeCalibration(int(doc["probe_first"]), float(doc["pass_rate"]),
+                            tuple(float(e) for e in doc.get("relative_error", ())))
+
+
 def calibrate(loaded: LoadedModel, probes: int) -> ProbeCalibration:
     """A model's probe KV heads and how often they agree (`calibrate_probe`'s best candidate, and
     `probe_pass_rate` there), measured once per model, dtype and probe count."""
@@ -120,9 +134,10 @@ def calibrate(loaded: LoadedModel, probes: int) -> ProbeCalibration:
         return {"probe_first": c.first, "pass_rate": c.pass_rate, "relative_error": list(c.relative_error),
                 "probes": probes}
 
-    def decode(doc: dict[str, Any]) -> ProbeCalibration:
-        return ProbeCalibration(int(doc["probe_first"]), float(doc["pass_rate"]),
-                                tuple(float(e) for e in doc.get("relative_error", ())))
+    return load_or_measure(kind="probes", key=_key(loaded, probes), measure=lambda: _measure(loaded, probes),
+                           decode=_decode, encode=encode)
 
-    return load_or_measure(kind="probes", key=f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}",
-                           measure=lambda: _measure(loaded, probes), decode=decode, encode=encode)
+
+def cached_calibration(loaded: LoadedModel, probes: int) -> ProbeCalibration | None:
+    """What `calibrate` cached for this model, dtype and probe count, if anything (times nothing)."""
+    return load("probes", _key(loaded, probes), _decode)

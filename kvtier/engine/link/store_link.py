@@ -18,14 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvtier.dtypes import name_of
-from kvtier.engine.calibrate import cache
+from kvtier.engine.calibrate.probes import UNCALIBRATED, ProbeCalibration, cached_calibration
 from kvtier.engine.config import ImportanceUnit, ReuseConfig
 from kvtier.engine.link.restorer import Restorer
 from kvtier.engine.link.saver import Saver
 from kvtier.engine.link.sessions import SessionRetention
 from kvtier.engine.link.stats import LinkReport, LinkStats
 from kvtier.engine.request import Request
-from kvtier.engine.restore.impress import ProbeCalibration
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.scheduler import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
@@ -276,17 +275,6 @@ class StoreLink:
     def close(self) -> None:
         self.restorer.close()
         self._store.close()
-
-
-# Without a measurement: the paper's first heads, and probes assumed to agree in every layer (the
-# planner then learns the real pass rate from restores).
-UNCALIBRATED = ProbeCalibration(0, 1.0)
-
-
-def cached_calibration(loaded: LoadedModel, probes: int) -> ProbeCalibration | None:
-    """The probe calibration cached for this model, dtype and probe count, if any (times nothing)."""
-    return cache.load("probes", f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}",
-                      lambda doc: ProbeCalibration(int(doc["probe_first"]), float(doc["pass_rate"])))
 
 
 def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: ReuseConfig, profile: HardwareProfile,

@@ -14,13 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-# ProbeCalibration and calibrate: re-exported for engine/link/store_link.py until it imports them
-# from engine/calibrate/probes.py.
-from kvtier.engine.calibrate.probes import ProbeCalibration, calibrate
 from kvtier.engine.restore.impress_policy import ImpressPolicy, ImpressStats
 from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
@@ -29,19 +25,6 @@ from kvtier.planning.plan import Plan
 from kvtier.store.reorder import kept_masks
 from kvtier.store.selective import TokenReadMiss, TokenReads
 from kvtier.store.tiered import TieredStore
-
-__all__ = ["ImpressRestore", "ProbeCalibration", "calibrate", "chunk_ratios", "impress_prefill"]
-
-
-def __getattr__(name: str) -> Any:
-    """`extend` and `ReducedCache` moved to kvtier/testing/impress_harness.py. Until
-    bench/impress_bench.py imports them from there (the CLI imports it, so a missing name breaks
-    every command) they resolve here lazily: the engine itself never loads the harness."""
-    if name in ("extend", "ReducedCache"):
-        from kvtier.testing import impress_harness
-
-        return getattr(impress_harness, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def chunk_ratios(kept: list[torch.Tensor], chunks: Sequence[tuple[str, int, int]]) -> dict[str, float]:
