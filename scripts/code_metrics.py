@@ -57,9 +57,13 @@ def main(argv: list[str]) -> int:
     print(f"\nfunctions over 50 lines: {len(longf)}")
     for n, f in sorted(longf, reverse=True):
         print(f"  {n:5} {f}")
-    core = [p for p in (root / "engine").glob("*.py")]
-    branches = sum(len(re.findall(r"if self\.(partial|link|store|impress)\b", p.read_text())) for p in core)
-    print(f"\nfeature branches in engine/*.py (`if self.partial|link|store|impress`): {branches}")
+    # "is there a store / partial caching?" checks in the core's step: `self.X is (not) None`,
+    # `if self.X:` and `... if self.X else ...` for the optional features' objects.
+    feature = r"self\.(partial|fronts|store|link)"
+    pattern = re.compile(rf"{feature} is (not )?None|if {feature}\s*(:|else)")
+    hits = [f"engine/{p.name}:{i}" for p in sorted((root / "engine").glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    print(f"\nfeature branches in engine/*.py: {len(hits)} {' '.join(hits)}")
     return 0
 
 
