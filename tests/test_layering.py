@@ -27,7 +27,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
 
 TORCH_FREE = [
-    "kvtier.engine.scheduler", "kvtier.engine.block_pool", "kvtier.engine.request", "kvtier.engine.link.sessions",
+    "kvtier.engine.scheduler", "kvtier.engine.scheduler_api", "kvtier.engine.block_pool", "kvtier.engine.request", "kvtier.engine.link.sessions",
     "kvtier.planning.planner", "kvtier.planning.plan", "kvtier.planning.optimizer", "kvtier.planning.costs", "kvtier.planning.truncation",
     "kvtier.store.keys", "kvtier.store.index", "kvtier.store.policy", "kvtier.store.lookahead",
     "kvtier.store.layout", "kvtier.store.spec", "kvtier.dtypes", "kvtier.paths",
@@ -73,7 +73,7 @@ def _imports(path: Path) -> set[str]:
 ABOVE_ENGINE = ("kvtier.serve", "kvtier.bench", "kvtier.cli", "kvtier.testing")
 BESIDE_CORE = ("kvtier.engine.runner", "kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
                "kvtier.engine.partial", "kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.background")
-CORE = [f"engine/{m}.py" for m in ("scheduler", "block_pool", "request", "config", "sampler", "detokenizer")]
+CORE = [f"engine/{m}.py" for m in ("scheduler", "scheduler_api", "block_pool", "request", "config", "sampler", "detokenizer")]
 
 # files (globs under kvtier/) -> module prefixes they must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {

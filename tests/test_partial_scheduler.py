@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
-from kvtier.engine.scheduler import FrontPlan, Scheduler
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler_api import FrontPlan
 
 
 class ScriptedPolicy:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
-from kvtier.engine.scheduler import NoStore, RestoreOrder, Scheduler, StoreOffer
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler_api import NoStore, RestoreOrder, StoreOffer
 from kvtier.planning.plan import Method, Plan
 
 

@@ -26,7 +26,8 @@ from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
 from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample_rows
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler_api import SchedulerOutput
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile
 from kvtier.planning.truncation import TruncationConfig, kept_positions

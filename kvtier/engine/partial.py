@@ -21,7 +21,7 @@ import torch
 from kvtier.engine.config import PartialConfig
 from kvtier.engine.request import Request
 from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
-from kvtier.engine.scheduler import FrontPlan, FrontPolicy, NoFronts
+from kvtier.engine.scheduler_api import FrontPlan, FrontPolicy, NoFronts
 from kvtier.planning import optimizer
 
 RESIDUAL_WEIGHT = 0.05  # the residual's moving average spans about the last 20 decode steps

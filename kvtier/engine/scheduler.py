@@ -18,179 +18,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvtier.engine.block_pool import BlockPool, block_hashes
 from kvtier.engine.request import Request, RequestStatus
-from kvtier.planning.plan import Plan
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request_id: str
-    start: int  # first position computed this step
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass(frozen=True)
-class RestoreOrder:
-    """What a restore is to do, fixed when the store side offers it: the plan, and for a truncated
-    context the stored position each restored position takes. The scheduler carries it untouched."""
-
-    plan: Plan
-    source: tuple[int, ...] | None = None  # truncated context: the stored token each restored position takes
-    tier_tokens: Mapping[str, int] = field(default_factory=dict)  # restored tokens by the tier they are read from
-
-
-@dataclass(frozen=True)
-class StoreOffer:
-    """What the store side offers for a request: restore [keep, target) by `order`, keeping the
-    device's [0, keep); `compute_tokens` is the plan's compute before the new tokens can start."""
-
-    target: int  # 0: nothing worth restoring (or the plan is to recompute)
-    keep: int
-    order: RestoreOrder | None = None
-    compute_tokens: int = 0
-    # Instant: nothing to wait for (views of memory, no compute before the new tokens), so the
-    # new tokens run in this very step and the restore is placed layer by layer inside it.
-    instant: bool = False
-    attach_tokens: int = 0  # placement beside the new tokens, in prefill tokens (instant only)
-    lossy: bool = False  # an importance-only restore: the request's state becomes approximate
-    dropped: int = 0  # prefix tokens the restore leaves out of the pool (importance-only)
-
-
-@dataclass(frozen=True)
-class RestoreTicket:
-    """Restore [start, target) of a request into its blocks by `order`; its new tokens wait until
-    the restore is ready. `debt`: compute tokens not yet paid out of a step's budget."""
-
-    request_id: str
-    start: int  # device-cached positions before this are kept and never written
-    target: int
-    order: RestoreOrder
-    debt: int = 0
-    instant: bool = False  # its new tokens are in the same step's chunks
-
-
-@dataclass(frozen=True)
-class RestoreDone:
-    """A restore left the RESTORING phase: ready (tokens will be in the pool once its step runs)
-    or failed (tokens None: the request prefills from its device part)."""
-
-    request_id: str
-    tokens: int | None
-    tier_tokens: Mapping[str, int]
-    attach_tokens: int
-    aborted: bool
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    restores: tuple[RestoreTicket, ...] = ()  # issued this step (already started by the store side)
-    preempted: tuple[str, ...] = ()
-    aborted: tuple[str, ...] = ()  # finished this step: their abort waited for a restore to stop
-
-
-@dataclass(frozen=True)
-class FrontPlan:
-    """One step's partial caching decision: at most `cap` running sequences, and the uncached front
-    (positions, whole blocks) each decoding request should have at least."""
-
-    cap: int
-    fronts: dict[str, int] = field(default_factory=dict)
-    # Front tokens recomputed this step (not read back): their compute shares the step's token
-    # budget, after the decodes and before any prefill (else TTFT would pay for them).
-    recompute_tokens: int = 0
-
-
-class FrontPolicy(Protocol):
-    """Partial token-wise caching (eLLM): decides the batch cap and the decodes' fronts."""
-
-    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan: ...
-
-    def release(self, req: Request, upto: int) -> None:
-        """Positions [req.front, upto) leave the pool (their blocks are released right after):
-        keep them elsewhere if the policy serves fronts from there."""
-        ...
-
-
-class NoFronts:
-    """Partial caching off: every running request keeps all its KV."""
-
-    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan:
-        return FrontPlan(cap=1 << 30)
-
-    def release(self, req: Request, upto: int) -> None:
-        raise AssertionError("no fronts are planned without partial caching")
-
-
-class StoreSide(Protocol):
-    """The scheduler's half of the link to the store (vLLM's scheduler-side KV connector): offers,
-    restore compute, starting restores and hearing back from them, look-ahead."""
-
-    def begin_step(self) -> Sequence[RestoreDone]:
-        """Restores that left the RESTORING phase since the last step."""
-        ...
-
-    def offer(self, req: Request) -> StoreOffer: ...
-
-    def charge(self, budget: int) -> int:
-        """Take up to `budget` tokens of this step for the compute of restores still preparing."""
-        ...
-
-    def start(self, req: Request, ticket: RestoreTicket) -> None:
-        """Begin a restore into the blocks the scheduler just gave `req`."""
-        ...
-
-    def abort(self, request_id: str) -> bool:
-        """Stop any restore into a request's blocks before they are released. -> True if one is
-        still writing (the request finishes once `begin_step` reports it)."""
-        ...
-
-    def end_step(self, waiting: Sequence[Request]) -> None:
-        """What is still queued after this step's admissions (the look-ahead's window)."""
-        ...
-
-    def arrived(self, req: Request) -> None: ...
-
-    def finished(self, req: Request) -> None:
-        """A request ended (any reason); its blocks are about to be released."""
-        ...
-
-
-class NoStore:
-    """No store: nothing is offered, restored or looked ahead at."""
-
-    def begin_step(self) -> Sequence[RestoreDone]:
-        return ()
-
-    def offer(self, req: Request) -> StoreOffer:
-        return StoreOffer(0, req.num_computed)
-
-    def charge(self, budget: int) -> int:
-        return 0
-
-    def start(self, req: Request, ticket: RestoreTicket) -> None:
-        raise AssertionError("no restore is offered without a store")
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def end_step(self, waiting: Sequence[Request]) -> None:
-        pass
-
-    def arrived(self, req: Request) -> None:
-        pass
-
-    def finished(self, req: Request) -> None:
-        pass
+from kvtier.engine.scheduler_api import (
+    FrontPlan,
+    FrontPolicy,
+    NoFronts,
+    NoStore,
+    RestoreTicket,
+    ScheduledChunk,
+    SchedulerOutput,
+    StoreSide,
+)
 
 
 @dataclass(frozen=True)

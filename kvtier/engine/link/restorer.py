@@ -25,7 +25,7 @@ from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPo
 from kvtier.engine.restore.job import RestoreJob
 from kvtier.engine.restore.layerwise import Restore, RestoreMiss
 from kvtier.engine.runner.model_runner import ModelRunner
-from kvtier.engine.scheduler import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
+from kvtier.engine.scheduler_api import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr

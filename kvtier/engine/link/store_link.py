@@ -27,7 +27,7 @@ from kvtier.engine.link.stats import LinkReport, LinkStats
 from kvtier.engine.request import Request
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
-from kvtier.engine.scheduler import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
+from kvtier.engine.scheduler_api import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile, ModelShape, links
 from kvtier.planning.plan import Method
