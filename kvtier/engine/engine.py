@@ -118,25 +118,13 @@ class Engine:
             raise ValueError(f"EngineConfig.device is {config.device} but the model is on {self.device}; "
                              f"load it with load_model(..., device={config.device!r})")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_blocks = config.kv_cache_bytes // ModelRunner.bytes_per_block(model.module, config.block_size)
-        blocks_per_seq = -(-self.max_model_len // config.block_size)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks but one full-length sequence "
-                f"needs {blocks_per_seq}; raise the KV budget or lower max_model_len"
-            )
+        num_blocks = self._num_blocks()
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
         self.link: StateLink = NullStateLink()
         if store:
-            if profile is None:
-                profile = load_profile(model, paths.home())
-            if profile is None:
-                log.info("no measured hardware profile for %s; planning with an estimate until "
-                         "`kvtier profile` measures this machine", model.name)
-                profile = estimate(model)
-            self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(), profile,
-                                        config.max_batched_tokens, probes)
+            self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(),
+                                        profile or self._saved_profile(), config.max_batched_tokens, probes)
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
         # exits without close(): a thread still in torch code at shutdown aborts the process.
         self._closer = weakref.finalize(self, self.link.close)
@@ -154,6 +142,26 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
         self._steps = 0
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        num_blocks = cfg.kv_cache_bytes // ModelRunner.bytes_per_block(self.model.module, cfg.block_size)
+        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks but one full-length sequence "
+                f"needs {blocks_per_seq}; raise the KV budget or lower max_model_len"
+            )
+        return num_blocks
+
+    def _saved_profile(self) -> HardwareProfile:
+        """The profile `kvtier profile` (or the factory) saved for this model, else an estimate."""
+        profile = load_profile(self.model, paths.home())
+        if profile is None:
+            log.info("no measured hardware profile for %s; planning with an estimate until "
+                     "`kvtier profile` measures this machine", self.model.name)
+            profile = estimate(self.model)
+        return profile
 
     # ----- requests -------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
