@@ -195,6 +195,8 @@ class Scheduler:
         for req in decoding[max(plan.cap, 1):][::-1]:
             self._preempt(req)
             preempted.append(req.request_id)
+        if not plan.fronts:
+            return plan  # no front grows this step (always so with partial caching off)
         bs = self.pool.block_size
         for req in decoding[: max(plan.cap, 1)]:
             want = min(plan.fronts.get(req.request_id, 0), (req.num_computed - 1) // bs * bs)

@@ -6,7 +6,7 @@ import argparse
 
 from kvtier.bench.common import csv_arg
 from kvtier.bench.e2e.peers import PEERS
-from kvtier.cli.bench.options import described_by
+from kvtier.cli.bench.options import Target, add_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,15 +41,14 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     rp.add_argument("--plot", dest="report_plot", default=None, help="PNG output (default: %(default)s)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.e2e.run import cmd_e2e
-
-    return cmd_e2e(args)
-
-
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("e2e", help="returning-context TTFT through the public API vs HF peers",
-                                    **described_by("kvtier.bench.e2e.run"))
+def _add_all(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     _add_report(p)
-    p.set_defaults(func=run)
+
+
+run = Target("kvtier.bench.e2e.run", "cmd_e2e")
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "e2e", _add_all, run,
+                       "returning-context TTFT through the public API vs HF peers")

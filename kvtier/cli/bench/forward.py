@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench.options import described_by, int_list, split_commas
+from kvtier.cli.bench.options import Target, add_command, int_list, split_commas
 from kvtier.device import add_device_argument
 
 
@@ -23,14 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write rows as JSON to this file")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.forward import cmd
-
-    return cmd(args)
+run = Target("kvtier.bench.forward", "cmd")
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("forward", help="prefill/decode tokens/s of kvtier beside HF transformers",
-                                    **described_by("kvtier.bench.forward"))
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "forward", add_arguments, run,
+                       "prefill/decode tokens/s of kvtier beside HF transformers")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench.options import add_dtype_argument
+from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,14 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw the figure of an earlier run's JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.impress.run import cmd
-
-    return cmd(args)
+run = Target("kvtier.bench.impress.run", "cmd")
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("impress", help="importance-only restore (IMPRESS): needle accuracy, bytes and TTFT "
-                                             "against full KV and the exact methods")
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "impress", add_arguments, run,
+                       "importance-only restore (IMPRESS): needle accuracy, bytes and TTFT against full KV and the exact"
+                       " methods")

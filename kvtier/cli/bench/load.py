@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvtier.cli.bench.options import add_dtype_argument, described_by
+from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
 from kvtier.cli.engine_args import positive_int
 from kvtier.models.loading import DEFAULT_MODEL
 from kvtier.planning.plan import METHOD_CHOICES
@@ -47,16 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start the server without its device prefix cache (reuse then comes from the store tiers)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.load.run import cmd_load
-
-    return cmd_load(args)
+run = Target("kvtier.bench.load.run", "cmd_load")
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `load` to the `kvtier bench` subcommands."""
-    p = bench_subparsers.add_parser("load", help="concurrent streaming clients against the HTTP server",
-                                    **described_by("kvtier.bench.load.run"))
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return add_command(bench_subparsers, "load", add_arguments, run,
+                       "concurrent streaming clients against the HTTP server")

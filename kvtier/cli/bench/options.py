@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.cli.engine_args import DTYPE_CHOICES
@@ -36,3 +39,26 @@ def described_by(module: str) -> dict:
     spec = importlib.util.find_spec(module)
     doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and spec.origin else None
     return dict(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A benchmark's entry point, imported only when its command runs (`kvtier --help` stays fast)."""
+
+    module: str
+    function: str
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(self.module), self.function)(args) or 0)
+
+
+def add_command(bench_subparsers: argparse._SubParsersAction, name: str,
+                add_arguments: Callable[[argparse.ArgumentParser], None], run: Callable[[argparse.Namespace], int],
+                help: str, about: str | None = None) -> argparse.ArgumentParser:
+    """`kvtier bench NAME`: its options, and as its description the docstring of the benchmark
+    module `about` (default: the one `run` is a Target in)."""
+    module = about or (run.module if isinstance(run, Target) else run.__module__)
+    p = bench_subparsers.add_parser(name, help=help, **described_by(module))
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p

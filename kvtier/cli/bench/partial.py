@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench.options import add_dtype_argument, float_list, split_commas
+from kvtier.cli.bench.options import Target, add_command, add_dtype_argument, float_list, split_commas
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,14 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write concurrency over time and throughput to this PNG")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.partial.run import cmd
-
-    return cmd(args)
+run = Target("kvtier.bench.partial.run", "cmd")
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("partial", help="serving under a small KV budget: partial token-wise caching (eLLM) "
-                                             "beside preemption by recompute and by swap")
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "partial", add_arguments, run,
+                       "serving under a small KV budget: partial token-wise caching (eLLM) beside preemption by "
+                       "recompute and by swap")

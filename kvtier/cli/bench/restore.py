@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvtier.bench.restore.methods import METHODS
-from kvtier.cli.bench.options import add_dtype_argument, described_by
+from kvtier.cli.bench.options import add_command, add_dtype_argument
 from kvtier.device import add_device_argument
 
 
@@ -71,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
     return bench.cmd_restore(options_from_args(args))
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("restore", help="TTFT of every restore method vs tier and (emulated) bandwidth",
-                                    **described_by("kvtier.bench.restore.run"))
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "restore", add_arguments, run,
+                       "TTFT of every restore method vs tier and (emulated) bandwidth", about="kvtier.bench.restore.run")

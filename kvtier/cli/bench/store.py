@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench.options import described_by
+from kvtier.cli.bench.options import Target, add_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,14 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="FILE", default=None, help="write a markdown table")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.store import cmd_bench_store
-
-    return cmd_bench_store(args)
+run = Target("kvtier.bench.store", "cmd_bench_store")
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("store", help="store throughput per tier vs raw device bandwidth",
-                                    **described_by("kvtier.bench.store"))
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "store", add_arguments, run,
+                       "store throughput per tier vs raw device bandwidth")

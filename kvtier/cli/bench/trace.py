@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench.options import add_dtype_argument, described_by
+from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,14 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--merge", nargs="*", default=[], help="with --from-json: more JSON files whose rows to add")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.trace.run import cmd_trace
-
-    return cmd_trace(args)
+run = Target("kvtier.bench.trace.run", "cmd_trace")
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("trace", help="multi-turn and long-document traces: recompute vs reuse, per tier",
-                                    **described_by("kvtier.bench.trace.run"))
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "trace", add_arguments, run,
+                       "multi-turn and long-document traces: recompute vs reuse, per tier")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench.options import add_dtype_argument
+from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,14 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="rows and mean perplexities as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.truncation import cmd
-
-    return cmd(args)
+run = Target("kvtier.bench.truncation", "cmd")
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("truncation",
-                                    help="perplexity after context truncation: re-RoPE KV vs recompute vs naive")
-    add_arguments(p)
-    p.set_defaults(func=run)
+def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_command(bench_subparsers, "truncation", add_arguments, run,
+                       "perplexity after context truncation: re-RoPE KV vs recompute vs naive")

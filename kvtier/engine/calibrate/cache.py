@@ -41,7 +41,10 @@ def load(kind: str, key: str, decode: Callable[[dict[str, Any]], T], home: Path 
 
 
 def save(kind: str, key: str, doc: dict[str, Any], home: Path | None = None) -> Path:
-    path = cache_path(kind, key, home)
+    return write_json(cache_path(kind, key, home), doc)
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2))

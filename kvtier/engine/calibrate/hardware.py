@@ -15,6 +15,7 @@ an `Engine` built directly uses a saved profile or, without one, a rough estimat
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import tempfile
@@ -29,6 +30,7 @@ import torch
 from kvtier.device import describe
 from kvtier.dtypes import name_of
 from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.calibrate import cache
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
@@ -298,29 +300,29 @@ def estimate(model: LoadedModel) -> HardwareProfile:
                "redis": TierRates(0.5e9, 0.5e9, 2e-4, 0.3)})
 
 
-def profile_path(home: Path, model: LoadedModel) -> Path:
+def _key(model: LoadedModel) -> str:
     """Keyed by model, dtype and hardware: a CPU's profile is never used on a GPU, nor one GPU's on another."""
     dev = model.module.lm_head.weight.device
     where = f"t{torch.get_num_threads()}" if dev.type == "cpu" else re.sub(r"[^A-Za-z0-9.]+", "_", describe(dev))
-    return home / "profiles" / f"{model.fingerprint}-{name_of(model.dtype)}-{where}-v{PROFILE_VERSION}.json"
+    return f"{model.fingerprint}-{name_of(model.dtype)}-{where}-v{PROFILE_VERSION}"
+
+
+def _decode(doc: dict) -> HardwareProfile:
+    return HardwareProfile.from_json(json.dumps(doc))
+
+
+def profile_path(home: Path, model: LoadedModel) -> Path:
+    return cache.cache_path("profiles", _key(model), home)
 
 
 def load_profile(model: LoadedModel, home: Path) -> HardwareProfile | None:
     """The profile `kvtier profile` saved for this model, dtype and thread count, if any."""
-    path = profile_path(home, model)
-    if not path.exists():
-        return None
-    try:
-        return HardwareProfile.from_json(path.read_text())
-    except (ValueError, TypeError, KeyError) as e:
-        log.warning("ignoring unreadable profile %s (%s)", path, e)
-        return None
+    return cache.load("profiles", _key(model), _decode, home)
 
 
 def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> HardwareProfile:
     """The saved profile, or measure one now (under a minute) and save it. A saved profile that
     lacks a tier of `spec` gets that tier measured and added (a store spec grew a Redis tier)."""
-    path = profile_path(home, model)
     prof = load_profile(model, home)
     if prof is None:
         log.warning("no hardware profile for this model/dtype yet: measuring (under a minute)")
@@ -331,12 +333,9 @@ def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> 
             return prof
         log.warning("hardware profile lacks tier(s) %s: measuring them", ", ".join(missing))
         prof = dataclasses.replace(prof, tiers={**prof.tiers, **_measure_spec(model, ",".join(missing))})
-    save_profile(prof, path)
+    save_profile(prof, profile_path(home, model))
     return prof
 
 
 def save_profile(prof: HardwareProfile, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(prof.to_json())
-    tmp.replace(path)
+    cache.write_json(path, json.loads(prof.to_json()))
