@@ -56,5 +56,7 @@ def test_smollm2_matches_transformers_on_real_prompt(smollm2_fp32):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     diff = (smollm2_fp32.module(torch.tensor(ids)) - ref).abs().max().item()
-    assert diff <= 1e-4, diff
+    # Our linears run on oneDNN's packed-weight kernel (row-invariant), HF's on MKL: fp32 sums in
+    # another order, 30 layers deep, on logits of magnitude ~20.
+    assert diff <= 2e-4, diff
     assert engine.generate([ids], GREEDY)[0].output_ids == hf_greedy(hf, ids, 32)

@@ -77,6 +77,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
                    help="most requests in the running batch; the rest queue (default: 64)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="disable the device prefix cache (reuse then comes only from the store)")
+    g.add_argument("--fast-inexact", action="store_true",
+                   help="plain kernels instead of the row-invariant ones: a little faster in places, but a cache hit, "
+                        "a restore, another prefill chunking or batch may then change a token's logits (bf16, fp16; "
+                        "its state is stored apart from exact state) (default: exact)")
 
     g = p.add_argument_group("state store (reuse across requests)")
     from kvtier.cli.store import add_store_argument
@@ -170,7 +174,8 @@ def build_engine_from_args(args: argparse.Namespace, reuse: ReuseConfig | None =
 
     kw: dict[str, Any] = dict(max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                               max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-                              enable_prefix_cache=not args.no_prefix_cache, partial=partial_from_args(args))
+                              enable_prefix_cache=not args.no_prefix_cache, partial=partial_from_args(args),
+                              exact=not args.fast_inexact)
     kw.update(config)
     return build_engine(args.model, dtype=args.dtype, device=args.device, store=None if args.no_store else args.store,
                         reuse=reuse or reuse_from_args(args), **kw)

@@ -93,6 +93,11 @@ class EngineConfig:
     device: str | None = None
     # Partial token-wise caching (eLLM): decodes may keep KV for their newest tokens only. None: off.
     partial: PartialConfig | None = None
+    # Exact (the default): a token's K/V and logits are the same bits whatever the prefill chunking,
+    # the cache hit, the restore method or the batch (row-invariant linears and attention, see
+    # models/invariant.py). False (`--fast-inexact`): the plain kernels, faster in places; its state
+    # is stored in a namespace of its own. Process-wide: it sets `models.invariant.set_exact`.
+    exact: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -28,6 +28,7 @@ from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.sampler import make_generator, sample_rows
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.scheduler_api import SchedulerOutput
+from kvtier.models import invariant
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile
 from kvtier.planning.truncation import TruncationConfig, kept_positions
@@ -110,6 +111,7 @@ class Engine:
         defaults to what was measured and cached before, else a documented estimate;
         `kvtier.engine.factory.make_engine` measures what is missing first."""
         self.model = model
+        invariant.set_exact((config or EngineConfig()).exact)
         self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
         cfg = model.config

@@ -28,6 +28,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.scheduler_api import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
+from kvtier.models import invariant
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile, ModelShape, links
 from kvtier.planning.plan import Method
@@ -290,7 +291,9 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     calib = calibration or (cached_calibration(model, probes) if importance else None) or UNCALIBRATED
 
     def namespace(layout: Sequence[Repr]) -> StoreNamespace:
-        return StoreNamespace(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+        # State computed with the plain kernels rounds by its chunking: never under an exact key.
+        fingerprint = model.fingerprint if invariant.exact() else f"{model.fingerprint}+inexact"
+        return StoreNamespace(fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                               compute_dtype=name_of(model.dtype), storage_dtype=reuse.storage_dtype,
                               layer_reprs=tuple(layout),
                               probe_kv_heads=probes, probe_first=calib.first,

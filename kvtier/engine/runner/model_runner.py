@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
-from kvtier.models.attention import causal_attention
+from kvtier.models.attention import causal_attention, decode_attention, exact_cpu
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import aligned_empty
@@ -100,6 +100,7 @@ class StepBatch:
     decode_pack: torch.Tensor | None = None
     decode_cu: torch.Tensor | None = None
     decode_width: int = 0  # the longest decoding context
+    decode_lengths: tuple[int, ...] = ()  # each decode's context length (its token included)
     last_rows: torch.Tensor | None = None  # [runs wanting logits] row of each one's last token
     # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
     # padded [decodes * width] or packed layout), from which step rows (front runs; None: a FrontFeed),
@@ -285,6 +286,7 @@ class ModelRunner:
             decode_pack=dec_flat if rows and self.packed_decode else None,
             decode_cu=dec_cu,
             decode_width=width,
+            decode_lengths=tuple(dec.ctx_len),
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
             front_dst=f_dst if dec.fronted else None,
@@ -352,8 +354,11 @@ class ModelRunner:
         kv_heads = kc.shape[1]
         qd = q.index_select(0, b.decode_q).unsqueeze(2)  # [n, heads, 1, hd]
         flat = b.decode_slots.reshape(-1)
-        ks = gather(kc, flat, 0).view(n, width, kv_heads, -1).transpose(1, 2)  # [n, kv_heads, width, hd]
-        vs = gather(vc, flat, 1).view(n, width, kv_heads, -1).transpose(1, 2)
+        ks = gather(kc, flat, 0).view(n, width, kv_heads, -1)  # [n, width, kv_heads, hd]
+        vs = gather(vc, flat, 1).view(n, width, kv_heads, -1)
+        if exact_cpu(q.device):
+            return decode_attention(q.index_select(0, b.decode_q), ks, vs, list(b.decode_lengths))
+        ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, kv_heads, width, hd]
         out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask,
                                              enable_gqa=q.shape[1] != kv_heads)  # [n, heads, 1, hd]
         return out.squeeze(2)

@@ -1,0 +1,127 @@
+"""Row-invariant linear layers: a token's output bits do not depend on the other rows of the call.
+
+A GEMM library picks its blocking from the problem's shape, and a different blocking sums a
+row's products in a different order. On the CPU this is real: oneDNN's bf16 AMX kernels give a
+row different bits for M = 1..32, 33..767 and >= 768 rows of the same input, and MKL's fp32 path
+does so below 16 rows. So a prompt prefilled in one piece, the same prompt split into chunks, a
+cache hit that computes only the suffix and a decode batched with others would all compute the
+same token differently, and in bf16 that changes greedy answers.
+
+What is invariant here (measured, and checked again at first use for each weight shape, dtype and
+thread count): oneDNN's matmul on a weight packed once (`mkldnn._reorder_linear_weight`) with
+calls of `min_rows` to `chunk` rows. A step's rows are cut into calls of at most `chunk` rows and a
+short call is padded to `min_rows`, so every row meets one kernel configuration. Where the check
+fails, every call is padded to exactly `chunk` rows (one shape: invariant by construction, slower).
+
+CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_exact = True
+
+
+def set_exact(enabled: bool) -> None:
+    """Process-wide: row-invariant (exact) linears and attention, or the plain fastest kernels."""
+    global _exact
+    _exact = enabled
+
+
+def exact() -> bool:
+    return _exact
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a linear's rows are cut into kernel calls: at most `chunk` rows per call, a shorter call
+    padded to `min_rows` (chunk == min_rows: every call has the same shape)."""
+
+    chunk: int
+    min_rows: int
+
+
+FAST = RowPlan(chunk=128, min_rows=8)  # what the check must confirm
+FIXED = RowPlan(chunk=32, min_rows=32)  # one call shape: the fallback
+# Row counts the check compares against one call of `chunk` rows: every small count, the
+# kernels' usual block edges, and rows at an offset inside the call.
+_CHECK_ROWS = (*range(1, 18), 31, 32, 33, 47, 63, 64, 65, 95, 127)
+
+_plans: dict[tuple, RowPlan] = {}
+_packing = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if not _packing:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    except RuntimeError as e:  # a dtype this build's oneDNN does not pack
+        log.info("no packed weight for %s: %s", weight.dtype, e)
+        return None
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
+          plan: RowPlan) -> torch.Tensor:
+    """x [rows, in] -> [rows, out] in calls of plan.min_rows..plan.chunk rows."""
+    outs = []
+    for a in range(0, x.shape[0], plan.chunk):
+        part = x[a : a + plan.chunk]
+        m = part.shape[0]
+        if m < plan.min_rows:
+            part = F.pad(part, (0, 0, 0, plan.min_rows - m))  # [min_rows, in]
+        if packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [None], "")
+        else:
+            y = F.linear(part, weight, bias)
+        outs.append(y[:m])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _plan_for(weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> RowPlan:
+    key = (tuple(weight.shape), weight.dtype, packed is not None, bias is not None, torch.get_num_threads())
+    if key not in _plans:
+        _plans[key] = FAST if _holds(FAST, weight, packed, bias) else FIXED
+        if _plans[key] is FIXED:
+            log.warning("linear %s %s: rows not invariant with %s here; every call padded to %d rows (slower)",
+                        tuple(weight.shape), weight.dtype, FAST, FIXED.chunk)
+    return _plans[key]
+
+
+def _holds(plan: RowPlan, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Every checked row count (and offset) gives the rows one full call gives, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * plan.chunk, weight.shape[1], generator=g).to(weight.dtype)  # [2 chunk, in]
+    ref = _call(x, weight, packed, bias, plan)
+    for m in _CHECK_ROWS:
+        for at in (0, plan.chunk - m):
+            if not torch.equal(_call(x[at : at + m], weight, packed, bias, plan), ref[at : at + m]):
+                return False
+    return True
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and state-dict names) whose output rows are row-invariant on
+    the CPU. The packed copy of the weight is built on first use and rebuilt if the weight changes."""
+
+    _packed: torch.Tensor | None = None
+    _packed_of: tuple[int, int, torch.dtype] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not _exact or w.device.type != "cpu":
+            return F.linear(x, w, self.bias)
+        ident = (w.data_ptr(), w._version, w.dtype)
+        if self._packed_of != ident:
+            self._packed, self._packed_of = _pack(w.detach()), ident
+        shape = x.shape
+        y = _call(x.reshape(-1, shape[-1]), w, self._packed, self.bias, _plan_for(w, self._packed, self.bias))
+        return y.view(*shape[:-1], y.shape[-1])

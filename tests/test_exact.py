@@ -1,0 +1,144 @@
+"""Lossless means bit-identical, in every compute dtype: a token's logits do not depend on how its
+prompt was cut into prefill chunks, on what came from the device prefix cache or a store tier, on
+the restore method, or on the other requests of its batch. The oracle is the same engine computing
+the prompt afresh in one piece; every comparison is `torch.equal` on the first token's logits and
+the identical 32-token greedy continuation. bf16 runs here whether or not this CPU has native bf16
+(emulated: slower, still deterministic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.request import SamplingParams
+from kvtier.models.loading import LoadedModel, load_model
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, first_logits=True)
+DTYPES = ["bf16", "fp16", "fp32"]
+LOSSLESS = ["kv", "hidden", "bubblefree", "cake", "recompute"]
+
+_models: dict[tuple[str, str], LoadedModel] = {}
+
+
+def model(name: str, dtype: str) -> LoadedModel:
+    if (name, dtype) not in _models:
+        _models[name, dtype] = load_model(name, dtype=dtype, tokenizer=False)
+    return _models[name, dtype]
+
+
+def ids_of(m: LoadedModel, n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, m.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine(m: LoadedModel, chunk: int = 4096, prefix_cache: bool = True, store: str | None = None,
+           method: str = "auto", **reuse) -> Engine:
+    cfg = EngineConfig(kv_cache_bytes=256 << 20, max_model_len=4096, max_batched_tokens=chunk,
+                       enable_prefix_cache=prefix_cache)
+    return Engine(m, cfg, store=store, reuse=ReuseConfig(method=method, chunk_tokens=64, **reuse) if store else None)
+
+
+def run(e: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
+    try:
+        return e.generate(prompts, GREEDY)
+    finally:
+        e.close()
+
+
+def same(a: RequestOutput, b: RequestOutput) -> bool:
+    assert a.first_logits is not None and b.first_logits is not None
+    return torch.equal(a.first_logits, b.first_logits) and a.output_ids == b.output_ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [100, 1000, 3000])
+def test_chunking_and_prefix_cache_do_not_change_a_bit(dtype: str, n: int):
+    m = model("tiny-gqa", dtype)
+    ids = ids_of(m, n, seed=n)
+    fresh = run(engine(m, prefix_cache=False), [ids])[0]
+    # Prefill chunk sizes that cut the prompt differently, inside 16-token blocks and across the
+    # attention's 512-key blocks.
+    for chunk in (37, 100, 512, 700):
+        assert same(run(engine(m, chunk=chunk, prefix_cache=False), [ids])[0], fresh), chunk
+    # A device prefix-cache hit: the prompt's first part was computed by an earlier request (in
+    # other chunks), the rest now.
+    e = engine(m, chunk=300)
+    try:
+        e.generate([ids[: n * 2 // 3]], SamplingParams(max_tokens=1, temperature=0.0))
+        hit = e.generate([ids], GREEDY)[0]
+    finally:
+        e.close()
+    assert hit.prompt_tokens_reused > 0 and same(hit, fresh)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_does_not_change_a_request(dtype: str):
+    m = model("tiny-gqa", dtype)
+    ids = ids_of(m, 300, seed=1)
+    alone = run(engine(m, prefix_cache=False), [ids])[0]
+    others = [ids_of(m, 20 + 97 * i, seed=10 + i) for i in range(7)]
+    batched = run(engine(m, chunk=1024, prefix_cache=False), others[:3] + [ids] + others[3:])
+    assert same(batched[3], alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_chat_turn_reuses_decoded_tokens_exactly(dtype: str):
+    """The next turn's prompt holds the previous answer, whose K/V decoding computed one token
+    at a time: reusing them gives what a fresh prefill of the whole conversation gives."""
+    m = model("tiny-gqa", dtype)
+    first = ids_of(m, 500, seed=2)
+    e = engine(m, chunk=256)
+    try:
+        answer = e.generate([first], GREEDY)[0].output_ids
+        turn = first + answer + ids_of(m, 40, seed=3)
+        hit = e.generate([turn], GREEDY)[0]
+    finally:
+        e.close()
+    assert hit.prompt_tokens_reused >= 512
+    assert same(hit, run(engine(m, prefix_cache=False), [turn])[0])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("tier", ["memory", "disk", pytest.param("redis", marks=pytest.mark.redis)])
+def test_every_lossless_restore_is_bit_exact(dtype: str, tier: str, tmp_path, request):
+    """Each exact method brings a 1,000-token history back from the tier (disk: by a new engine
+    after the first one closed, as after a restart) and answers as a fresh prefill does."""
+    m = model("tiny-gqa", dtype)
+    ids = ids_of(m, 1040, seed=4)
+    fresh = run(engine(m, prefix_cache=False), [ids])[0]
+    for method in LOSSLESS:
+        layout = ("hidden",) * m.config.num_layers if method in ("hidden", "bubblefree") else None
+        spec = {"memory": "memory:1GB", "disk": f"disk:{tmp_path}/{method}:1GB"}.get(tier) \
+            or request.getfixturevalue("redis_url") + f"-{method}"
+        saver = engine(m, chunk=300, prefix_cache=False, store=spec, method=method, layout=layout)
+        try:
+            saver.generate([ids[:1000]], SamplingParams(max_tokens=1, temperature=0.0))
+            assert saver.flush(30)
+            if tier == "memory":  # the same engine (no device prefix cache): the memory tier restores
+                out = saver.generate([ids], GREEDY)[0]
+        finally:
+            saver.close()
+        if tier != "memory":
+            out = run(engine(m, prefix_cache=False, store=spec, method=method, layout=layout), [ids])[0]
+        if method != "recompute":
+            assert out.prompt_tokens_reused >= 960 and out.restore_method == method, (method, out.restore_method)
+        assert same(out, fresh), method
+
+
+def test_smollm2_shape_bf16_3000_tokens():
+    """The real model's shapes (random weights): 30 layers, GQA 9/3, head_dim 64, in bf16."""
+    m = model("smollm2-shape", "bf16")
+    ids = ids_of(m, 3000, seed=5)
+    e = engine(m, chunk=4096)
+    try:
+        fresh = e.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, first_logits=True))[0]
+    finally:
+        e.close()
+    e = engine(m, chunk=700)
+    try:
+        e.generate([ids[:1234]], SamplingParams(max_tokens=1, temperature=0.0))
+        hit = e.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, first_logits=True))[0]
+    finally:
+        e.close()
+    assert hit.prompt_tokens_reused == 1232 and same(hit, fresh)
