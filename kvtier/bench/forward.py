@@ -6,7 +6,10 @@ Both run the same weights, dtype and thread count in the same process; figures a
 `logits_to_keep=1`, so it is not charged for logits we skip too. `--device cuda` runs both on the
 GPU (times include the device work: each timed region ends with a synchronize); `--saving` adds
 decode rows with every token's state saved to a memory tier (HCache Fig. 14's setting), beside the
-same decode without saving.
+same decode without saving. `continuation` rows time a chunk of new tokens after a history the
+engine holds in its prefix cache (HF: the same chunk on a cache of that history). `--modes
+exact,inexact` runs our rows twice, the exact default and `--fast-inexact`, so the cost of
+exactness comes from the same run.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from kvtier.models.loading import load_model
 class Row:
     model: str
     dtype: str
-    phase: str  # "prefill", "decode", or "decode+save" (hf_tok_s: the same decode without saving)
-    tokens: int  # prompt length (prefill) or batch size (decode)
+    phase: str  # "prefill", "continuation", "decode", or "decode+save" (hf_tok_s: the same decode without saving)
+    tokens: int  # prompt length (prefill), new tokens (continuation) or batch size (decode)
     kvtier_tok_s: float
     hf_tok_s: float
     repeats: int
+    mode: str = "exact"  # "exact" (the default) or "inexact" (--fast-inexact)
 
     @property
     def speedup(self) -> float:
@@ -51,22 +55,55 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None) -> Engine:
+_EXACT = True  # the mode of the engines `run` builds
+
+
+def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None, prefix_cache: bool = False) -> Engine:
     # The default per-step token budget, as users run it: a long prompt is prefilled in chunks.
     kv = ModelRunner.bytes_per_block(loaded.module, 16) * seqs * (max_len // 16 + 2)
     return Engine(loaded, EngineConfig(kv_cache_bytes=max(kv, 256 << 20), max_model_len=max_len,
-                                       enable_prefix_cache=False),
+                                       enable_prefix_cache=prefix_cache, exact=_EXACT),
                   store=store, reuse=ReuseConfig(method="kv", lookahead=False) if store else None)
 
 
 def bench_prefill(loaded, hf, length: int, repeats: int) -> tuple[float, float]:
     ids = _prompt(length, loaded.config.vocab_size, length)
     engine = _engine(loaded, max(length + 8, 1024))
-    ours = median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
+    try:
+        ours = median_time(lambda: engine.generate([ids], SamplingParams(max_tokens=1, temperature=0)), repeats)
+    finally:
+        engine.close()
     t = torch.tensor([ids], device=hf.lm_head.weight.device)
     with torch.inference_mode():
         theirs = median_time(lambda: hf(t, use_cache=True, logits_to_keep=1), repeats)
     return length / ours, length / theirs
+
+
+def bench_continuation(loaded, hf, history: int, new: int, repeats: int) -> tuple[float, float]:
+    """Tokens/s of a `new`-token chunk after a `history`-token prefix held in the device prefix
+    cache (a fresh chunk each call); HF: the same chunk on a DynamicCache of the history, cut back
+    to the history after each call."""
+    vocab = loaded.config.vocab_size
+    hist = _prompt(history, vocab, 7)
+    engine = _engine(loaded, history + new + 16, prefix_cache=True)
+    calls = iter(range(1 << 30))
+    try:
+        engine.generate([hist], SamplingParams(max_tokens=1, temperature=0))
+        ours = median_time(lambda: engine.generate([hist + _prompt(new, vocab, 100 + next(calls))],
+                                                   SamplingParams(max_tokens=1, temperature=0)), repeats)
+    finally:
+        engine.close()
+    dev = hf.lm_head.weight.device
+    with torch.inference_mode():
+        past = hf(torch.tensor([hist], device=dev), use_cache=True, logits_to_keep=1).past_key_values
+        chunk = torch.tensor([_prompt(new, vocab, 99)], device=dev)
+
+        def hf_chunk() -> None:
+            hf(chunk, past_key_values=past, use_cache=True, logits_to_keep=1)
+            past.crop(history)
+
+        theirs = median_time(hf_chunk, repeats)
+    return new / ours, new / theirs
 
 
 def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int,
@@ -117,37 +154,56 @@ def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int
 
 
 def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int,
-        device: str = "auto", prompt_len: int = 128, saving: bool = False) -> list[Row]:
+        device: str = "auto", prompt_len: int = 128, saving: bool = False, modes: tuple[str, ...] = ("exact",),
+        continuations: list[int] | None = None, history: int = 2048) -> list[Row]:
     from kvtier.bench.hf import build_hf
 
+    global _EXACT
     rows = []
     for dt in dtypes:
         loaded = load_model(model, dtype=dt, device=device, tokenizer=False)
         hf = build_hf(loaded)
         name = name_of(loaded.dtype)
-        for n in lengths:
-            o, h = bench_prefill(loaded, hf, n, repeats)
-            rows.append(Row(model, name, "prefill", n, o, h, repeats))
-            print(f"  prefill {name} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s", flush=True)
-        for b in batches:
-            o, h = bench_decode(loaded, hf, b, prompt_len, new_tokens, repeats)
-            rows.append(Row(model, name, "decode", b, o, h, repeats))
-            print(f"  decode  {name} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s",
-                  flush=True)
-            if saving:  # the same decode saving every token's state; compared with the row above
-                s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, store="memory:16GB")
-                rows.append(Row(model, name, "decode+save", b, s, o, repeats))
-                print(f"  decode+save {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)", flush=True)
+        for mode in modes:
+            _EXACT = mode == "exact"
+            for n in lengths:
+                o, h = bench_prefill(loaded, hf, n, repeats)
+                rows.append(Row(model, name, "prefill", n, o, h, repeats, mode))
+                print(f"  prefill {name} {mode} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s",
+                      flush=True)
+            for n in continuations or []:
+                o, h = bench_continuation(loaded, hf, history, n, repeats)
+                rows.append(Row(model, name, "continuation", n, o, h, repeats, mode))
+                print(f"  continuation {name} {mode} {n} after {history}: kvtier {o:8.1f} tok/s  "
+                      f"transformers {h:8.1f} tok/s", flush=True)
+            for b in batches:
+                o, h = bench_decode(loaded, hf, b, prompt_len, new_tokens, repeats)
+                rows.append(Row(model, name, "decode", b, o, h, repeats, mode))
+                print(f"  decode  {name} {mode} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  "
+                      f"transformers {h:8.1f} tok/s", flush=True)
+                if saving:  # the same decode saving every token's state; compared with the row above
+                    s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, store="memory:16GB")
+                    rows.append(Row(model, name, "decode+save", b, s, o, repeats, mode))
+                    print(f"  decode+save {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)",
+                          flush=True)
+    _EXACT = True
     return rows
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| dtype | phase | prompt tokens / batch | kvtier tok/s | transformers tok/s | kvtier / HF |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| dtype | mode | phase | tokens / batch | kvtier tok/s | transformers tok/s | kvtier / HF |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.dtype} | {r.phase} | {r.tokens} | {r.kvtier_tok_s:.1f} | {r.hf_tok_s:.1f} | {r.speedup:.2f}x |")
+        lines.append(f"| {r.dtype} | {r.mode} | {r.phase} | {r.tokens} | {r.kvtier_tok_s:.1f} | {r.hf_tok_s:.1f} "
+                     f"| {r.speedup:.2f}x |")
+    inexact = {(r.dtype, r.phase, r.tokens): r.kvtier_tok_s for r in rows if r.mode == "inexact"}
+    costs = [(r, inexact[r.dtype, r.phase, r.tokens]) for r in rows
+             if r.mode == "exact" and (r.dtype, r.phase, r.tokens) in inexact]
+    if costs:
+        lines += ["", "| dtype | phase | tokens / batch | exact / inexact throughput |", "|---|---|---|---|"]
+        lines += [f"| {r.dtype} | {r.phase} | {r.tokens} | {r.kvtier_tok_s / fast:.2f}x |" for r, fast in costs]
     for dt in dict.fromkeys(r.dtype for r in rows):
-        dec = {r.tokens: r.kvtier_tok_s for r in rows if r.dtype == dt and r.phase == "decode"}
+        dec = {r.tokens: r.kvtier_tok_s for r in rows if r.dtype == dt and r.phase == "decode" and r.mode == "exact"}
         if 1 in dec and len(dec) > 1:
             b = max(dec)
             lines.append(f"\n{dt}: decode batch {b} / batch 1 throughput = {dec[b] / dec[1]:.2f}x")
@@ -158,7 +214,7 @@ def cmd(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     print(f"bench forward: {args.model}, threads={torch.get_num_threads()}, repeats={args.repeats}")
     rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats, args.device,
-               args.prompt_len, args.saving)
+               args.prompt_len, args.saving, tuple(args.modes), args.continuation, args.history)
     table = markdown(rows)
     print(table)
     if args.json:

@@ -18,6 +18,8 @@ invariant on a GPU).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -81,7 +83,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """causal_attention, exact: one masked call per group of queries sharing a key block."""
     n, heads, hd = q.shape
-    ctx, kv_heads = k.shape[0], k.shape[1]
+    kv_heads = k.shape[1]
     g = heads // kv_heads
     outs = []
     lo = start
@@ -89,15 +91,28 @@ def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> t
         hi = min(start + n, (lo // KEY_BLOCK + 1) * KEY_BLOCK)  # the queries in lo's key block
         keys = hi - 1 - (hi - 1) % KEY_BLOCK + KEY_BLOCK  # [0, keys): whole blocks up to hi's
         m = hi - lo
-        kk, vv = (F.pad(x[: min(ctx, keys)], (0, 0, 0, 0, 0, keys - min(ctx, keys))).transpose(0, 1)[None]
-                  for x in (k, v))  # [1, kvh, keys, hd], zeros past the history
+        kk, vv = (_keys(x, keys).transpose(0, 1)[None] for x in (k, v))  # [1, kvh, keys, hd]
         # Grouped heads as rows: [1, kvh, g * m, hd] in (group member, token) order, no K/V repeat.
         qg = q[lo - start : hi - start].view(m, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, g * m, hd)
-        mask = _mask(list(range(lo, hi)), keys, q.dtype, q.device).repeat(g, 1)[None, None]  # [1, 1, g*m, keys]
+        mask = _group_mask(lo, hi, keys, g, q.dtype, q.device)  # [1, 1, g*m, keys]
         o = _flash(qg, kk, vv, mask)  # [1, kvh, g*m, hd]
         outs.append(o.view(kv_heads, g, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd))
         lo = hi
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _keys(x: torch.Tensor, keys: int) -> torch.Tensor:
+    """x [ctx, kv_heads, hd] as exactly `keys` rows: cut, or zero-padded past the history."""
+    if x.shape[0] >= keys:
+        return x[:keys]
+    return F.pad(x, (0, 0, 0, 0, 0, keys - x.shape[0]))
+
+
+@functools.lru_cache(maxsize=16)
+def _group_mask(lo: int, hi: int, keys: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The mask of queries [lo, hi) over [0, keys) for g grouped heads, [1, 1, g*(hi-lo), keys]: the
+    same for every layer of a step, so built once (read only)."""
+    return _mask(list(range(lo, hi)), keys, dtype, device).repeat(g, 1)[None, None]
 
 
 def _mask(positions: list[int], keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

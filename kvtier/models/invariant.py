@@ -8,10 +8,11 @@ cache hit that computes only the suffix and a decode batched with others would a
 same token differently, and in bf16 that changes greedy answers.
 
 What is invariant here (measured, and checked again at first use for each weight shape, dtype and
-thread count): oneDNN's matmul on a weight packed once (`mkldnn._reorder_linear_weight`) with
-calls of `min_rows` to `chunk` rows. A step's rows are cut into calls of at most `chunk` rows and a
-short call is padded to `min_rows`, so every row meets one kernel configuration. Where the check
-fails, every call is padded to exactly `chunk` rows (one shape: invariant by construction, slower).
+thread count, every row count up to the plan's chunk): oneDNN's matmul on a weight packed once
+(`mkldnn._reorder_linear_weight`) in calls of `min_rows` to `chunk` rows. A step's rows are cut
+into calls of at most `chunk` rows and a short call is padded to `min_rows`, so every row meets
+kernel configurations that agree. Where no candidate passes, every call is padded to exactly
+`FIXED.chunk` rows (one shape: invariant by construction, slower).
 
 CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`.
 """
@@ -49,11 +50,13 @@ class RowPlan:
     min_rows: int
 
 
-FAST = RowPlan(chunk=128, min_rows=8)  # what the check must confirm
-FIXED = RowPlan(chunk=32, min_rows=32)  # one call shape: the fallback
-# Row counts the check compares against one call of `chunk` rows: every small count, the
-# kernels' usual block edges, and rows at an offset inside the call.
-_CHECK_ROWS = (*range(1, 18), 31, 32, 33, 47, 63, 64, 65, 95, 127)
+# Candidate plans, fastest first: larger calls pay the per-call overhead less often. A plan is
+# used for a weight once every row count from 1 to its chunk (and rows at an offset) has been
+# checked to give the bits one full call gives; a weight too large to check up to 512 rows
+# quickly starts at 128. FIXED is one call shape: invariant by construction, the fallback.
+CANDIDATES = (RowPlan(chunk=512, min_rows=8), RowPlan(chunk=256, min_rows=8), RowPlan(chunk=128, min_rows=8))
+FIXED = RowPlan(chunk=32, min_rows=32)
+_LARGE = 8 << 20  # weights with more elements than this (an LM head) start at 128 rows
 
 _plans: dict[tuple, RowPlan] = {}
 _packing = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
@@ -89,22 +92,25 @@ def _call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bi
 def _plan_for(weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> RowPlan:
     key = (tuple(weight.shape), weight.dtype, packed is not None, bias is not None, torch.get_num_threads())
     if key not in _plans:
-        _plans[key] = FAST if _holds(FAST, weight, packed, bias) else FIXED
+        tries = [p for p in CANDIDATES if weight.numel() <= _LARGE or p.chunk <= 128]
+        _plans[key] = next((p for p in tries if _holds(p, weight, packed, bias)), FIXED)
         if _plans[key] is FIXED:
-            log.warning("linear %s %s: rows not invariant with %s here; every call padded to %d rows (slower)",
-                        tuple(weight.shape), weight.dtype, FAST, FIXED.chunk)
+            log.warning("linear %s %s: rows not invariant in calls of up to %d rows here; every call padded to "
+                        "%d rows (slower)", tuple(weight.shape), weight.dtype, tries[-1].chunk, FIXED.chunk)
     return _plans[key]
 
 
 def _holds(plan: RowPlan, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    """Every checked row count (and offset) gives the rows one full call gives, bit for bit."""
+    """Every row count 1..chunk, at the start of the input and at an offset, gives the rows one
+    full call gives, bit for bit."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * plan.chunk, weight.shape[1], generator=g).to(weight.dtype)  # [2 chunk, in]
-    ref = _call(x, weight, packed, bias, plan)
-    for m in _CHECK_ROWS:
-        for at in (0, plan.chunk - m):
-            if not torch.equal(_call(x[at : at + m], weight, packed, bias, plan), ref[at : at + m]):
-                return False
+    n = plan.chunk
+    x = torch.randn(2 * n, weight.shape[1], generator=g).to(weight.dtype)  # [2 chunk, in]
+    ref = torch.cat([_call(x[:n], weight, packed, bias, plan), _call(x[n:], weight, packed, bias, plan)])
+    for m in range(1, n + 1):
+        at = (m * 7919) % n  # a different offset per count
+        if not torch.equal(_call(x[at : at + m], weight, packed, bias, plan), ref[at : at + m]):
+            return False
     return True
 
 

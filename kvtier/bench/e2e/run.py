@@ -183,7 +183,7 @@ class KvtierPeers:
         extra = {"max_batched_tokens": a.max_batched_tokens} if a.max_batched_tokens else {}
         cfg = EngineConfig(kv_cache_bytes=self.bench.kv_bytes, enable_prefix_cache=prefix_cache,
                            max_model_len=min(self.hist + a.new_tokens, self.loaded.config.max_position_embeddings),
-                           **extra)
+                           exact=not a.fast_inexact, **extra)
         return Engine(self.loaded, cfg, store=store, reuse=ReuseConfig(method=a.method) if store else None,
                       profile=self.bench.profile if store else None)
 

@@ -13,6 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=split_commas, default=["fp32", "bf16"], help="comma list (fp32,bf16)")
     p.add_argument("--prefill", type=int_list, default=[512, 2048, 4096, 8192],
                    help="prompt lengths, prefilled in chunks of the default token budget (comma list)")
+    p.add_argument("--continuation", type=int_list, default=[64, 512],
+                   help="new-token chunks timed after a --history prefix held in the prefix cache (comma list)")
+    p.add_argument("--history", type=int, default=2048, help="history before each continuation chunk (default: 2048)")
+    p.add_argument("--modes", type=split_commas, default=["exact"],
+                   help="exact (the default engine) and/or inexact (--fast-inexact), comma list (default: exact)")
     p.add_argument("--batch", type=int_list, default=[1, 8], help="decode batch sizes (comma list)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
     p.add_argument("--prompt-len", type=int, default=128, help="context of each decoding sequence (default: 128)")
