@@ -100,7 +100,7 @@ def bench_continuation(loaded, hf, history: int, new: int, repeats: int) -> tupl
 
         def hf_chunk() -> None:
             hf(chunk, past_key_values=past, use_cache=True, logits_to_keep=1)
-            past.crop(history)
+            past.crop(-new)  # back to the history (this transformers takes the tokens to drop)
 
         theirs = median_time(hf_chunk, repeats)
     return new / ours, new / theirs

@@ -66,14 +66,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Exact attention of a batch of decoding tokens: token r sits at position lengths[r] - 1 and
     attends to row r of k/v [n, width, kv_heads, hd] (its context gathered, padded to the longest;
-    rows past lengths[r] may hold anything). q: [n, heads, hd] -> [n, heads, hd]."""
+    rows past lengths[r] may hold anything; with width a whole number of key blocks, k and v are
+    zeroed there in place). q: [n, heads, hd] -> [n, heads, hd]."""
     n, width, kv_heads, hd = k.shape
     g = q.shape[1] // kv_heads
-    blocks = [(ln - 1) // KEY_BLOCK + 1 for ln in lengths]  # key blocks each token's call covers
-    keys = max(blocks) * KEY_BLOCK
+    keys = -(-max(lengths) // KEY_BLOCK) * KEY_BLOCK  # whole key blocks up to the longest context
     lens = torch.tensor(lengths, device=q.device)
-    real = (torch.arange(width, device=q.device)[None, :] < lens[:, None])[:, :, None, None]  # [n, width, 1, 1]
-    kz, vz = (F.pad(torch.where(real, x, 0), (0, 0, 0, 0, 0, keys - width)).transpose(1, 2) for x in (k, v))  # [n, kvh, keys, hd]
+    pad = (torch.arange(width, device=q.device)[None, :] >= lens[:, None])[:, :, None, None]  # [n, width, 1, 1]
+    # Rows past a context: zeros (stale pool slots could hold NaN, and 0 * NaN would leak through
+    # the mask). In place where the caller gathered a copy of exactly `keys` rows.
+    kz, vz = (_zero_past(x, pad, keys).transpose(1, 2) for x in (k, v))  # [n, kvh, keys, hd]
     qg = q.view(n, kv_heads, g, hd)  # a token's heads sharing a K/V head are rows of one matrix
     mask = _mask([ln - 1 for ln in lengths], keys, q.dtype, q.device)[:, None, None, :].expand(n, 1, g, keys)
     out = _flash(qg, kz, vz, mask)  # [n, kvh, g, hd]
@@ -101,6 +103,13 @@ def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> t
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def _zero_past(x: torch.Tensor, pad: torch.Tensor, keys: int) -> torch.Tensor:
+    """x [n, width, kv_heads, hd] gathered contexts with rows `pad` zeroed, as exactly `keys` rows."""
+    if x.shape[1] == keys:
+        return x.masked_fill_(pad, 0)
+    return F.pad(torch.where(pad, 0, x), (0, 0, 0, 0, 0, keys - x.shape[1]))
+
+
 def _keys(x: torch.Tensor, keys: int) -> torch.Tensor:
     """x [ctx, kv_heads, hd] as exactly `keys` rows: cut, or zero-padded past the history."""
     if x.shape[0] >= keys:
@@ -108,7 +117,7 @@ def _keys(x: torch.Tensor, keys: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, 0, 0, keys - x.shape[0]))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=6)  # a step has at most 5 groups per request (2,048-token budget)
 def _group_mask(lo: int, hi: int, keys: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The mask of queries [lo, hi) over [0, keys) for g grouped heads, [1, 1, g*(hi-lo), keys]: the
     same for every layer of a step, so built once (read only)."""

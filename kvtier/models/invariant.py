@@ -48,13 +48,14 @@ class RowPlan:
 
     chunk: int
     min_rows: int
+    pack_hint: int = 1  # the row count oneDNN packs the weight for (its layout, hence speed and bits)
 
 
 # Candidate plans, fastest first: larger calls pay the per-call overhead less often. A plan is
 # used for a weight once every row count from 1 to its chunk (and rows at an offset) has been
 # checked to give the bits one full call gives; a weight too large to check up to 512 rows
 # quickly starts at 128. FIXED is one call shape: invariant by construction, the fallback.
-CANDIDATES = (RowPlan(chunk=512, min_rows=8), RowPlan(chunk=256, min_rows=8), RowPlan(chunk=128, min_rows=8))
+CANDIDATES = tuple(RowPlan(chunk, 8, hint) for chunk in (512, 256, 128) for hint in (8, 1))
 FIXED = RowPlan(chunk=32, min_rows=32)
 _LARGE = 8 << 20  # weights with more elements than this (an LM head) start at 128 rows
 
@@ -62,11 +63,11 @@ _plans: dict[tuple, RowPlan] = {}
 _packing = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+def _pack(weight: torch.Tensor, hint: int) -> torch.Tensor | None:
     if not _packing:
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, hint)
     except RuntimeError as e:  # a dtype this build's oneDNN does not pack
         log.info("no packed weight for %s: %s", weight.dtype, e)
         return None
@@ -89,11 +90,11 @@ def _call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bi
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _plan_for(weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> RowPlan:
-    key = (tuple(weight.shape), weight.dtype, packed is not None, bias is not None, torch.get_num_threads())
+def _plan_for(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
+    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
     if key not in _plans:
         tries = [p for p in CANDIDATES if weight.numel() <= _LARGE or p.chunk <= 128]
-        _plans[key] = next((p for p in tries if _holds(p, weight, packed, bias)), FIXED)
+        _plans[key] = next((p for p in tries if _holds(p, weight, _pack(weight, p.pack_hint), bias)), FIXED)
         if _plans[key] is FIXED:
             log.warning("linear %s %s: rows not invariant in calls of up to %d rows here; every call padded to "
                         "%d rows (slower)", tuple(weight.shape), weight.dtype, tries[-1].chunk, FIXED.chunk)
@@ -119,6 +120,7 @@ class Linear(nn.Linear):
     the CPU. The packed copy of the weight is built on first use and rebuilt if the weight changes."""
 
     _packed: torch.Tensor | None = None
+    _plan: RowPlan = FIXED
     _packed_of: tuple[int, int, torch.dtype] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +129,8 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         ident = (w.data_ptr(), w._version, w.dtype)
         if self._packed_of != ident:
-            self._packed, self._packed_of = _pack(w.detach()), ident
+            self._plan = _plan_for(w.detach(), self.bias)
+            self._packed, self._packed_of = _pack(w.detach(), self._plan.pack_hint), ident
         shape = x.shape
-        y = _call(x.reshape(-1, shape[-1]), w, self._packed, self.bias, _plan_for(w, self._packed, self.bias))
+        y = _call(x.reshape(-1, shape[-1]), w, self._packed, self.bias, self._plan)
         return y.view(*shape[:-1], y.shape[-1])

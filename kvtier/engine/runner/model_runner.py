@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
-from kvtier.models.attention import causal_attention, decode_attention, exact_cpu
+from kvtier.models.attention import KEY_BLOCK, causal_attention, decode_attention, exact_cpu
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import aligned_empty
@@ -232,6 +232,8 @@ class ModelRunner:
             rows = ()
         ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
+        if exact_cpu(self.device):  # exact attention reads whole key blocks: gather them at once
+            width = -(-width // KEY_BLOCK) * KEY_BLOCK
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
         if self.packed_decode:  # each context's slots, back to back
             slots = torch.cat([F.pad(c, (items[i].front, 0)) for i, c in zip(rows, cached)]) \
