@@ -65,17 +65,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Exact attention of a batch of decoding tokens: token r sits at position lengths[r] - 1 and
-    attends to row r of k/v [n, width, kv_heads, hd] (its context gathered, padded to the longest;
-    rows past lengths[r] may hold anything; with width a whole number of key blocks, k and v are
-    zeroed there in place). q: [n, heads, hd] -> [n, heads, hd]."""
+    attends to row r of k/v [n, width, kv_heads, hd]: its context gathered, padded with zeros (any
+    finite value: masked, it adds exactly nothing; NaN would leak through) to `width`, the whole
+    key blocks up to the longest context. q: [n, heads, hd] -> [n, heads, hd]."""
     n, width, kv_heads, hd = k.shape
     g = q.shape[1] // kv_heads
     keys = -(-max(lengths) // KEY_BLOCK) * KEY_BLOCK  # whole key blocks up to the longest context
-    lens = torch.tensor(lengths, device=q.device)
-    pad = (torch.arange(width, device=q.device)[None, :] >= lens[:, None])[:, :, None, None]  # [n, width, 1, 1]
-    # Rows past a context: zeros (stale pool slots could hold NaN, and 0 * NaN would leak through
-    # the mask). In place where the caller gathered a copy of exactly `keys` rows.
-    kz, vz = (_zero_past(x, pad, keys).transpose(1, 2) for x in (k, v))  # [n, kvh, keys, hd]
+    if width != keys:
+        raise ValueError(f"decode contexts are {width} rows; exact attention reads {keys} (whole key blocks)")
+    kz, vz = k.transpose(1, 2), v.transpose(1, 2)  # [n, kvh, keys, hd]
     qg = q.view(n, kv_heads, g, hd)  # a token's heads sharing a K/V head are rows of one matrix
     mask = _mask([ln - 1 for ln in lengths], keys, q.dtype, q.device)[:, None, None, :].expand(n, 1, g, keys)
     out = _flash(qg, kz, vz, mask)  # [n, kvh, g, hd]
@@ -101,13 +99,6 @@ def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> t
         outs.append(o.view(kv_heads, g, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd))
         lo = hi
     return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
-def _zero_past(x: torch.Tensor, pad: torch.Tensor, keys: int) -> torch.Tensor:
-    """x [n, width, kv_heads, hd] gathered contexts with rows `pad` zeroed, as exactly `keys` rows."""
-    if x.shape[1] == keys:
-        return x.masked_fill_(pad, 0)
-    return F.pad(torch.where(pad, 0, x), (0, 0, 0, 0, 0, keys - x.shape[1]))
 
 
 def _keys(x: torch.Tensor, keys: int) -> torch.Tensor:

@@ -101,6 +101,9 @@ class StepBatch:
     decode_cu: torch.Tensor | None = None
     decode_width: int = 0  # the longest decoding context
     decode_lengths: tuple[int, ...] = ()  # each decode's context length (its token included)
+    # Exact attention: the padding rows of the decodes' gathered contexts (flat rows of the padded
+    # [decodes * width] layout), zeroed after the gather (a stale slot may hold NaN).
+    decode_padding: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None  # [runs wanting logits] row of each one's last token
     # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
     # padded [decodes * width] or packed layout), from which step rows (front runs; None: a FrontFeed),
@@ -120,6 +123,7 @@ class _DecodeLayout:
     slots: torch.Tensor  # [sum ctx_len] packed or [decodes * width] padded, flat
     ctx_at: list[int]  # where each decode's context starts in `slots`
     fronted: bool  # some decode has an uncached front
+    padding: torch.Tensor  # [rows] flat rows of `slots` past each context (padded layout)
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,9 @@ class ModelRunner:
             for r, (i, c) in enumerate(zip(rows, cached)):
                 slots[r, items[i].front : ctx_len[r]] = c
             ctx_at = [r * width for r in range(len(rows))]
-        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted)
+        padding = torch.cat([torch.arange(at + n, at + width) for at, n in zip(ctx_at, ctx_len)]) \
+            if rows and not self.packed_decode else torch.zeros(0, dtype=torch.long)
+        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted, padding)
 
     def _upload(self, items: Sequence[RunItem], lens: Sequence[int], offsets: list[int], dec: _DecodeLayout,
                 front: _FrontLayout, ctx: tuple[range | torch.Tensor | None, ...]) -> StepBatch:
@@ -262,11 +268,12 @@ class ModelRunner:
             front.dst,
             front.src,
             front.writes,
+            dec.padding,
         ] + [c for c in ctx if isinstance(c, torch.Tensor)]
         sizes = [t.numel() for t in host]
         dev = self.upload(torch.cat(host)).split(sizes)
-        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows, f_dst, f_src, write_rows = dev[:10]
-        gathered = iter(dev[10:])
+        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows, f_dst, f_src, write_rows, dec_pad = dev[:11]
+        gathered = iter(dev[11:])
         cos, sin = self.rope.halves(positions)
         rows, width = dec.rows, dec.width
         dec_mask = dec_cu = None
@@ -289,6 +296,7 @@ class ModelRunner:
             decode_cu=dec_cu,
             decode_width=width,
             decode_lengths=tuple(dec.ctx_len),
+            decode_padding=dec_pad if rows and not self.packed_decode else None,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
             front_dst=f_dst if dec.fronted else None,
@@ -343,6 +351,8 @@ class ModelRunner:
             out = cache.index_select(0, slots)  # [contexts' slots, kv_heads, hd]
             if front is not None and b.front_dst is not None:
                 out.index_copy_(0, b.front_dst, front[part])
+            if b.decode_padding is not None and exact_cpu(q.device):
+                out.index_fill_(0, b.decode_padding, 0)
             return out
 
         if b.decode_pack is not None and b.decode_cu is not None and b.decode_q is not None:
