@@ -53,11 +53,16 @@ class RowPlan:
 
 # Candidate plans, fastest first: larger calls pay the per-call overhead less often. A plan is
 # used for a weight once every row count from 1 to its chunk (and rows at an offset) has been
-# checked to give the bits one full call gives; a weight too large to check up to 512 rows
-# quickly starts at 128. FIXED is one call shape: invariant by construction, the fallback.
-CANDIDATES = tuple(RowPlan(chunk, 8, hint) for chunk in (512, 256, 128) for hint in (8, 1))
+# checked to give the bits one full call gives. An LM head (a wide output) is checked up to 64
+# rows only: the check's cost grows with the square of the chunk, every process pays it once,
+# and a step rarely samples more rows. FIXED is one call shape: invariant by construction, the
+# fallback.
+CANDIDATES = tuple(RowPlan(chunk, 8, hint) for chunk in (512, 256, 128, 64) for hint in (8, 1))
 FIXED = RowPlan(chunk=32, min_rows=32)
-_LARGE = 8 << 20  # weights with more elements than this (an LM head) start at 128 rows
+_WIDE = 8192  # output features from which a weight is an LM head here
+# Below this many elements a weight's calls are cheap however padded: FIXED without a check (the
+# check's cost is mostly oneDNN building a kernel per row count, which a test model pays per process).
+_SMALL = 1 << 20
 
 _plans: dict[tuple, RowPlan] = {}
 _packing = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
@@ -93,7 +98,10 @@ def _call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bi
 def _plan_for(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
     key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
     if key not in _plans:
-        tries = [p for p in CANDIDATES if weight.numel() <= _LARGE or p.chunk <= 128]
+        if weight.numel() < _SMALL:
+            _plans[key] = FIXED
+            return FIXED
+        tries = [p for p in CANDIDATES if (p.chunk > 64) == (weight.shape[0] < _WIDE)]
         _plans[key] = next((p for p in tries if _holds(p, weight, _pack(weight, p.pack_hint), bias)), FIXED)
         if _plans[key] is FIXED:
             log.warning("linear %s %s: rows not invariant in calls of up to %d rows here; every call padded to "
