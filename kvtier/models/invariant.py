@@ -60,9 +60,9 @@ class RowPlan:
 CANDIDATES = tuple(RowPlan(chunk, 8, hint) for chunk in (512, 256, 128, 64) for hint in (8, 1))
 FIXED = RowPlan(chunk=32, min_rows=32)
 _WIDE = 8192  # output features from which a weight is an LM head here
-# Below this many elements a weight's calls are cheap however padded: FIXED without a check (the
+# Below this many elements (test models) a weight's calls are cheap however padded: FIXED without a check (the
 # check's cost is mostly oneDNN building a kernel per row count, which a test model pays per process).
-_SMALL = 1 << 20
+_SMALL = 1 << 16
 
 _plans: dict[tuple, RowPlan] = {}
 _packing = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
