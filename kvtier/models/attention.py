@@ -75,7 +75,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise ValueError(f"decode contexts are {width} rows; exact attention reads {keys} (whole key blocks)")
     kz, vz = k.transpose(1, 2), v.transpose(1, 2)  # [n, kvh, keys, hd]
     qg = q.view(n, kv_heads, g, hd)  # a token's heads sharing a K/V head are rows of one matrix
-    mask = _mask([ln - 1 for ln in lengths], keys, q.dtype, q.device)[:, None, None, :].expand(n, 1, g, keys)
+    mask = _decode_mask(tuple(lengths), keys, q.dtype, q.device).expand(n, 1, g, keys)
     out = _flash(qg, kz, vz, mask)  # [n, kvh, g, hd]
     return out.reshape(n, kv_heads * g, hd)
 
@@ -113,6 +113,12 @@ def _group_mask(lo: int, hi: int, keys: int, g: int, dtype: torch.dtype, device:
     """The mask of queries [lo, hi) over [0, keys) for g grouped heads, [1, 1, g*(hi-lo), keys]: the
     same for every layer of a step, so built once (read only)."""
     return _mask(list(range(lo, hi)), keys, dtype, device).repeat(g, 1)[None, None]
+
+
+@functools.lru_cache(maxsize=2)
+def _decode_mask(lengths: tuple[int, ...], keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The decodes' mask [n, 1, 1, keys]: the same for every layer of a step, so built once (read only)."""
+    return _mask([ln - 1 for ln in lengths], keys, dtype, device)[:, None, None, :]
 
 
 def _mask(positions: list[int], keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
