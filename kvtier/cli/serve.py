@@ -16,7 +16,7 @@ from kvtier.cli.engine_args import (
     positive_int,
     reuse_from_args,
 )
-from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
+from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
 
 API_KEY_ENV = "KVTIER_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -25,7 +25,9 @@ DESCRIPTION = f"""\
 Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions,
 GET /v1/models, GET /health, GET /metrics (Prometheus); the schema is at GET /openapi.json.
 Any OpenAI client works: base_url=http://HOST:PORT/v1. Prefix reuse across requests is automatic.
-With --api-key (or ${API_KEY_ENV}) set, /v1/* needs 'Authorization: Bearer KEY'.
+With --api-key (or ${API_KEY_ENV}) or --api-keys FILE, every path but /health needs
+'Authorization: Bearer KEY' (/metrics too, unless --metrics-public); each key's tenant gets a
+prompt cache of its own (unless --shared-cache).
 """
 
 
@@ -51,7 +53,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
     g.add_argument("--port", type=_port, default=8000, help="port to bind (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health; the key's tenant is "
+                        f"'default' (default: ${API_KEY_ENV}, else no key)")
+    g.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="several keys: one 'TENANT KEY' pair per line ('#' comment lines and blank lines "
+                        "ignored); each tenant's cached prompt state is its own (instead of --api-key)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="leave /metrics open without a key (for Prometheus scrapers)")
+    g.add_argument("--shared-cache", action="store_true",
+                   help="let tenants share cached prompt state: more reuse, but a tenant can tell from "
+                        "timing or cached_tokens whether another tenant sent a prompt")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the --model value)")
     g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
@@ -77,15 +88,17 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
     import uvicorn
 
+    from kvtier.serve.api_keys import load_api_keys
     from kvtier.serve.app import create_app
-    from kvtier.serve.config import ServeConfig
 
     level = args.serve_log_level
     logging.getLogger("kvtier").setLevel(level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = ServeConfig(
-        served_model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name, api_key=args.api_key,
+        api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
+        metrics_public=args.metrics_public, shared_cache=args.shared_cache, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, max_queued_requests=args.max_queued_requests,
     )  # validated before the (slow) model load
     engine = build_engine_from_args(args, reuse=reuse_from_args(args, session_ttl_s=args.session_ttl))
@@ -94,11 +107,19 @@ def run(args: argparse.Namespace) -> int:
     store = "no store" if args.no_store or not args.store else f"store {args.store}"
     print(
         f"kvtier serving {name} ({engine.model.dtype} on {engine.device}, context {engine.max_model_len}, {store}) on "
-        f"http://{args.host}:{args.port}/v1" + (" (API key required)" if config.api_key else ""),
+        f"http://{args.host}:{args.port}/v1" + _auth_note(config),
         file=sys.stderr, flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
     return 0
+
+
+def _auth_note(config: ServeConfig) -> str:
+    keys = config.tenant_keys
+    if not keys:
+        return ""
+    tenants = "1 tenant" if len(keys) == 1 else f"{len(keys)} tenants"
+    return f" (API key required; {tenants}{', shared cache' if config.shared_cache else ''})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -16,7 +16,7 @@ from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
 from kvtier.serve.context import ServerContext
 from kvtier.serve.errors import install_error_handlers
 from kvtier.serve.metrics import ServerMetrics
-from kvtier.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware
+from kvtier.serve.middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware
 from kvtier.serve.ops import models_router, ops_router
 
 
@@ -28,11 +28,16 @@ def create_app(
     default_max_tokens: int | None = None,
     max_queued_requests: int | None = 256,
     config: ServeConfig | None = None,
+    api_keys: Mapping[str, str] | None = None,
+    metrics_public: bool = False,
+    shared_cache: bool = False,
 ) -> FastAPI:
     """Serve `engine`. Given an Engine, the app runs its step loop from startup to shutdown; given
-    a BackgroundEngine, it uses that loop and leaves closing it to the caller."""
+    a BackgroundEngine, it uses that loop and leaves closing it to the caller. `config`, when
+    given, replaces every other setting."""
     config = config or ServeConfig(
-        served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+        served_model_name=served_model_name, api_key=api_key, api_keys=api_keys or {},
+        metrics_public=metrics_public, shared_cache=shared_cache, max_body_bytes=max_body_bytes,
         default_max_tokens=default_max_tokens, max_queued_requests=max_queued_requests,
     )
     metrics = ServerMetrics()
@@ -67,9 +72,9 @@ def create_app(
     app.include_router(ops_router)
     # add_middleware wraps: the last added runs first. Order: metrics -> API key -> body limit,
     # so unauthenticated callers are refused before their body is read, and every answer is counted.
+    # The auth middleware runs without keys too: it is what names every request's tenant.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(AuthMiddleware, keys=config.tenant_keys, open_paths=config.open_paths)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     _finish_openapi(app, ctx)
     return app
@@ -84,10 +89,12 @@ def _version() -> str:
 
 def _finish_openapi(app: FastAPI, ctx: ServerContext) -> None:
     """Make the OpenAPI schema say what this server does: validation errors are 400s in OpenAI's
-    shape (not FastAPI's 422 list), /v1 takes a bearer key when one is configured, and what
-    depends on the loaded model (its names, completion length, vocabulary) is filled in."""
+    shape (not FastAPI's 422 list), every path but the open ones takes a bearer key when keys
+    are configured, and what depends on the loaded model (its names, completion length,
+    vocabulary) is filled in."""
     build = app.openapi
-    secured = bool(ctx.config.api_key)
+    secured = bool(ctx.config.tenant_keys)
+    open_paths = ctx.config.open_paths
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -96,7 +103,7 @@ def _finish_openapi(app: FastAPI, ctx: ServerContext) -> None:
         for path, ops in schema.get("paths", {}).items():
             for op in ops.values():
                 op.get("responses", {}).pop("422", None)
-                if secured and path.startswith("/v1"):
+                if secured and path not in open_paths:
                     op["security"] = [{"bearer": []}]
         comps = schema.setdefault("components", {})
         models = comps.get("schemas", {})

@@ -41,6 +41,7 @@ class Generation:
         endpoint: str,
         metrics: ServerMetrics,
         session_id: str | None = None,
+        cache_salt: str | None = None,
         received: float | None = None,
         on_done: Callable[[], None] | None = None,
     ) -> None:
@@ -58,7 +59,9 @@ class Generation:
         self._cancelled = False
         self._on_done = on_done  # called once, when the request finishes or is cancelled
         # Validation already happened in the handler; this can still raise PromptError/SamplingError.
-        background.submit(list(ids), params, self._on_output, request_id=request_id, session_id=session_id)
+        background.submit(
+            list(ids), params, self._on_output, request_id=request_id, session_id=session_id, cache_salt=cache_salt
+        )
 
     # ----- engine thread --------------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> None:

@@ -19,6 +19,7 @@ from kvtier.serve.errors import APIError
 from kvtier.serve.inputs import Prepared, chat_prompt, completion_prompt, prepare
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvtier.serve.sse import SSE_EVENT_SCHEMA, GenerationStream, stream_events
+from kvtier.serve.tenants import cache_salt, session_id, tenant_of
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -68,14 +69,18 @@ def _reason(out: RequestOutput) -> r.FinishReason:
 
 
 def _start(
-    ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float
+    ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float,
+    request: Request,
 ) -> Generation:
+    tenant = tenant_of(request)
     background = ctx.running()
     ctx.admit()
     try:
         return Generation(
             background, prepared.ids, prepared.params, rid, endpoint=endpoint, metrics=ctx.metrics,
-            session_id=body.prompt_cache_key, received=received, on_done=ctx.release,
+            session_id=session_id(tenant, body.prompt_cache_key),
+            cache_salt=cache_salt(tenant, body.cache_salt, shared=ctx.config.shared_cache),
+            received=received, on_done=ctx.release,
         )
     except (PromptError, SamplingError) as e:  # checked already; the engine has the last word
         ctx.release()
@@ -104,7 +109,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     ids = await run_in_threadpool(chat_prompt, ctx.engine, body)
     prepared = prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = _start(ctx, prepared, body, rid, "chat", received)
+    gen = _start(ctx, prepared, body, rid, "chat", received, request)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
@@ -151,7 +156,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     ids = await run_in_threadpool(completion_prompt, ctx.engine, body)
     prepared = prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gen = _start(ctx, prepared, body, rid, "completions", received)
+    gen = _start(ctx, prepared, body, rid, "completions", received, request)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )

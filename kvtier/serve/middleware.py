@@ -1,13 +1,17 @@
 """ASGI middleware: the request body limit, the API key check and per-request HTTP metrics.
 
 The key is checked before the body is parsed, so an unauthenticated caller learns nothing about
-the request format (a FastAPI dependency would run after JSON decoding). /health, /metrics and
-the OpenAPI documents stay open for probes, scrapers and schema-driven tools, as in vLLM.
+the request format (a FastAPI dependency would run after JSON decoding). With keys configured,
+only /health stays open (and /metrics with --metrics-public): the schema, the docs and the
+metrics describe the deployment (model, limits, traffic), and unknown paths answer 401, not 404,
+so a caller without a key cannot map the server.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+from collections.abc import Mapping
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -15,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.serve.errors import APIError, error_response
 from kvtier.serve.metrics import KNOWN_PATHS, ServerMetrics
+from kvtier.serve.tenants import DEFAULT_TENANT
 
 
 class BodyLimitMiddleware:
@@ -58,21 +63,45 @@ class BodyLimitMiddleware:
         )
 
 
-class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+class AuthMiddleware:
+    """Decides the request's tenant from its API key, or answers 401.
+
+    Every key is compared, without stopping at a match, and against SHA-256 digests (equal
+    lengths), so the time taken says nothing about which key or how much of one matched. With no
+    keys configured every request is the default tenant. The tenant goes into the scope's state
+    (`request.state.tenant` in handlers).
+    """
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str], open_paths: frozenset[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys = [(_digest(f"Bearer {key}".encode()), tenant) for key, tenant in keys.items()]
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(got, self.expected):  # constant time: no timing oracle
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        tenant: str | None = DEFAULT_TENANT
+        if self.keys:
+            got = _digest(Headers(scope=scope).get("authorization", "").encode("latin-1"))
+            tenant = None
+            for expected, name in self.keys:
+                if secrets.compare_digest(got, expected):  # no break: the loop always runs in full
+                    tenant = name
+            if tenant is None and scope["path"] not in self.open_paths:
                 err = APIError(
                     401, "missing or incorrect API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
                 )
                 await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
+        # On an open path without a (right) key there is no tenant; those handlers need none.
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 class HTTPMetricsMiddleware:

@@ -13,6 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Bound on the free-form identifier fields (user, prompt_cache_key, cache_salt); OpenAI's limit for
+# `user`. They are kept per request and per session, so an unbounded one would be a memory lever.
+MAX_ID_CHARS = 256
+
 StopString = Annotated[str, Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -80,9 +84,16 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     presence_penalty: float | None = only({"enum": [0, None]}, "only 0 is supported")
     frequency_penalty: float | None = only({"enum": [0, None]}, "only 0 is supported")
-    user: str | None = None
-    # OpenAI's hint for cache routing; we pass it to the engine as the session id.
-    prompt_cache_key: str | None = None
+    user: str | None = Field(None, max_length=MAX_ID_CHARS, description="an end-user id (accepted, not used)")
+    # OpenAI's hint for cache routing; we pass it to the engine as the session id (per tenant).
+    prompt_cache_key: str | None = Field(
+        None, max_length=MAX_ID_CHARS, description="session id: what a session saved expires together (--session-ttl)"
+    )
+    # vLLM's field: only requests with the same salt (within one tenant) share cached prompt state.
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_ID_CHARS,
+        description="partitions prompt caching within your tenant: only requests with the same salt share it",
+    )
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

@@ -27,10 +27,12 @@ def test_api_key_required(keyed_server: Served) -> None:
         assert c.get("/v1/models").status_code == 401
         ok = c.post("/v1/chat/completions", json=CHAT_BODY, headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200, ok.text
-        # Probes and scrapers stay open.
+        # Only the liveness probe stays open; metrics and the schema need the key too.
         assert c.get("/health").status_code == 200
-        assert c.get("/metrics").status_code == 200
-        schema = c.get("/openapi.json").json()
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/openapi.json").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        schema = c.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
