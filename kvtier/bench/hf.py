@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvtier.bench.common import drop_page_cache
 
@@ -35,8 +36,14 @@ def build_hf(loaded):
 
 class HFPeers:
     """The HF transformers peers on one context. The history's DynamicCache is prefilled once
-    (untimed) and saved the usual way (torch.save: bytes, a file, a Redis value); each peer method
-    is the timed part and returns the first new token."""
+    (untimed) and saved with torch.save (bytes, a file, a Redis value); each peer method is the
+    timed part and returns the first new token.
+
+    What is saved is the cache's tensors, [(keys, values) per layer], not the DynamicCache object:
+    an object only loads with torch.load(weights_only=False), which runs whatever pickle the bytes
+    hold, and a Redis value can be written by anyone who can reach the server. Tensors load with
+    weights_only=True; the cache is then rebuilt around them without a copy (`_cache`), so the
+    peers time the same work as loading the pickled object did."""
 
     def __init__(self, hf, ids: list[int], hist: int, peers: Sequence[str], path: Path, redis_client, key: str):
         import torch
@@ -50,7 +57,7 @@ class HFPeers:
             with torch.inference_mode():
                 self.cache = hf(self.prompt[:, :hist], use_cache=True, logits_to_keep=1).past_key_values
             buf = io.BytesIO()
-            torch.save(self.cache, buf)
+            torch.save([(layer.keys, layer.values) for layer in self.cache.layers], buf)
             self.blob = buf.getvalue()
         if "hf_offload" in peers:  # the history's K/V kept in (pinned) host memory, copied back per request
             assert self.cache is not None  # prefilled above
@@ -86,14 +93,27 @@ class HFPeers:
             layer.keys, layer.values = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
         return self._new_tokens(self.cache)
 
+    def _cache(self, source):
+        """A DynamicCache over the tensors torch.save wrote to `source` (weights_only: tensors, nothing else)."""
+        from transformers import DynamicCache
+
+        kv = self.torch.load(source, weights_only=True, map_location=self.device)
+        # Built from empty slices, then handed the loaded tensors: DynamicCache(ddp_cache_data=kv) would
+        # concatenate, a second copy of the whole history that unpickling the cache object never made.
+        cache = DynamicCache(ddp_cache_data=[(k[..., :0, :], v[..., :0, :]) for k, v in kv])
+        layers: list[Any] = cache.layers  # DynamicLayer each (typed as the union of every layer kind)
+        for layer, (k, v) in zip(layers, kv):
+            layer.keys, layer.values = k, v
+        return cache
+
     def hf_load_bytes(self) -> int:
-        return self._new_tokens(self.torch.load(io.BytesIO(self.blob), weights_only=False))
+        return self._new_tokens(self._cache(io.BytesIO(self.blob)))
 
     def hf_load_cold_file(self) -> int:
-        return self._new_tokens(self.torch.load(self.path, weights_only=False))
+        return self._new_tokens(self._cache(self.path))
 
     def hf_load_redis(self) -> int:
-        return self._new_tokens(self.torch.load(io.BytesIO(self.redis.get(self.key)), weights_only=False))
+        return self._new_tokens(self._cache(io.BytesIO(self.redis.get(self.key))))
 
     def before(self, peer: str) -> None:
         """Untimed: the file's pages leave the page cache before each cold load."""
