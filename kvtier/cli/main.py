@@ -15,9 +15,12 @@ from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError, SamplingParams
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
+from kvtier.store.redact import redact
 
-# Errors that are the user's to fix: printed as one line, exit code 2, no traceback.
-USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError)
+# Errors that are the user's to fix: printed as one line, exit code 2, no traceback. ConnectionError: a
+# store tier unreachable at startup (a Redis down, a wrong password).
+USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError,
+               ConnectionError)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(e)}", file=sys.stderr)  # a store spec in it loses its Redis password
         return 2
     except Terminated as e:
         return 128 + int(e.args[0])

@@ -17,6 +17,7 @@ from kvtier.cli.engine_args import (
     reuse_from_args,
 )
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
+from kvtier.store.redact import redact
 
 API_KEY_ENV = "KVTIER_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine_from_args(args, reuse=reuse_from_args(args, session_ttl_s=args.session_ttl))
     app = create_app(engine, config=config)
     name = config.served_model_name or engine.model.name
-    store = "no store" if args.no_store or not args.store else f"store {args.store}"
+    store = "no store" if args.no_store or not args.store else f"store {redact(args.store)}"
     print(
         f"kvtier serving {name} ({engine.model.dtype} on {engine.device}, context {engine.max_model_len}, {store}) on "
         f"http://{args.host}:{args.port}/v1" + _auth_note(config),
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:  # model not found, bad budget, ...
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:  # model not found, Redis down, ...
+        print(f"error: {redact(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

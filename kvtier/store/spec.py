@@ -5,9 +5,13 @@
 Entries, fastest first (the order in the string does not matter):
     memory:SIZE[:bw=RATE][:lat=TIME]
     disk:PATH:SIZE[:bw=RATE][:lat=TIME]        several disk entries are striped round-robin
-    redis://HOST:PORT[/DB][?prefix=NAME&ttl=TIME&bw=RATE&lat=TIME]
+    redis://[[USER]:PASSWORD@]HOST:PORT[/DB][?prefix=NAME&ttl=TIME&bw=RATE&lat=TIME&password_file=PATH]
     redis+cluster://HOST:PORT[?...]            a Redis Cluster (any node as entry point)
+    rediss://HOST:PORT[?ssl_ca_certs=PATH&ssl_certfile=PATH&ssl_keyfile=PATH&ssl_cert_reqs=required|optional|none
+                        &ssl_check_hostname=true|false]    TLS (rediss+cluster:// for a cluster)
 SIZE: 512MB, 8GB, 1.5GiB, or plain bytes. RATE: 100MB/s, 1GB/s. TIME: 200us, 1ms, 2s, 1h, 1d.
+The Redis password: in the URL, from `password_file=PATH` or from $KVTIER_REDIS_PASSWORD (redis_auth.py);
+`RedisSpec.url` never holds it, and every message here prints the spec through `redact`.
 """
 from __future__ import annotations
 
@@ -15,13 +19,17 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from .redact import redact
+from .redis_auth import AuthError, RedisAuth, parse_auth
 from .throttle import Emulation
 
 SPEC_HELP = (
     "comma-separated tiers, e.g. 'memory:8GB,disk:/data/a:200GB,disk:/data/b:200GB,"
     "redis://host:6379'. memory:SIZE | disk:PATH:SIZE (repeat to stripe) | redis://HOST:PORT[/DB]"
     "[?prefix=P&ttl=1d] | redis+cluster://HOST:PORT. Emulate a slower device with ':bw=100MB/s"
-    ":lat=1ms' on memory/disk entries or '?bw=100MB/s&lat=1ms' on redis URLs."
+    ":lat=1ms' on memory/disk entries or '?bw=100MB/s&lat=1ms' on redis URLs. Redis password: "
+    "'?password_file=PATH' or $KVTIER_REDIS_PASSWORD (or in the URL, masked in every output). TLS: "
+    "rediss://HOST:PORT?ssl_ca_certs=CA.pem[&ssl_certfile=CERT.pem&ssl_keyfile=KEY.pem][&ssl_cert_reqs=required]."
 )
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -71,11 +79,12 @@ class DiskSpec:
 
 @dataclass(frozen=True)
 class RedisSpec:
-    url: str  # without the kvtier options
+    url: str  # without the kvtier options and without the password: safe to print
     cluster: bool = False
     prefix: str = "kvtier"
     ttl: float | None = None
     emulation: Emulation = Emulation()
+    auth: RedisAuth = RedisAuth()  # the password (never printed) and the TLS files
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ class StoreSpec:
     memory: MemorySpec | None = None
     disk: DiskSpec | None = None
     redis: RedisSpec | None = None
-    text: str = field(default="", compare=False)
+    text: str = field(default="", compare=False, repr=False)  # as given: may hold a password (print redact(text))
 
     def tiers(self) -> list[tuple[str, Emulation]]:
         """(tier name, emulated limits) of each tier present, fastest first."""
@@ -95,7 +104,8 @@ def _emulation(opts: dict[str, str], entry: str) -> Emulation:
     bw = opts.pop("bw", None)
     lat = opts.pop("lat", None)
     if opts:
-        raise SpecError(f"unknown option(s) {sorted(opts)} in {entry!r}: only bw= and lat= are known")
+        known = "prefix=, ttl=, password_file=, ssl_*=, bw= and lat=" if "://" in entry else "bw= and lat="
+        raise SpecError(f"unknown option(s) {sorted(opts)} in {entry!r}: only {known} are known")
     return Emulation(parse_rate(bw) if bw else None, parse_time(lat) if lat else 0.0)
 
 
@@ -115,16 +125,29 @@ def _parse_redis(entry: str) -> RedisSpec:
     cluster = parts.scheme.endswith("+cluster")
     scheme = parts.scheme.replace("+cluster", "")
     if not parts.hostname:
-        raise SpecError(f"redis entry {entry!r} has no host: write redis://HOST:PORT")
+        # Not quoted back: what follows '//' may be the head of a password cut at an unencoded character.
+        raise SpecError(f"a {parts.scheme}:// entry has no host: write {parts.scheme}://HOST:PORT (in a password, "
+                        "write ',' '/' '?' '#' '@' as %2C %2F %3F %23 %40)")
     q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     prefix = q.pop("prefix", "kvtier")
     ttl = parse_time(q.pop("ttl")) if "ttl" in q else None
+    try:
+        auth, netloc = parse_auth(parts, q)
+    except AuthError as e:
+        raise SpecError(f"{e} (in {entry!r})") from None
     em = _emulation(q, entry)
-    url = urlunsplit((scheme, parts.netloc, parts.path, "", ""))
-    return RedisSpec(url, cluster, prefix, ttl, em)
+    url = urlunsplit((scheme, netloc, parts.path, "", ""))
+    return RedisSpec(url, cluster, prefix, ttl, em, auth)
 
 
 def parse_spec(text: str) -> StoreSpec:
+    try:
+        return _parse_spec(text)
+    except SpecError as e:  # every message may quote an entry: a password in a URL is masked in all of them
+        raise SpecError(redact(e)) from None
+
+
+def _parse_spec(text: str) -> StoreSpec:
     if not text or not text.strip():
         raise SpecError(f"empty store spec: {SPEC_HELP}")
     memory = redis = None
@@ -156,6 +179,8 @@ def parse_spec(text: str) -> StoreSpec:
             disk_em = em
             disk_paths.append(path)
             disk_caps.append(parse_size(size))
+        elif "@" in entry:  # the tail of a password cut at an unencoded ',': not quoted back
+            raise SpecError(f"unknown tier entry with an '@' (a ',' in a Redis password is written %2C): {SPEC_HELP}")
         else:
             raise SpecError(f"unknown tier {entry!r}: {SPEC_HELP}")
     if len(set(disk_paths)) != len(disk_paths):

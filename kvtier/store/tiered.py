@@ -22,6 +22,7 @@ from .layout import StoreNamespace
 from .lookahead import LookAheadPolicy
 from .policy import EvictionPolicy, ScorePolicy, make_policy
 from .reads import PlannedReads
+from .redact import redact
 from .reorder import MIN_OBSERVATIONS, ImportanceStats, ReorderReport
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
 from .spec import parse_spec
@@ -405,7 +406,7 @@ class TieredStore:
             t.close()
 
     def stats(self) -> dict:
-        return dict(spec=self.spec_text, chunk_tokens=self.chunk_tokens,
+        return dict(spec=redact(self.spec_text), chunk_tokens=self.chunk_tokens,
                     namespace=self.root, store=dict(self.counters), writer=self.writer.stats(),
                     tiers={t.name: t.stats() for t in self.tiers}, last_reorder=vars(self.last_reorder))
 

@@ -3,6 +3,7 @@ Redis Cluster of several masters (`redis-server --cluster-enabled yes` + `redis-
 create`, both from the Debian `redis-server` package). No persistence; stopped on close.
 
     with RedisServer() as srv:   srv.url, srv.kill(), srv.start() (same port again)
+    RedisServer(password="pw")   requirepass: clients must authenticate (srv.url carries no password)
     with RedisCluster(3) as c:   c.url (redis+cluster://...), c.nodes
 
 Nothing here imports torch or the engine.
@@ -53,14 +54,15 @@ def redis_binary(name: str = "redis-server") -> str | None:
 class RedisServer:
     """One redis-server. `start()` again after `kill()` reuses the port (a restarted server, as a
     client sees it). Large values are allowed (`proto-max-bulk-len` 2 GB) so a whole serialized KV
-    cache fits in one SET."""
+    cache fits in one SET. With `password` the server requires it (`requirepass`)."""
 
     def __init__(self, binary: str | None = None, startup_s: float = 10.0, port: int = 0,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), password: str | None = None) -> None:
         self.binary = binary or redis_binary() or "/usr/bin/redis-server"
         self.startup_s = startup_s
         self.port = port
         self.extra = extra
+        self.password = password
         self.dir: str | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -75,9 +77,10 @@ class RedisServer:
         self.dir = self.dir or tempfile.mkdtemp(prefix="kvtier-redis-")  # its cwd: nothing is written with --save ""
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--proto-max-bulk-len", "2gb", *self.extra],
+             "--dir", self.dir, "--proto-max-bulk-len", "2gb",
+             *(("--requirepass", self.password) if self.password else ()), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
+        client = redis.Redis(port=self.port, password=self.password)
         deadline = time.monotonic() + self.startup_s
         while True:
             try:

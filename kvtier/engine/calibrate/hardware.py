@@ -37,6 +37,7 @@ from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwarePr
 from kvtier.planning.plan import PlannedChunk
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.reads import LayerGroup
+from kvtier.store.redact import redact
 from kvtier.store.spec import parse_spec
 from kvtier.store.tiered import TieredStore
 
@@ -331,7 +332,7 @@ def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> 
         missing = [part for part in _spec_parts(spec or "") if _tier_name(part) not in prof.tiers]
         if not missing:
             return prof
-        log.warning("hardware profile lacks tier(s) %s: measuring them", ", ".join(missing))
+        log.warning("hardware profile lacks tier(s) %s: measuring them", redact(", ".join(missing)))
         prof = dataclasses.replace(prof, tiers={**prof.tiers, **_measure_spec(model, ",".join(missing))})
     save_profile(prof, profile_path(home, model))
     return prof

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from ..redact import redact
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -25,7 +27,7 @@ class Outage(OSError):
 class Breaker:
     def __init__(self, name: str, errors: tuple[type[BaseException], ...], first_backoff: float = 0.25,
                  max_backoff: float = 5.0) -> None:
-        self.name = name
+        self.name = redact(name)  # it is in every outage message: a URL in it loses its password
         self.errors = errors  # what counts as "unreachable" (not, e.g., a server's refusal to store)
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
         self._lock = threading.Lock()
@@ -51,7 +53,7 @@ class Breaker:
             out = fn()
         except self.errors as e:
             self._trip(e)
-            raise Outage(f"{self.name} is unreachable: {e}") from e
+            raise Outage(f"{self.name} is unreachable: {redact(e)}") from e
         if self._backoff:
             with self._lock:
                 self._backoff, self._down_until = 0.0, 0.0
@@ -64,7 +66,7 @@ class Breaker:
             if not self._backoff:
                 self.outages += 1
                 log.warning("%s is unreachable (%s): treating it as a miss; retrying in the background",
-                            self.name, err)
+                            self.name, redact(err))
             self._backoff = min(self.max_backoff, max(self.first_backoff, 2 * self._backoff))
             self._down_until = time.monotonic() + self._backoff
 

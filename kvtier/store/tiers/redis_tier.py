@@ -27,6 +27,8 @@ from redis.exceptions import ClusterDownError, ClusterError
 from redis.retry import Retry
 
 from ..format import FormatError, PackedChunk, Segment, check_segment
+from ..redact import redact
+from ..redis_auth import PASSWORD_ENV
 from ..spec import RedisSpec
 from .base import OpenChunk, PoolTarget, Reader, Segments, Tier, log
 from .breaker import Breaker, Outage
@@ -68,18 +70,29 @@ class RedisTier(Tier):
         self.spec = spec
         self.ns = ns
         self.client: redis.Redis | redis.RedisCluster
+        # spec.url has no password: it comes apart (spec.auth), so the URL is safe in every message.
+        options = {**CLIENT_OPTIONS, **spec.auth.client_kwargs()}
+        url = redact(spec.url)
         try:
             if spec.cluster:
                 from redis.cluster import RedisCluster
-                self.client = RedisCluster.from_url(spec.url, **CLIENT_OPTIONS)
+                self.client = RedisCluster.from_url(spec.url, **options)
             else:
-                self.client = redis.Redis.from_url(spec.url, **CLIENT_OPTIONS)
+                self.client = redis.Redis.from_url(spec.url, **options)
             self.client.ping()
+        except redis.AuthenticationError as e:  # checked before its base class, ConnectionError
+            # Where the password came from, never the password: the message is printed and logged.
+            why = redact(e).rstrip(".")
+            if spec.auth.password:
+                raise ConnectionError(f"Redis at {url} refused the password from {spec.auth.password_from}: "
+                                      f"{why}. Fix it there") from e
+            raise ConnectionError(f"Redis at {url} wants a password and none was given: {why}. Give it with "
+                                  f"password_file=PATH in the URL's options or ${PASSWORD_ENV}") from e
         except redis.RedisError as e:  # at startup an unreachable URL is a configuration error
             raise ConnectionError(
-                f"cannot reach Redis at {spec.url}: {e}. Start the server or fix the URL in --store"
+                f"cannot reach Redis at {url}: {redact(e).rstrip('.')}. Start the server or fix the URL in --store"
             ) from e
-        self.breaker = Breaker(f"redis tier {spec.url}", UNREACHABLE)
+        self.breaker = Breaker(f"redis tier {url}", UNREACHABLE)
         self._admin_keys: dict[str, str] = {}
         self.ex = int(math.ceil(spec.ttl)) if spec.ttl else None
 
@@ -268,7 +281,7 @@ class RedisTier(Tier):
     def usage(self) -> dict:
         """The server's own memory figures (one INFO per node; shared with anything else stored
         there). Entries are counted (a full SCAN) only in admin mode, not on every /metrics scrape."""
-        out = dict(url=self.spec.url, ttl_s=self.spec.ttl, bytes_used=None, capacity=None, **self.breaker.stats())
+        out = dict(url=redact(self.spec.url), ttl_s=self.spec.ttl, bytes_used=None, capacity=None, **self.breaker.stats())
         try:
             if self.spec.cluster:
                 from redis.cluster import RedisCluster
