@@ -88,6 +88,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str = DEFAUL
     add_store_argument(g)
     g.add_argument("--no-store", action="store_true", help="run without the state store (no saving, no restore)")
     g.add_argument("--chunk-tokens", type=positive_int, default=64, help="tokens per stored chunk (default: 64)")
+    g.add_argument("--store-secret-file", metavar="PATH", default=None,
+                   help="a secret shared by every server of this store (at least 16 bytes, first line of the "
+                        "file): chunks are sealed with an HMAC and only sealed ones are used, so whoever can "
+                        "write to the store's Redis or directories cannot plant state. Also read from "
+                        "$KVTIER_STORE_SECRET (see docs/serve.md, Security)")
+    g.add_argument("--store-secret", metavar="SECRET", default=None,
+                   help="the store secret as a value (visible to other users in `ps`: prefer the file or the "
+                        "environment variable)")
     add_restore_arguments(g)
     add_partial_arguments(p)
 
@@ -150,9 +158,12 @@ def impress_from_args(args: argparse.Namespace) -> ImpressConfig:
 
 def reuse_from_args(args: argparse.Namespace, **extra: Any) -> ReuseConfig:
     from kvtier.engine.config import ReuseConfig
+    from kvtier.store.seal import load_secret
 
     return ReuseConfig(method=args.restore_method, allow_lossy=args.allow_lossy, chunk_tokens=args.chunk_tokens,
-                       eviction_policy=args.eviction_policy, impress=impress_from_args(args), **extra)
+                       eviction_policy=args.eviction_policy, impress=impress_from_args(args),
+                       seal=load_secret(getattr(args, "store_secret", None), getattr(args, "store_secret_file", None)),
+                       **extra)
 
 
 def partial_from_args(args: argparse.Namespace) -> PartialConfig | None:

@@ -31,8 +31,9 @@ class BackgroundEngine:
         on_output: Callable[[RequestOutput], None],
         request_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id)
+        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id, cache_salt)
         self._wake.set()
         return rid
 

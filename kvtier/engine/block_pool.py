@@ -15,6 +15,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+def chain_root(salt: str = "") -> bytes:
+    """Parent of a chain's first block. A cache salt (the tenant, and a request's `cache_salt`)
+    gives a chain of its own: requests with different salts never share a block."""
+    return hashlib.blake2b(b"root\x00" + salt.encode(), digest_size=16).digest() if salt else b"root"
+
+
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes."""
     h = hashlib.blake2b(parent or b"root", digest_size=16)
@@ -22,11 +28,13 @@ def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
+def block_hashes(tokens: Sequence[int], block_size: int, start: list[bytes] | None = None,
+                 salt: str = "") -> list[bytes]:
     """Chained hashes of every full block of `tokens`, extending the already-known `start` list."""
     out = list(start or [])
+    root = chain_root(salt)
     for i in range(len(out), len(tokens) // block_size):
-        out.append(chain_hash(out[-1] if out else None, tokens[i * block_size : (i + 1) * block_size]))
+        out.append(chain_hash(out[-1] if out else root, tokens[i * block_size : (i + 1) * block_size]))
     return out
 
 

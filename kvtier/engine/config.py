@@ -10,6 +10,7 @@ from kvtier.dtypes import canonical
 from kvtier.planning.optimizer import ProfileCostModel
 from kvtier.planning.plan import AUTO, METHOD_CHOICES, Method
 from kvtier.store.layout import Repr
+from kvtier.store.seal import Seal
 
 
 class PartialPolicy(str, enum.Enum):
@@ -161,6 +162,9 @@ class ReuseConfig:
     allow_lossy: bool = False
     impress: ImpressConfig = field(default_factory=ImpressConfig)
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # which chunks the memory and disk tiers give up first
+    # The store secret shared by the servers of one store: chunks are sealed (HMAC) and only sealed
+    # ones are read (store/seal.py). Unsealed: the store trusts whoever can write to it.
+    seal: Seal = field(default_factory=Seal)
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_CHOICES:

@@ -201,8 +201,10 @@ class Engine:
         request_id: str | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request (safe from any thread); it joins the batch at the next step."""
+        """Queue a request (safe from any thread); it joins the batch at the next step.
+        `cache_salt`: only requests with the same salt share cached or stored state."""
         ids = self.encode(prompt)
         params = params or SamplingParams()
         source, kept = None, None
@@ -213,7 +215,8 @@ class Engine:
             ids = [ids[i] for i in kept]
         self.validate(ids)
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, session_id=session_id, source_ids=source, kept=kept)
+        req = Request(rid, ids, params, session_id=session_id, cache_salt=cache_salt or "", source_ids=source,
+                      kept=kept)
         self._inbox.put(("add", (req, on_output)))
         return rid
 

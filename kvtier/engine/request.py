@@ -132,6 +132,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     session_id: str | None = None
+    # Partitions reuse: the device prefix cache and the store key chains start from this salt, so
+    # requests with different salts (tenants) never see, evict or time each other's state.
+    cache_salt: str = ""
     restore_tried: bool = False  # the store was asked once for this (re)admission
     # Context truncation: the original prompt and the indices of it that were kept. Such state is
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.

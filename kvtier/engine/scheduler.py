@@ -298,7 +298,7 @@ class Scheduler:
         if full <= req.num_published:
             return
         req.block_hashes = block_hashes(req.all_ids[: full * self.pool.block_size], self.pool.block_size,
-                                        req.block_hashes)
+                                        req.block_hashes, req.cache_salt)
         first = req.front // self.pool.block_size  # block ids start at the front
         for i in range(max(req.num_published, first), full):
             self.pool.register(req.block_ids[i - first], req.block_hashes[i])
@@ -324,7 +324,7 @@ class Scheduler:
         req.block_ids, req.num_computed, req.num_published = [], 0, 0
         if not self.prefix_cache or req.kept is not None:
             return
-        req.block_hashes = block_hashes(req.all_ids, self.pool.block_size, req.block_hashes)
+        req.block_hashes = block_hashes(req.all_ids, self.pool.block_size, req.block_hashes, req.cache_salt)
         usable = (req.num_tokens - 1) // self.pool.block_size
         req.block_ids = self.pool.match_prefix(req.block_hashes[:usable])
         req.num_published = len(req.block_ids)  # found in the cache: registered already

@@ -170,6 +170,10 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
         "kvtier_store_put_errors", "Chunk writes a tier failed or refused (full, read-only, unreachable)", labels=["tier"]
     )
     corrupt = CounterMetricFamily("kvtier_store_corrupt", "Chunks found corrupt and removed", labels=["tier"])
+    errors = CounterMetricFamily(
+        "kvtier_store_errors", "Tier calls refused or failed otherwise (permissions, wrong key types, junk index "
+        "entries): each a miss", labels=["tier"],
+    )
     unavailable = CounterMetricFamily(
         "kvtier_store_unavailable", "Calls to a remote tier that failed or were skipped while it was unreachable",
         labels=["tier"],
@@ -196,6 +200,7 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
             evictions.add_metric([name], t.get("evictions", 0))
             put_errors.add_metric([name], t.get("put_errors", 0))
             corrupt.add_metric([name], t.get("corrupt", 0))
+            errors.add_metric([name], t.get("errors", 0))
             unavailable.add_metric([name], t.get("unavailable", 0))
             up.add_metric([name], float(t.get("up", True)))
         writer = stats.get("writer") or {}
@@ -204,8 +209,8 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
         counters = stats.get("store") or {}
         written.add_metric([], counters.get("chunks_written", 0))
         skipped.add_metric([], counters.get("chunks_skipped", 0))
-    yield from (used, cap, hits, misses, evictions, put_errors, corrupt, unavailable, up, dropped, queue, written,
-                skipped)
+    yield from (used, cap, hits, misses, evictions, put_errors, corrupt, errors, unavailable, up, dropped, queue,
+                written, skipped)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

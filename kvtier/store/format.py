@@ -1,8 +1,10 @@
 """The chunk byte format, shared by every tier.
 
-    preamble  16 bytes: magic "KVTC", format version u16, reserved u16, header length u32, header crc32
+    preamble  48 bytes: magic "KVTC", format version u16, flags u16 (1: sealed), header length u32,
+              header crc32, HMAC-SHA256 tag of the header (zeros unless sealed: see seal.py)
     header    JSON: key, parent, position, namespace digest, model fingerprint, dtypes, per-layer
-              representation, and a segment table (layer, part, offset, length, crc32c, dtype, shape)
+              representation, the digest algorithm, and a segment table (layer, part, offset,
+              length, digest, dtype, shape)
     payload   segments, layer-major: layer 0 (k, v | h, scales), layer 1, ...; each starts on a
               512-byte boundary (a disk's logical block), so a direct-I/O read of a layer group
               can land straight in the KV pool
@@ -12,7 +14,8 @@ per-segment checksums let it verify what it read without reading the rest, and K
 without V. Checksums are CRC-32C (the crc32c library, the SSE4.2/ARMv8 CRC instruction): it runs
 at memory speed (zlib's crc32 ran at a third of it here) and without holding Python's GIL, so
 verifying what a read thread fetched does not stall the thread that computes. The header has its
-own checksum so a torn or foreign header is caught before any offset in it is trusted.
+own checksum so a torn or foreign header is caught before any offset in it is trusted; what a
+header says is then checked against what the reader expects (validate.py) before a byte moves.
 """
 from __future__ import annotations
 
@@ -22,22 +25,23 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-import crc32c
 import torch
 
 from . import codec
 from .layout import FORMAT_VERSION, Repr, StoreNamespace
+from .seal import BLAKE2B, CRC32C, DIGESTS, Seal, digest
 
 MAGIC = b"KVTC"
-PREAMBLE = struct.Struct("<4sHHII")
+PREAMBLE = struct.Struct("<4sHHII32s")
+SEALED = 1  # preamble flag: the tag is an HMAC under the store secret
 ALIGN = 512  # the usual logical block of a disk: what direct I/O aligns offsets and lengths to
 MAX_HEADER = 1 << 24
 ORDERED_PARTS = ("k", "v")  # what a reordered chunk stores out of token order
 
 
-def checksum(data: torch.Tensor | memoryview | bytes) -> int:
-    """CRC-32C of a segment's bytes (a uint8 tensor or any buffer), computed with the GIL released."""
-    return crc32c.crc32c(data.numpy().data if isinstance(data, torch.Tensor) else data, gil_release_mode=1)
+def checksum(data: torch.Tensor | memoryview | bytes, alg: str = CRC32C) -> int:
+    """Digest of a segment's bytes (a uint8 tensor or any buffer) under `alg`, GIL released."""
+    return digest(alg, data.numpy().data if isinstance(data, torch.Tensor) else data)
 
 
 class FormatError(Exception):
@@ -50,10 +54,10 @@ class Segment:
     part: str  # "k", "v", "h", or "k.scale" etc.
     offset: int
     nbytes: int
-    digest: int  # CRC-32C of the segment's bytes
+    digest: int  # of the segment's bytes, under the header's digest algorithm
     dtype: str  # storage dtype of the data ("float32" for scales)
     shape: tuple[int, ...]
-    # CRC-32C of every `granule_tokens` rows (the importance layout): a read of a few granules is
+    # Digest of every `granule_tokens` rows (the importance layout): a read of a few granules is
     # verified on its own. Empty in the plain layout.
     granules: tuple[int, ...] = ()
 
@@ -80,6 +84,7 @@ class ChunkHeader:
     layer_reprs: tuple[Repr, ...]
     segments: tuple[Segment, ...]
     total_bytes: int
+    digest: str = CRC32C  # the segments' digest algorithm (BLAKE2B when sealed)
     # A chunk reordered by importance (IMPRESS §4.4.1): stored K/V row r of layer l holds token
     # order[l][r] of the chunk ([layers, tokens] int64), so the tokens a query keeps share
     # granules. None: token order. Probe keys and hidden states always stay in token order.
@@ -139,9 +144,11 @@ def _pad(n: int) -> int:
 
 def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: int, start: int,
          partial: bool, layers: Mapping[int, Mapping[str, torch.Tensor]],
-         order: torch.Tensor | None = None) -> PackedChunk:
+         order: torch.Tensor | None = None, seal: Seal = Seal()) -> PackedChunk:
     """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc., in token order)
-    into a chunk. `order` ([layers, tokens]) stores layer l's K/V rows as tokens order[l]."""
+    into a chunk. `order` ([layers, tokens]) stores layer l's K/V rows as tokens order[l]. With a
+    sealing `seal` the segments get BLAKE2b digests and the header an HMAC tag."""
+    alg = seal.digest_alg
     tokens = -1
     pieces: list[tuple[int, str, torch.Tensor, str, tuple[int, ...]]] = []
     if ns.probe_kv_heads:  # every layer's probe keys first: one ranged read fetches them all
@@ -170,16 +177,17 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
         raise ValueError("nothing to store: every layer is Repr.NONE")
     # Offsets depend on the header length, which depends on the offsets' digits: fix the header
     # size first with a generous reservation, then fill it in.
-    seg_meta = [(l, p, b.numel(), checksum(b), d, s, _granule_crcs(b, s, p, ns.granule_tokens))
+    seg_meta = [(l, p, b.numel(), checksum(b, alg), d, s, _granule_digests(b, s, p, ns.granule_tokens, alg))
                 for l, p, b, d, s in pieces]
     doc_base = {
         "key": key, "parent": parent, "index": index, "start": start, "tokens": tokens,
         "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
-        "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs],
+        "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs], "digest": alg,
     }
     if order is not None:
         doc_base["order"] = order.tolist()
-    reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, 2**32, d, list(s)] + ([[2**32] * len(g)] if g else [])
+    big = 2**128 if alg == BLAKE2B else 2**32  # the widest digest, for the reservation
+    reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, big, d, list(s)] + ([[big] * len(g)] if g else [])
                                                         for l, p, _, _, d, s, g in seg_meta]}))
     header_space = PREAMBLE.size + reserve
     offset = header_space + _pad(header_space)
@@ -192,7 +200,8 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
                                      list(s.shape)] + ([list(s.granules)] if s.granules else []) for s in segments]}
     hjson = json.dumps(doc).encode()
     hjson += b" " * (segments[0].offset - PREAMBLE.size - len(hjson))  # pad up to the payload
-    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(hjson), zlib.crc32(hjson))
+    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, SEALED if seal.sealed else 0, len(hjson), zlib.crc32(hjson),
+                        seal.tag(hjson))
     bufs: list[bytes | memoryview] = [pre + hjson]
     for (_, _, b, _, _), seg in zip(pieces, segments):
         bufs.append(b.numpy().data)
@@ -202,19 +211,31 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     return PackedChunk(header, tuple(bufs))
 
 
-def _granule_crcs(buf: torch.Tensor, shape: tuple[int, ...], part: str, granule_tokens: int) -> tuple[int, ...]:
-    """CRC-32C of every `granule_tokens` rows of a K/V part's bytes (none for other parts)."""
+def _granule_digests(buf: torch.Tensor, shape: tuple[int, ...], part: str, granule_tokens: int,
+                     alg: str) -> tuple[int, ...]:
+    """Digest of every `granule_tokens` rows of a K/V part's bytes (none for other parts)."""
     if not granule_tokens or part not in ("k", "v", "kp"):
         return ()
     step = granule_tokens * (buf.numel() // shape[0])
-    return tuple(checksum(buf[i : i + step]) for i in range(0, buf.numel(), step))
+    return tuple(checksum(buf[i : i + step], alg) for i in range(0, buf.numel(), step))
+
+
+def sealed_by(packed: PackedChunk, seal: Seal) -> bool:
+    """Whether `packed`'s header carries a valid tag under `seal` (always true unsealed): what a
+    tier that keeps parsed headers (memory) checks on put, instead of parsing again on each read."""
+    if not seal.sealed:
+        return True
+    first = memoryview(packed.buffers[0]).cast("B")
+    n = header_length(bytes(first[:PREAMBLE.size]))
+    _, _, flags, _, _, tag = PREAMBLE.unpack_from(bytes(first[:PREAMBLE.size]))
+    return len(first) >= n and bool(flags & SEALED) and seal.verify(bytes(first[PREAMBLE.size:n]), tag)
 
 
 def header_length(preamble: bytes) -> int:
     """Total bytes of preamble + header, from the first 16 bytes."""
     if len(preamble) < PREAMBLE.size:
         raise FormatError("truncated preamble")
-    magic, version, _, hlen, _ = PREAMBLE.unpack_from(preamble)
+    magic, version, _, hlen, _, _ = PREAMBLE.unpack_from(preamble)
     if magic != MAGIC:
         raise FormatError("bad magic")
     if version != FORMAT_VERSION:
@@ -224,36 +245,66 @@ def header_length(preamble: bytes) -> int:
     return PREAMBLE.size + hlen
 
 
-def parse_header(buf: bytes | memoryview, total_size: int | None = None) -> ChunkHeader:
-    """Parse and check the header at the start of `buf` (which must hold the whole header)."""
+def parse_header(buf: bytes | memoryview, total_size: int | None = None, seal: Seal = Seal()) -> ChunkHeader:
+    """Parse and check the header at the start of `buf` (which must hold the whole header); with a
+    sealing `seal`, only a header whose tag verifies under its secret is parsed at all."""
     n = header_length(bytes(buf[:PREAMBLE.size]))
     if len(buf) < n:
         raise FormatError("truncated header")
-    _, _, _, hlen, hcrc = PREAMBLE.unpack_from(bytes(buf[:PREAMBLE.size]))
+    _, _, flags, hlen, hcrc, tag = PREAMBLE.unpack_from(bytes(buf[:PREAMBLE.size]))
     raw = bytes(buf[PREAMBLE.size:n])
     if zlib.crc32(raw) != hcrc:
         raise FormatError("header checksum mismatch")
+    if seal.sealed and not (flags & SEALED and seal.verify(raw, tag)):
+        raise FormatError("not sealed with this store's secret")
     try:
         doc = json.loads(raw)
         segs_end = max(s[2] + s[3] for s in doc["segments"])
         header = _header_from_doc(doc, segs_end + _pad(segs_end))
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         raise FormatError(f"malformed header: {e}") from e
+    if seal.sealed and header.digest != BLAKE2B:
+        raise FormatError("a sealed chunk must carry BLAKE2b segment digests")
     if total_size is not None and total_size < max(s.offset + s.nbytes for s in header.segments):
         raise FormatError("truncated payload")
     return header
 
 
+def _int(x: object) -> int:
+    if type(x) is not int:  # JSON true, 1.0 and "1" are not counts (bool is an int subclass)
+        raise ValueError(f"expected an integer, got {x!r:.40}")
+    return x
+
+
+def _str(x: object) -> str:
+    if type(x) is not str:
+        raise ValueError(f"expected a string, got {x!r:.40}")
+    return x
+
+
+def _segment(s: list) -> Segment:
+    if not 7 <= len(s) <= 8:
+        raise ValueError("a segment entry has 7 or 8 fields")
+    granules = tuple(_int(g) for g in s[7]) if len(s) > 7 else ()
+    return Segment(_int(s[0]), _str(s[1]), _int(s[2]), _int(s[3]), _int(s[4]), _str(s[5]),
+                   tuple(_int(d) for d in s[6]), granules)
+
+
 def _header_from_doc(doc: dict, total: int) -> ChunkHeader:
-    # JSON already gives ints and strings (and the header's checksum passed): build the segment
-    # records directly; a restore opens dozens of chunks and each header lists every layer.
-    segs = tuple(Segment(s[0], s[1], s[2], s[3], s[4], s[5], tuple(s[6]), tuple(s[7]) if len(s) > 7 else ())
-                 for s in doc["segments"])
+    # Every field's type is checked here (the header is untrusted input: a float count or a list
+    # where a string belongs must be a FormatError, not a TypeError deep inside a restore); what
+    # the values must be is checked against the reader's expectation in validate.py.
+    alg = doc.get("digest", CRC32C)
+    if alg not in DIGESTS:
+        raise ValueError(f"unknown digest algorithm {alg!r:.40}")
+    if type(doc["partial"]) is not bool:
+        raise ValueError("partial must be true or false")
     return ChunkHeader(
-        key=doc["key"], parent=doc["parent"], index=int(doc["index"]), start=int(doc["start"]),
-        tokens=int(doc["tokens"]), partial=bool(doc["partial"]), ns=doc["ns"], model=doc["model"], compute_dtype=doc["compute"],
-        storage_dtype=doc["storage"], layer_reprs=tuple(Repr(r) for r in doc["reprs"]),
-        segments=segs, total_bytes=total,
+        key=_str(doc["key"]), parent=_str(doc["parent"]), index=_int(doc["index"]), start=_int(doc["start"]),
+        tokens=_int(doc["tokens"]), partial=doc["partial"], ns=_str(doc["ns"]), model=_str(doc["model"]),
+        compute_dtype=_str(doc["compute"]), storage_dtype=_str(doc["storage"]),
+        layer_reprs=tuple(Repr(r) for r in doc["reprs"]),
+        segments=tuple(_segment(s) for s in doc["segments"]), total_bytes=total, digest=alg,
         order=_order_from_doc(doc),
     )
 
@@ -268,11 +319,11 @@ def _order_from_doc(doc: dict) -> torch.Tensor | None:
     return order
 
 
-def check_segment(seg: Segment, data: torch.Tensor | memoryview) -> None:
+def check_segment(seg: Segment, data: torch.Tensor | memoryview, alg: str = CRC32C) -> None:
     """`data` is the bytes read for `seg`; raise FormatError if it is not what was written."""
     if (data.numel() if isinstance(data, torch.Tensor) else data.nbytes) != seg.nbytes:
         raise FormatError(f"segment {seg.layer}/{seg.part}: truncated")
-    if checksum(data) != seg.digest:
+    if checksum(data, alg) != seg.digest:
         raise FormatError(f"segment {seg.layer}/{seg.part}: checksum mismatch")
 
 

@@ -26,10 +26,19 @@ class ChunkSpan:
         return self.end - self.start
 
 
-def store_digest(namespace_digest: str, chunk_tokens: int) -> str:
-    """Root of the key chain: chunk boundaries depend on the chunk size, so it is part of it."""
-    raw = f"kvtier-store:{namespace_digest}:{chunk_tokens}".encode()
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+def store_digest(namespace_digest: str, chunk_tokens: int, key_id: str = "") -> str:
+    """Root of the key chain: chunk boundaries depend on the chunk size, so it is part of it; a
+    sealed store's chains (seal.py) are its secret's own."""
+    raw = f"kvtier-store:{namespace_digest}:{chunk_tokens}" + (f":sealed:{key_id}" if key_id else "")
+    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+
+
+def salted_root(root: str, salt: str) -> str:
+    """The chain root of one cache partition (a tenant, a request's `cache_salt`): chains under
+    different salts share no key, so their requests never see, evict or time each other's chunks."""
+    if not salt:
+        return root
+    return hashlib.blake2b(f"kvtier-salt:{root}:".encode() + salt.encode(), digest_size=16).hexdigest()
 
 
 def chunk_key(parent: str, tokens: Sequence[int]) -> str:

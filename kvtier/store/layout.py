@@ -18,7 +18,9 @@ from kvtier.dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, WIDTH
 # 2: K is stored rotated at its canonical position (the chunk key fixes every token's position),
 #    so a restore copies it into the pool as is; segments carry CRC-32C checksums and start on
 #    512-byte boundaries (a disk read may land straight in the KV pool).
-FORMAT_VERSION = 2
+# 3: the preamble carries a flags word and an HMAC tag (sealed chunks, seal.py); the header names
+#    its segments' digest algorithm.
+FORMAT_VERSION = 3
 
 
 class Repr(str, Enum):

@@ -33,7 +33,7 @@ class LayerGroup:
 
 
 class PlannedReads:
-    def __init__(self, tiers: Sequence[Tier], expect: Callable[[str], Expect], chunks: Sequence[StoredChunk],
+    def __init__(self, tiers: Sequence[Tier], expect: Callable[[StoredChunk], Expect], chunks: Sequence[StoredChunk],
                  staging: Staging) -> None:
         by_name = {t.name: t for t in tiers}
         missing = {c.tier for c in chunks} - set(by_name)
@@ -50,7 +50,7 @@ class PlannedReads:
         opened: dict[int, OpenChunk | None] = {}
         for tier in dict.fromkeys(self.tiers):
             idx = [i for i, t in enumerate(self.tiers) if t is tier]
-            opened.update(zip(idx, tier.open_chunks([self._expect(self.chunks[i].key) for i in idx])))
+            opened.update(zip(idx, tier.open_chunks([self._expect(self.chunks[i]) for i in idx])))
         self.opened = [oc for _, oc in sorted(opened.items()) if oc is not None]
         if len(self.opened) < len(self.chunks):
             self.close()

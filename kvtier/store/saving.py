@@ -15,6 +15,7 @@ class SaveJob:
     k: torch.Tensor | None  # [layers or kv_layers, end-start, kv_heads, head_dim], pre-RoPE
     v: torch.Tensor | None  # same as k
     h: torch.Tensor | None  # [layers or hidden_layers, end-start, hidden]
+    salt: str = ""  # the request's cache partition (keys.salted_root)
 
     @property
     def end(self) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from . import format as fmt
 from .index import ChunkRef, PrefixMatch, StoredChunk, longest_prefix
-from .keys import chunk_key, chunk_spans, store_digest
+from .keys import chunk_key, chunk_spans, salted_root, store_digest
 from .layout import StoreNamespace
 from .lookahead import LookAheadPolicy
 from .policy import EvictionPolicy, ScorePolicy, make_policy
@@ -25,6 +25,7 @@ from .reads import PlannedReads
 from .redact import redact
 from .reorder import MIN_OBSERVATIONS, ImportanceStats, ReorderReport
 from .saving import SaveJob, check_job, chunk_layers, job_nbytes
+from .seal import Seal
 from .spec import parse_spec
 from .staging import Staging
 from .tiers.base import Expect, Tier
@@ -60,19 +61,21 @@ class _Reorder:
 
 class TieredStore:
     def __init__(self, tiers: list[Tier], namespace: StoreNamespace | None, chunk_tokens: int,
-                 writer_queue_bytes: int, spec_text: str = "") -> None:
+                 writer_queue_bytes: int, spec_text: str = "", seal: Seal = Seal()) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.tiers = tiers
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.spec_text = spec_text
-        self.root = store_digest(namespace.digest(), chunk_tokens) if namespace else None
+        self.seal = seal
+        self.root = store_digest(namespace.digest(), chunk_tokens, seal.key_id()) if namespace else None
         self.memory = next((t for t in tiers if isinstance(t, MemoryTier)), None)
         for t in tiers:
             t.on_evict = self._demote
+            t.seal = seal
         self.counters = dict(saves=0, chunks_written=0, chunks_skipped=0, partials_superseded=0, discarded=0,
-                             promotions=0)
+                             promotions=0, lookup_errors=0)
         self._promoting: set[str] = set()
         self.staging = Staging()  # aligned read buffers, kept for the next restore
         self.writer = BackgroundWriter(self._process, writer_queue_bytes)
@@ -85,12 +88,13 @@ class TieredStore:
     @classmethod
     def open(cls, spec: str, namespace: StoreNamespace | None, chunk_tokens: int = 64,
              policy: str = "lru", writer_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-             fsync: bool = False, pin: bool = False) -> "TieredStore":
+             fsync: bool = False, pin: bool = False, seal: Seal = Seal()) -> "TieredStore":
         """`pin`: the engine runs on CUDA, so host memory the store reads into (the memory tier,
-        staging buffers) is pinned for asynchronous copies to the device."""
+        staging buffers) is pinned for asynchronous copies to the device. `seal`: the store
+        secret, when the servers sharing the store have one (seal.py)."""
         parsed = parse_spec(spec)
         make_policy(policy)  # validate the name before touching any tier
-        ns = store_digest(namespace.digest(), chunk_tokens) if namespace else None
+        ns = store_digest(namespace.digest(), chunk_tokens, seal.key_id()) if namespace else None
         tiers: list[Tier] = []
         if parsed.memory:
             tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy), parsed.memory.emulation, pin=pin))
@@ -100,7 +104,7 @@ class TieredStore:
         if parsed.redis:
             from .tiers.redis_tier import RedisTier
             tiers.append(RedisTier(parsed.redis, ns))
-        store = cls(tiers, namespace, chunk_tokens, writer_queue_bytes, spec)
+        store = cls(tiers, namespace, chunk_tokens, writer_queue_bytes, spec, seal)
         store.staging.pin = pin
         return store
 
@@ -116,23 +120,36 @@ class TieredStore:
                                "only stats, verify and clear are available")
         return self.namespace
 
-    def _root(self) -> str:
+    def _root(self, salt: str = "") -> str:
         self._ns()  # raises in admin mode
         assert self.root is not None  # set whenever there is a namespace
-        return self.root
+        return salted_root(self.root, salt)
 
-    def _expect(self, key: str) -> Expect:
+    def _expect(self, key: str, span: tuple[int, int] | None = None) -> Expect:
+        """What a chunk read under this store's namespace must be (validate.py); `span`: the
+        tokens the caller planned it to hold, when known."""
         ns = self.namespace
-        return Expect(key, self.root, ns.model_fingerprint if ns else None)
+        if ns is None:
+            return Expect(key)
+        return Expect(key, self.root, ns.model_fingerprint, ns, self.chunk_tokens, span)
+
+    def _expect_chunk(self, c: StoredChunk) -> Expect:
+        return self._expect(c.key, (c.start, c.end))
 
     def tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
 
     # --- lookup and reads ---------------------------------------------------------------------
-    def lookup(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def lookup(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
         ns = self._ns()
-        return longest_prefix(self._root(), token_ids, self.chunk_tokens, self.tiers,
-                              ns.layer_reprs, self._size_of)
+        try:
+            return longest_prefix(self._root(salt), token_ids, self.chunk_tokens, self.tiers,
+                                  ns.layer_reprs, self._size_of)
+        except Exception as e:  # noqa: BLE001 - tiers turn their own failures into misses; this is the
+            # last line: a lookup is a hint, and a failing one must cost a recompute, not a request
+            self.counters["lookup_errors"] += 1
+            log.warning("store lookup failed (%s: %s); treated as a miss", type(e).__name__, e)
+            return PrefixMatch((), 0)
 
     def _size_of(self, tier_name: str, key: str, tokens: int) -> int:
         known = self.tier(tier_name).size_of(key)
@@ -150,11 +167,14 @@ class TieredStore:
         """Every layer of one chunk (one sequential read per tier)."""
         return self._read(ref_or_key, None, ("k", "v", "h"), copy)
 
-    def _read(self, ref_or_key, layers: list[int] | None, parts: tuple[str, ...], copy: bool = True):
+    def _read(self, ref_or_key, layers: list[int] | None, parts: tuple[str, ...], copy: bool = True,
+              expect: Expect | None = None):
         self._ns()
         key = ref_or_key.key if isinstance(ref_or_key, ChunkRef) else ref_or_key
+        if expect is None:
+            expect = self._expect_chunk(ref_or_key) if isinstance(ref_or_key, ChunkRef) else self._expect(key)
         for t in self.tiers:
-            data = t.read(self._expect(key), layers, parts)
+            data = t.read(expect, layers, parts)
             if data is None:
                 continue  # a miss or a corrupt copy (removed): a lower tier may still hold it
             if t is not self.memory and self.memory is not None:
@@ -166,7 +186,7 @@ class TieredStore:
     def planned_reads(self, chunks: Sequence[StoredChunk]) -> PlannedReads:
         """Reads of exactly `chunks`, each from the tier named on it (a restore plan's contract)."""
         self._ns()
-        return PlannedReads(self.tiers, self._expect, chunks, self.staging)
+        return PlannedReads(self.tiers, self._expect_chunk, chunks, self.staging)
 
     def promote(self, chunks: Sequence[StoredChunk]) -> None:
         """Copy chunks a restore read from below the memory tier into it, in the background (after
@@ -250,7 +270,7 @@ class TieredStore:
         h = data.header
         states = fmt.decode_layers(h, data.segments, range(len(h.layer_reprs)), ("k", "v", "h"))  # token order
         layers = {st.layer: {p: getattr(st, p) for p in st.repr.parts()} for st in states}
-        return fmt.pack(self._ns(), self._root(), key, h.parent, h.index, h.start, False, layers, order)
+        return fmt.pack(self._ns(), self._root(), key, h.parent, h.index, h.start, False, layers, order, self.seal)
 
     def reorder_every(self, interval_s: float, min_observations: int = MIN_OBSERVATIONS) -> None:
         """Queue a reorder pass on the writer every `interval_s` seconds (0: never), skipped while
@@ -290,10 +310,10 @@ class TieredStore:
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, token_ids: Sequence[int], start: int, k: torch.Tensor | None,
-             v: torch.Tensor | None, h: torch.Tensor | None) -> None:
+             v: torch.Tensor | None, h: torch.Tensor | None, salt: str = "") -> None:
         """Hand a host snapshot of tokens [start, len(token_ids)) to the background writer."""
         ns = self._ns()
-        job = SaveJob(tuple(int(t) for t in token_ids), int(start), k, v, h)
+        job = SaveJob(tuple(int(t) for t in token_ids), int(start), k, v, h, salt)
         check_job(ns, job)
         self.counters["saves"] += 1
         self.writer.submit(job, job_nbytes(job))
@@ -307,7 +327,7 @@ class TieredStore:
             self._write_job(job)
 
     def _write_job(self, job: SaveJob) -> None:
-        ns, root = self._ns(), self._root()
+        ns, root = self._ns(), self._root(job.salt)
         for span in chunk_spans(root, job.token_ids, self.chunk_tokens):
             if span.end <= job.start:
                 continue
@@ -322,8 +342,8 @@ class TieredStore:
                     continue  # later chunks only need their tokens, so keep going
             layers = chunk_layers(ns, job, span.start, span.end, prefix)
             partial = span.length < self.chunk_tokens
-            packed = fmt.pack(ns, root, span.key, span.parent, span.index, span.start,
-                              partial, layers)
+            packed = fmt.pack(ns, self._root(), span.key, span.parent, span.index, span.start,
+                              partial, layers, seal=self.seal)
             for t in missing:
                 t.put(packed)
             self.counters["chunks_written"] += 1
@@ -336,7 +356,7 @@ class TieredStore:
             for key, n in sorted(t.partials(parent), key=lambda p: p[0]):
                 if n < need or chunk_key(parent, token_ids[lo:lo + n]) != key:
                     continue
-                states = self.read_chunk(key)
+                states = self._read(key, None, ("k", "v", "h"), expect=self._expect(key, (lo, lo + n)))
                 if states is None:
                     continue
                 return {s.layer: {p: getattr(s, p)[:need] for p in ("k", "v", "h")
@@ -370,7 +390,7 @@ class TieredStore:
         lower = self.tiers[self.tiers.index(tier) + 1:]
         if not lower or any(t.contains(key) for t in lower):
             return
-        data = tier.read(Expect(key), None, verify=True)
+        data = tier.read(self._expect(key), None, verify=True)
         if data is None or data.whole is None:
             return
         packed = fmt.PackedChunk(data.header, (data.whole.numpy().data,))
@@ -378,9 +398,9 @@ class TieredStore:
             if t.put(packed):
                 return
 
-    def keys_for(self, token_ids: Sequence[int]) -> list[str]:
+    def keys_for(self, token_ids: Sequence[int], salt: str = "") -> list[str]:
         """Keys of every chunk (a trailing partial one included) that would hold `token_ids`."""
-        return [s.key for s in chunk_spans(self._root(), token_ids, self.chunk_tokens)]
+        return [s.key for s in chunk_spans(self._root(salt), token_ids, self.chunk_tokens)]
 
     def discard(self, keys: Iterable[str]) -> int:
         """Delete chunks from every tier (retention, not eviction: nothing is demoted). -> chunks removed."""
@@ -419,8 +439,7 @@ class TieredStore:
         for t in self.tiers:
             n_ok = n_bad = 0
             for key in t.iterate():
-                why = t.check(Expect(key, self.root,
-                                     self.namespace.model_fingerprint if self.namespace else None))
+                why = t.check(self._expect(key))
                 checked += 1
                 if why is None:
                     n_ok += 1

@@ -86,7 +86,7 @@ class Restorer:
             return StoreOffer(0, req.num_computed)
         if req.kept is not None:
             return self._offer_truncated(req)
-        match = self.store.lookup(req.all_ids)
+        match = self.store.lookup(req.all_ids, req.cache_salt)
         keep = min(req.num_computed, match.num_tokens) if self.config.save and self.config.fill_holes \
             else req.num_computed
         usable = [c for c in match.chunks if keep < c.end <= req.num_tokens - 1]
@@ -145,7 +145,7 @@ class Restorer:
         if Repr.NONE in self.layout:
             return StoreOffer(0, req.num_computed)  # recomputed layers cannot be rebuilt at new positions
         assert req.source_ids is not None  # set together with `kept`
-        match = self.store.lookup(req.source_ids)
+        match = self.store.lookup(req.source_ids, req.cache_salt)
         kept = req.kept or []
         target = min(bisect.bisect_left(kept, match.num_tokens), req.num_tokens - 1)
         if target < self.config.min_restore_tokens:

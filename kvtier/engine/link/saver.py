@@ -114,6 +114,6 @@ class Saver:
             return torch.stack([w[:take] for w in whole])  # [layers, take, ...]: a fresh host tensor
 
         k, v, h = stack(b.k, self.kv_layers), stack(b.v, self.kv_layers), stack(b.h, self.h_layers)
-        self.store.save(req.all_ids[:cut], b.start, k, v, h)
+        self.store.save(req.all_ids[:cut], b.start, k, v, h, req.cache_salt)
         self.saves += 1
         b.start, b.tokens = cut, b.tokens - take

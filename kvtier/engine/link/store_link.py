@@ -167,12 +167,12 @@ class StoreScheduling:
         # The prompt's chunks count as the session's from arrival on, so a chunk this request is
         # about to restore is not deleted under it because another session that saved it expired.
         if self.sessions is not None and req.session_id is not None:
-            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids), time.monotonic())
+            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids, req.cache_salt), time.monotonic())
 
     def finished(self, req: Request) -> None:
         """A request ended (any reason): what it saved belongs to its session."""
         if self.sessions is not None and req.session_id is not None:
-            saved = self.store.keys_for(req.all_ids[: req.num_computed]) if not req.approximate else []
+            saved = self.store.keys_for(req.all_ids[: req.num_computed], req.cache_salt) if not req.approximate else []
             self.sessions.finished(req.session_id, saved, time.monotonic())
 
     # ----- retention and look-ahead -----------------------------------------------------------
@@ -198,7 +198,7 @@ class StoreScheduling:
         mem = self.store.memory
         if not self.lookahead or mem is None or not waiting:
             return
-        matches = [self.store.lookup(r.all_ids) for r in waiting]
+        matches = [self.store.lookup(r.all_ids, r.cache_salt) for r in waiting]
         next_use: dict[str, int] = {}
         for pos, m in enumerate(matches):
             for c in m.chunks:
@@ -315,7 +315,7 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
         layout = planner.choose_layout(Method.IMPRESS if importance else reuse.fixed_method, tiers[-1][0],
                                        reuse.chunk_tokens)
     store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy.value,
-                             pin=runner.device.type == "cuda")
+                             pin=runner.device.type == "cuda", seal=reuse.seal)
     if importance:
         store.reorder_every(reuse.impress.reorder_s)
     return StoreLink(store, layout, runner, planner, reuse)

@@ -3,7 +3,9 @@
 A tier stores packed chunks (see format.py) by key. Subclasses provide raw access (`_open` a
 reader, `put`, `delete`, `contains`, `partials`); this base turns that into checked reads: any
 header/checksum mismatch, truncation, or a header naming another key, namespace or model is
-treated as a miss, the entry is removed, a counter goes up and a warning is logged.
+treated as a miss, the entry is removed, a counter goes up and a warning is logged. Any other
+error a tier raises (a refused command, a value of the wrong type, a permission) is a miss too,
+counted under `errors`: stored state can cost a recompute, never a failed request.
 
 Reads go through an `OpenChunk`: the header is read and checked once when the chunk is opened,
 then any number of layer ranges are read from the same version of it (a restore reads a chunk
@@ -20,6 +22,7 @@ from typing import Any, Iterable, Iterator, TypeVar
 
 import torch
 
+from .. import validate
 from ..format import (
     PREAMBLE,
     ChunkHeader,
@@ -32,7 +35,9 @@ from ..format import (
     parse_header,
 )
 from ..policy import EvictionPolicy
+from ..seal import Seal
 from ..throttle import Emulation, Throttle
+from ..validate import Expect
 from .breaker import Outage
 
 W = TypeVar("W", bound=EvictionPolicy)  # a wrapper an engine puts around a tier's eviction policy
@@ -61,14 +66,6 @@ class PoolTarget:
     def dest(self, layer: int, part: str, nbytes: int) -> memoryview:
         off = self.offset(layer)
         return (self.k if part == "k" else self.v)[off:off + nbytes]
-
-
-@dataclass(frozen=True)
-class Expect:
-    """What the reader expects in a header; None fields are not checked (admin mode)."""
-    key: str
-    ns: str | None = None
-    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +151,7 @@ class OpenChunk:
             for s in run:
                 view = buf[s.offset - lo:s.offset - lo + s.nbytes]
                 if self.verify:
-                    check_segment(s, view)
+                    check_segment(s, view, self.header.digest)
                 segments[(s.layer, s.part)] = view
         return segments, nbytes
 
@@ -172,7 +169,7 @@ class OpenChunk:
         if self.verify:
             step = granule_tokens * (seg.nbytes // seg.shape[0])
             for i, g in enumerate(range(first, last + 1)):
-                if checksum(buf[i * step : (i + 1) * step]) != seg.granules[g]:
+                if checksum(buf[i * step : (i + 1) * step], self.header.digest) != seg.granules[g]:
                     raise FormatError(f"segment {seg.layer}/{seg.part} granule {g}: checksum mismatch")
         self.tier._count_read(self.expect.key, nbytes)
         return buf
@@ -189,7 +186,7 @@ class OpenChunk:
         self.reader.scatter(run[0].offset, dests)
         if self.verify:
             for s, d in zip(run, dests):
-                check_segment(s, d)
+                check_segment(s, d, self.header.digest)
         return True
 
     def close(self) -> None:
@@ -201,6 +198,7 @@ class Tier(ABC):
     verify_reads: bool = True  # memory skips checksums: its bytes never left this process
     owned_buffers: bool = True  # reads return fresh memory (False: views of cached bytes)
     stages_reads: bool = False  # a restore reads it into reused aligned buffers (direct I/O needs them)
+    seal: Seal = Seal()  # the store's secret (set by the store): only sealed chunks are read when set
 
     @property
     def zero_copy(self) -> bool:
@@ -212,7 +210,8 @@ class Tier(ABC):
         self.throttle = Throttle(emulation)
         self.lock = threading.RLock()
         self.counters = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, evictions=0,
-                             corrupt=0, puts=0, put_errors=0)
+                             corrupt=0, puts=0, put_errors=0, errors=0)
+        self._logged: set[str] = set()
         # Called before an entry is evicted (the store demotes it to a lower tier). Tiers whose
         # capacity someone else manages (Redis: maxmemory) never call it.
         self.on_evict: Callable[[Tier, str], None] | None = None
@@ -294,7 +293,11 @@ class Tier(ABC):
         verify = self.verify_reads if verify is None else verify
         err: Exception | None = None
         for _attempt in range(2):  # a concurrent overwrite can change the value between reads
-            reader = self._open(expect.key)
+            try:
+                reader = self._open(expect.key)
+            except Exception as e:  # noqa: BLE001 - any tier failure is a miss (see the module doc)
+                self.refused("open", e)
+                return None
             if reader is None:
                 self.counters["misses"] += 1
                 return None
@@ -302,7 +305,7 @@ class Tier(ABC):
                 header = self._known_header(expect.key) or self._header(reader)
                 self._check_header(header, expect, reader.size)
                 return OpenChunk(self, expect, reader, header, verify)
-            except (FormatError, OSError) as e:
+            except Exception as e:  # noqa: BLE001
                 reader.close()
                 err = e
                 if isinstance(e, Outage):
@@ -326,7 +329,7 @@ class Tier(ABC):
                   into: PoolTarget | None = None) -> tuple[Segments, int] | Exception:
         try:
             return oc.read(runs, out, into)
-        except (FormatError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a failed read is a miss (_collect sorts out which kind)
             return e
 
     def _collect(self, opened: Sequence[OpenChunk], results: Sequence[tuple[Segments, int] | Exception]) -> list[Segments] | None:
@@ -372,21 +375,25 @@ class Tier(ABC):
         for _attempt in range(2):
             if isinstance(err, Outage):
                 break
-            reader = self._open(expect.key)
+            try:
+                reader = self._open(expect.key)
+            except Exception as e:  # noqa: BLE001
+                self.refused("open", e)
+                return None, "unavailable"
             if reader is None:
                 self.counters["misses"] += 1
                 return None, "missing"
             try:
                 whole = reader.read(0, reader.size)
-                header = parse_header(whole.numpy().data, reader.size)
+                header = parse_header(whole.numpy().data, reader.size, self.seal)
                 self._check_header(header, expect, reader.size)
                 segs: Segments = {}
                 for s in header.segments:
                     view = whole[s.offset:s.offset + s.nbytes]
                     if verify:
-                        check_segment(s, view)
+                        check_segment(s, view, header.digest)
                     segs[(s.layer, s.part)] = view
-            except (FormatError, OSError) as e:
+            except Exception as e:  # noqa: BLE001
                 err = e
                 continue
             finally:
@@ -406,11 +413,25 @@ class Tier(ABC):
         """Remove every chunk (of this namespace; of all in admin mode). Returns how many."""
 
     def _failed(self, key: str, err: Exception | None) -> None:
-        """A read failed: an unreachable tier is a miss; anything else means the stored value is bad."""
+        """A read failed: an unreachable tier is a miss; bytes that fail a check are a bad stored
+        value (removed); any other error is the tier refusing (counted, the entry left alone)."""
         if isinstance(err, Outage):
             self.counters["misses"] += 1
-        else:
+        elif err is None or isinstance(err, (FormatError, OSError)):
             self.discard_corrupt(key, (str(err) or type(err).__name__) if err else "unreadable")
+        else:
+            self.refused("read", err)
+
+    def refused(self, what: str, err: BaseException) -> None:
+        """A tier call raised something that is neither an outage nor a bad value (a permission,
+        a wrong key type, a bug): a miss, counted under `errors`, logged once per kind of error."""
+        self.counters["errors"] += 1
+        self.counters["misses"] += what in ("open", "read")
+        kind = f"{what}:{type(err).__name__}"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("%s tier: %s failed (%s: %s); treated as a miss (logged once per kind)",
+                        self.name, what, type(err).__name__, err)
 
     def discard_corrupt(self, key: str, why: str) -> None:
         log.warning("%s tier: chunk %s is corrupt (%s); removed, will recompute", self.name, key, why)
@@ -426,18 +447,11 @@ class Tier(ABC):
         n = header_length(bytes(first[:PREAMBLE.size].numpy()))  # raises on bad magic/version
         if n > first.numel():
             first = reader.read(0, n)
-        return parse_header(first.numpy().data, reader.size)
+        return parse_header(first.numpy().data, reader.size, self.seal)
 
     @staticmethod
     def _check_header(header: ChunkHeader, expect: Expect, size: int) -> None:
-        if header.key != expect.key:
-            raise FormatError(f"header names chunk {header.key}")
-        if expect.ns is not None and header.ns != expect.ns:
-            raise FormatError("chunk belongs to another namespace (model, layout or dtype)")
-        if expect.model is not None and header.model != expect.model:
-            raise FormatError("chunk belongs to another model fingerprint")
-        if size < max(s.offset + s.nbytes for s in header.segments):
-            raise FormatError("truncated payload")
+        validate.check(header, expect, size)
 
     def stats(self) -> dict:
         d: dict[str, Any] = dict(self.counters)

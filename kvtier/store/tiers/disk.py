@@ -12,6 +12,10 @@ the byte cap survive restarts; chunks written by other processes are adopted on 
 Reads use direct I/O (O_DIRECT) into page-aligned buffers where the filesystem allows it: the
 device's DMA fills the caller's buffer while the CPU computes, instead of a page-cache copy on a
 compute core (and a cold read is a device read, not a cache hit).
+
+Stored KV can be inverted back to the prompt's text, so the tier's directories are created 0700 and
+its files 0600 whatever the umask: only the server's user reads them. Paths are built only from
+validated hex keys: a file name or a header from elsewhere never names a path outside the tier.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from ..format import PackedChunk, Segment
 from ..policy import EvictionPolicy
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
+from ..validate import is_key
 from .base import Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
 
 # Reads in flight at once: a device serves several requests faster than one at a time (queue
@@ -37,6 +42,30 @@ IO_DEPTH = 4
 T = TypeVar("T")
 
 SUFFIX = ".kvc"
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+
+
+def makedirs_private(path: str) -> None:
+    """`os.makedirs` with every directory it creates 0700 (makedirs gives only the leaf its mode)."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        makedirs_private(parent)
+    try:
+        os.mkdir(path, PRIVATE_DIR)  # the umask only removes bits: 0700 stays 0700
+    except FileExistsError:
+        pass
+
+
+def _partial_name(name: str) -> tuple[str, int] | None:
+    """(key, tokens) of a partial chunk's file name "{tokens:04d}-{key}.kvc", or None."""
+    if not name.endswith(SUFFIX):
+        return None
+    tok, dash, key = name[:-len(SUFFIX)].partition("-")
+    if not (dash and tok.isdigit() and len(tok) <= 6 and is_key(key)):  # isdigit: no sign, no spaces
+        return None
+    return key, int(tok)
 
 
 @dataclass(frozen=True)
@@ -161,7 +190,7 @@ class DiskTier(Tier):
         self.dirs = [_Dir(os.path.abspath(r), c, make_policy()) for r, c in zip(roots, capacities)]
         self._files: dict[str, _File] = {}
         for i, d in enumerate(self.dirs):
-            os.makedirs(d.root, exist_ok=True)
+            makedirs_private(d.root)
             self._rebuild(i)
         aligns = [direct_io_alignment(d.root) for d in self.dirs]
         self.direct_align = 0 if 0 in aligns else max(aligns)
@@ -205,6 +234,8 @@ class DiskTier(Tier):
                     except FileNotFoundError:
                         continue
                     key = f[:-len(SUFFIX)].rsplit("-", 1)[-1]
+                    if not is_key(key):
+                        continue  # not a file this tier wrote
                     found.append((st.st_mtime_ns, key, path, st.st_size))
         found.sort()  # oldest first: approximates recency across the restart
         for _, key, path, size in found:
@@ -255,7 +286,7 @@ class DiskTier(Tier):
         return key in self._files or self._adopt(key) is not None
 
     def partials(self, parent: str) -> list[tuple[str, int]]:
-        if self.ns is None:  # admin mode: no namespace to look in (as the redis tier)
+        if self.ns is None or not is_key(parent):  # admin mode: no namespace to look in (as the redis tier)
             return []
         out = []
         for i in range(len(self.dirs)):
@@ -265,9 +296,10 @@ class DiskTier(Tier):
             except FileNotFoundError:
                 continue
             for n in names:
-                if not n.endswith(SUFFIX) or "-" not in n:
-                    continue
-                tok, key = n[:-len(SUFFIX)].split("-", 1)
+                entry = _partial_name(n)
+                if entry is None:
+                    continue  # not a file this tier wrote: skipped, never parsed into an error
+                key, tokens = entry
                 if key not in self._files:
                     try:
                         size = os.stat(os.path.join(pdir, n)).st_size
@@ -275,7 +307,7 @@ class DiskTier(Tier):
                         continue
                     with self.lock:
                         self._index(key, _File(i, os.path.join(pdir, n), size))
-                out.append((key, int(tok)))
+                out.append((key, tokens))
         return out
 
     def iterate(self) -> Iterator[str]:
@@ -319,6 +351,9 @@ class DiskTier(Tier):
         i = h.index % len(self.dirs)  # round-robin by position: a context spreads over all disks
         if self.ns is None:
             raise RuntimeError("admin-mode store cannot write chunks")
+        if not (is_key(h.key) and is_key(h.parent)):  # the header may come from another tier
+            self.counters["put_errors"] += 1
+            return False
         if h.partial:
             path = os.path.join(self._partial_dir(i, h.parent), f"{h.tokens:04d}-{h.key}{SUFFIX}")
         else:
@@ -366,11 +401,12 @@ class DiskTier(Tier):
 
     def _write_atomic(self, i: int, path: str, packed: PackedChunk) -> None:
         tmpdir = os.path.join(self._ns_dir(i), "tmp")
-        os.makedirs(tmpdir, exist_ok=True)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        makedirs_private(tmpdir)
+        makedirs_private(os.path.dirname(path))
         tmp = os.path.join(tmpdir, f"{packed.header.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(tmp, "wb") as fh:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+            with os.fdopen(fd, "wb") as fh:
                 for b in packed.buffers:
                     fh.write(b)
                 if self.fsync:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..arena import PinnedArena
-from ..format import ChunkHeader, PackedChunk
+from ..format import ChunkHeader, PackedChunk, sealed_by
 from ..policy import EvictionPolicy, LRUPolicy
 from ..throttle import Emulation
 from .base import Reader, Tier, W
@@ -78,6 +78,9 @@ class MemoryTier(Tier):
     def put(self, packed: PackedChunk) -> bool:
         n = packed.nbytes
         key = packed.header.key
+        if not sealed_by(packed, self.seal):  # headers kept here are trusted on every read after
+            self.counters["put_errors"] += 1
+            return False
         with self.lock:
             if key in self._entries:
                 self.policy.touch(key)

@@ -30,6 +30,7 @@ from ..format import FormatError, PackedChunk, Segment, check_segment
 from ..redact import redact
 from ..redis_auth import PASSWORD_ENV
 from ..spec import RedisSpec
+from ..validate import is_key
 from .base import OpenChunk, PoolTarget, Reader, Segments, Tier, log
 from .breaker import Breaker, Outage
 
@@ -40,6 +41,17 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, Clus
 
 # Reads only ever read what they get: a tensor over the reply's immutable bytes needs no copy.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _partial_entry(member: bytes) -> tuple[str, int] | None:
+    """(key, tokens) of a partial index member b"tokens:key", or None if it is not one."""
+    try:
+        tok, key = member.decode("ascii").split(":", 1)
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    if not (tok.isdigit() and len(tok) <= 6 and is_key(key)):  # isdigit: no sign, no spaces
+        return None
+    return key, int(tok)
 
 
 def _tensor(raw: bytes, out: torch.Tensor | None) -> torch.Tensor:
@@ -113,6 +125,9 @@ class RedisTier(Tier):
             return bool(self.call(lambda c: c.exists(self._c(key))))
         except Outage:
             return False
+        except redis.RedisError as e:  # refused (ACL, ...): a miss, counted
+            self.refused("contains", e)
+            return False
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         if self.ns is None or not keys:
@@ -125,20 +140,47 @@ class RedisTier(Tier):
             return pipe.execute()
 
         try:
-            return [bool(x) for x in self.call(exists)]
+            replies = self.call(exists)
         except Outage:
             return [False] * len(keys)
+        except redis.RedisError as e:
+            self.refused("contains", e)
+            return [False] * len(keys)
+        # A pipeline returns a refused command's error in its place instead of raising.
+        bad = next((r for r in replies if isinstance(r, Exception)), None)
+        if bad is not None:
+            self.refused("contains", bad)
+        return [x is True or (type(x) is int and x > 0) for x in replies]
 
     def partials(self, parent: str) -> list[tuple[str, int]]:
         if self.ns is None:
             return []
+        if not is_key(parent):
+            return []
         try:
-            members = [m.decode() for m in self.call(lambda c: c.smembers(self._p(parent)))]
+            raw = self.call(lambda c: c.smembers(self._p(parent)))
         except Outage:
             return []
-        if not members:
+        except redis.RedisError as e:  # the index key holds another type, or the ACL refuses it
+            self.refused("partials", e)
             return []
-        pairs = [(m.split(":", 1)[1], int(m.split(":", 1)[0])) for m in members]
+        # Members are "tokens:key" as put() writes them; anyone who can write to the server can add
+        # others: those are ignored (and dropped below), never parsed into an error.
+        pairs: list[tuple[str, int]] = []
+        members: list[bytes] = []
+        junk: list[bytes] = []
+        for m in raw:
+            entry = _partial_entry(m)
+            if entry is None:
+                junk.append(m)
+            else:
+                members.append(m)
+                pairs.append(entry)
+        if junk:
+            self.counters["errors"] += 1
+            self._quietly(lambda c: c.srem(self._p(parent), *junk))
+        if not pairs:
+            return []
         alive = self.contains_many([k for k, _ in pairs])
         dead = [m for m, ok in zip(members, alive) if not ok]
         if dead and self.breaker.up:  # values expired or deleted elsewhere: drop their index entries
@@ -146,11 +188,13 @@ class RedisTier(Tier):
         return [p for p, ok in zip(pairs, alive) if ok]
 
     def _quietly(self, fn) -> None:
-        """Best-effort housekeeping: skipped while the server is unreachable."""
+        """Best-effort housekeeping: skipped while the server is unreachable or refuses."""
         try:
             self.call(fn)
         except Outage:
             pass
+        except redis.RedisError as e:
+            self.refused("housekeeping", e)
 
     def _open(self, key: str) -> Reader | None:
         try:
@@ -158,6 +202,8 @@ class RedisTier(Tier):
             size = self.call(lambda c: c.strlen(rkey)) if rkey is not None else 0
         except Outage:
             return None
+        if type(size) is not int:
+            raise FormatError("STRLEN did not answer a length")
         return _RedisReader(self, rkey, size) if rkey is not None and size else None
 
     def _rkey_any(self, key: str) -> str | None:
@@ -199,10 +245,13 @@ class RedisTier(Tier):
                     nbytes += buf.numel()
                     for s in run:
                         view = buf[s.offset - lo:s.offset - lo + s.nbytes]
-                        check_segment(s, view)
+                        check_segment(s, view, oc.header.digest)
                         segs[(s.layer, s.part)] = view
             except FormatError as e:
                 self.discard_corrupt(oc.expect.key, str(e))
+                return None
+            except Exception as e:  # noqa: BLE001 - a refused GETRANGE comes back as an error object
+                self.refused("read", e)
                 return None
             self._count_read(oc.expect.key, nbytes)
             got.append(segs)
@@ -241,6 +290,9 @@ class RedisTier(Tier):
         try:
             rkey = self._rkey_any(key)
         except Outage:
+            return
+        except redis.RedisError as e:
+            self.refused("delete", e)
             return
         if rkey is not None:
             self._quietly(lambda c: c.delete(rkey))
