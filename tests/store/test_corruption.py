@@ -28,7 +28,7 @@ def test_flipped_byte_is_a_miss(tmp_path, ns, where, caplog):
     store, t, ref = _one_chunk_store(f"disk:{tmp_path}:10MB", ns)
     path = _chunk_file(tmp_path)
     data = bytearray(path.read_bytes())
-    pos = {"payload": len(data) - 100, "header": 40, "magic": 0}[where]
+    pos = {"payload": len(data) - 100, "header": 60, "magic": 0}[where]  # 60: in the header JSON
     data[pos] ^= 0x01
     path.write_bytes(bytes(data))
     assert store.read_layers(ref, range(4)) is None
