@@ -44,3 +44,15 @@ def best_of(fn: Callable[[], object], reps: int) -> float:
         times.append(time.perf_counter() - t)
     return min(times)
 
+
+
+def median_of(fn: Callable[[], object], reps: int) -> float:
+    """Median of `reps` runs, in seconds."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2

@@ -8,7 +8,9 @@ layer, and measures the raw sequential read bandwidth of the same device in the 
           (pages dropped with posix_fadvise DONTNEED before each pass, for raw and store alike)
   redis   plain GETs of the very values the store wrote
 Emulated bandwidth/latency (bw=/lat= in the spec) is applied to store reads only and every row
-that used it says so.
+that used it says so. Times are medians of --reps runs. With --sealed every tier runs twice in the
+same process, without and with a store secret (BLAKE2b segment digests and an HMAC per header,
+store/seal.py): what authenticated state costs.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.bench.stats import best_of
+from kvtier.bench.stats import best_of, median_of
 from kvtier.store import StoreNamespace, TieredStore
+from kvtier.store.seal import Seal
 from kvtier.store.spec import parse_spec
+
+RESTORE_GROUP = 6  # layers per planned read: a layer-wise restore reads a group of layers of every chunk
 
 # SmolLM2-135M shapes: the default real model of kvtier.
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576, params=134.5e6)
@@ -82,9 +87,21 @@ class _Stored:
             for layer in range(self.ns.num_layers):
                 assert self.store.read_layers(c, [layer]) is not None
 
+    def restore_reads(self) -> None:
+        """What a layer-wise restore does: open every chunk once (header checks), then read a
+        group of layers of all of them per call, checked segment by segment."""
+        reads = self.store.planned_reads(self.match.chunks)
+        assert reads.open()
+        try:
+            for lo in range(0, self.ns.num_layers, RESTORE_GROUP):
+                layers = range(lo, min(lo + RESTORE_GROUP, self.ns.num_layers))
+                assert reads.read(layers, ("k", "v")) is not None
+        finally:
+            reads.close()
+
     def row(self, op: str, seconds: float, note: str | None = None, nbytes: int | None = None) -> dict:
         return dict(tier=self.kind, op=op, bytes=self.total if nbytes is None else nbytes, seconds=seconds,
-                    note=self.note if note is None else note)
+                    note=self.note if note is None else note, sealed=self.store.seal.sealed)
 
 
 def _write(store: TieredStore, ns: StoreNamespace, kind: str, tokens: int, reps: int) -> tuple[_Stored, dict]:
@@ -102,6 +119,7 @@ def _write(store: TieredStore, ns: StoreNamespace, kind: str, tokens: int, reps:
     note = store.tier(kind).emulation.describe()
     stored = _Stored(store, ns, kind, match, total, note, reps)
     return stored, dict(tier=kind, op="write (save+flush)", bytes=total, seconds=wsec, tokens_per_s=tokens / wsec,
+                        sealed=store.seal.sealed,
                         note=note and "reads only: " + note)
 
 
@@ -114,9 +132,9 @@ def _raw_memory(s: _Stored) -> list[dict]:
         for _ in range(n):
             np.copyto(dst, src)
 
-    return [s.row("raw: memcpy (DRAM)", best_of(memcpy, s.reps), "into a reused buffer", buf.numel() * n),
+    return [s.row("raw: memcpy (DRAM)", median_of(memcpy, s.reps), "into a reused buffer", buf.numel() * n),
             s.row("raw: memcpy into fresh buffers",
-                  best_of(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], s.reps),
+                  median_of(lambda: [torch.empty_like(buf).copy_(buf) for _ in range(n)], s.reps),
                   "page faults, as a read that returns new tensors pays", buf.numel() * n)]
 
 
@@ -130,9 +148,10 @@ def _raw_disk(s: _Stored) -> list[dict]:
             t = time.perf_counter()
             fn()
             return time.perf_counter() - t
-        return min(run() for _ in range(s.reps))
+        times = sorted(run() for _ in range(s.reps))
+        return times[len(times) // 2]
 
-    return [s.row("raw: sequential file read (warm)", best_of(lambda: _raw_file_read(paths, size), s.reps),
+    return [s.row("raw: sequential file read (warm)", median_of(lambda: _raw_file_read(paths, size), s.reps),
                   "page cache"),
             s.row("read whole chunks (cold)", cold(s.read_whole)),
             s.row("raw: sequential file read (cold)", cold(lambda: _raw_file_read(paths, size)), "fadvise DONTNEED")]
@@ -141,19 +160,22 @@ def _raw_disk(s: _Stored) -> list[dict]:
 def _raw_redis(s: _Stored) -> list[dict]:
     tier = s.tier
     rkeys = [tier._c(c.key) for c in s.match.chunks]
-    return [s.row("raw: GET of the same values", best_of(lambda: [tier.client.get(r) for r in rkeys], s.reps), "")]
+    return [s.row("raw: GET of the same values", median_of(lambda: [tier.client.get(r) for r in rkeys], s.reps), "")]
 
 
-def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, reps: int) -> list[dict]:
+def bench_tier(entry: str, ns: StoreNamespace, tokens: int, chunk_tokens: int, reps: int,
+               seal: Seal = Seal()) -> list[dict]:
     spec = parse_spec(entry)
     kind = "memory" if spec.memory else "disk" if spec.disk else "redis"
-    store = TieredStore.open(entry, ns, chunk_tokens=chunk_tokens, writer_queue_bytes=1 << 40)
+    store = TieredStore.open(entry, ns, chunk_tokens=chunk_tokens, writer_queue_bytes=1 << 40, seal=seal)
     try:
         store.clear()
         stored, write_row = _write(store, ns, kind, tokens, reps)
-        rows = [write_row, stored.row("read whole chunks", best_of(stored.read_whole, reps)),
-                stored.row("read per layer", best_of(stored.read_layers, reps))]
-        rows += {"memory": _raw_memory, "disk": _raw_disk, "redis": _raw_redis}[kind](stored)
+        rows = [write_row, stored.row("read whole chunks", median_of(stored.read_whole, reps)),
+                stored.row("read per layer", median_of(stored.read_layers, reps)),
+                stored.row(f"restore reads ({RESTORE_GROUP}-layer groups)", median_of(stored.restore_reads, reps))]
+        if not seal.sealed:  # the raw peers do not depend on the secret
+            rows += {"memory": _raw_memory, "disk": _raw_disk, "redis": _raw_redis}[kind](stored)
         store.clear()
     finally:
         store.close()
@@ -173,14 +195,16 @@ def run(args) -> dict:
     try:
         print(f"warm-up: {entries[0].split(':')[0]} tier (not recorded)", flush=True)
         bench_tier(entries[0], ns, args.tokens, args.chunk_tokens, 1)
+        seals = [Seal(), Seal(os.urandom(32))] if args.sealed else [Seal()]
         for e in entries:
-            rows += bench_tier(e, ns, args.tokens, args.chunk_tokens, args.reps)
+            for seal in seals:
+                rows += bench_tier(e, ns, args.tokens, args.chunk_tokens, args.reps, seal)
     finally:
         if not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)
     prefill = estimate_prefill_tokens_per_s(SMOLLM2["params"])
     return dict(model_shape="smollm2-135M (30 layers, 3 kv heads, head_dim 64), KV fp32",
-                tokens=args.tokens, chunk_tokens=args.chunk_tokens,
+                tokens=args.tokens, chunk_tokens=args.chunk_tokens, reps=args.reps, stat="median",
                 chunk_bytes=ns.bytes_per_token() * args.chunk_tokens,
                 estimated_prefill_tokens_per_s=prefill, rows=rows)
 
@@ -188,10 +212,11 @@ def run(args) -> dict:
 def to_markdown(res: dict) -> str:
     lines = [f"{res['model_shape']}; {res['tokens']} tokens in chunks of {res['chunk_tokens']} "
              f"({res['chunk_bytes'] / 1e6:.2f} MB each)", "",
-             "| tier | operation | GB/s | tokens/s | note |", "|---|---|---:|---:|---|"]
+             "| tier | operation | sealed | GB/s | tokens/s | note |", "|---|---|---|---:|---:|---|"]
     for r in res["rows"]:
         tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
-        lines.append(f"| {r['tier']} | {r['op']} | {r['GB_per_s']:.2f} | {tps} | {r['note']} |")
+        sealed = "yes" if r.get("sealed") else ""
+        lines.append(f"| {r['tier']} | {r['op']} | {sealed} | {r['GB_per_s']:.2f} | {tps} | {r['note']} |")
     lines.append("")
     lines.append(f"Estimated smollm2 prefill rate on this machine (matmul FLOP/s / 2·params): "
                  f"{res['estimated_prefill_tokens_per_s']:,.0f} tokens/s.")
@@ -204,10 +229,10 @@ def cmd_bench_store(args) -> int:
 
     res = run(args)
     t = Table(title=f"kvtier bench store: {res['model_shape']}")
-    for c in ("tier", "operation", "GB/s", "tokens/s", "note"):
+    for c in ("tier", "operation", "sealed", "GB/s", "tokens/s", "note"):
         t.add_column(c, justify="right" if c in ("GB/s", "tokens/s") else "left")
     for r in res["rows"]:
-        t.add_row(r["tier"], r["op"], f"{r['GB_per_s']:.2f}",
+        t.add_row(r["tier"], r["op"], "yes" if r.get("sealed") else "", f"{r['GB_per_s']:.2f}",
                   f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", r["note"])
     Console().print(t)
     print(f"estimated smollm2 prefill rate: {res['estimated_prefill_tokens_per_s']:,.0f} tokens/s")

@@ -64,12 +64,17 @@ class LoadReport:
     command: str = ""
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header a keyed server wants on every path but /health (/metrics included)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def store_memory_mb(client_url: str, api_key: str | None = None) -> float | None:
     """Bytes in the server's memory store tier, from its /metrics (None without a store)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(client_url + "/metrics", timeout=10).text
+        text = httpx.get(client_url + "/metrics", timeout=10, headers=auth_headers(api_key)).text
     except httpx.HTTPError:
         return None
     for family in text_string_to_metric_families(text):

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.load.client import QUESTIONS, SYSTEM, LoadReport, StreamResult, rss_mb, stream_chat
+from kvtier.bench.load.client import QUESTIONS, SYSTEM, LoadReport, StreamResult, auth_headers, rss_mb, stream_chat
 from kvtier.bench.report import markdown_table, mib, ms, pyplot, save_figure
 from kvtier.bench.stats import percentile
 
@@ -67,7 +67,8 @@ WRITER_METRICS = {"kvtier_store_write_queue_depth": "queued", "kvtier_store_drop
                   "kvtier_store_chunks_written_total": "written", "kvtier_restores_total": "restores"}
 
 
-def scrape(url: str) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+def scrape(url: str, api_key: str | None = None
+           ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """(bytes per tier, capacity per tier, tokens reused per tier so far, writer and restore counts)
     from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -77,7 +78,7 @@ def scrape(url: str) -> tuple[dict[str, float], dict[str, float], dict[str, floa
     reused: dict[str, float] = {}
     writer: dict[str, float] = {}
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = httpx.get(url + "/metrics", timeout=10, headers=auth_headers(api_key)).text
     except httpx.HTTPError:
         return used, cap, reused, writer
     wanted = {"kvtier_store_bytes": used, "kvtier_store_capacity_bytes": cap,
@@ -99,7 +100,7 @@ async def run_conversations(url: str, model: str, clients: int, duration: float,
     could outgrow `history_tokens` (the prompt so far plus two answers), so it never hits the
     server's context window. With `document_words`, each conversation's system prompt carries a
     document of its own of that many words."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     results: list[tuple[int, StreamResult]] = []
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
@@ -109,7 +110,7 @@ async def run_conversations(url: str, model: str, clients: int, duration: float,
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         start = time.perf_counter()
         deadline = start + duration
-        _, _, reused0, _ = await asyncio.to_thread(scrape, url)
+        _, _, reused0, _ = await asyncio.to_thread(scrape, url, api_key)
 
         async def conversation_client(i: int) -> None:
             n = 0
@@ -138,7 +139,7 @@ async def run_conversations(url: str, model: str, clients: int, duration: float,
                 await asyncio.sleep(sample_every)
 
         async def take_sample() -> None:
-            used, cap, reused, writer = await asyncio.to_thread(scrape, url)
+            used, cap, reused, writer = await asyncio.to_thread(scrape, url, api_key)
             report.samples.append(Sample(
                 round(time.perf_counter() - start, 1), rss_mb(server_pid) if server_pid else None, len(results),
                 sum(1 for _, r in results if not r.ok), used, cap,

@@ -20,7 +20,15 @@ from pathlib import Path
 import httpx
 
 from kvtier.bench.load import conversations
-from kvtier.bench.load.client import QUESTIONS, LoadReport, StreamResult, one_stream, rss_mb, store_memory_mb
+from kvtier.bench.load.client import (
+    QUESTIONS,
+    LoadReport,
+    StreamResult,
+    auth_headers,
+    one_stream,
+    rss_mb,
+    store_memory_mb,
+)
 from kvtier.bench.load.report import format_table
 from kvtier.bench.load.server import ServerProcess
 from kvtier.bench.stats import percentile
@@ -28,7 +36,7 @@ from kvtier.bench.stats import percentile
 
 async def run_clients(url: str, model: str, clients: int, duration: float, max_tokens: int,
                       api_key: str | None, server_pid: int | None, report: LoadReport) -> list[StreamResult]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     timeout = httpx.Timeout(300.0, connect=10.0)
     results: list[StreamResult] = []
@@ -39,7 +47,7 @@ async def run_clients(url: str, model: str, clients: int, duration: float, max_t
         start = time.perf_counter()
         deadline = start + duration
         report.rss_start_mb = rss_mb(server_pid) if server_pid else None
-        report.store_memory_start_mb = store_memory_mb(url)
+        report.store_memory_start_mb = store_memory_mb(url, api_key)
 
         async def worker(i: int) -> None:
             n = 0
@@ -60,7 +68,7 @@ async def run_clients(url: str, model: str, clients: int, duration: float, max_t
         report.elapsed_s = time.perf_counter() - start
         sampler.cancel()
         report.rss_end_mb = rss_mb(server_pid) if server_pid else None
-        report.store_memory_end_mb = store_memory_mb(url)
+        report.store_memory_end_mb = store_memory_mb(url, api_key)
     return results
 
 
