@@ -13,13 +13,13 @@ import time
 
 import openai
 
-from kvtier.testing.services import RedisServer
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.models.loading import load_model
 from kvtier.serve import create_app
 from kvtier.serve.server import ServerThread
+from kvtier.testing.services import RedisServer
 
 SYSTEM = "You are a careful assistant. " * 8
 

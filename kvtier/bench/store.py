@@ -9,7 +9,7 @@ layer, and measures the raw sequential read bandwidth of the same device in the 
   redis   plain GETs of the very values the store wrote
 Emulated bandwidth/latency (bw=/lat= in the spec) is applied to store reads only and every row
 that used it says so. Times are medians of --reps runs. With --sealed every tier runs twice in the
-same process, without and with a store secret (BLAKE2b segment digests and an HMAC per header,
+same process, without and with a store secret (BLAKE3 segment digests and an HMAC per header,
 store/seal.py): what authenticated state costs.
 """
 from __future__ import annotations

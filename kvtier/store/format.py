@@ -29,7 +29,7 @@ import torch
 
 from . import codec
 from .layout import FORMAT_VERSION, Repr, StoreNamespace
-from .seal import BLAKE2B, CRC32C, DIGESTS, Seal, digest
+from .seal import BLAKE3, CRC32C, DIGESTS, Seal, digest
 
 MAGIC = b"KVTC"
 PREAMBLE = struct.Struct("<4sHHII32s")
@@ -84,7 +84,7 @@ class ChunkHeader:
     layer_reprs: tuple[Repr, ...]
     segments: tuple[Segment, ...]
     total_bytes: int
-    digest: str = CRC32C  # the segments' digest algorithm (BLAKE2B when sealed)
+    digest: str = CRC32C  # the segments' digest algorithm (BLAKE3 when sealed)
     # A chunk reordered by importance (IMPRESS §4.4.1): stored K/V row r of layer l holds token
     # order[l][r] of the chunk ([layers, tokens] int64), so the tokens a query keeps share
     # granules. None: token order. Probe keys and hidden states always stay in token order.
@@ -147,7 +147,7 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
          order: torch.Tensor | None = None, seal: Seal = Seal()) -> PackedChunk:
     """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc., in token order)
     into a chunk. `order` ([layers, tokens]) stores layer l's K/V rows as tokens order[l]. With a
-    sealing `seal` the segments get BLAKE2b digests and the header an HMAC tag."""
+    sealing `seal` the segments get BLAKE3 digests and the header an HMAC tag."""
     alg = seal.digest_alg
     tokens = -1
     pieces: list[tuple[int, str, torch.Tensor, str, tuple[int, ...]]] = []
@@ -186,7 +186,7 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     }
     if order is not None:
         doc_base["order"] = order.tolist()
-    big = 2**128 if alg == BLAKE2B else 2**32  # the widest digest, for the reservation
+    big = 2**128 if alg == BLAKE3 else 2**32  # the widest digest, for the reservation
     reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, big, d, list(s)] + ([[big] * len(g)] if g else [])
                                                         for l, p, _, _, d, s, g in seg_meta]}))
     header_space = PREAMBLE.size + reserve
@@ -263,8 +263,8 @@ def parse_header(buf: bytes | memoryview, total_size: int | None = None, seal: S
         header = _header_from_doc(doc, segs_end + _pad(segs_end))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         raise FormatError(f"malformed header: {e}") from e
-    if seal.sealed and header.digest != BLAKE2B:
-        raise FormatError("a sealed chunk must carry BLAKE2b segment digests")
+    if seal.sealed and header.digest != BLAKE3:
+        raise FormatError("a sealed chunk must carry BLAKE3 segment digests")
     if total_size is not None and total_size < max(s.offset + s.nbytes for s in header.segments):
         raise FormatError("truncated payload")
     return header

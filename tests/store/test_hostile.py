@@ -144,7 +144,7 @@ def test_sealed_chunk_moved_under_another_key_or_edited_is_a_miss(tmp_path, ns):
     t_b, match_b = _saved(store, seed=2)
     path_a, path_b = (store.tier("disk").path_of(m.chunks[0].key) for m in (match_a, match_b))
     data = bytearray(open(path_a, "rb").read())
-    data[-100] ^= 1  # a payload byte: BLAKE2b catches what a recomputed CRC would not
+    data[-100] ^= 1  # a payload byte: BLAKE3 catches what a recomputed CRC would not
     open(path_a, "wb").write(bytes(data))
     assert store.read_layers(match_a.chunks[0], range(LAYERS)) is None
     assert store.read_layers(match_b.chunks[0], range(LAYERS)) is not None  # intact B is still served

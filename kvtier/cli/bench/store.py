@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, help="also benchmark this redis URL, e.g. redis://127.0.0.1:6379")
     p.add_argument("--reps", type=int, default=3, help="repetitions (the median is reported)")
     p.add_argument("--sealed", action="store_true",
-                   help="run every tier twice, without and with a store secret (BLAKE2b digests + HMAC): "
+                   help="run every tier twice, without and with a store secret (BLAKE3 digests + HMAC): "
                         "the cost of authenticated state")
     p.add_argument("--json", metavar="FILE", default=None, help="write results as JSON")
     p.add_argument("--markdown", metavar="FILE", default=None, help="write a markdown table")
