@@ -188,3 +188,15 @@ def pinned_copy_rate(device, nbytes: int = 1 << 30, reps: int = 5, pinned: bool 
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return nbytes / sorted(times)[len(times) // 2]
+
+
+def bench_redis_client(url: str) -> Any:
+    """A client for a store-spec Redis URL, as the store's own tier makes it (password file, TLS
+    options, the environment's password), for the HF peers that keep their cache in Redis."""
+    from kvtier.store.spec import parse_spec
+    from kvtier.store.tiers.redis_tier import connect
+
+    spec = parse_spec(url).redis
+    if spec is None:
+        raise ValueError(f"not a Redis URL: {url.split('://', 1)[0]}://...")
+    return connect(spec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -53,6 +54,4 @@ def median_of(fn: Callable[[], object], reps: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    times.sort()
-    mid = len(times) // 2
-    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    return statistics.median(times)

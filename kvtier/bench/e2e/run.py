@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.common import (
     RedisServer,
+    bench_redis_client,
     drop_page_cache,
     machine_info,
     median,
@@ -288,8 +289,6 @@ class E2EBench:
         return f"{url}{'&' if '?' in url else '?'}prefix={self.key_prefix}-{tag}"
 
     def run(self) -> list[dict]:
-        import redis
-
         for sub in ("disk", "hf"):  # only what we write there: stale chunks would be restored
             shutil.rmtree(self.workdir / sub, ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +299,7 @@ class E2EBench:
                     server = RedisServer().start()
                     self.redis_url = server.url
                     self.console.print(f"started redis-server on port {server.port}")
-                self.redis_client = redis.Redis.from_url(self.redis_url.split("?")[0])
+                self.redis_client = bench_redis_client(self.redis_url)
             for dtype in self.args.dtype:
                 self.run_dtype(dtype)
         finally:

@@ -43,6 +43,7 @@ from rich.markup import escape
 from kvtier import dtypes
 from kvtier.bench.common import (
     RedisServer,
+    bench_redis_client,
     drop_page_cache,
     machine_info,
     median,
@@ -52,6 +53,7 @@ from kvtier.bench.common import (
 from kvtier.bench.restore.goals import evaluate_goals, evaluate_gpu_goals
 from kvtier.bench.restore.methods import METHODS
 from kvtier.bench.restore.report import markdown, num, plot, rich_table
+from kvtier.store.redact import redact
 from kvtier.store.spec import parse_spec
 from kvtier.store.throttle import Emulation, Throttle
 
@@ -194,7 +196,7 @@ class RestoreBench:
         from kvtier.paths import home
 
         spec = ",".join(tier_spec(t, None, self.workdir, self.redis_url(), "profile") for t in self.cfg.tiers)
-        self.log(f"hardware profile of {loaded.name} over {spec} (measured unless saved)")
+        self.log(f"hardware profile of {loaded.name} over {redact(spec)} (measured unless saved)")
         profile = load_or_measure(loaded, home(), spec)
         self.meta["profiles"][f"{loaded.name}/{self.cfg.dtype}"] = json.loads(profile.to_json())
         shutil.rmtree(self.workdir / "disk" / "profile", ignore_errors=True)
@@ -381,8 +383,6 @@ class RestoreBench:
     def hf_torch_save(self, loaded, hf, info: Context, tier: str, bw: float | None, label: str) -> None:
         """The workaround from the same tier: torch.save'd DynamicCache bytes, a cold file or a
         Redis value (with the same emulated bandwidth), torch.load, then the new tokens."""
-        import redis
-
         from kvtier.bench.hf import HFPeers
 
         name = {"memory": "hf_load_bytes", "disk": "hf_load_cold_file", "redis": "hf_load_redis"}[tier]
@@ -390,7 +390,7 @@ class RestoreBench:
         if tier == "redis":
             url = self.redis_url()
             assert url is not None  # benched only when redis is among the tiers
-            client = redis.Redis.from_url(url.split("?")[0])
+            client = bench_redis_client(url)
         peer = HFPeers(hf, info.ids, info.hist, [name], self.workdir / "hf_dynamic_cache.pt", client, "kvbench-hf")
         throttle = Throttle(Emulation(bw))
         try:

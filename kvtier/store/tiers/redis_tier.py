@@ -23,7 +23,7 @@ from typing import Iterator
 import redis
 import torch
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, ClusterError
+from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException
 from redis.retry import Retry
 
 from ..format import FormatError, PackedChunk, Segment, check_segment
@@ -74,6 +74,15 @@ class _RedisReader(Reader):
         return _tensor(raw, out)
 
 
+def connect(spec: RedisSpec) -> redis.Redis | redis.RedisCluster:
+    """A client for `spec` with its password, TLS options and this tier's timeouts (not pinged)."""
+    options = {**CLIENT_OPTIONS, **spec.auth.client_kwargs()}
+    if spec.cluster:
+        from redis.cluster import RedisCluster
+        return RedisCluster.from_url(spec.url, **options)
+    return redis.Redis.from_url(spec.url, **options)
+
+
 class RedisTier(Tier):
     name = "redis"
 
@@ -83,14 +92,9 @@ class RedisTier(Tier):
         self.ns = ns
         self.client: redis.Redis | redis.RedisCluster
         # spec.url has no password: it comes apart (spec.auth), so the URL is safe in every message.
-        options = {**CLIENT_OPTIONS, **spec.auth.client_kwargs()}
         url = redact(spec.url)
         try:
-            if spec.cluster:
-                from redis.cluster import RedisCluster
-                self.client = RedisCluster.from_url(spec.url, **options)
-            else:
-                self.client = redis.Redis.from_url(spec.url, **options)
+            self.client = connect(spec)
             self.client.ping()
         except redis.AuthenticationError as e:  # checked before its base class, ConnectionError
             # Where the password came from, never the password: the message is printed and logged.
@@ -100,7 +104,7 @@ class RedisTier(Tier):
                                       f"{why}. Fix it there") from e
             raise ConnectionError(f"Redis at {url} wants a password and none was given: {why}. Give it with "
                                   f"password_file=PATH in the URL's options or ${PASSWORD_ENV}") from e
-        except redis.RedisError as e:  # at startup an unreachable URL is a configuration error
+        except (redis.RedisError, RedisClusterException) as e:  # at startup an unreachable URL is a configuration error
             raise ConnectionError(
                 f"cannot reach Redis at {url}: {redact(e).rstrip('.')}. Start the server or fix the URL in --store"
             ) from e
