@@ -115,7 +115,8 @@ def test_three_turn_conversation_reuses_earlier_turns(server: ServerProcess) -> 
 
 def _reused_by_tier(url: str) -> dict[str, float]:
     out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    headers = {"Authorization": f"Bearer {KEY}"}  # with a key set, /metrics needs it too
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=headers).text):
         for s in family.samples:
             if s.name == "kvtier_prompt_tokens_reused_total":
                 out[s.labels["tier"]] = s.value
