@@ -11,8 +11,12 @@
 """
 from __future__ import annotations
 
+import os
+import stat
 import tracemalloc
+from dataclasses import replace
 
+import pytest
 import torch
 
 from kvtier.engine.config import EngineConfig, ReuseConfig
@@ -43,24 +47,38 @@ def _plain(model, prompts):
     return [o.output_ids for o in Engine(model, EngineConfig(kv_cache_bytes=32 << 20)).generate(prompts, GREEDY)]
 
 
-def test_an_oversized_planted_chunk_never_touches_a_neighbours_kv(tiny_gqa, tmp_path):
+def _planted(ns, kind: str):
+    """(namespace to pack as, token count, seal) of a chunk planted under a real key."""
+    if kind == "longer":  # 12x the span: 192 rows where the plan gave 16 slots
+        return ns, 12 * CHUNK, Seal()
+    if kind == "shorter":
+        return ns, CHUNK // 2, Seal()
+    if kind == "dtype":  # the same bytes per token in another storage dtype would be garbage
+        return replace(ns, storage_dtype="float16"), CHUNK, Seal()
+    return ns, CHUNK, Seal(b"not the store's secret, 32 bytes")  # "unsealed": a forger's secret
+
+
+@pytest.mark.parametrize("kind", ["longer", "shorter", "dtype", "unsealed"])
+def test_a_planted_chunk_never_touches_a_neighbours_kv(tiny_gqa, tmp_path, kind):
     vocab = tiny_gqa.config.vocab_size
     victim, neighbour = _prompt(3 * CHUNK + 5, 1, vocab), _prompt(40, 2, vocab)
-    engine = _engine(tiny_gqa, f"disk:{tmp_path}/s:1GB")
+    seal = Seal(SECRET) if kind == "unsealed" else Seal()
+    engine = _engine(tiny_gqa, f"disk:{tmp_path}/s:1GB", seal=seal)
     engine.generate([victim], GREEDY)
     assert engine.flush(30)
     store = engine.link.store
     match = store.lookup(victim)
     assert match.num_tokens >= 3 * CHUNK
-    # Plant, under the victim's first key, a well-formed chunk claiming 12x the span (192 rows).
+    # Plant, under the victim's first key, a well-formed chunk that is not the one planned.
     ns, first = store.namespace, match.chunks[0]
-    big = 12 * CHUNK
-    shape = ns.part_shape("k", big)
-    layers = {layer: {"k": torch.randn(shape) * 100, "v": torch.randn(shape) * 100}
+    as_ns, n, forger = _planted(ns, kind)
+    shape = as_ns.part_shape("k", n)
+    g = torch.Generator().manual_seed(9)
+    layers = {layer: {"k": torch.randn(shape, generator=g) * 100, "v": torch.randn(shape, generator=g) * 100}
               for layer in range(ns.num_layers)}
     disk = store.tier("disk")
     disk.delete(first.key)
-    assert disk.put(fmt.pack(ns, store.root, first.key, store.root, 0, 0, False, layers))
+    assert disk.put(fmt.pack(as_ns, store.root, first.key, store.root, 0, 0, n < CHUNK, layers, seal=forger))
     # The neighbour decodes while the victim's restore is tried.
     a = engine.add_request(neighbour, GREEDY)
     engine.step()
@@ -73,6 +91,23 @@ def test_an_oversized_planted_chunk_never_touches_a_neighbours_kv(tiny_gqa, tmp_
     engine.close()
     assert [outs[a], outs[b]] == _plain(tiny_gqa, [neighbour, victim + [5, 6]])
     assert disk.counters["corrupt"] >= 1  # refused and removed, not served
+
+
+def test_disk_tier_files_are_private_whatever_the_umask(tiny_gqa, tmp_path):
+    """Stored KV can be inverted to the prompt: directories 0700, files 0600 under umask 022."""
+    old = os.umask(0o022)
+    try:
+        engine = _engine(tiny_gqa, f"disk:{tmp_path}/new/store:1GB")
+        engine.generate([_prompt(3 * CHUNK + 5, 6, tiny_gqa.config.vocab_size)], GREEDY)
+        assert engine.flush(30)
+        engine.close()
+    finally:
+        os.umask(old)
+    made = list((tmp_path / "new").rglob("*")) + [tmp_path / "new"]
+    modes = {p.is_dir(): set() for p in made}
+    for p in made:
+        modes[p.is_dir()].add(stat.S_IMODE(p.stat().st_mode))
+    assert modes == {True: {0o700}, False: {0o600}}
 
 
 def test_sealed_store_restores_exactly(tiny_gqa, tmp_path):
