@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -148,8 +149,7 @@ def _raw_disk(s: _Stored) -> list[dict]:
             t = time.perf_counter()
             fn()
             return time.perf_counter() - t
-        times = sorted(run() for _ in range(s.reps))
-        return times[len(times) // 2]
+        return statistics.median(run() for _ in range(s.reps))
 
     return [s.row("raw: sequential file read (warm)", median_of(lambda: _raw_file_read(paths, size), s.reps),
                   "page cache"),

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 def chain_root(salt: str = "") -> bytes:
     """Parent of a chain's first block. A cache salt (the tenant, and a request's `cache_salt`)
     gives a chain of its own: requests with different salts never share a block."""
-    return hashlib.blake2b(b"root\x00" + salt.encode(), digest_size=16).digest() if salt else b"root"
+    # surrogatepass: a salt is any Python str (the engine API takes what it is given), never an error.
+    return hashlib.blake2b(b"root\x00" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest() \
+        if salt else b"root"
 
 
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:

@@ -185,6 +185,9 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
     skipped = CounterMetricFamily(
         "kvtier_store_chunks_skipped", "Chunks not stored because the state of their first tokens was not at hand"
     )
+    lookup_errors = CounterMetricFamily(
+        "kvtier_store_lookup_errors", "Store lookups that raised despite the tiers' own guards (each a miss)"
+    )
     stats: dict[str, Any] | None = None
     if store is not None and hasattr(store, "stats"):
         try:
@@ -209,8 +212,9 @@ def _store_metrics(store: Any) -> Iterator[Metric]:
         counters = stats.get("store") or {}
         written.add_metric([], counters.get("chunks_written", 0))
         skipped.add_metric([], counters.get("chunks_skipped", 0))
+        lookup_errors.add_metric([], counters.get("lookup_errors", 0))
     yield from (used, cap, hits, misses, evictions, put_errors, corrupt, errors, unavailable, up, dropped, queue,
-                written, skipped)
+                written, skipped, lookup_errors)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -200,8 +200,9 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
                                      list(s.shape)] + ([list(s.granules)] if s.granules else []) for s in segments]}
     hjson = json.dumps(doc).encode()
     hjson += b" " * (segments[0].offset - PREAMBLE.size - len(hjson))  # pad up to the payload
-    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, SEALED if seal.sealed else 0, len(hjson), zlib.crc32(hjson),
-                        seal.tag(hjson))
+    flags = SEALED if seal.sealed else 0
+    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(hjson), zlib.crc32(hjson),
+                        seal.tag(_tagged(FORMAT_VERSION, flags, hjson)))
     bufs: list[bytes | memoryview] = [pre + hjson]
     for (_, _, b, _, _), seg in zip(pieces, segments):
         bufs.append(b.numpy().data)
@@ -220,19 +221,38 @@ def _granule_digests(buf: torch.Tensor, shape: tuple[int, ...], part: str, granu
     return tuple(checksum(buf[i : i + step], alg) for i in range(0, buf.numel(), step))
 
 
+def _tagged(version: int, flags: int, header: bytes) -> bytes:
+    """What the HMAC covers: the format version and flags (no downgrade by flipping them) and the
+    whole header (key, span, layout, every segment's digest)."""
+    return struct.pack("<HH", version, flags) + header
+
+
+def _header_bytes(buf: bytes | memoryview, seal: Seal) -> bytes:
+    """The header JSON at the start of `buf`, after its checksum and (sealed) its tag verified."""
+    n = header_length(bytes(buf[:PREAMBLE.size]))
+    if len(buf) < n:
+        raise FormatError("truncated header")
+    _, version, flags, _, hcrc, tag = PREAMBLE.unpack_from(bytes(buf[:PREAMBLE.size]))
+    raw = bytes(buf[PREAMBLE.size:n])
+    if zlib.crc32(raw) != hcrc:
+        raise FormatError("header checksum mismatch")
+    if seal.sealed and not (flags & SEALED and seal.verify(_tagged(version, flags, raw), tag)):
+        raise FormatError("not sealed with this store's secret")
+    return raw
+
+
 def sealed_by(packed: PackedChunk, seal: Seal) -> bool:
     """Whether `packed`'s header carries a valid tag under `seal` (always true unsealed): what a
     tier that keeps parsed headers (memory) checks on put, instead of parsing again on each read."""
-    if not seal.sealed:
-        return True
-    first = memoryview(packed.buffers[0]).cast("B")
-    n = header_length(bytes(first[:PREAMBLE.size]))
-    _, _, flags, _, _, tag = PREAMBLE.unpack_from(bytes(first[:PREAMBLE.size]))
-    return len(first) >= n and bool(flags & SEALED) and seal.verify(bytes(first[PREAMBLE.size:n]), tag)
+    try:
+        _header_bytes(memoryview(packed.buffers[0]).cast("B"), seal)
+    except FormatError:
+        return False
+    return True
 
 
 def header_length(preamble: bytes) -> int:
-    """Total bytes of preamble + header, from the first 16 bytes."""
+    """Total bytes of preamble + header, from the preamble."""
     if len(preamble) < PREAMBLE.size:
         raise FormatError("truncated preamble")
     magic, version, _, hlen, _, _ = PREAMBLE.unpack_from(preamble)
@@ -248,15 +268,7 @@ def header_length(preamble: bytes) -> int:
 def parse_header(buf: bytes | memoryview, total_size: int | None = None, seal: Seal = Seal()) -> ChunkHeader:
     """Parse and check the header at the start of `buf` (which must hold the whole header); with a
     sealing `seal`, only a header whose tag verifies under its secret is parsed at all."""
-    n = header_length(bytes(buf[:PREAMBLE.size]))
-    if len(buf) < n:
-        raise FormatError("truncated header")
-    _, _, flags, hlen, hcrc, tag = PREAMBLE.unpack_from(bytes(buf[:PREAMBLE.size]))
-    raw = bytes(buf[PREAMBLE.size:n])
-    if zlib.crc32(raw) != hcrc:
-        raise FormatError("header checksum mismatch")
-    if seal.sealed and not (flags & SEALED and seal.verify(raw, tag)):
-        raise FormatError("not sealed with this store's secret")
+    raw = _header_bytes(buf, seal)
     try:
         doc = json.loads(raw)
         segs_end = max(s[2] + s[3] for s in doc["segments"])
@@ -312,9 +324,13 @@ def _header_from_doc(doc: dict, total: int) -> ChunkHeader:
 def _order_from_doc(doc: dict) -> torch.Tensor | None:
     if "order" not in doc:
         return None
-    order = torch.tensor(doc["order"], dtype=torch.long)  # [layers, tokens]
-    expect = torch.arange(int(doc["tokens"]))
-    if order.shape != (len(doc["reprs"]), len(expect)) or not bool((order.sort(dim=1).values == expect).all()):
+    rows, tokens = doc["order"], _int(doc["tokens"])
+    # Sizes first, from the list itself: a header's counts allocate nothing until they agree.
+    if not isinstance(rows, list) or len(rows) != len(doc["reprs"]) or \
+            any(not isinstance(r, list) or len(r) != tokens for r in rows):
+        raise ValueError("order does not have one row of the chunk's tokens per layer")
+    order = torch.tensor(rows, dtype=torch.long)  # [layers, tokens]
+    if not bool((order.sort(dim=1).values == torch.arange(tokens)).all()):
         raise ValueError("order is not a permutation of the chunk's tokens per layer")
     return order
 

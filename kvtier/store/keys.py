@@ -38,7 +38,8 @@ def salted_root(root: str, salt: str) -> str:
     different salts share no key, so their requests never see, evict or time each other's chunks."""
     if not salt:
         return root
-    return hashlib.blake2b(f"kvtier-salt:{root}:".encode() + salt.encode(), digest_size=16).hexdigest()
+    raw = f"kvtier-salt:{root}:".encode() + salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def chunk_key(parent: str, tokens: Sequence[int]) -> str:

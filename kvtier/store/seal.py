@@ -80,8 +80,9 @@ class Seal:
 
 
 def load_secret(value: str | None = None, path: str | None = None) -> Seal:
-    """The store secret from a value, a file (first line, whitespace stripped) or $KVTIER_STORE_SECRET,
-    in that order; none of them: an unsealed store."""
+    """The store secret from a value, a file or $KVTIER_STORE_SECRET, in that order; none of them: an
+    unsealed store. Surrounding whitespace is stripped from every source alike (a secret file's
+    newline, an environment variable's trailing newline), so every server derives the same key."""
     if value and path:
         raise ValueError("give the store secret as a value or as a file, not both")
     if path:
@@ -93,5 +94,5 @@ def load_secret(value: str | None = None, path: str | None = None) -> Seal:
         if not raw:
             raise ValueError(f"the store secret file {path} is empty")
         return Seal(raw)
-    value = value or os.environ.get(ENV_SECRET) or None
+    value = (value or os.environ.get(ENV_SECRET) or "").strip()
     return Seal(value.encode()) if value else Seal()

@@ -148,7 +148,8 @@ class TieredStore:
         except Exception as e:  # noqa: BLE001 - tiers turn their own failures into misses; this is the
             # last line: a lookup is a hint, and a failing one must cost a recompute, not a request
             self.counters["lookup_errors"] += 1
-            log.warning("store lookup failed (%s: %s); treated as a miss", type(e).__name__, e)
+            if self.counters["lookup_errors"] == 1:  # the counter (/metrics) tells how often after
+                log.warning("store lookup failed (%s: %s); treated as a miss", type(e).__name__, e)
             return PrefixMatch((), 0)
 
     def _size_of(self, tier_name: str, key: str, tokens: int) -> int:
@@ -342,6 +343,8 @@ class TieredStore:
                     continue  # later chunks only need their tokens, so keep going
             layers = chunk_layers(ns, job, span.start, span.end, prefix)
             partial = span.length < self.chunk_tokens
+            # The header names the store digest (unsalted: what every reader expects); the salt
+            # lives in the key chain (span.parent, span.key).
             packed = fmt.pack(ns, self._root(), span.key, span.parent, span.index, span.start,
                               partial, layers, seal=self.seal)
             for t in missing:

@@ -28,6 +28,15 @@ def is_key(s: object) -> bool:
     return isinstance(s, str) and KEY.match(s) is not None
 
 
+def partial_entry(tokens: str, key: str) -> tuple[str, int] | None:
+    """(key, tokens) of a partial-chunk index entry (a Redis set member "tokens:key", a disk file
+    name "tokens-key.kvc"), or None if it is not one this store wrote: anyone who can write to the
+    tier can add entries, so they are parsed strictly and junk is skipped, never an error."""
+    if not (tokens.isascii() and tokens.isdigit() and len(tokens) <= 6 and is_key(key)) or int(tokens) == 0:
+        return None  # isascii + isdigit: plain digits only (no sign, space or superscript two)
+    return key, int(tokens)
+
+
 @dataclass(frozen=True)
 class Expect:
     """What the reader expects of a chunk. Fields left None are not checked: admin tools (verify,
@@ -72,7 +81,10 @@ def _check_place(header: ChunkHeader, chunk_tokens: int) -> None:
 
 
 def _check_segments(header: ChunkHeader, size: int) -> None:
-    """Every segment inside the value and as large as its dtype and shape say."""
+    """The value exactly as long as its header says, every segment inside it and as large as its
+    dtype and shape say."""
+    if size != header.total_bytes:
+        raise FormatError(f"the stored value has {size} bytes, its header accounts for {header.total_bytes}")
     for s in header.segments:
         width = WIDTH.get(s.dtype)
         if width is None or s.offset < 0 or any(d <= 0 for d in s.shape) or \

@@ -242,3 +242,63 @@ def test_an_acl_user_without_rights_on_the_prefix_gets_misses_not_errors(redis_s
     finally:
         store.close()
         admin.execute_command("ACL", "DELUSER", "nokeys")
+
+
+def test_a_value_longer_than_its_header_says_is_a_miss(tmp_path, ns):
+    """Whole-value reads (promotion, demotion, verify) read the header first: a value padded to any
+    length is refused on its header, before its size is trusted for a read."""
+    store = _store(f"disk:{tmp_path}/d:64MB", ns)
+    _, match = _saved(store)
+    path = store.tier("disk").path_of(match.chunks[0].key)
+    with open(path, "ab") as fh:
+        fh.write(bytes(1 << 20))
+    assert store.read_chunk(match.chunks[0]) is None
+    assert store.read_layers(match.chunks[0], range(LAYERS)) is None
+    store.close()
+
+
+def test_an_order_claiming_a_huge_chunk_allocates_nothing(ns):
+    packed = fmt.pack(ns, "0" * 32, "1" * 32, "0" * 32, 0, 0, False, _layers(ns, C),
+                      order=torch.arange(C).expand(LAYERS, C).clone())
+    raw = packed.to_bytes()
+    n = fmt.header_length(raw[:fmt.PREAMBLE.size])
+    doc = raw[fmt.PREAMBLE.size:n].decode().rstrip()
+    forged = doc.replace(f'"tokens": {C}', '"tokens": 10000000000', 1)
+    assert forged != doc
+    body = forged.encode().ljust(n - fmt.PREAMBLE.size)
+    import zlib
+    pre = fmt.PREAMBLE.pack(fmt.MAGIC, 3, 0, len(body), zlib.crc32(body), bytes(32))
+    with pytest.raises(fmt.FormatError, match="order"):
+        fmt.parse_header(pre + body + raw[n:])
+
+
+def test_planted_paths_and_odd_names_on_disk_are_misses_not_errors(tmp_path, ns):
+    """A directory where a chunk file goes, a file where a directory goes, a partial name with a
+    non-ASCII digit: lookups, reads, deletes and discards are misses, counted, never exceptions."""
+    store = _store(f"disk:{tmp_path}/d:64MB", ns)
+    t, match = _saved(store, C + 5)
+    disk = store.tier("disk")
+    (key_a,) = store.keys_for(tokens(C, 11))
+    (key_b,) = store.keys_for(tokens(C, 12))
+    nsdir = os.path.dirname(os.path.dirname(os.path.dirname(disk.path_of(match.chunks[0].key))))
+    os.makedirs(os.path.join(nsdir, "c", key_a[:2], key_a + ".kvc"))  # a directory named like a chunk
+    if not os.path.exists(os.path.join(nsdir, "c", key_b[:2])):
+        open(os.path.join(nsdir, "c", key_b[:2]), "wb").close()  # a file where a directory goes
+    pdir = [p for p in tmp_path.rglob("p/*/*") if p.is_dir()][0]
+    (pdir / ("\u00b2-" + "0" * 32 + ".kvc")).write_bytes(b"x")  # "²".isdigit() is True
+    assert store.lookup(tokens(C, 11)).num_tokens == 0
+    assert store.lookup(tokens(C, 12)).num_tokens == 0
+    assert store.lookup(t).num_tokens == C + 5
+    store.discard([key_a, key_b])
+    assert store.read_chunk(key_a) is None
+    store.close()
+
+
+def test_the_secret_is_the_same_from_every_source(monkeypatch, tmp_path):
+    from kvtier.store.seal import load_secret
+
+    (tmp_path / "s").write_text(SECRET.decode() + "\n")
+    monkeypatch.setenv("KVTIER_STORE_SECRET", SECRET.decode() + "\n")
+    ids = {load_secret(path=str(tmp_path / "s")).key_id(), load_secret().key_id(),
+           load_secret(SECRET.decode() + " ").key_id()}
+    assert len(ids) == 1 and "" not in ids

@@ -6,8 +6,10 @@ had no request in flight for longer than the TTL (the conversation is over). Chu
 live session also saved (a shared system prompt or document) are kept until it expires too.
 
 Session ids come from clients, so the bookkeeping is bounded: past `max_sessions`, the idle session
-seen longest ago is forgotten (its chunks are left to the tiers' eviction, never deleted early), so
-a flood of distinct ids costs neither memory nor anyone else's state.
+seen longest ago is forgotten. Its chunks are then left to the tiers' eviction (kept past its TTL),
+and no longer protect chunks it shares with a session that expires later; what that costs is a
+recompute, never another cache partition's state (the server scopes session ids to tenants, and
+tenants' chunks have different keys).
 """
 
 from __future__ import annotations

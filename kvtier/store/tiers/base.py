@@ -38,7 +38,7 @@ from ..policy import EvictionPolicy
 from ..seal import Seal
 from ..throttle import Emulation, Throttle
 from ..validate import Expect
-from .breaker import Outage
+from .breaker import Outage, Refused
 
 W = TypeVar("W", bound=EvictionPolicy)  # a wrapper an engine puts around a tier's eviction policy
 
@@ -163,7 +163,11 @@ class OpenChunk:
             raise FormatError(f"segment {seg.layer}/{seg.part} has no granule checksums: stored without "
                               "the importance layout")
         offset, nbytes = seg.granule_span(first, last, granule_tokens)
-        buf = self.reader.read(offset, nbytes)
+        try:
+            buf = self.reader.read(offset, nbytes)
+        except Refused as e:  # a miss for the caller like any OSError, counted as the tier's error
+            self.tier.refused("read", e)
+            raise
         if buf.numel() != nbytes:
             raise FormatError("truncated payload")
         if self.verify:
@@ -384,9 +388,13 @@ class Tier(ABC):
                 self.counters["misses"] += 1
                 return None, "missing"
             try:
-                whole = reader.read(0, reader.size)
-                header = parse_header(whole.numpy().data, reader.size, self.seal)
+                # The header first: a value's size is trusted only once its header (checked, and
+                # sealed when the store has a secret) accounts for every byte of it.
+                header = self._header(reader)
                 self._check_header(header, expect, reader.size)
+                whole = reader.read(0, reader.size)
+                if whole.numel() != reader.size:
+                    raise FormatError("truncated payload")
                 segs: Segments = {}
                 for s in header.segments:
                     view = whole[s.offset:s.offset + s.nbytes]
@@ -417,6 +425,8 @@ class Tier(ABC):
         value (removed); any other error is the tier refusing (counted, the entry left alone)."""
         if isinstance(err, Outage):
             self.counters["misses"] += 1
+        elif isinstance(err, Refused):
+            self.refused("read", err)
         elif err is None or isinstance(err, (FormatError, OSError)):
             self.discard_corrupt(key, (str(err) or type(err).__name__) if err else "unreadable")
         else:

@@ -24,6 +24,11 @@ class Outage(OSError):
     """The tier could not be reached. A miss (or a dropped save), never evidence of corruption."""
 
 
+class Refused(OSError):
+    """The tier answered with an error (an ACL refusal, a key of the wrong type): a miss, counted
+    as a tier error, never evidence that the stored value is bad, never a failed request."""
+
+
 class Breaker:
     def __init__(self, name: str, errors: tuple[type[BaseException], ...], first_backoff: float = 0.25,
                  max_backoff: float = 5.0) -> None:

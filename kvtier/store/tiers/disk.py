@@ -20,6 +20,7 @@ validated hex keys: a file name or a header from elsewhere never names a path ou
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import uuid
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from ..format import PackedChunk, Segment
 from ..policy import EvictionPolicy
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
-from ..validate import is_key
+from ..validate import is_key, partial_entry
 from .base import Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
 
 # Reads in flight at once: a device serves several requests faster than one at a time (queue
@@ -60,12 +61,8 @@ def makedirs_private(path: str) -> None:
 
 def _partial_name(name: str) -> tuple[str, int] | None:
     """(key, tokens) of a partial chunk's file name "{tokens:04d}-{key}.kvc", or None."""
-    if not name.endswith(SUFFIX):
-        return None
-    tok, dash, key = name[:-len(SUFFIX)].partition("-")
-    if not (dash and tok.isdigit() and len(tok) <= 6 and is_key(key)):  # isdigit: no sign, no spaces
-        return None
-    return key, int(tok)
+    tok, dash, key = name.removesuffix(SUFFIX).partition("-")
+    return partial_entry(tok, key) if name.endswith(SUFFIX) and dash else None
 
 
 @dataclass(frozen=True)
@@ -191,6 +188,9 @@ class DiskTier(Tier):
         self._files: dict[str, _File] = {}
         for i, d in enumerate(self.dirs):
             makedirs_private(d.root)
+            if self.ns is not None:  # this namespace's directory is ours alone, whoever made it
+                makedirs_private(self._ns_dir(i))
+                os.chmod(self._ns_dir(i), PRIVATE_DIR)
             self._rebuild(i)
         aligns = [direct_io_alignment(d.root) for d in self.dirs]
         self.direct_align = 0 if 0 in aligns else max(aligns)
@@ -231,7 +231,7 @@ class DiskTier(Tier):
                     path = os.path.join(base, f)
                     try:
                         st = os.stat(path)
-                    except FileNotFoundError:
+                    except OSError:
                         continue
                     key = f[:-len(SUFFIX)].rsplit("-", 1)[-1]
                     if not is_key(key):
@@ -272,10 +272,15 @@ class DiskTier(Tier):
         for i in range(len(self.dirs)):
             path = self._full_path(i, key)
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except FileNotFoundError:
                 continue
-            f = _File(i, path, size)
+            except OSError as e:  # something else planted on the path (a file where a directory goes)
+                self.refused("lookup", e)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            f = _File(i, path, st.st_size)
             with self.lock:
                 self._index(key, f)
             return f
@@ -295,6 +300,9 @@ class DiskTier(Tier):
                 names = os.listdir(pdir)
             except FileNotFoundError:
                 continue
+            except OSError as e:
+                self.refused("lookup", e)
+                continue
             for n in names:
                 entry = _partial_name(n)
                 if entry is None:
@@ -303,7 +311,7 @@ class DiskTier(Tier):
                 if key not in self._files:
                     try:
                         size = os.stat(os.path.join(pdir, n)).st_size
-                    except FileNotFoundError:
+                    except OSError:
                         continue
                     with self.lock:
                         self._index(key, _File(i, os.path.join(pdir, n), size))
@@ -458,6 +466,8 @@ class DiskTier(Tier):
             os.unlink(f.path)
         except FileNotFoundError:
             pass
+        except OSError as e:  # a directory planted where the file was, a read-only disk: left, counted
+            self.refused("delete", e)
         try:
             os.rmdir(os.path.dirname(f.path))  # empty partial dirs would otherwise pile up
         except OSError:

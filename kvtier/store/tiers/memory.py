@@ -101,6 +101,8 @@ class MemoryTier(Tier):
         """The entry swapped for a new blob (a reader holding the old one keeps reading it); its
         place in the eviction policy is kept."""
         key, n = packed.header.key, packed.nbytes
+        if not sealed_by(packed, self.seal):
+            return False
         with self.lock:
             old = self._entries.get(key)
             if old is None or not self._evict_for(self.policy, lambda: self.used + n - old.blob.numel(),

@@ -30,9 +30,9 @@ from ..format import FormatError, PackedChunk, Segment, check_segment
 from ..redact import redact
 from ..redis_auth import PASSWORD_ENV
 from ..spec import RedisSpec
-from ..validate import is_key
+from ..validate import is_key, partial_entry
 from .base import OpenChunk, PoolTarget, Reader, Segments, Tier, log
-from .breaker import Breaker, Outage
+from .breaker import Breaker, Outage, Refused
 
 # A request never waits long on a dead tier: connecting and each reply are bounded, and a broken
 # pooled connection (the server restarted) gets one immediate retry on a fresh one.
@@ -45,13 +45,8 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 def _partial_entry(member: bytes) -> tuple[str, int] | None:
     """(key, tokens) of a partial index member b"tokens:key", or None if it is not one."""
-    try:
-        tok, key = member.decode("ascii").split(":", 1)
-    except (UnicodeDecodeError, ValueError, AttributeError):
-        return None
-    if not (tok.isdigit() and len(tok) <= 6 and is_key(key)):  # isdigit: no sign, no spaces
-        return None
-    return key, int(tok)
+    tok, colon, key = member.decode("ascii", "replace").partition(":")
+    return partial_entry(tok, key) if colon else None
 
 
 def _tensor(raw: bytes, out: torch.Tensor | None) -> torch.Tensor:
@@ -113,8 +108,22 @@ class RedisTier(Tier):
         self.ex = int(math.ceil(spec.ttl)) if spec.ttl else None
 
     def call(self, fn):
-        """`fn(client)` through the breaker; raises Outage while the server is unreachable."""
-        return self.breaker.call(lambda: fn(self.client))
+        """`fn(client)` through the breaker; raises Outage while the server is unreachable and
+        Refused when it answers with an error (every caller treats both as a miss)."""
+        try:
+            return self.breaker.call(lambda: fn(self.client))
+        except redis.RedisError as e:  # not an outage (the breaker turned those into Outage)
+            raise Refused(f"{type(e).__name__}: {e}") from e
+
+    def _guarded(self, what: str, fn, default):
+        """`call(fn)`, or `default` while unreachable or when refused (counted)."""
+        try:
+            return self.call(fn)
+        except Outage:
+            return default
+        except Refused as e:
+            self.refused(what, e)
+            return default
 
     def _c(self, key: str) -> str:
         return f"{self.spec.prefix}:{self.ns}:c:{key}"
@@ -125,13 +134,8 @@ class RedisTier(Tier):
     def contains(self, key: str) -> bool:
         if self.ns is None:
             return False
-        try:  # one EXISTS (the writer asks this per chunk): no pipeline for a single key
-            return bool(self.call(lambda c: c.exists(self._c(key))))
-        except Outage:
-            return False
-        except redis.RedisError as e:  # refused (ACL, ...): a miss, counted
-            self.refused("contains", e)
-            return False
+        # One EXISTS (the writer asks this per chunk): no pipeline for a single key.
+        return self._guarded("contains", lambda c: c.exists(self._c(key)), 0) == 1
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         if self.ns is None or not keys:
@@ -143,31 +147,15 @@ class RedisTier(Tier):
                 pipe.exists(self._c(k))
             return pipe.execute()
 
-        try:
-            replies = self.call(exists)
-        except Outage:
-            return [False] * len(keys)
-        except redis.RedisError as e:
-            self.refused("contains", e)
-            return [False] * len(keys)
-        # A pipeline returns a refused command's error in its place instead of raising.
-        bad = next((r for r in replies if isinstance(r, Exception)), None)
-        if bad is not None:
-            self.refused("contains", bad)
-        return [x is True or (type(x) is int and x > 0) for x in replies]
+        return [x == 1 for x in self._guarded("contains", exists, [0] * len(keys))]
 
     def partials(self, parent: str) -> list[tuple[str, int]]:
         if self.ns is None:
             return []
         if not is_key(parent):
             return []
-        try:
-            raw = self.call(lambda c: c.smembers(self._p(parent)))
-        except Outage:
-            return []
-        except redis.RedisError as e:  # the index key holds another type, or the ACL refuses it
-            self.refused("partials", e)
-            return []
+        # Refused: the index key holds another type, or the ACL refuses it.
+        raw = self._guarded("partials", lambda c: c.smembers(self._p(parent)), set())
         # Members are "tokens:key" as put() writes them; anyone who can write to the server can add
         # others: those are ignored (and dropped below), never parsed into an error.
         pairs: list[tuple[str, int]] = []
@@ -193,12 +181,7 @@ class RedisTier(Tier):
 
     def _quietly(self, fn) -> None:
         """Best-effort housekeeping: skipped while the server is unreachable or refuses."""
-        try:
-            self.call(fn)
-        except Outage:
-            pass
-        except redis.RedisError as e:
-            self.refused("housekeeping", e)
+        self._guarded("housekeeping", fn, None)
 
     def _open(self, key: str) -> Reader | None:
         try:
@@ -231,7 +214,7 @@ class RedisTier(Tier):
 
         try:
             replies = iter(self.call(getranges))
-        except (Outage, redis.RedisError) as e:
+        except (Outage, Refused) as e:
             log.warning("redis read failed: %s", e)
             self.counters["misses"] += len(opened)
             return None
@@ -277,7 +260,7 @@ class RedisTier(Tier):
 
         try:
             self.call(write)
-        except (Outage, redis.RedisError) as e:  # dropped, counted; the server keeps serving
+        except (Outage, Refused) as e:  # dropped, counted; the server keeps serving
             if not isinstance(e, Outage) or self.breaker.up:
                 log.warning("redis write of %s failed: %s", h.key, e)
             self.counters["put_errors"] += 1
@@ -295,7 +278,7 @@ class RedisTier(Tier):
             rkey = self._rkey_any(key)
         except Outage:
             return
-        except redis.RedisError as e:
+        except Refused as e:
             self.refused("delete", e)
             return
         if rkey is not None:
@@ -348,7 +331,7 @@ class RedisTier(Tier):
             out["capacity"] = sum(int(n.get("maxmemory", 0)) for n in nodes) or None
             if self.ns is None:
                 out["entries"] = sum(1 for _ in self.iterate())
-        except Outage:
+        except (Outage, Refused):  # stats without the server's figures; never a failed scrape
             pass
         return out
 
