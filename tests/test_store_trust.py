@@ -185,3 +185,16 @@ def test_a_flood_of_session_ids_keeps_bookkeeping_bounded():
     assert len(keep.sessions) == 100 and "live" in keep.sessions
     assert keep.forgotten == 901
     assert grown < 64 << 10  # flat: 800 more sessions cost no more than noise
+
+
+def test_one_partitions_flood_forgets_its_own_sessions_first():
+    keep = SessionRetention(ttl_s=3600.0, max_sessions=300, max_per_partition=100)
+    for i in range(50):  # tenant b's conversations, idle
+        keep.finished(f"b{i}", [f"{i:032x}"], float(i), partition="tenant-b")
+    for i in range(1000):  # tenant a floods with new session ids
+        keep.finished(f"a{i}", [], 100.0 + i, partition="tenant-a")
+    assert sum(sid.startswith("b") for sid in keep.sessions) == 50  # all of b's are kept
+    assert sum(sid.startswith("a") for sid in keep.sessions) == 100
+    assert keep.per_partition == {"tenant-a": 100, "tenant-b": 50} and keep.forgotten == 900
+    gone, dead = keep.expire(now=1e9)  # expiry keeps the per-partition counts right
+    assert len(gone) == 150 and not keep.per_partition and len(dead) == 50

@@ -167,13 +167,14 @@ class StoreScheduling:
         # The prompt's chunks count as the session's from arrival on, so a chunk this request is
         # about to restore is not deleted under it because another session that saved it expired.
         if self.sessions is not None and req.session_id is not None:
-            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids, req.cache_salt), time.monotonic())
+            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids, req.cache_salt), time.monotonic(),
+                                  req.cache_salt)
 
     def finished(self, req: Request) -> None:
         """A request ended (any reason): what it saved belongs to its session."""
         if self.sessions is not None and req.session_id is not None:
             saved = self.store.keys_for(req.all_ids[: req.num_computed], req.cache_salt) if not req.approximate else []
-            self.sessions.finished(req.session_id, saved, time.monotonic())
+            self.sessions.finished(req.session_id, saved, time.monotonic(), req.cache_salt)
 
     # ----- retention and look-ahead -----------------------------------------------------------
     def expire_sessions(self, now: float | None = None) -> int:
