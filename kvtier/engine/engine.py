@@ -166,20 +166,20 @@ class Engine:
         return profile
 
     # ----- requests -------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if self.model.tokenizer is None:
                 raise PromptError(f"model {self.model.name} has no tokenizer; pass token ids")
-            return list(self.model.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self.model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return [int(t) for t in prompt]
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         tok = self.model.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise PromptError(f"model {self.model.name} has no chat template")
         if not messages:
             raise PromptError("messages must not be empty")
-        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def validate(self, ids: Sequence[int]) -> None:

@@ -18,6 +18,7 @@ from kvtier.serve.errors import install_error_handlers
 from kvtier.serve.metrics import ServerMetrics
 from kvtier.serve.middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware
 from kvtier.serve.ops import models_router, ops_router
+from kvtier.serve.tokenize import router as tokenizer_router
 
 
 def create_app(
@@ -70,6 +71,7 @@ def create_app(
     app.include_router(completions_router)
     app.include_router(models_router)
     app.include_router(ops_router)
+    app.include_router(tokenizer_router)
     # add_middleware wraps: the last added runs first. Order: metrics -> API key -> body limit,
     # so unauthenticated callers are refused before their body is read, and every answer is counted.
     # The auth middleware runs without keys too: it is what names every request's tenant.

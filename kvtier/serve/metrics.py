@@ -26,7 +26,8 @@ _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 
 
 # Paths we label by name; anything else is "other", so scanners cannot blow up cardinality.
 KNOWN_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json", "/docs"}
+    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json", "/docs",
+     "/tokenize", "/detokenize", "/version"}
 )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Bound on the free-form identifier fields (user, prompt_cache_key, cache_salt); OpenAI's limit for
 # `user`. They are kept per request and per session, so an unbounded one would be a memory lever.
@@ -141,8 +141,13 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them ("developer" is the template's "system")."""
+    role = {"developer": "system"}
+    return [{"role": role.get(m.role, m.role), "content": m.text()} for m in messages]
 
 
 class CompletionRequest(SamplingFields):
@@ -189,3 +194,33 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt` or chat `messages` (exactly one)."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(None, min_length=1, description="the served model name; optional")
+    prompt: str | None = Field(None, description="text, tokenized as /v1/completions tokenizes it")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat messages, through the chat template")
+    add_special_tokens: bool | None = Field(
+        None, description="prompt only: add the tokenizer's special tokens (BOS). Default false, as /v1/completions "
+        "tokenizes; with messages only false (the template places them)",
+    )
+    add_generation_prompt: bool = Field(True, description="messages only: end with the assistant turn's opening")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens is for prompts; the chat template places special tokens itself")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str | None = Field(None, min_length=1, description="the served model name; optional")
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]
