@@ -41,7 +41,9 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
 def completion_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
     prompt = body.prompt
     try:
-        return engine.encode(prompt if isinstance(prompt, str) else list(prompt))  # type: ignore[arg-type]
+        if isinstance(prompt, str):
+            return engine.encode(prompt, body.add_special_tokens)
+        return engine.encode(list(prompt))  # type: ignore[arg-type]
     except PromptError as e:
         raise APIError(400, str(e), param="prompt") from e
 

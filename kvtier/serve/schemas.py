@@ -155,6 +155,9 @@ class CompletionRequest(SamplingFields):
     prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=1)
     ] = Field(description="text or token ids; the batched forms only with a single prompt")
+    # vLLM's field: a text prompt gets the tokenizer's special tokens (a Llama tokenizer's BOS) as
+    # the tokenizer adds them by default; false sends the text alone. Token-id prompts run as given.
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS) to a text prompt")
     echo: bool | None = only({"enum": [False, None]}, "not supported; false or absent")
     logprobs: int | None = only({"type": "null"}, "not supported")
     suffix: str | None = only({"enum": ["", None]}, "fill-in-the-middle is not supported")
@@ -205,7 +208,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = Field(None, description="text, tokenized as /v1/completions tokenizes it")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat messages, through the chat template")
     add_special_tokens: bool | None = Field(
-        None, description="prompt only: add the tokenizer's special tokens (BOS). Default false, as /v1/completions "
+        None, description="prompt only: add the tokenizer's special tokens (BOS). Default true, as /v1/completions "
         "tokenizes; with messages only false (the template places them)",
     )
     add_generation_prompt: bool = Field(True, description="messages only: end with the assistant turn's opening")

@@ -30,7 +30,7 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_conte
             ids = engine.encode_chat(template_messages(body.messages), body.add_generation_prompt)
         else:
             assert body.prompt is not None  # the request model requires one of the two
-            ids = engine.encode(body.prompt, bool(body.add_special_tokens))
+            ids = engine.encode(body.prompt, body.add_special_tokens is not False)  # default true
     except (PromptError, TemplateError) as e:
         raise APIError(400, f"cannot tokenize: {e}", param="messages" if body.messages else "prompt") from e
     return r.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)

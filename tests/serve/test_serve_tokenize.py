@@ -22,13 +22,13 @@ def test_tokenize_a_prompt_as_completions_does(tiny_server):
     r = _post(tiny_server, "/tokenize", {"model": TINY, "prompt": text})
     assert r.status_code == 200
     got = r.json()
-    assert got["tokens"] == tiny_server.engine.encode(text) == tok.encode(text, add_special_tokens=False)
+    assert got["tokens"] == tiny_server.engine.encode(text, add_special_tokens=True) == tok.encode(text)
     assert got["count"] == len(got["tokens"]) and got["max_model_len"] == tiny_server.engine.max_model_len
     # The completion endpoint runs exactly those ids: its usage counts them.
     done = _post(tiny_server, "/v1/completions", {"model": TINY, "prompt": text, "max_tokens": 1}).json()
     assert done["usage"]["prompt_tokens"] == got["count"]
-    special = _post(tiny_server, "/tokenize", {"prompt": text, "add_special_tokens": True}).json()
-    assert special["tokens"] == tok.encode(text, add_special_tokens=True)
+    bare = _post(tiny_server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False)  # this tokenizer adds no BOS anyway
 
 
 def test_tokenize_messages_as_chat_completions_does(tiny_server):
@@ -82,3 +82,41 @@ def test_the_new_paths_need_the_key_when_one_is_set(keyed_server):
     ok = httpx.post(keyed_server.url + "/tokenize", json={"prompt": "a"}, timeout=30,
                     headers={"Authorization": "Bearer s3cret-key"})
     assert ok.status_code == 200
+
+
+def _bos_tokenizer(tok):
+    """The tiny model's tokenizer made to add a BOS by default, as Llama tokenizers do."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    bos = copy.deepcopy(tok)
+    bos_id = tok.convert_tokens_to_ids(tok.bos_token)
+    bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, bos_id)])
+    return bos, bos_id
+
+
+def test_completions_add_the_tokenizers_bos_unless_asked_not_to(tiny_model):
+    """/v1/completions tokenizes text as the tokenizer does by default (vLLM's behaviour: a Llama
+    prompt starts with BOS); add_special_tokens false sends the text alone; /tokenize agrees."""
+    import contextlib
+    from dataclasses import replace
+
+    from serve_testlib import serve
+
+    tok, bos_id = _bos_tokenizer(tiny_model.tokenizer)
+    text = "Once upon a time"
+    plain = tiny_model.tokenizer.encode(text, add_special_tokens=False)
+    assert tok.encode(text) == [bos_id, *plain]
+    with contextlib.contextmanager(serve)(replace(tiny_model, tokenizer=tok)) as s:
+        def usage(**kw) -> int:
+            body = {"model": TINY, "prompt": text, "max_tokens": 1, "temperature": 0, **kw}
+            return _post(s, "/v1/completions", body).json()["usage"]["prompt_tokens"]
+
+        assert usage() == len(plain) + 1
+        assert usage(add_special_tokens=False) == len(plain)
+        assert _post(s, "/tokenize", {"prompt": text}).json()["tokens"] == [bos_id, *plain]
+        assert _post(s, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"] == plain
+        ids_prompt = _post(s, "/v1/completions", {"model": TINY, "prompt": plain, "max_tokens": 1}).json()
+        assert ids_prompt["usage"]["prompt_tokens"] == len(plain)  # token ids run as given
