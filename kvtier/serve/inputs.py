@@ -99,6 +99,8 @@ def prepare(
             top_p=max(top_p, MIN_TOP_P),
             seed=body.generator_seed(),
             stop=body.stop_strings(),
+            top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean "all tokens"
+            ignore_eos=body.ignore_eos,
         )
     except SamplingError as e:  # the schema already checks ranges; this is the engine's last word
         raise APIError(400, str(e)) from e

@@ -42,6 +42,14 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool | None = only({"enum": [False, None]}, "not supported; false or absent")
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("usage in every streamed chunk is not supported; usage comes in the last chunk")
+        return v
 
 
 class TextPart(BaseModel):
@@ -84,6 +92,19 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     presence_penalty: float | None = only({"enum": [0, None]}, "only 0 is supported")
     frequency_penalty: float | None = only({"enum": [0, None]}, "only 0 is supported")
+    # vLLM's sampling extras. Honoured: top_k, ignore_eos. The others are accepted only in their
+    # "off" form and refused otherwise (a 400 naming the field), never ignored.
+    top_k: int | None = Field(None, ge=-1, description="sample from the k likeliest tokens; 0 or -1 = all")
+    ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    min_p: float | None = only({"enum": [0, None]}, "not supported; 0 or absent")
+    repetition_penalty: float | None = only({"enum": [1, None]}, "not supported; 1 or absent")
+    min_tokens: int | None = only({"enum": [0, None]}, "not supported; 0 or absent")
+    logit_bias: dict[str, float] | None = only(
+        {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}, "not supported; empty or absent"
+    )
+    stop_token_ids: list[int] | None = only(
+        {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}, "not supported; empty or absent"
+    )
     user: str | None = Field(None, max_length=MAX_ID_CHARS, description="an end-user id (accepted, not used)")
     # OpenAI's hint for cache routing; we pass it to the engine as the session id (per tenant).
     prompt_cache_key: str | None = Field(
@@ -94,6 +115,20 @@ class SamplingFields(BaseModel):
         None, min_length=1, max_length=MAX_ID_CHARS,
         description="partitions prompt caching within your tenant: only requests with the same salt share it",
     )
+
+    @field_validator("min_p", "min_tokens", "logit_bias", "stop_token_ids")
+    @classmethod
+    def _off_only(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("not supported by this server yet; leave the field out (or send its neutral value)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v: float | None) -> float | None:
+        if v is not None and v != 1:
+            raise ValueError("repetition penalties are not supported by this server yet; send 1 or leave it out")
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
