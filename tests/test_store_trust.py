@@ -198,3 +198,26 @@ def test_one_partitions_flood_forgets_its_own_sessions_first():
     assert keep.per_partition == {"tenant-a": 100, "tenant-b": 50} and keep.forgotten == 900
     gone, dead = keep.expire(now=1e9)  # expiry keeps the per-partition counts right
     assert len(gone) == 150 and not keep.per_partition and len(dead) == 50
+
+
+def test_sealed_restore_is_bit_identical_in_bf16(tmp_path):
+    """Sealing changes only digests and a tag: a bf16 restore from a sealed disk tier gives the
+    recomputed first-token logits bit for bit (torch.equal) and the same tokens."""
+    from kvtier.models.loading import load_model
+
+    model = load_model("tiny-gqa", dtype="bf16", tokenizer=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, first_logits=True)
+    prompt = _prompt(4 * CHUNK + 3, 7, model.config.vocab_size)
+    spec = f"disk:{tmp_path}/s:1GB"
+    first = _engine(model, spec, seal=Seal(SECRET))
+    out = first.generate([prompt], params)[0]
+    first.close()
+    follow = prompt + out.output_ids + [7, 8]
+    second = _engine(model, spec, seal=Seal(SECRET))
+    again = second.generate([follow], params)[0]
+    second.close()
+    plain = Engine(model, EngineConfig(kv_cache_bytes=32 << 20)).generate([follow], params)[0]
+    assert again.reused_by_tier.get("disk", 0) >= 4 * CHUNK
+    assert model.dtype == torch.bfloat16  # (first_logits come back upcast to fp32, losslessly)
+    assert torch.equal(again.first_logits, plain.first_logits)
+    assert again.output_ids == plain.output_ids

@@ -36,22 +36,21 @@ def quantile_linear(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    """Fastest of `reps` runs, in seconds (the least disturbed by other work on the machine)."""
+def _times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds each of `reps` runs of `fn` took."""
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return times
 
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """Fastest of `reps` runs, in seconds (the least disturbed by other work on the machine)."""
+    return min(_times(fn, reps))
 
 
 def median_of(fn: Callable[[], object], reps: int) -> float:
     """Median of `reps` runs, in seconds."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(_times(fn, reps))
