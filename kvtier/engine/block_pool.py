@@ -104,6 +104,12 @@ class BlockPool:
                 else:
                     self.evictable[b] = None
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more reference to each of these blocks (in use already): a forked sequence's prompt."""
+        for b in blocks:
+            assert self.ref[b] > 0, f"block {b} is not in use"
+            self.ref[b] += 1
+
     def register(self, block: int, h: bytes) -> None:
         """Publish a full, computed block under its chained hash (first writer wins)."""
         if h not in self.cached and self.hash_of[block] is None:

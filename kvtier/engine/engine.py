@@ -23,11 +23,12 @@ from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
 from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
 from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
-from kvtier.engine.request import Request, RequestStatus, RestoreReport, SamplingParams
+from kvtier.engine.request import Request, RequestMetrics, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.sampler import make_generator, sample_rows
+from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, sample_batch
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.scheduler_api import SchedulerOutput
+from kvtier.engine.structured import Constraint, Grammars
 from kvtier.models import invariant
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 class PromptError(ValueError):
     """A prompt the engine cannot run (empty, too long, bad token ids, no tokenizer)."""
 
-
-_GREEDY = SamplingParams(temperature=0.0)
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -70,6 +69,8 @@ class RequestOutput:
     restore_method: str | None = None
     restore: RestoreReport | None = None  # what the restore from the store did and was predicted to take
     first_logits: torch.Tensor | None = None  # [vocab] on the host, with SamplingParams(first_logits=True)
+    index: int = 0  # which of the request's n samples (each has its own request_id: `<id>#<index>`)
+    logprobs: list[TokenLogprobs] | None = None  # with SamplingParams(logprobs=k): one per output token
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,18 @@ class _Live:
     detok: Detokenizer
     generator: torch.Generator | None
     on_output: Callable[[RequestOutput], None] | None
+    constraint: Constraint | None = None
+    index: int = 0
+    forks: int = 0  # samples still to start from this one's prefill (n - 1 until its first token)
+    logprobs: list[TokenLogprobs] | None = None
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of a request's n samples (the first is the request's own)."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
 
 
 class Engine:
@@ -141,6 +151,8 @@ class Engine:
         if tok is not None and tok.eos_token_id is not None:
             self.eos_ids.add(tok.eos_token_id)
         self._live: dict[str, _Live] = {}
+        self._samples: dict[str, set[str]] = {}  # n > 1: a request's id -> its samples still running
+        self.grammars = Grammars(tok, cfg.vocab_size)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
         self._steps = 0
@@ -173,13 +185,15 @@ class Engine:
             return list(self.model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return [int(t) for t in prompt]
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self.model.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise PromptError(f"model {self.model.name} has no chat template")
         if not messages:
             raise PromptError("messages must not be empty")
-        ids = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                      tools=tools)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def validate(self, ids: Sequence[int]) -> None:
@@ -207,6 +221,9 @@ class Engine:
         `cache_salt`: only requests with the same salt share cached or stored state."""
         ids = self.encode(prompt)
         params = params or SamplingParams()
+        params.check_vocab(self.model.config.vocab_size)
+        # Compiled here, on the caller's thread (cached per spec), never on the step's.
+        constraint = self.grammars.constraint(params.structured) if params.structured is not None else None
         source, kept = None, None
         if self.truncation is not None and len(ids) >= self.max_model_len:
             # Leave room to generate: at most max_tokens, at most half the window.
@@ -217,7 +234,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, session_id=session_id, cache_salt=cache_salt or "", source_ids=source,
                       kept=kept)
-        self._inbox.put(("add", (req, on_output)))
+        self._inbox.put(("add", (req, on_output, constraint)))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -263,16 +280,12 @@ class Engine:
         for c in out.chunks:
             if c.end == self._live[c.request_id].req.num_tokens:
                 rows[c.request_id] = len(rows)  # this run's logits row, used or not
-        picked = {c.request_id for c in out.chunks if c.request_id in sampling and c.request_id not in void}
-        tokens: dict[str, int] = {}
-        if picked and logits is not None:
-            # Every row in one call (one device sync); rows not sampled now count as greedy, so
-            # they draw nothing from a request's generator.
-            order = sorted(rows, key=rows.__getitem__)
-            lives = [self._live[r] if r in picked else None for r in order]
-            got = sample_rows(logits, [lv.req.params if lv else _GREEDY for lv in lives],
-                              [lv.generator if lv else None for lv in lives])
-            tokens = {r: t for r, t in zip(order, got) if r in picked}
+        picked = [c.request_id for c in out.chunks if c.request_id in sampling and c.request_id not in void]
+        # n > 1: the other samples start from this prefill; their first tokens come from its row.
+        draws = [(rid, rows[rid]) for rid in picked]
+        for rid in picked:
+            draws += [(child, rows[rid]) for child in self._fork(self._live[rid])]
+        drawn = self._sample(logits, draws)
         now = time.perf_counter()  # after the step's one device sync: the tokens exist now
         for c in out.chunks:
             live = self._live[c.request_id]
@@ -283,22 +296,68 @@ class Engine:
             if c.request_id not in sampling:
                 self.link.step_side.after_step(req, finished=False)
                 continue  # a prefill chunk that is not the last one
-            token = tokens[c.request_id]
-            if req.metrics.first_token is None:
-                req.metrics.first_token = now
-                if req.params.first_logits and logits is not None:
-                    live.first_logits = logits[rows[c.request_id]].to("cpu", copy=True)
-                req.metrics.prompt_tokens_computed = len(req.prompt_ids) - req.metrics.prompt_tokens_reused
-            req.metrics.last_token = now
-            req.append_output(token)
-            live.delta_ids.append(token)
-            status = self._check_stop(live, token)
-            self.link.step_side.after_step(req, finished=status is not None)
-            if status is not None:
-                self.scheduler.finish(req, status)
-                live.delta_text += live.detok.flush()
-            outs.append(self._emit(live))
+            if live.req.params.first_logits and req.metrics.first_token is None and logits is not None:
+                live.first_logits = logits[rows[c.request_id]].to("cpu", copy=True)
+            outs.append(self._accept(live, drawn[c.request_id], now))
+        outs += [self._accept(self._live[rid], drawn[rid], now) for rid, _ in draws if rid not in rows]
         return outs
+
+    def _sample(self, logits: torch.Tensor | None, draws: list[tuple[str, int]]) -> dict[str, Sampled]:
+        """Every draw (request, logits row) in one batched call: one device sync per step."""
+        if not draws or logits is None:
+            return {}
+        batch = []
+        for rid, _ in draws:
+            live = self._live[rid]
+            batch.append(Row(live.req.params, live.generator, live.req.prompt_ids, live.req.output_ids,
+                             live.constraint))
+        at = torch.tensor([row for _, row in draws], device=logits.device)
+        got = sample_batch(logits.index_select(0, at), batch, self.eos_ids)
+        return {rid: g for (rid, _), g in zip(draws, got)}
+
+    def _accept(self, live: _Live, sampled: Sampled, now: float) -> RequestOutput:
+        """Append a sampled token to its request, stop it if it should, and emit its output."""
+        req, token = live.req, sampled.token
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+            req.metrics.prompt_tokens_computed = len(req.prompt_ids) - req.metrics.prompt_tokens_reused
+        req.metrics.last_token = now
+        req.append_output(token)
+        live.delta_ids.append(token)
+        if live.logprobs is not None and sampled.logprobs is not None:
+            live.logprobs.append(sampled.logprobs)
+        if live.constraint is not None:
+            live.constraint.accept(token)
+        status = self._check_stop(live, token)
+        self.link.step_side.after_step(req, finished=status is not None)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            live.delta_text += live.detok.flush()
+        return self._emit(live)
+
+    def _fork(self, parent: _Live) -> list[str]:
+        """Start the other samples of an n > 1 request from `parent`'s just-computed prompt ->
+        the ids of those that share it now (the rest, when no block is free, wait and prefill)."""
+        now, n, parent.forks = [], parent.forks, 0
+        req = parent.req
+        for i in range(1, n + 1):
+            child = Request(sample_ids(req.request_id, i + 1)[i], list(req.prompt_ids), req.params, session_id=req.session_id,
+                            cache_salt=req.cache_salt, source_ids=req.source_ids, kept=req.kept,
+                            metrics=RequestMetrics(arrival=req.metrics.arrival,
+                                                   first_scheduled=req.metrics.first_scheduled))
+            self._live[child.request_id] = _Live(
+                child, Detokenizer(self.model.tokenizer, req.params.stop), make_generator(req.params, self.device, i),
+                parent.on_output, parent.constraint.fork() if parent.constraint is not None else None, index=i,
+                logprobs=[] if req.params.logprobs is not None else None)
+            self._samples.setdefault(req.request_id, {req.request_id}).add(child.request_id)
+            copy = self.scheduler.fork(req, child)
+            if copy is None:
+                self.scheduler.add(child)
+                continue
+            if copy[2]:
+                self.runner.copy_block(*copy)
+            now.append(child.request_id)
+        return now
 
     def stats(self, with_store: bool = True) -> EngineStats:
         """What the engine did so far; `with_store=False` skips the store's own statistics (a
@@ -329,21 +388,25 @@ class Engine:
         while not self._inbox.empty():
             kind, arg = self._inbox.get()
             if kind == "add":
-                req, cb = arg
-                detok = Detokenizer(self.model.tokenizer, req.params.stop)
-                self._live[req.request_id] = _Live(req, detok, make_generator(req.params), cb)
+                req, cb, constraint = arg
+                p = req.params
+                detok = Detokenizer(self.model.tokenizer, p.stop)
+                self._live[req.request_id] = _Live(req, detok, make_generator(p, self.device), cb, constraint,
+                                                   forks=p.n - 1, logprobs=[] if p.logprobs is not None else None)
                 self.scheduler.add(req)
-            elif (live := self._live.get(arg)) is not None and self.scheduler.abort(live.req):
-                # (else its restore is writing into its blocks: it ends once that is done)
-                outs.append(self._emit(live))
+                continue
+            for rid in sorted(self._samples.pop(arg, set()) | {arg}):  # an n > 1 request's samples end together
+                if (live := self._live.get(rid)) is not None and self.scheduler.abort(live.req):
+                    # (else its restore is writing into its blocks: it ends once that is done)
+                    outs.append(self._emit(live))
         return outs
 
     def _check_stop(self, live: _Live, token: int) -> RequestStatus | None:
         req = live.req
-        if token in self.eos_ids and not req.params.ignore_eos:
+        if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         live.delta_text += live.detok.add(token)
-        if live.detok.stopped:
+        if live.detok.stopped or (live.constraint is not None and live.constraint.done):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -369,10 +432,17 @@ class Engine:
             restore_method=m.restore_method,
             restore=m.restore,
             first_logits=live.first_logits,
+            index=live.index,
+            logprobs=list(live.logprobs) if live.logprobs is not None else None,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:
             del self._live[req.request_id]
+            group = req.request_id.partition("#")[0]
+            if (samples := self._samples.get(group)) is not None:
+                samples.discard(req.request_id)
+                if not samples:
+                    del self._samples[group]
             self.partial.forget(req.request_id)
         if live.on_output is not None:
             live.on_output(out)
@@ -382,11 +452,13 @@ class Engine:
     def generate(
         self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Run a batch of prompts to completion (continuous batching); outputs in prompt order."""
+        """Run a batch of prompts to completion (continuous batching); outputs in prompt order,
+        with SamplingParams(n > 1) each prompt's n samples in index order."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
         batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
-        ids = [self.add_request(p, params) for p in batch]
+        n = (params or SamplingParams()).n
+        ids = [s for p in batch for rid in [self.add_request(p, params)] for s in sample_ids(rid, n)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():

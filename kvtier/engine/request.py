@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class RequestStatus(enum.Enum):
@@ -26,12 +27,38 @@ class SamplingError(ValueError):
     pass
 
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_N = 16
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output text, compiled by the grammar engine (engine/structured.py)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "lark", "gbnf"]
+    text: str  # the JSON schema as JSON text, the regex, or the grammar ("" for json_object)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """What to sample and when to stop, with vLLM's `SamplingParams` meanings (engine/sampler.py applies them)."""
+
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one (0 = off)
+    # Penalties: repetition (transformers' / vLLM's: over prompt and output tokens, a positive logit
+    # divided, a negative one multiplied), presence and frequency (OpenAI's: over output tokens).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens exist
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (as EOS does; not in the text)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k likeliest
+    n: int = 1  # samples of one prompt: one prefill, the prompt's blocks shared (engine.add_request)
+    structured: GrammarSpec | None = None  # constrain the output to a JSON schema, regex or grammar
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -42,6 +69,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, (list, str)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items())))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
@@ -52,13 +82,39 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100.0 <= v <= 100.0 for _, v in self.logit_bias):
+            raise SamplingError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise SamplingError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingError(f"n must be in [1, {MAX_N}], got {self.n}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
-        # Temperatures this small overflow the logits; the distribution is the argmax anyway.
-        return self.temperature < 1e-5 or self.top_k == 1
+        # Any temperature above 0 is sampled (the sampler is stable however small it is).
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the parameters name must exist in the model's vocabulary."""
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size] + \
+              [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingError(f"token ids must be in [0, {vocab_size}), got {bad[:4]}")
 
 
 @dataclass(frozen=True)

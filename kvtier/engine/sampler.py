@@ -1,47 +1,204 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Batched next-token sampling: every row of a step's logits in one pass of tensor ops, one transfer.
+
+Meanings are vLLM's `SamplingParams` (and, per processor, transformers' logits processors: tests
+check each against them). The order, as vLLM v1 applies it: logit_bias, the min_tokens hold-back
+of stop tokens and the grammar's token mask, then the repetition, frequency and presence
+penalties (greedy rows get these too), then temperature, min_p, top_k and top_p, then the draw.
+
+The draw is `argmax(probs / q)` with q ~ Exp(1) drawn from the row's own generator on the logits'
+device (the exponential race: it samples from `probs` exactly). A seeded request draws the same
+tokens whatever else shares its batch; a row that is not sampled this step draws nothing.
+
+Temperature divides `logits - max`, so the likeliest token sits at 0 and no temperature above 0,
+however small, makes inf - inf: a tiny temperature samples the argmax (or among exact ties).
+
+Logprobs are of the model's own distribution (log-softmax of the raw logits, before any of the
+above), as vLLM returns them by default and as the OpenAI API describes them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
+from llguidance.torch import apply_token_bitmask_inplace
 
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.structured import Constraint, allocate_bitmask
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A host generator: sampling runs on host logits, so a seed gives the same tokens on every device."""
+@dataclass(frozen=True)
+class Row:
+    """One row of the step's logits to sample, with what its processors read."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None: greedy (draws nothing)
+    prompt: Sequence[int]
+    output: Sequence[int]
+    constraint: Constraint | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the k likeliest (id, logprob), likeliest first
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprobs: TokenLogprobs | None  # with SamplingParams(logprobs=k)
+
+
+def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator | None:
+    """The request's generator on the logits' device; `offset` gives the samples of an n > 1
+    request different seeds (seed + i)."""
     if params.greedy:
         return None
-    g = torch.Generator()
-    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    g = torch.Generator(device=device)
+    g.manual_seed((params.seed + offset) % 2**64 if params.seed is not None else g.seed())
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] fp32 -> token id."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p (the token crossing the line stays in).
-        drop = torch.cumsum(sorted_p, 0) - sorted_p >= params.top_p
-        drop[0] = False  # the most likely token always stays, however small top_p is
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample_batch(logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[int]) -> list[Sampled]:
+    """logits: [n, vocab] fp32 (the model's, untouched) -> one Sampled per row. `stop_ids`: the
+    model's EOS ids (held back, with each row's stop_token_ids, until min_tokens)."""
+    if all(r.params.greedy and _plain(r) for r in rows):
+        return [Sampled(t, None) for t in logits.argmax(dim=-1).tolist()]
+    n, vocab = logits.shape
+    dev = logits.device
+    x = process(logits, rows, stop_ids)  # [n, vocab]
+    tokens = x.argmax(dim=-1)  # [n]
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, device=dev)
+        picked = [rows[i] for i in sampled]
+        drawn = _draw(warp(x.index_select(0, idx), picked), picked)  # [len(sampled)]
+        tokens = tokens.index_copy(0, idx, drawn)
+    k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+    if k is None:
+        return [Sampled(t, None) for t in tokens.tolist()]
+    lp = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0])  # [n, k]
+    # One transfer: ids below 2**53 are exact in float64.
+    packed = torch.cat([tokens[:, None].double(), lp.gather(1, tokens[:, None]).double(), top_v.double(),
+                        top_i.double()], dim=1).cpu()  # [n, 2 + 2k]
+    out = []
+    for r, row in zip(rows, packed.tolist()):
+        token = int(row[0])
+        want = r.params.logprobs
+        if want is None:
+            out.append(Sampled(token, None))
+            continue
+        top = tuple((int(i), v) for v, i in zip(row[2:2 + want], row[2 + k:2 + k + want]))
+        out.append(Sampled(token, TokenLogprobs(token, row[1], top)))
+    return out
 
 
-def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> list[int]:
-    """logits: [n, vocab] fp32 on any device -> n token ids, with exactly one device-to-host
-    transfer (the argmax ids when every row is greedy, else the logits once)."""
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
-    host = logits.cpu()
-    return [sample(host[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]
+def process(logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[int]) -> torch.Tensor:
+    """logits [n, vocab] -> a processed copy: bias, hold-backs, grammar masks and penalties (what
+    greedy rows take the argmax of)."""
+    x = logits.clone()  # logits stay raw for logprobs
+    _bias_and_masks(x, rows, stop_ids)
+    _penalize(x, rows)
+    return x
+
+
+def _plain(r: Row) -> bool:
+    p = r.params
+    return (r.constraint is None and not p.logit_bias and not p.penalized and p.logprobs is None
+            and len(r.output) >= p.min_tokens)
+
+
+def _bias_and_masks(x: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[int]) -> None:
+    """In place on x [n, vocab]: logit_bias added; stop tokens banned before min_tokens; tokens
+    outside each constrained row's grammar banned."""
+    n, vocab = x.shape
+    adds: list[tuple[int, int, float]] = []  # (row, token, added to its logit)
+    for i, r in enumerate(rows):
+        adds += [(i, t, b) for t, b in r.params.logit_bias]
+        if len(r.output) < r.params.min_tokens:
+            adds += [(i, t, float("-inf")) for t in sorted(set(stop_ids) | set(r.params.stop_token_ids))]
+    if adds:
+        at, tok, val = zip(*adds)
+        dev = x.device
+        x.index_put_((torch.tensor(at, device=dev), torch.tensor(tok, device=dev)),
+                     torch.tensor(val, device=dev), accumulate=True)
+    constrained = [(i, r.constraint) for i, r in enumerate(rows) if r.constraint is not None]
+    if constrained:
+        mask = allocate_bitmask(n, vocab)  # [n, ceil(vocab / 32)] int32, host
+        for i, c in constrained:
+            c.fill_mask(mask, i)
+        apply_token_bitmask_inplace(x, mask.to(x.device, non_blocking=True))
+
+
+def _penalize(x: torch.Tensor, rows: Sequence[Row]) -> None:
+    """In place on x [n, vocab]: repetition over prompt + output, frequency and presence over output."""
+    pen = [i for i, r in enumerate(rows) if r.params.penalized]
+    if not pen:
+        return
+    dev = x.device
+    _, vocab = x.shape
+    idx = torch.tensor(pen, device=dev)
+    sub = x.index_select(0, idx)  # [m, vocab]
+    counts = _counts([rows[i].output for i in pen], vocab, dev)  # [m, vocab] output occurrences
+    seen = _counts([rows[i].prompt for i in pen], vocab, dev).bool() | (counts > 0)  # [m, vocab]
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in pen], device=dev)[:, None]
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in pen], device=dev)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in pen], device=dev)[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    x.index_copy_(0, idx, sub)
+
+
+def _counts(seqs: Sequence[Sequence[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] fp32: how often each token occurs in each sequence."""
+    lens = torch.tensor([len(s) for s in seqs])
+    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+    counts = torch.zeros(len(seqs), vocab)
+    counts.index_put_((rows, flat), torch.ones(len(flat)), accumulate=True)
+    return counts.to(dev, non_blocking=True)
+
+
+def warp(x: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """x: [m, vocab] processed logits of sampled rows -> temperature-scaled, with the tokens
+    outside min_p, top_k and top_p at -inf."""
+    dev = x.device
+    temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]  # [m, 1], all > 0
+    x = (x - x.max(dim=-1, keepdim=True).values) / temp  # the likeliest at 0: stable for any temperature
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)[:, None]
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+        x = _top_k_top_p(x, rows)
+    return x
+
+
+def _draw(x: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """x: [m, vocab] warped logits -> [m] token ids, each row from its own generator."""
+    probs = torch.softmax(x, dim=-1)  # [m, vocab]
+    q = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        q[i].exponential_(generator=r.generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """x: [m, vocab] -> the same with everything outside each row's top-k, then top-p, at -inf."""
+    dev = x.device
+    _, vocab = x.shape
+    k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)[:, None]
+    s, order = x.sort(dim=-1, descending=True)  # [m, vocab]
+    kth = s.gather(1, (k - 1)[:, None])  # [m, 1]
+    s = s.masked_fill(s < kth, float("-inf"))  # ties with the k-th stay, as transformers keeps them
+    p = torch.softmax(s, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it does.
+    drop = (torch.cumsum(p, dim=-1) - p) >= top_p
+    drop[:, 0] = False  # the likeliest token always stays, however small top_p is
+    s = s.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, s)

@@ -304,6 +304,26 @@ class Scheduler:
             self.pool.register(req.block_ids[i - first], req.block_hashes[i])
         req.num_published = full
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int, int] | None:
+        """Start `child` (the same prompt) where `parent` stands after its prefill: its full
+        blocks shared, its partial last block to be copied. -> (src, dst, tokens) of that copy
+        ((-1, -1, 0) when there is none), or None when no block is free (the child then waits
+        and prefills like any request, taking the published prefix from the device cache)."""
+        bs = self.pool.block_size
+        full, tail = divmod(parent.num_computed, bs)
+        if parent.front or parent.dropped or parent.approximate or (tail and not self.pool.num_free):
+            return None
+        self.pool.share(parent.block_ids[:full])
+        child.block_ids = parent.block_ids[:full] + (self.pool.allocate(1) if tail else [])
+        child.num_computed = parent.num_computed
+        child.block_hashes, child.num_published = list(parent.block_hashes), parent.num_published
+        child.metrics.note_reuse("device", parent.num_computed)  # computed once, by the parent
+        child.status = RequestStatus.DECODE
+        self.requests[child.request_id] = child
+        self.store.arrived(child)
+        self.running.append(child)
+        return (parent.block_ids[full], child.block_ids[-1], tail) if tail else (-1, -1, 0)
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         self.store.finished(req)
         req.status = status

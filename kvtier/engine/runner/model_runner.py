@@ -405,6 +405,15 @@ class ModelRunner:
             return torch.empty(0, model.cfg.vocab_size, device=self.device)
         return model.logits(h.index_select(0, b.last_rows))  # [requests sampling, vocab]
 
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int, tokens: int) -> None:
+        """Copy the first `tokens` slots of block `src` to block `dst`, every layer (the other
+        samples of an n > 1 request take the prompt's partial last block this way). Stream-ordered
+        before the next step's kernels, which are the first to read or overwrite either block."""
+        a, b = src * self.block_size, dst * self.block_size
+        for cache in (self.k_cache, self.v_cache):  # [layers, slots, kv_heads, hd]
+            cache[:, b : b + tokens] = cache[:, a : a + tokens]
+
     # ----- placing restored state -----------------------------------------------------------
     @torch.inference_mode()
     def copy_in(self, layers: range, runs: Sequence[tuple[int, int]], k: Sequence[torch.Tensor],
