@@ -29,7 +29,8 @@ class EngineFailed(Exception):
 
 
 class Generation:
-    """One submitted request. Iterate it (once) for its outputs; `cancel()` is idempotent."""
+    """One submitted request (all n of its samples). Iterate it (once) for its outputs;
+    `cancel()` is idempotent."""
 
     def __init__(
         self,
@@ -52,10 +53,11 @@ class Generation:
         # TTFT is measured from here: when the handler got the request, before tokenization.
         self.received = received if received is not None else time.perf_counter()
         self.finished = False
-        self.final: RequestOutput | None = None
+        self.n = params.n
+        self.finals: dict[int, RequestOutput] = {}  # sample index -> its last output
         self._queue: asyncio.Queue[tuple[RequestOutput, float]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self._last_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}  # per sample
         self._cancelled = False
         self._on_done = on_done  # called once, when the request finishes or is cancelled
         # Validation already happened in the handler; this can still raise PromptError/SamplingError.
@@ -80,10 +82,12 @@ class Generation:
                 out, stamp = await self._queue.get()
                 self._observe(out, stamp)
                 if out.finished:
-                    self.finished = True
-                    self.final = out
-                    self._done()
-                    self._count_finish(out)
+                    self.finals[out.index] = out
+                    # An abort ends every sample (the engine aborts them together).
+                    if len(self.finals) == self.n or out.finish_reason == "abort":
+                        self.finished = True
+                        self._done()
+                        self._count_finish(out)
                     if out.finish_reason == "abort" and not self._cancelled:
                         raise EngineFailed("the engine failed while running this request")
                 yield out
@@ -107,8 +111,9 @@ class Generation:
             done, self._on_done = self._on_done, None
             done()
 
-    async def result(self, request: Request | None = None) -> RequestOutput:
-        """The finished output. With `request`, a client disconnect aborts it (raises ClientGone)."""
+    async def result(self, request: Request | None = None) -> list[RequestOutput]:
+        """The finished outputs, one per sample in index order. With `request`, a client
+        disconnect aborts it (raises ClientGone)."""
         watcher = asyncio.ensure_future(wait_for_disconnect(request)) if request is not None else None
         collector = asyncio.ensure_future(self._drain())
         try:
@@ -124,23 +129,23 @@ class Generation:
             if not self.finished:
                 self.cancel()
 
-    async def _drain(self) -> RequestOutput:
-        last = None
-        async for out in self:
-            last = out
-        assert last is not None
-        return last
+    async def _drain(self) -> list[RequestOutput]:
+        async for _ in self:
+            pass
+        return [self.finals[i] for i in sorted(self.finals)]
 
     def _observe(self, out: RequestOutput, stamp: float) -> None:
         if not out.delta_ids:
             return
-        if self._last_token_at is None:
-            self.metrics.ttft.labels(self.endpoint).observe(stamp - self.received)
+        last = self._last_token_at.get(out.index)
+        if last is None:
+            if not self._last_token_at:  # the request's first token, whichever sample drew it
+                self.metrics.ttft.labels(self.endpoint).observe(stamp - self.received)
         else:
-            gap = (stamp - self._last_token_at) / len(out.delta_ids)
+            gap = (stamp - last) / len(out.delta_ids)
             for _ in out.delta_ids:
                 self.metrics.tbt.labels(self.endpoint).observe(gap)
-        self._last_token_at = stamp
+        self._last_token_at[out.index] = stamp
 
     def _count_finish(self, out: RequestOutput) -> None:
         if out.finish_reason == "abort":

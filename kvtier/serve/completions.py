@@ -14,9 +14,25 @@ from kvtier.engine.engine import PromptError, RequestOutput
 from kvtier.engine.request import SamplingError
 from kvtier.serve import responses as r
 from kvtier.serve.bridge import ClientGone, EngineFailed, Generation
+from kvtier.serve.choices import (
+    ChatChoiceStream,
+    CompletionChoiceStream,
+    TokenText,
+    chat_choice,
+    completion_choice,
+    usage,
+)
 from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
-from kvtier.serve.inputs import Prepared, chat_prompt, completion_prompt, prepare
+from kvtier.serve.inputs import (
+    Prepared,
+    chat_prompt,
+    compile_grammar,
+    completion_prompt,
+    grammar_spec,
+    prepare,
+    tool_setup,
+)
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvtier.serve.sse import SSE_EVENT_SCHEMA, GenerationStream, stream_events
 from kvtier.serve.tenants import cache_salt, session_id, tenant_of
@@ -48,26 +64,6 @@ def _responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: ok, **_ERRORS}
 
 
-def _usage(out: RequestOutput) -> r.Usage:
-    n = len(out.output_ids)
-    return r.Usage(
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=n,
-        total_tokens=out.prompt_tokens + n,
-        prompt_tokens_details=r.PromptTokensDetails(
-            cached_tokens=out.prompt_tokens_reused,
-            attended_prefix_tokens=out.restore.prefix_attended if out.restore else None,
-        ),
-    )
-
-
-def _reason(out: RequestOutput) -> r.FinishReason:
-    # "abort" never gets here: the bridge raises EngineFailed for it, or nobody is listening any more.
-    reason = out.finish_reason
-    assert reason in ("stop", "length"), reason
-    return reason
-
-
 def _start(
     ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float,
     request: Request,
@@ -90,13 +86,25 @@ def _start(
         raise
 
 
-async def _finish(gen: Generation, request: Request) -> RequestOutput | Response:
+async def _finish(gen: Generation, request: Request) -> list[RequestOutput] | Response:
     try:
         return await gen.result(request)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
     except EngineFailed as e:
         raise APIError(500, str(e), code="engine_error") from e
+
+
+class _Progress:
+    """Each sample's latest output, for usage in every chunk (stream_options.continuous_usage_stats)."""
+
+    def __init__(self, n: int):
+        self.latest: dict[int, RequestOutput] = {}
+        self.n = n
+
+    def see(self, out: RequestOutput) -> r.Usage:
+        self.latest[out.index] = out
+        return usage([self.latest[i] for i in sorted(self.latest)])
 
 
 @router.post(
@@ -106,43 +114,44 @@ async def _finish(gen: Generation, request: Request) -> RequestOutput | Response
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     received = time.perf_counter()
     ctx.check_model(body.model)
-    ids = await run_in_threadpool(chat_prompt, ctx.engine, body)
-    prepared = prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens)
+    engine = ctx.engine
+    tools = tool_setup(engine, body)
+    ids = await run_in_threadpool(chat_prompt, engine, body, tools)
+    structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body, tools))
+    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "chat", received, request)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
+    text = TokenText(engine.model.tokenizer)
 
     if body.stream:
-        include_usage = body.include_usage
+        streams = [ChatChoiceStream(i, tools, body.parallel_tool_calls, text, body.logprobs) for i in range(body.n)]
+        progress, finished = _Progress(body.n), set()
 
         def chunks(out: RequestOutput) -> list[BaseModel]:
-            made: list[BaseModel] = []
-            if out.delta_text:
-                made.append(r.ChatCompletionChunk(
-                    **base, choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(content=out.delta_text))]
-                ))
+            so_far = progress.see(out)
+            made: list[BaseModel] = [
+                r.ChatCompletionChunk(**base, choices=[c], usage=so_far if body.continuous_usage else None)
+                for c in streams[out.index].deltas(out)
+            ]
             if out.finished:
-                made.append(r.ChatCompletionChunk(
-                    **base, choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(), finish_reason=_reason(out))]
-                ))
-                if include_usage:
-                    made.append(r.ChatCompletionChunk(**base, choices=[], usage=_usage(out)))
+                finished.add(out.index)
+                if body.include_usage and len(finished) == body.n:
+                    made.append(r.ChatCompletionChunk(**base, choices=[], usage=so_far))
             return made
 
-        first = r.ChatCompletionChunk(
-            **base, choices=[r.ChatChunkChoice(index=0, delta=r.ChatDelta(role="assistant", content=""))]
-        )
+        first = r.ChatCompletionChunk(**base, choices=[
+            r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content="")) for i in range(body.n)
+        ])
         return GenerationStream(gen, stream_events(gen, [first], chunks))
 
-    out = await _finish(gen, request)
-    if isinstance(out, Response):
-        return out
+    outs = await _finish(gen, request)
+    if isinstance(outs, Response):
+        return outs
     return r.ChatCompletion(
-        **base,
-        choices=[r.ChatChoice(index=0, message=r.AssistantMessage(content=out.text), finish_reason=_reason(out))],
-        usage=_usage(out),
+        **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text) for o in outs], usage=usage(outs),
     )
 
 
@@ -153,33 +162,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
 async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     received = time.perf_counter()
     ctx.check_model(body.model)
-    ids = await run_in_threadpool(completion_prompt, ctx.engine, body)
-    prepared = prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens)
+    engine = ctx.engine
+    ids = await run_in_threadpool(completion_prompt, engine, body)
+    structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body))
+    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "completions", received, request)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
+    text = TokenText(engine.model.tokenizer)
 
     if body.stream:
-        include_usage = body.include_usage
+        streams = [CompletionChoiceStream(i, text, body.logprobs is not None) for i in range(body.n)]
+        progress, finished = _Progress(body.n), set()
 
         def chunks(out: RequestOutput) -> list[BaseModel]:
-            made: list[BaseModel] = []
-            if out.delta_text or out.finished:
-                choice = r.CompletionChoice(
-                    index=0, text=out.delta_text, finish_reason=_reason(out) if out.finished else None
-                )
-                made.append(r.Completion(**base, choices=[choice]))
-            if out.finished and include_usage:
-                made.append(r.Completion(**base, choices=[], usage=_usage(out)))
+            so_far = progress.see(out)
+            made: list[BaseModel] = [
+                r.Completion(**base, choices=[c], usage=so_far if body.continuous_usage else None)
+                for c in streams[out.index].deltas(out)
+            ]
+            if out.finished:
+                finished.add(out.index)
+                if body.include_usage and len(finished) == body.n:
+                    made.append(r.Completion(**base, choices=[], usage=so_far))
             return made
 
         return GenerationStream(gen, stream_events(gen, [], chunks))
 
-    out = await _finish(gen, request)
-    if isinstance(out, Response):
-        return out
-    return r.Completion(
-        **base, choices=[r.CompletionChoice(index=0, text=out.text, finish_reason=_reason(out))], usage=_usage(out)
-    )
+    outs = await _finish(gen, request)
+    if isinstance(outs, Response):
+        return outs
+    return r.Completion(**base, choices=[completion_choice(o, text) for o in outs], usage=usage(outs))

@@ -1,27 +1,31 @@
 """Turn a validated request body into prompt token ids and SamplingParams, or a 4xx.
 
 The checks that need the tokenized prompt live here: the context window (prompt plus the
-requested completion must fit) and the engine's own prompt validation.
+requested completion must fit) and the engine's own prompt validation; so do the chat prompt's
+tools and the grammar a request constrains its output with.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 
 from kvtier.engine.engine import Engine, PromptError
-from kvtier.engine.request import SamplingError, SamplingParams
+from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
+from kvtier.engine.structured import GrammarError
 from kvtier.serve.errors import APIError
-from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-
-# The engine's sampler divides logits by the temperature and compares a float32 cumulative sum
-# with top_p: a temperature near 0 overflows to inf/NaN and a top_p below float32's range drops
-# every token, and either fails the whole engine step. Below these values the distributions are
-# already indistinguishable from greedy / top-1, so they are mapped there (vLLM does the same).
-MIN_TEMPERATURE = 1e-5
-MIN_TOP_P = 1e-8
+from kvtier.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+    template_messages,
+)
+from kvtier.serve.tools import ToolFamily, forced_grammar, prepare_messages, tool_family
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,29 @@ class Prepared:
     params: SamplingParams
 
 
-def chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+@dataclass(frozen=True)
+class ToolSetup:
+    """How a chat request's tools are laid out and read back: the family of its template."""
+
+    mode: Literal["none", "auto", "required", "named"]
+    family: ToolFamily
+    names: tuple[str, ...]
+    tools: list[dict[str, Any]]
+
+
+def tool_setup(engine: Engine, body: ChatCompletionRequest) -> ToolSetup:
+    template = getattr(engine.model.tokenizer, "chat_template", None)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    return ToolSetup(body.tool_mode, tool_family(template), tuple(t["function"]["name"] for t in tools), tools)
+
+
+def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -> list[int]:
+    template = getattr(engine.model.tokenizer, "chat_template", None)
+    # tool_choice "none": the model is not shown the tools, so it cannot call one.
+    messages, tools_arg = prepare_messages(template_messages(body.messages),
+                                           tools.tools if tools.mode != "none" else None, template)
     try:
-        return engine.encode_chat(body.template_messages())
+        return engine.encode_chat(messages, tools=tools_arg)
     except (PromptError, TemplateError) as e:
         # Templates may reject a conversation shape (e.g. roles that do not alternate).
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
@@ -48,8 +72,49 @@ def completion_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
         raise APIError(400, str(e), param="prompt") from e
 
 
+def grammar_spec(body: SamplingFields, tools: ToolSetup | None = None) -> tuple[GrammarSpec, str] | None:
+    """The constraint a request asks for, and the field that asked (for errors), or None."""
+    if tools is not None and tools.mode in ("required", "named"):
+        assert isinstance(body, ChatCompletionRequest)
+        name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        return GrammarSpec("lark", forced_grammar(tools.tools, name, tools.family)), "tool_choice"
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type == "json_object":
+        return GrammarSpec("json_object", ""), "response_format"
+    if fmt is not None and fmt.json_schema is not None:
+        return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_)), "response_format"
+    if body.grammar is not None:
+        return GrammarSpec("gbnf", body.grammar), "grammar"
+    if so is None:
+        return None
+    if so.json_ is not None:
+        text = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        return GrammarSpec("json_schema", text), "structured_outputs.json"
+    if so.json_object:
+        return GrammarSpec("json_object", ""), "structured_outputs.json_object"
+    if so.regex is not None:
+        return GrammarSpec("regex", so.regex), "structured_outputs.regex"
+    if so.choice is not None:  # JSON string literals are Lark string literals
+        return GrammarSpec("lark", "start: " + " | ".join(json.dumps(c) for c in so.choice)), "structured_outputs.choice"
+    assert so.grammar is not None
+    return GrammarSpec("lark", so.grammar), "structured_outputs.grammar"
+
+
+def compile_grammar(engine: Engine, spec: tuple[GrammarSpec, str] | None) -> GrammarSpec | None:
+    """Compile (cached per spec) off the event loop's and the engine's threads; a 400 naming the
+    field if the grammar engine refuses it."""
+    if spec is None:
+        return None
+    try:
+        engine.grammars.compile(spec[0])
+    except GrammarError as e:
+        raise APIError(400, str(e), param=spec[1]) from e
+    return spec[0]
+
+
 def prepare(
-    engine: Engine, ids: Sequence[int], body: SamplingFields, requested: int | None, default_max_tokens: int | None
+    engine: Engine, ids: Sequence[int], body: SamplingFields, requested: int | None, default_max_tokens: int | None,
+    structured: GrammarSpec | None = None,
 ) -> Prepared:
     """Check the prompt against the context window and build the sampling parameters."""
     window = engine.max_model_len
@@ -90,16 +155,32 @@ def prepare(
         )
     else:
         max_tokens = requested
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+    vocab = engine.model.config.vocab_size
+    try:
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    for name, ids_given in (("logit_bias", bias), ("stop_token_ids", body.stop_token_ids or ())):
+        if any(not 0 <= t < vocab for t in ids_given):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param=name)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
-            top_p=max(top_p, MIN_TOP_P),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean "all tokens"
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=tuple(sorted(bias.items())),
+            min_tokens=body.min_tokens or 0,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            logprobs=body.num_logprobs,  # type: ignore[attr-defined]
+            n=body.n,
+            structured=structured,
             seed=body.generator_seed(),
             stop=body.stop_strings(),
-            top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean "all tokens"
             ignore_eos=body.ignore_eos,
         )
     except SamplingError as e:  # the schema already checks ranges; this is the engine's last word

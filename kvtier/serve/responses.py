@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -18,21 +19,48 @@ class PromptTokensDetails(BaseModel):
 
 class Usage(BaseModel):
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # all n samples together
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason
-    logprobs: None = None
+    finish_reason: ChatFinishReason
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -45,16 +73,24 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int  # which call of this choice
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
+    finish_reason: ChatFinishReason | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -64,14 +100,22 @@ class ChatCompletionChunk(BaseModel):
     model: str
     system_fingerprint: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None  # only on the last chunk, when stream_options.include_usage
+    # On the last chunk with stream_options.include_usage; on every chunk (so far) with continuous_usage_stats.
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None = None  # None on streamed chunks before the last
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

@@ -2,16 +2,18 @@
 
 They make the OpenAPI schema real (clients and schemathesis read it) and reject wrong types and
 out-of-range values before anything reaches the engine. Unknown fields are ignored, as OpenAI
-does; known features we do not implement (n > 1, logprobs, tools, penalties) are refused with a
-clear message rather than silently ignored, so a client never gets a different behaviour than
-it asked for without knowing.
+does; known fields we do not implement (beam search, prompt logprobs, ...) are accepted only in
+their neutral form and otherwise refused with a 400 naming them, never silently ignored: a client
+never gets a different behaviour than it asked for without knowing. docs/serve.md lists them all.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from kvtier.engine.request import MAX_LOGPROBS, MAX_N
 
 # Bound on the free-form identifier fields (user, prompt_cache_key, cache_salt); OpenAI's limit for
 # `user`. They are kept per request and per session, so an unbounded one would be a memory lever.
@@ -42,14 +44,7 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
-    continuous_usage_stats: bool | None = only({"enum": [False, None]}, "not supported; false or absent")
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _no_continuous_usage(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("usage in every streamed chunk is not supported; usage comes in the last chunk")
-        return v
+    continuous_usage_stats: bool = Field(False, description="usage (so far) in every chunk, as vLLM offers")
 
 
 class TextPart(BaseModel):
@@ -58,18 +53,144 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string (OpenAI's form)")
+
+
+class ToolCallIn(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    # "developer" is OpenAI's newer name for "system". Tool and function messages are not
-    # supported (no tool calling), so they are refused by the type.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for "system"; "tool" carries a tool's result back.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant only: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool only: the call this is the result of")
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(None, description="accepted; calls forced by tool_choice always follow the schema")
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = Field(None, description="output always follows the schema, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of its forms."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = Field(None, description="any JSON object")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, description="exactly one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice and grammar")
+        return self
+
+
+# Fields of the OpenAI and vLLM APIs this server does not implement. Each is accepted only in its
+# neutral form and refused otherwise with a 400 naming it, never silently ignored.
+_REFUSED_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (None,),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, ()),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    if neutral is None or neutral == ():
+        return value is None or (neutral == () and value == [])
+    return bool(value == neutral) and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def _refused(neutral: tuple[Any, ...], why: str) -> Any:
+    schema: dict[str, Any] = {"enum": [None if v == () else v for v in neutral]}
+    if () in neutral:
+        schema = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+    return only(schema, why)
 
 
 class SamplingFields(BaseModel):
@@ -86,25 +207,41 @@ class SamplingFields(BaseModel):
     )
     # Any integer: it is reduced to the generator's 64-bit range (JSON Schema bounds this large
     # would be written as floats and lose the exact limit).
-    seed: int | None = Field(None, description="makes sampling reproducible")
+    seed: int | None = Field(None, description="makes sampling reproducible (sample i of n uses seed + i)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    presence_penalty: float | None = only({"enum": [0, None]}, "only 0 is supported")
-    frequency_penalty: float | None = only({"enum": [0, None]}, "only 0 is supported")
-    # vLLM's sampling extras. Honoured: top_k, ignore_eos. The others are accepted only in their
-    # "off" form and refused otherwise (a 400 naming the field), never ignored.
+    n: int = Field(1, ge=1, le=MAX_N, description="samples of the prompt (one prefill, its blocks shared)")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="per generated token present")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="per occurrence in the output")
+    # vLLM's sampling extras.
     top_k: int | None = Field(None, ge=-1, description="sample from the k likeliest tokens; 0 or -1 = all")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens below min_p x the likeliest's")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="over prompt and output; 1 = off")
+    min_tokens: int | None = Field(None, ge=0, description="hold back EOS and stop_token_ids until this many")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)] | None = Field(
+        None, description="token id (as a string) -> added to its logit; -100 bans it"
+    )
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = Field(
+        None, description="token ids that end the output"
+    )
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
-    min_p: float | None = only({"enum": [0, None]}, "not supported; 0 or absent")
-    repetition_penalty: float | None = only({"enum": [1, None]}, "not supported; 1 or absent")
-    min_tokens: int | None = only({"enum": [0, None]}, "not supported; 0 or absent")
-    logit_bias: dict[str, float] | None = only(
-        {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}, "not supported; empty or absent"
-    )
-    stop_token_ids: list[int] | None = only(
-        {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}, "not supported; empty or absent"
-    )
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice or grammar")
+    grammar: str | None = Field(None, min_length=1, description="llama-server's: a GBNF grammar")
+    prompt_logprobs: int | None = _refused(_REFUSED_NEUTRAL["prompt_logprobs"], "not supported")
+    best_of: int | None = _refused(_REFUSED_NEUTRAL["best_of"], "not supported; use n")
+    use_beam_search: bool | None = _refused(_REFUSED_NEUTRAL["use_beam_search"], "not supported")
+    length_penalty: float | None = _refused(_REFUSED_NEUTRAL["length_penalty"], "beam search only; not supported")
+    include_stop_str_in_output: bool | None = _refused(_REFUSED_NEUTRAL["include_stop_str_in_output"],
+                                                       "not supported")
+    skip_special_tokens: bool | None = _refused(_REFUSED_NEUTRAL["skip_special_tokens"], "not supported")
+    allowed_token_ids: list[int] | None = _refused(_REFUSED_NEUTRAL["allowed_token_ids"], "not supported")
+    bad_words: list[str] | None = _refused(_REFUSED_NEUTRAL["bad_words"], "not supported")
+    truncate_prompt_tokens: int | None = _refused(_REFUSED_NEUTRAL["truncate_prompt_tokens"], "not supported")
+    guided_json: Any = _refused(_REFUSED_NEUTRAL["guided_json"], "vLLM's old name; use structured_outputs")
+    guided_regex: Any = _refused(_REFUSED_NEUTRAL["guided_regex"], "vLLM's old name; use structured_outputs")
+    guided_choice: Any = _refused(_REFUSED_NEUTRAL["guided_choice"], "vLLM's old name; use structured_outputs")
+    guided_grammar: Any = _refused(_REFUSED_NEUTRAL["guided_grammar"], "vLLM's old name; use structured_outputs")
     user: str | None = Field(None, max_length=MAX_ID_CHARS, description="an end-user id (accepted, not used)")
     # OpenAI's hint for cache routing; we pass it to the engine as the session id (per tenant).
     prompt_cache_key: str | None = Field(
@@ -116,26 +253,22 @@ class SamplingFields(BaseModel):
         description="partitions prompt caching within your tenant: only requests with the same salt share it",
     )
 
-    @field_validator("min_p", "min_tokens", "logit_bias", "stop_token_ids")
+    @field_validator(*_REFUSED_NEUTRAL, mode="before")
     @classmethod
-    def _off_only(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("not supported by this server yet; leave the field out (or send its neutral value)")
-        return v
+    def _neutral_only(cls, v: Any, info: ValidationInfo) -> Any:
+        neutral = _REFUSED_NEUTRAL[str(info.field_name)]
+        if not any(_is_neutral(v, n) for n in neutral):
+            raise ValueError(f"not supported by this server; leave it out (or send {neutral[-1]!r})")
+        return None
 
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v: float | None) -> float | None:
-        if v is not None and v != 1:
-            raise ValueError("repetition penalties are not supported by this server yet; send 1 or leave it out")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("penalties are not supported by this server; send 0 or leave the field out")
-        return v
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        given = [name for name in ("structured_outputs", "grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"give at most one of response_format, structured_outputs and grammar (got {given})")
+        return self
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -149,40 +282,68 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
-    logprobs: bool | None = only({"enum": [False, None]}, "not supported; false or absent")
-    tools: list[dict[str, Any]] | None = only(
-        {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}, "tool calling is not supported"
+    logprobs: bool = Field(False, description="return each output token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and the k likeliest (needs logprobs)")
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools, none without; required and a named function are enforced"
     )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per response")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice required or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        forced = choice not in (None, "none", "auto")
+        if forced and any(getattr(self, f) is not None for f in ("structured_outputs", "grammar")) or (
+                forced and self.response_format is not None and self.response_format.type != "text"):
+            raise ValueError("a forced tool_choice already constrains the output; drop response_format")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return template_messages(self.messages)
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them ("developer" is the template's "system")."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template ("developer" is the template's "system")."""
     role = {"developer": "system"}
-    return [{"role": role.get(m.role, m.role), "content": m.text()} for m in messages]
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text() if m.content is not None else None}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 class CompletionRequest(SamplingFields):
@@ -194,7 +355,7 @@ class CompletionRequest(SamplingFields):
     # the tokenizer adds them by default; false sends the text alone. Token-id prompts run as given.
     add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS) to a text prompt")
     echo: bool | None = only({"enum": [False, None]}, "not supported; false or absent")
-    logprobs: int | None = only({"type": "null"}, "not supported")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and the k likeliest")
     suffix: str | None = only({"enum": ["", None]}, "fill-in-the-middle is not supported")
 
     @field_validator("prompt", mode="before")
@@ -216,13 +377,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo is not supported by this server")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported by this server")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
@@ -232,6 +386,10 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(BaseModel):

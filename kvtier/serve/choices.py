@@ -1,0 +1,192 @@
+"""Engine outputs as OpenAI choices: text, tool calls and logprobs, whole or streamed.
+
+One `ChatChoiceStream` / `CompletionChoiceStream` per sample turns each engine output into the
+chunk deltas of its choice; the whole-response builders take a sample's final output.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine.engine import RequestOutput
+from kvtier.engine.sampler import TokenLogprobs
+from kvtier.serve import responses as r
+from kvtier.serve.inputs import ToolSetup
+from kvtier.serve.tools import CALL_OPEN, ToolCall, may_be_tool_call, parse_tool_calls
+
+
+def reason(out: RequestOutput) -> r.FinishReason:
+    # "abort" never gets here: the bridge raises EngineFailed for it, or nobody is listening any more.
+    why = out.finish_reason
+    assert why in ("stop", "length"), why
+    return why
+
+
+def usage(outs: Sequence[RequestOutput]) -> r.Usage:
+    """One prompt, n samples: the prompt counts once, the completions together."""
+    first = outs[0]
+    n = sum(len(o.output_ids) for o in outs)
+    return r.Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=n,
+        total_tokens=first.prompt_tokens + n,
+        prompt_tokens_details=r.PromptTokensDetails(
+            cached_tokens=first.prompt_tokens_reused,
+            attended_prefix_tokens=first.restore.prefix_attended if first.restore else None,
+        ),
+    )
+
+
+class TokenText:
+    """Token ids as the text of each token alone (what logprobs name), cached."""
+
+    def __init__(self, tokenizer: Any):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._cache.get(token)
+        if text is None:
+            text = self._tok.decode([token]) if self._tok is not None else f"token_id:{token}"
+            if len(self._cache) < 65536:
+                self._cache[token] = text
+        return text
+
+
+def chat_logprobs(lps: Sequence[TokenLogprobs], text: TokenText) -> r.ChatLogprobs:
+    def top(t: int, lp: float) -> r.TopLogprob:
+        s = text(t)
+        return r.TopLogprob(token=s, logprob=lp, bytes=list(s.encode()))
+
+    return r.ChatLogprobs(content=[
+        r.ChatTokenLogprob(**top(x.token, x.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in x.top])
+        for x in lps
+    ])
+
+
+def completion_logprobs(lps: Sequence[TokenLogprobs], text: TokenText, offset: int) -> r.CompletionLogprobs:
+    """`offset`: the characters of this choice's text before these tokens."""
+    tokens = [text(x.token) for x in lps]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return r.CompletionLogprobs(
+        tokens=tokens, token_logprobs=[x.logprob for x in lps],
+        top_logprobs=[{text(t): lp for t, lp in x.top} for x in lps], text_offset=offsets,
+    )
+
+
+def _calls_out(calls: Sequence[ToolCall]) -> list[r.ToolCallOut]:
+    return [r.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=r.FunctionCallOut(name=c.name,
+                                                                                         arguments=c.arguments))
+            for c in calls]
+
+
+def read_calls(text: str, tools: ToolSetup | None, parallel: bool) -> tuple[str | None, list[ToolCall]]:
+    """The content and the tool calls of a finished sample's text."""
+    if tools is None or tools.mode == "none":
+        return text, []
+    content, calls = parse_tool_calls(text, tools.family, tools.names)
+    return content, calls[:1] if not parallel else calls
+
+
+def chat_choice(out: RequestOutput, tools: ToolSetup | None, parallel: bool, text: TokenText) -> r.ChatChoice:
+    content, calls = read_calls(out.text, tools, parallel)
+    return r.ChatChoice(
+        index=out.index,
+        message=r.AssistantMessage(content=content if calls else out.text, tool_calls=_calls_out(calls) or None),
+        finish_reason="tool_calls" if calls else reason(out),
+        logprobs=chat_logprobs(out.logprobs, text) if out.logprobs is not None else None,
+    )
+
+
+def completion_choice(out: RequestOutput, text: TokenText) -> r.CompletionChoice:
+    return r.CompletionChoice(
+        index=out.index, text=out.text, finish_reason=reason(out),
+        logprobs=completion_logprobs(out.logprobs, text, 0) if out.logprobs is not None else None,
+    )
+
+
+def _delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
+    return out.logprobs[len(out.logprobs) - len(out.delta_ids):] if out.logprobs is not None and out.delta_ids else []
+
+
+@dataclass
+class ChatChoiceStream:
+    """One sample's stream. With tools, text from where a tool call may begin is held back until
+    the sample ends; a call goes out whole, as one tool_calls delta."""
+
+    index: int
+    tools: ToolSetup | None
+    parallel: bool
+    text: TokenText
+    logprobs: bool
+    _all: str = ""
+    _sent: int = 0  # characters of _all streamed as content
+    _lps: list[TokenLogprobs] = field(default_factory=list)  # not yet sent
+
+    def deltas(self, out: RequestOutput) -> list[r.ChatChunkChoice]:
+        self._all += out.delta_text
+        self._lps += _delta_logprobs(out)
+        made = []
+        if not out.finished:
+            end = self._safe_end()
+            if end > self._sent:
+                made.append(self._content(self._all[self._sent:end]))
+            return made
+        content, calls = read_calls(self._all, self.tools, self.parallel)
+        if calls:
+            sent = self._all[: self._sent].strip()
+            rest = content[len(sent):].strip() if content and content.startswith(sent) else ""
+            if rest or self._lps:
+                made.append(self._content(rest))
+            made.append(r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(tool_calls=[
+                r.ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
+                for i, c in enumerate(_calls_out(calls))])))
+            made.append(r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(), finish_reason="tool_calls"))
+            return made
+        if len(self._all) > self._sent or self._lps:
+            made.append(self._content(self._all[self._sent:]))
+        made.append(r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(), finish_reason=reason(out)))
+        return made
+
+    def _safe_end(self) -> int:
+        """How much of the text can go out as content: all of it but where a tool call may begin."""
+        text, tools = self._all, self.tools
+        if tools is None or tools.mode == "none":
+            return len(text)
+        if tools.family != "hermes":  # a Llama 3 call is the whole message
+            return self._sent if may_be_tool_call(text, tools.family) else len(text)
+        at = text.find(CALL_OPEN, self._sent)
+        if at != -1:
+            return at
+        for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):  # a tail that may become the tag
+            if CALL_OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def _content(self, piece: str) -> r.ChatChunkChoice:
+        self._sent += len(piece)
+        lps, self._lps = self._lps, []
+        return r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(content=piece),
+                                 logprobs=chat_logprobs(lps, self.text) if self.logprobs else None)
+
+
+@dataclass
+class CompletionChoiceStream:
+    index: int
+    text: TokenText
+    logprobs: bool
+    _offset: int = 0
+
+    def deltas(self, out: RequestOutput) -> list[r.CompletionChoice]:
+        if not (out.delta_text or out.finished or out.delta_ids):
+            return []
+        lps = completion_logprobs(_delta_logprobs(out), self.text, self._offset) if self.logprobs else None
+        self._offset += len(out.delta_text)
+        return [r.CompletionChoice(index=self.index, text=out.delta_text,
+                                   finish_reason=reason(out) if out.finished else None, logprobs=lps)]
