@@ -17,7 +17,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvtier.engine.request import GrammarSpec
 
@@ -92,15 +92,22 @@ def _compile(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> str:
         elif spec.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
         elif spec.kind == "gbnf":  # llama.cpp's grammar format
-            grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text))
+            grammar = llguidance.LLMatcher.grammar_from_lark(_gbnf_to_lark(spec.text))
         else:
             grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
-    except (ValueError, TypeError, GbnfToLarkError) as e:
+    except (ValueError, TypeError) as e:
         raise GrammarError(f"cannot compile the {spec.kind}: {e}") from e
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise GrammarError(f"cannot compile the {spec.kind}: {error}")
     return grammar
+
+
+def _gbnf_to_lark(text: str) -> str:
+    try:
+        return gbnf_to_lark(text)
+    except Exception as e:  # the converter raises a bare Exception for an unknown rule
+        raise GrammarError(f"cannot convert the GBNF grammar: {e}") from e
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

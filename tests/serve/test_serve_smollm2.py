@@ -7,11 +7,13 @@ The last test restarts the server on the same store: the conversation comes back
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -111,6 +113,83 @@ def test_three_turn_conversation_reuses_earlier_turns(server: ServerProcess) -> 
     for prev, cur in zip(turns, turns[1:]):
         assert cur.prompt_tokens_details.cached_tokens >= prev.prompt_tokens // BLOCK * BLOCK, cached
         assert cur.prompt_tokens_details.cached_tokens < cur.prompt_tokens
+
+
+# ----- tool calls and structured output (issue 29) -----------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    assert name in SCHEMAS, name
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_tool_choice_required_and_named_always_yield_valid_calls(server: ServerProcess) -> None:
+    client = client_for(server)
+    required = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                              n=4, temperature=1.0, seed=7, max_tokens=80)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        call = choice.message.tool_calls[0]
+        _valid_call(call.function.name, call.function.arguments)
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            temperature=1.0, seed=3, stream=True)
+    calls, reasons = [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            reasons.append(c.finish_reason)
+    assert [c.function.name for c in calls] == ["get_time"] and "tool_calls" in reasons
+    _valid_call("get_time", calls[0].function.arguments)
+
+
+def test_tool_round_trip_reuses_the_first_turn(server: ServerProcess) -> None:
+    client = client_for(server)
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=80)
+    call = first.choices[0].message.tool_calls[0]
+    _valid_call(call.function.name, call.function.arguments)
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                            max_tokens=30)
+    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // BLOCK * BLOCK, (cached, first.usage.prompt_tokens)
+
+
+def test_json_object_and_json_schema_responses_parse(server: ServerProcess) -> None:
+    client = client_for(server)
+    ask = [{"role": "user", "content": "Describe a cat as a JSON object with a name and an age."}]
+    # The grammar admits EOS only after the object closes: every sample that stops parses. (At
+    # temperature 1 this 135M model may write one string past any max_tokens: then it is "length".)
+    objects = client.chat.completions.create(model=MODEL, messages=ask, response_format={"type": "json_object"},
+                                             n=8, temperature=0.7, seed=11, max_tokens=160)
+    for choice in objects.choices:
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(json.loads(choice.message.content), dict)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "legs": {"type": "integer", "minimum": 0, "maximum": 8},
+                                               "sound": {"enum": ["meow", "purr", "hiss"]}},
+              "required": ["name", "legs", "sound"], "additionalProperties": False}
+    shaped = client.chat.completions.create(model=MODEL, messages=ask, temperature=1.0, seed=12, max_tokens=120,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "cat", "schema": schema}})
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), schema)
 
 
 def _reused_by_tier(url: str) -> dict[str, float]:
