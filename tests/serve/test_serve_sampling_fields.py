@@ -38,9 +38,9 @@ def greedy_ids(tiny_model) -> list[int]:
         return e.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].output_ids
 
 
-def test_top_k_one_and_min_p_one_sample_the_greedy_tokens(tiny_server):
+def test_top_k_one_min_p_one_and_a_tiny_top_p_sample_the_greedy_tokens(tiny_server):
     greedy = _complete(tiny_server, temperature=0).json()["choices"][0]["text"]
-    for field in ({"top_k": 1}, {"min_p": 1.0}):
+    for field in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-9}):
         sampled = {_complete(tiny_server, temperature=2.0, seed=s, **field).json()["choices"][0]["text"]
                    for s in range(6)}
         assert sampled == {greedy}, field
@@ -71,10 +71,23 @@ def test_stop_token_ids_stop_and_min_tokens_holds_them_back(tiny_server, greedy_
 
 
 @pytest.mark.parametrize(("given", "top_k"), [(None, 0), (-1, 0), (0, 0), (1, 1), (50, 50)])
-def test_top_k_and_ignore_eos_reach_the_engine(tiny_server, given, top_k):
-    body = CompletionRequest(model=TINY, prompt=[5, 6, 7], max_tokens=4, top_k=given, ignore_eos=True)
-    params = prepare(tiny_server.engine, [5, 6, 7], body, 4, None).params
-    assert params.top_k == top_k and params.ignore_eos
+def test_top_k_reaches_the_engine(tiny_server, given, top_k):
+    body = CompletionRequest(model=TINY, prompt=[5, 6, 7], max_tokens=4, top_k=given)
+    assert prepare(tiny_server.engine, [5, 6, 7], body, 4, None).params.top_k == top_k
+
+
+def test_fields_reach_the_engine(tiny_server):
+    """Every sampling field lands in the engine's SamplingParams (whose effects tests/test_sampler.py
+    checks against transformers and OpenAI's formula)."""
+    body = CompletionRequest(model=TINY, prompt=[5, 6, 7], max_tokens=9, temperature=0.5, top_p=0.8, min_p=0.1,
+                             presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2,
+                             logit_bias={"7": -3.5}, min_tokens=2, stop_token_ids=[4], ignore_eos=True, seed=2**64 + 3,
+                             stop=["xx"], n=2, logprobs=4)
+    got = prepare(tiny_server.engine, [5, 6, 7], body, 9, None).params
+    assert got == SamplingParams(max_tokens=9, temperature=0.5, top_p=0.8, min_p=0.1, presence_penalty=0.5,
+                                 frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias=((7, -3.5),),
+                                 min_tokens=2, stop_token_ids=(4,), ignore_eos=True, seed=3, stop=("xx",), n=2,
+                                 logprobs=4)
 
 
 def test_n_samples_are_the_seeded_single_requests(tiny_server):
