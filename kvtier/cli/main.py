@@ -9,10 +9,11 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from kvtier.cli.engine_args import add_engine_arguments, add_model_arguments, build_engine_from_args
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
-from kvtier.engine.request import SamplingError, SamplingParams
+from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
 from kvtier.models.config import UnsupportedModelError
 from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
 from kvtier.store.redact import redact
@@ -28,13 +29,22 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 2")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the likeliest's (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output, (0, 2] (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="per output token present, [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="per output occurrence, [-2, 2]")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="constrain the answer to the JSON schema in FILE")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    structured = GrammarSpec("json_schema", args.json_schema.read_text()) if args.json_schema else None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed, stop=tuple(args.stop), structured=structured)
 
 
 def turn_stats(out: RequestOutput) -> str:

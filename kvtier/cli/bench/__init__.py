@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench import e2e, forward, impress, load, partial, restore, store, trace, truncation
+from kvtier.cli.bench import e2e, forward, impress, load, partial, restore, sampling, store, trace, truncation
 
-COMMANDS = (forward, store, restore, trace, truncation, load, e2e, impress, partial)
+COMMANDS = (forward, store, restore, trace, truncation, load, e2e, impress, partial, sampling)
 
 
 def register_all(bench_subparsers: argparse._SubParsersAction) -> None:
