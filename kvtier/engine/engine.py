@@ -106,9 +106,9 @@ class _Live:
     first_logits: torch.Tensor | None = None
 
 
-def sample_ids(request_id: str, n: int) -> list[str]:
-    """The request ids of a request's n samples (the first is the request's own)."""
-    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+def sample_id(request_id: str, index: int) -> str:
+    """The request id of sample `index` of an n > 1 request (sample 0 is the request itself)."""
+    return f"{request_id}#{index}" if index else request_id
 
 
 class Engine:
@@ -341,8 +341,8 @@ class Engine:
         now, n, parent.forks = [], parent.forks, 0
         req = parent.req
         for i in range(1, n + 1):
-            child = Request(sample_ids(req.request_id, i + 1)[i], list(req.prompt_ids), req.params, session_id=req.session_id,
-                            cache_salt=req.cache_salt, source_ids=req.source_ids, kept=req.kept,
+            child = Request(sample_id(req.request_id, i), list(req.prompt_ids), req.params,
+                            session_id=req.session_id, cache_salt=req.cache_salt, source_ids=req.source_ids, kept=req.kept,
                             metrics=RequestMetrics(arrival=req.metrics.arrival,
                                                    first_scheduled=req.metrics.first_scheduled))
             self._live[child.request_id] = _Live(
@@ -458,7 +458,7 @@ class Engine:
         # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
         batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
         n = (params or SamplingParams()).n
-        ids = [s for p in batch for rid in [self.add_request(p, params)] for s in sample_ids(rid, n)]
+        ids = [sample_id(rid, i) for p in batch for rid in [self.add_request(p, params)] for i in range(n)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
