@@ -5,12 +5,15 @@ check each against them). The order, as vLLM v1 applies it: logit_bias, the min_
 of stop tokens and the grammar's token mask, then the repetition, frequency and presence
 penalties (greedy rows get these too), then temperature, min_p, top_k and top_p, then the draw.
 
-The draw is `argmax(probs / q)` with q ~ Exp(1) drawn from the row's own generator on the logits'
-device (the exponential race: it samples from `probs` exactly). A seeded request draws the same
-tokens whatever else shares its batch; a row that is not sampled this step draws nothing.
+The draw is the exponential race, `argmax(log p - log q)` with q ~ Exp(1) drawn from the row's own
+generator on the logits' device: it samples from p exactly, and in log space it needs no
+normalisation. Each sampled row is warped and drawn on its own (over its top-k candidates when it
+has a top_k, so no full-vocabulary sort), so a seeded request draws the same tokens whatever else
+shares its batch; a row that is not sampled this step draws nothing.
 
 Temperature divides `logits - max`, so the likeliest token sits at 0 and no temperature above 0,
 however small, makes inf - inf: a tiny temperature samples the argmax (or among exact ties).
+top_k keeps exactly k tokens (transformers also keeps ties with the k-th).
 
 Logprobs are of the model's own distribution (log-softmax of the raw logits, before any of the
 above), as vLLM returns them by default and as the OpenAI API describes them.
@@ -18,6 +21,7 @@ above), as vLLM returns them by default and as the OpenAI API describes them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +30,8 @@ from llguidance.torch import apply_token_bitmask_inplace
 
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.structured import Constraint, allocate_bitmask
+
+_TINY = torch.finfo(torch.float32).tiny  # an exponential draw of exactly 0 would give log 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection
     if sampled:
         idx = torch.tensor(sampled, device=dev)
         picked = [rows[i] for i in sampled]
-        drawn = _draw(warp(x.index_select(0, idx), picked), picked)  # [len(sampled)]
+        drawn = _draw(x.index_select(0, idx), picked)  # [len(sampled)]
         tokens = tokens.index_copy(0, idx, drawn)
     k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
     if k is None:
@@ -163,42 +169,37 @@ def _counts(seqs: Sequence[Sequence[int]], vocab: int, dev: torch.device) -> tor
     return counts.to(dev, non_blocking=True)
 
 
-def warp(x: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """x: [m, vocab] processed logits of sampled rows -> temperature-scaled, with the tokens
-    outside min_p, top_k and top_p at -inf."""
-    dev = x.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]  # [m, 1], all > 0
-    x = (x - x.max(dim=-1, keepdim=True).values) / temp  # the likeliest at 0: stable for any temperature
-    if any(r.params.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)[:, None]
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
-        x = _top_k_top_p(x, rows)
-    return x
+def warp(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [vocab] one row's processed logits -> (vals, ids): the candidates it samples among,
+    temperature-scaled, likeliest first; ids None when they are the whole vocabulary in order.
+    Tokens min_p, top_k or top_p leave out are at -inf or absent."""
+    x = (x - x.max()) / params.temperature  # the likeliest at 0: stable for any temperature
+    if params.min_p > 0:  # p_j >= min_p * p_max  <=>  x_j >= log(min_p), with no softmax
+        x = x.masked_fill(x < math.log(params.min_p), float("-inf"))
+    ids = None
+    if params.top_k > 0:
+        x, ids = x.topk(min(params.top_k, x.shape[-1]))  # [k], sorted: no full-vocabulary sort
+    elif params.top_p < 1.0:
+        x, ids = x.sort(descending=True)
+    if params.top_p < 1.0:
+        p = torch.softmax(x, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it does.
+        drop = (torch.cumsum(p, dim=-1) - p) >= params.top_p
+        drop[0] = False  # the likeliest token always stays, however small top_p is
+        x = x.masked_fill(drop, float("-inf"))
+    return x, ids
 
 
 def _draw(x: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """x: [m, vocab] warped logits -> [m] token ids, each row from its own generator."""
-    probs = torch.softmax(x, dim=-1)  # [m, vocab]
-    q = torch.empty_like(probs)
+    """x: [m, vocab] processed logits of the sampled rows -> [m] token ids.
+
+    Row by row: each row has its own generator, and its arithmetic (over its own k candidates, never
+    the batch's largest k) must not depend on what else is in the batch. The race is in log space,
+    argmax(x - log q), so no normalisation enters it."""
+    out = []
     for i, r in enumerate(rows):
-        q[i].exponential_(generator=r.generator)
-    return (probs / q).argmax(dim=-1)
-
-
-def _top_k_top_p(x: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """x: [m, vocab] -> the same with everything outside each row's top-k, then top-p, at -inf."""
-    dev = x.device
-    _, vocab = x.shape
-    k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device=dev)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)[:, None]
-    s, order = x.sort(dim=-1, descending=True)  # [m, vocab]
-    kth = s.gather(1, (k - 1)[:, None])  # [m, 1]
-    s = s.masked_fill(s < kth, float("-inf"))  # ties with the k-th stay, as transformers keeps them
-    p = torch.softmax(s, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it does.
-    drop = (torch.cumsum(p, dim=-1) - p) >= top_p
-    drop[:, 0] = False  # the likeliest token always stays, however small top_p is
-    s = s.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, s)
+        vals, ids = warp(x[i], r.params)
+        q = torch.empty_like(vals).exponential_(generator=r.generator).clamp_min_(_TINY)
+        j = torch.argmax(vals - q.log())
+        out.append(ids[j] if ids is not None else j)
+    return torch.stack(out)
