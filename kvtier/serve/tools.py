@@ -21,8 +21,6 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
-# OpenAI's rule for function names; it also keeps names safe to quote anywhere in a prompt.
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Jinja expressions and statements; only names used inside them are variables the template reads.
 _JINJA_TAG = re.compile(r"\{\{(.*?)\}\}|\{%(.*?)%\}", re.DOTALL)
 _JINJA_STRING = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
@@ -164,32 +162,6 @@ def _tools_system_text(tools: list[dict[str, Any]]) -> str:
         f"{CALL_OPEN} and {CALL_CLOSE}, one block per call:\n"
         f'{CALL_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n{CALL_CLOSE}'
     )
-
-
-def validate_tools(tools: list[dict[str, Any]]) -> None:
-    """Raise ValueError, with a message fit for an API error, unless `tools` is a list of OpenAI functions."""
-    if not isinstance(tools, list):
-        raise ValueError("tools must be a list of {'type': 'function', 'function': {...}} objects")
-    seen: set[str] = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ValueError(f"{where} must be an object with type 'function'")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise ValueError(f"{where}.function must be an object")
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'; got {name!r}")
-        if name in seen:
-            raise ValueError(f"{where}.function.name {name!r} is used by more than one tool")
-        seen.add(name)
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise ValueError(f"{where}.function.description must be a string")
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object")
 
 
 # ----- responses: calls out of generated text ---------------------------------------------------

@@ -18,7 +18,6 @@ from kvtier.serve.tools import (
     prepare_messages,
     template_renders_tools,
     tool_family,
-    validate_tools,
 )
 
 WEATHER = {
@@ -337,29 +336,3 @@ def test_forced_grammar_refuses_an_unknown_choice():
         forced_grammar([], None, "hermes")
 
 
-# ----- validate_tools -----------------------------------------------------------------------------
-
-
-def test_validate_tools_accepts_openai_functions():
-    validate_tools(TOOLS)
-    validate_tools([{"type": "function", "function": {"name": "a-B_9", "description": "d", "parameters": {}}}])
-    validate_tools([])
-
-
-@pytest.mark.parametrize(
-    ("tools", "message"),
-    [
-        ([{"type": "retrieval", "function": {"name": "f"}}], "type 'function'"),
-        ([{"type": "function"}], r"tools\[0\]\.function must be"),
-        ([{"type": "function", "function": {"name": "has space"}}], "has space"),
-        ([{"type": "function", "function": {"name": "x" * 65}}], "64"),
-        ([{"type": "function", "function": {}}], "name"),
-        ([{"type": "function", "function": {"name": "f", "description": 3}}], "description"),
-        ([{"type": "function", "function": {"name": "f", "parameters": "object"}}], "parameters"),
-        ([CLOCK, WEATHER, CLOCK], r"tools\[2\].*'get_time'.*more than one"),
-        (["get_time"], r"tools\[0\]"),
-    ],
-)
-def test_validate_tools_refuses_bad_tools(tools, message):
-    with pytest.raises(ValueError, match=message):
-        validate_tools(tools)
