@@ -13,6 +13,7 @@ import torch
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import GrammarSpec, SamplingParams
+from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 
 from kvtier_testlib import ORACLE_CONFIGS, build_pair, fake_profile, loaded
@@ -135,3 +136,19 @@ def test_structured_multi_sample_requests_save_and_restore_like_any_other(tmp_pa
     for a, b in zip(computed, restored):
         assert a.text == b.text and [(x.token, x.logprob) for x in a.logprobs] == [(x.token, x.logprob) for x in b.logprobs]
         jsonschema.validate(json.loads(b.text), SCHEMAS[1])
+
+
+def test_a_sample_with_no_free_block_waits_and_prefills_itself(tiny_bf16):
+    """A pool of exactly one sequence: the second sample cannot take a block for its copy, so it
+    waits, prefills from the published prefix once the first ends, and still equals its single run."""
+    block_bytes = ModelRunner.bytes_per_block(tiny_bf16.module, 16)
+    config = EngineConfig(kv_cache_bytes=2 * block_bytes, max_model_len=32)
+    prompt = torch.randint(3, 4000, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    base = dict(max_tokens=4, temperature=1.5, logprobs=1, ignore_eos=True)
+    engine = Engine(tiny_bf16, config)
+    first, second = engine.generate([prompt], SamplingParams(n=2, seed=9, **base))
+    assert second.prompt_tokens_computed > 0 and second.prompt_tokens_reused == 16  # its own prefill
+    alone = Engine(tiny_bf16, config).generate([prompt], SamplingParams(seed=10, **base))[0]
+    assert second.output_ids == alone.output_ids
+    assert [x.logprob for x in second.logprobs] == [x.logprob for x in alone.logprobs]
+    assert engine.pool.num_free == engine.pool.num_blocks

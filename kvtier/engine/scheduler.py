@@ -161,9 +161,9 @@ class Scheduler:
                 # Wait for running requests to free blocks; hold nothing meanwhile.
                 self.pool.release(req.block_ids)
                 req.block_ids, req.num_computed, req.attach_tokens = [], 0, 0
+                req.metrics.forget_reuse()  # the next admission counts what it finds
                 if instant is not None:  # ask the store again when it can run
                     req.restore_tried = False
-                    req.metrics.forget_reuse()
                 break
             self._admit(req, RequestStatus.PREFILL, self.running)
             if instant is not None:

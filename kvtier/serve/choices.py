@@ -7,7 +7,7 @@ chunk deltas of its choice; the whole-response builders take a sample's final ou
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,25 +41,26 @@ def usage(outs: Sequence[RequestOutput]) -> r.Usage:
 
 
 class TokenText:
-    """Token ids as the text of each token alone (what logprobs name), cached."""
+    """Token ids as logprobs name them: the text of the token alone and its exact bytes (a
+    token may hold part of a character: its text then shows U+FFFD, its bytes the truth)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, bytes_of: Callable[[list[int]], bytes] | None):
         self._tok = tokenizer
-        self._cache: dict[int, str] = {}
+        self._bytes_of = bytes_of
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
 
-    def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
+    def __call__(self, token: int) -> tuple[str, list[int] | None]:
+        got = self._cache.get(token)
+        if got is None:
             text = self._tok.decode([token]) if self._tok is not None else f"token_id:{token}"
-            if len(self._cache) < 65536:
-                self._cache[token] = text
-        return text
+            got = self._cache[token] = (text, list(self._bytes_of([token])) if self._bytes_of else None)
+        return got
 
 
 def chat_logprobs(lps: Sequence[TokenLogprobs], text: TokenText) -> r.ChatLogprobs:
     def top(t: int, lp: float) -> r.TopLogprob:
-        s = text(t)
-        return r.TopLogprob(token=s, logprob=lp, bytes=list(s.encode()))
+        s, raw = text(t)
+        return r.TopLogprob(token=s, logprob=lp, bytes=raw)
 
     return r.ChatLogprobs(content=[
         r.ChatTokenLogprob(**top(x.token, x.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in x.top])
@@ -69,14 +70,14 @@ def chat_logprobs(lps: Sequence[TokenLogprobs], text: TokenText) -> r.ChatLogpro
 
 def completion_logprobs(lps: Sequence[TokenLogprobs], text: TokenText, offset: int) -> r.CompletionLogprobs:
     """`offset`: the characters of this choice's text before these tokens."""
-    tokens = [text(x.token) for x in lps]
+    tokens = [text(x.token)[0] for x in lps]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
     return r.CompletionLogprobs(
         tokens=tokens, token_logprobs=[x.logprob for x in lps],
-        top_logprobs=[{text(t): lp for t, lp in x.top} for x in lps], text_offset=offsets,
+        top_logprobs=[{text(t)[0]: lp for t, lp in x.top} for x in lps], text_offset=offsets,
     )
 
 

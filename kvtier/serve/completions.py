@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
-from kvtier.engine.engine import PromptError, RequestOutput
+from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import SamplingError
 from kvtier.serve import responses as r
 from kvtier.serve.bridge import ClientGone, EngineFailed, Generation
@@ -95,16 +97,31 @@ async def _finish(gen: Generation, request: Request) -> list[RequestOutput] | Re
         raise APIError(500, str(e), code="engine_error") from e
 
 
-class _Progress:
-    """Each sample's latest output, for usage in every chunk (stream_options.continuous_usage_stats)."""
+async def _token_text(engine: Engine, logprobs: bool) -> TokenText:
+    """How logprobs name tokens; their exact bytes come from the grammar engine's tokenizer, built
+    once per model on a pool thread (never on the event loop)."""
+    if not logprobs or engine.model.tokenizer is None:
+        return TokenText(engine.model.tokenizer, None)
+    ll = await run_in_threadpool(lambda: engine.grammars.tokenizer)
+    return TokenText(engine.model.tokenizer, ll.decode_bytes)
 
-    def __init__(self, n: int):
-        self.latest: dict[int, RequestOutput] = {}
-        self.n = n
 
-    def see(self, out: RequestOutput) -> r.Usage:
-        self.latest[out.index] = out
-        return usage([self.latest[i] for i in sorted(self.latest)])
+def _chunker(body: SamplingFields, streams: Sequence[ChatChoiceStream | CompletionChoiceStream],
+             chunk: Callable[..., BaseModel]) -> Callable[[RequestOutput], list[BaseModel]]:
+    """Each engine output as its choice's chunks, with the usage so far on each when
+    continuous_usage_stats asks, and a last usage chunk once every sample has ended (include_usage)."""
+    latest: dict[int, RequestOutput] = {}
+
+    def chunks(out: RequestOutput) -> list[BaseModel]:
+        latest[out.index] = out
+        so_far = usage([latest[i] for i in sorted(latest)])
+        made = [chunk(choices=[c], usage=so_far if body.continuous_usage else None)
+                for c in streams[out.index].deltas(out)]
+        if body.include_usage and len(latest) == body.n and all(o.finished for o in latest.values()):
+            made.append(chunk(choices=[], usage=so_far))
+        return made
+
+    return chunks
 
 
 @router.post(
@@ -119,29 +136,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     ids = await run_in_threadpool(chat_prompt, engine, body, tools)
     structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body, tools))
     prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
+    text = await _token_text(engine, body.logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "chat", received, request)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
-    text = TokenText(engine.model.tokenizer)
 
     if body.stream:
         streams = [ChatChoiceStream(i, tools, body.parallel_tool_calls, text, body.logprobs) for i in range(body.n)]
-        progress, finished = _Progress(body.n), set()
-
-        def chunks(out: RequestOutput) -> list[BaseModel]:
-            so_far = progress.see(out)
-            made: list[BaseModel] = [
-                r.ChatCompletionChunk(**base, choices=[c], usage=so_far if body.continuous_usage else None)
-                for c in streams[out.index].deltas(out)
-            ]
-            if out.finished:
-                finished.add(out.index)
-                if body.include_usage and len(finished) == body.n:
-                    made.append(r.ChatCompletionChunk(**base, choices=[], usage=so_far))
-            return made
-
+        chunks = _chunker(body, streams, functools.partial(r.ChatCompletionChunk, **base))
         first = r.ChatCompletionChunk(**base, choices=[
             r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content="")) for i in range(body.n)
         ])
@@ -166,29 +170,16 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     ids = await run_in_threadpool(completion_prompt, engine, body)
     structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body))
     prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
+    text = await _token_text(engine, body.logprobs is not None)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "completions", received, request)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
-    text = TokenText(engine.model.tokenizer)
 
     if body.stream:
         streams = [CompletionChoiceStream(i, text, body.logprobs is not None) for i in range(body.n)]
-        progress, finished = _Progress(body.n), set()
-
-        def chunks(out: RequestOutput) -> list[BaseModel]:
-            so_far = progress.see(out)
-            made: list[BaseModel] = [
-                r.Completion(**base, choices=[c], usage=so_far if body.continuous_usage else None)
-                for c in streams[out.index].deltas(out)
-            ]
-            if out.finished:
-                finished.add(out.index)
-                if body.include_usage and len(finished) == body.n:
-                    made.append(r.Completion(**base, choices=[], usage=so_far))
-            return made
-
+        chunks = _chunker(body, streams, functools.partial(r.Completion, **base))
         return GenerationStream(gen, stream_events(gen, [], chunks))
 
     outs = await _finish(gen, request)

@@ -261,6 +261,13 @@ class SamplingFields(BaseModel):
             raise ValueError(f"not supported by this server; leave it out (or send {neutral[-1]!r})")
         return None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only for stream: true (as OpenAI and vLLM say)")
+        return v
+
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingFields:
         given = [name for name in ("structured_outputs", "grammar") if getattr(self, name) is not None]

@@ -73,6 +73,7 @@ CASES = [
                                               tool_choice={"type": "function", "function": {"name": "g"}}), 400,
      None, None),
     ("beam search refused", CHAT, chat(use_beam_search=True), 400, "use_beam_search", None),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options", None),
     ("two constraints", CHAT, chat(response_format={"type": "json_object"}, grammar="root ::= \"a\""), 400, None,
      None),
     ("stream not a bool", CHAT, chat(stream="yes please"), 400, "stream", None),

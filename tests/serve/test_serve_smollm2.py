@@ -138,12 +138,12 @@ def _valid_call(name: str, arguments: str) -> None:
 def test_tool_choice_required_and_named_always_yield_valid_calls(server: ServerProcess) -> None:
     client = client_for(server)
     required = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                              n=4, temperature=1.0, seed=7, max_tokens=80)
+                                              n=3, temperature=1.0, seed=7, max_tokens=60)
     for choice in required.choices:
         assert choice.finish_reason == "tool_calls", choice
         call = choice.message.tool_calls[0]
         _valid_call(call.function.name, call.function.arguments)
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
                                             temperature=1.0, seed=3, stream=True)
     calls, reasons = [], []
