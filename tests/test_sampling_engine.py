@@ -55,6 +55,32 @@ def test_logprobs_equal_the_hf_oracle_recomputed_and_restored(tmp_path):
             assert max(abs(v - w) for (_, v), w in zip(lp.top, top.values.tolist())) <= 1e-4
 
 
+def test_prompt_logprobs_equal_the_hf_oracle_even_where_the_prompt_is_stored(tmp_path):
+    """A prompt the store holds is computed in full when its logprobs are asked for (a restored
+    token has no logits), in chunks; the values and ranks are the oracle's."""
+    cfg = ORACLE_CONFIGS["llama-gqa"]
+    ours, hf = build_pair(cfg)
+    model = loaded(cfg, ours)
+    prompt = torch.randint(3, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    store, reuse, prof = f"disk:{tmp_path}/s:1GB", ReuseConfig(method="kv", chunk_tokens=16), fake_profile(
+        model.fingerprint)
+    config = EngineConfig(kv_cache_bytes=8 << 20, max_batched_tokens=32)  # the prompt in three chunks
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    with Engine(model, config, store=store, reuse=reuse, profile=prof) as first:
+        first.generate([prompt], greedy)
+    with Engine(model, config, store=store, reuse=reuse, profile=prof) as second:
+        scored = second.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))[0]
+        assert second.generate([prompt], greedy)[0].prompt_tokens_reused >= 64  # without them: restored
+    assert scored.prompt_tokens_reused == 0 and scored.prompt_logprobs is not None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)  # [70, vocab]
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
+    for i, lp in enumerate(scored.prompt_logprobs[1:], start=1):
+        assert lp.token == prompt[i] and abs(lp.logprob - ref[i - 1, prompt[i]].item()) <= 1e-4
+        assert lp.rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+        assert [t for t, _ in lp.top] == ref[i - 1].topk(3).indices.tolist()
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16():
     return load_model("tiny-gqa", dtype="bfloat16")

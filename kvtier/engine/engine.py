@@ -25,7 +25,7 @@ from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_l
 from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
 from kvtier.engine.request import Request, RequestMetrics, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, sample_batch
+from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, sample_batch, score
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.scheduler_api import SchedulerOutput
 from kvtier.engine.structured import Constraint, Grammars
@@ -71,6 +71,8 @@ class RequestOutput:
     first_logits: torch.Tensor | None = None  # [vocab] on the host, with SamplingParams(first_logits=True)
     index: int = 0  # which of the request's n samples (each has its own request_id: `<id>#<index>`)
     logprobs: list[TokenLogprobs] | None = None  # with SamplingParams(logprobs=k): one per output token
+    # With SamplingParams(prompt_logprobs=k): one per prompt token, None for the first (nothing before it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,16 @@ class _Live:
     index: int = 0
     forks: int = 0  # samples still to start from this one's prefill (n - 1 until its first token)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
+
+
+def _scores_prompt(req: Request, start: int) -> bool:
+    """Whether a run of `req` from `start` needs the logits of every token: it asked for prompt
+    logprobs and the run predicts prompt tokens not yet scored."""
+    return req.params.prompt_logprobs is not None and start < len(req.prompt_ids) - 1
 
 
 def sample_id(request_id: str, index: int) -> str:
@@ -265,7 +274,8 @@ class Engine:
             return None, {}
         reqs = [self._live[c.request_id].req for c in out.chunks]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
-                         dropped=r.dropped, front=r.front) for r, c in zip(reqs, out.chunks)]
+                         all_logits=_scores_prompt(r, c.start), dropped=r.dropped, front=r.front)
+                 for r, c in zip(reqs, out.chunks)]
         ids = [c.request_id for c in out.chunks]
         fronts = self.partial.step_fronts(items, reqs)
         link = self.link.step_side
@@ -276,10 +286,25 @@ class Engine:
     def _update(self, out: SchedulerOutput, logits: torch.Tensor | None, void: dict[str, int]) -> list[RequestOutput]:
         outs = []
         sampling = {r.request_id for r in self.scheduler.postprocess(out, void)}
-        rows: dict[str, int] = {}  # request -> its logits row
-        for c in out.chunks:
-            if c.end == self._live[c.request_id].req.num_tokens:
-                rows[c.request_id] = len(rows)  # this run's logits row, used or not
+        rows: dict[str, int] = {}  # request -> the logits row it samples from
+        scored: list[tuple[_Live, int, int]] = []  # prompt logprobs: (request, logits row, token index)
+        row = 0
+        for c in out.chunks:  # the runner's rows, in run order (see RunItem.all_logits)
+            live = self._live[c.request_id]
+            req = live.req
+            if _scores_prompt(req, c.start):
+                assert live.prompt_logprobs is not None
+                if c.request_id not in void:  # row r predicts token p + 1; a recompute skips scored ones
+                    first = max(c.start, len(live.prompt_logprobs) - 1)
+                    scored += [(live, row + p - c.start, p + 1) for p in range(first, min(c.end, len(req.prompt_ids) - 1))]
+                row += c.end - c.start
+                if c.end == req.num_tokens:
+                    rows[c.request_id] = row - 1
+            elif c.end == req.num_tokens:
+                rows[c.request_id] = row  # this run's logits row, used or not
+                row += 1
+        if scored and logits is not None:
+            self._score_prompts(logits, scored)
         picked = [c.request_id for c in out.chunks if c.request_id in sampling and c.request_id not in void]
         # n > 1: the other samples start from this prefill; their first tokens come from its row.
         draws = [(rid, rows[rid]) for rid in picked]
@@ -315,6 +340,16 @@ class Engine:
         got = sample_batch(logits.index_select(0, at), batch, self.eos_ids)
         return {rid: g for (rid, _), g in zip(draws, got)}
 
+    def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[_Live, int, int]]) -> None:
+        """Prompt logprobs of this step's prompt rows, in one call (one more transfer, only in
+        steps that compute prompt tokens of such requests)."""
+        at = torch.tensor([r for _, r, _ in scored], device=logits.device)
+        targets = torch.tensor([lv.req.prompt_ids[i] for lv, _, i in scored], device=logits.device)
+        wants = [lv.req.params.prompt_logprobs for lv, _, _ in scored]
+        for (live, _, _), lp in zip(scored, score(logits.index_select(0, at), targets, wants, rank=True)):
+            assert live.prompt_logprobs is not None
+            live.prompt_logprobs.append(lp)
+
     def _accept(self, live: _Live, sampled: Sampled, now: float) -> RequestOutput:
         """Append a sampled token to its request, stop it if it should, and emit its output."""
         req, token = live.req, sampled.token
@@ -348,7 +383,8 @@ class Engine:
             self._live[child.request_id] = _Live(
                 child, Detokenizer(self.model.tokenizer, req.params.stop), make_generator(req.params, self.device, i),
                 parent.on_output, parent.constraint.fork() if parent.constraint is not None else None, index=i,
-                logprobs=[] if req.params.logprobs is not None else None)
+                logprobs=[] if req.params.logprobs is not None else None,
+                prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
             self._samples.setdefault(req.request_id, {req.request_id}).add(child.request_id)
             copy = self.scheduler.fork(req, child)
             if copy is None:
@@ -392,7 +428,8 @@ class Engine:
                 p = req.params
                 detok = Detokenizer(self.model.tokenizer, p.stop)
                 self._live[req.request_id] = _Live(req, detok, make_generator(p, self.device), cb, constraint,
-                                                   forks=p.n - 1, logprobs=[] if p.logprobs is not None else None)
+                                                   forks=p.n - 1, logprobs=[] if p.logprobs is not None else None,
+                                                   prompt_logprobs=[None] if p.prompt_logprobs is not None else None)
                 self.scheduler.add(req)
                 continue
             for rid in sorted(self._samples.pop(arg, set()) | {arg}):  # an n > 1 request's samples end together
@@ -434,6 +471,7 @@ class Engine:
             first_logits=live.first_logits,
             index=live.index,
             logprobs=list(live.logprobs) if live.logprobs is not None else None,
+            prompt_logprobs=list(live.prompt_logprobs) if live.prompt_logprobs is not None else None,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:

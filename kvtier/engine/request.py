@@ -57,6 +57,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens exist
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (as EOS does; not in the text)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k likeliest
+    # None: none; k >= 0: every prompt token's logprob (after the first), rank and the k likeliest.
+    # The whole prompt is then computed (a restored or device-cached token has no logits).
+    prompt_logprobs: int | None = None
     n: int = 1  # samples of one prompt: one prefill, the prompt's blocks shared (engine.add_request)
     structured: GrammarSpec | None = None  # constrain the output to a JSON schema, regex or grammar
     seed: int | None = None
@@ -93,8 +96,10 @@ class SamplingParams:
             raise SamplingError("logit_bias values must be in [-100, 100]")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise SamplingError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if not 1 <= self.n <= MAX_N:
             raise SamplingError(f"n must be in [1, {MAX_N}], got {self.n}")
         if any(not s for s in self.stop):

@@ -50,6 +50,7 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the k likeliest (id, logprob), likeliest first
+    rank: int | None = None  # the token's rank in its distribution (1 = the likeliest); prompt tokens
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,6 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection
     model's EOS ids (held back, with each row's stop_token_ids, until min_tokens)."""
     if all(r.params.greedy and _plain(r) for r in rows):
         return [Sampled(t, None) for t in logits.argmax(dim=-1).tolist()]
-    n, vocab = logits.shape
     dev = logits.device
     x = process(logits, rows, stop_ids)  # [n, vocab]
     tokens = x.argmax(dim=-1)  # [n]
@@ -83,23 +83,31 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection
         picked = [rows[i] for i in sampled]
         drawn = _draw(x.index_select(0, idx), picked)  # [len(sampled)]
         tokens = tokens.index_copy(0, idx, drawn)
-    k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-    if k is None:
+    wants = [r.params.logprobs for r in rows]
+    if all(w is None for w in wants):
         return [Sampled(t, None) for t in tokens.tolist()]
+    scored = score(logits, tokens, wants)
+    return [Sampled(s.token, s if w is not None else None) for s, w in zip(scored, wants)]
+
+
+def score(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None],
+          rank: bool = False) -> list[TokenLogprobs]:
+    """logits: [n, vocab], tokens: [n] -> each token's logprob under its row's log-softmax and the
+    row's `wants[i]` likeliest (None: none), with one transfer; `rank`: also each token's rank
+    (1 = the likeliest), as vLLM reports for prompt tokens."""
+    k = max((w for w in wants if w is not None), default=0)
     lp = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+    chosen = lp.gather(1, tokens[:, None])  # [n, 1]
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0])  # [n, k]
-    # One transfer: ids below 2**53 are exact in float64.
-    packed = torch.cat([tokens[:, None].double(), lp.gather(1, tokens[:, None]).double(), top_v.double(),
-                        top_i.double()], dim=1).cpu()  # [n, 2 + 2k]
+    ranks = (lp > chosen).sum(dim=-1, keepdim=True) + 1 if rank else chosen[:, :0]  # [n, 1 or 0]
+    # One transfer: ids and ranks below 2**53 are exact in float64.
+    packed = torch.cat([tokens[:, None].double(), chosen.double(), top_v.double(), top_i.double(),
+                        ranks.double()], dim=1).cpu()  # [n, 2 + 2k (+ 1)]
     out = []
-    for r, row in zip(rows, packed.tolist()):
-        token = int(row[0])
-        want = r.params.logprobs
-        if want is None:
-            out.append(Sampled(token, None))
-            continue
-        top = tuple((int(i), v) for v, i in zip(row[2:2 + want], row[2 + k:2 + k + want]))
-        out.append(Sampled(token, TokenLogprobs(token, row[1], top)))
+    for w, row in zip(wants, packed.tolist()):
+        w = w or 0
+        top = tuple((int(i), v) for v, i in zip(row[2:2 + w], row[2 + k:2 + k + w]))
+        out.append(TokenLogprobs(int(row[0]), row[1], top, int(row[-1]) if rank else None))
     return out
 
 

@@ -218,7 +218,7 @@ class Scheduler:
     def _try_restore(self, req: Request, budget: int) -> _Issued | None:
         """A ticket when the store holds more of `req`'s prefix than the device does. Its compute
         starts in this step: pay what the budget allows now, the rest in later steps."""
-        if req.restore_tried:
+        if req.restore_tried or req.params.prompt_logprobs is not None:
             return None
         req.restore_tried = True
         probe = self.store.offer(req)
@@ -342,8 +342,8 @@ class Scheduler:
         A truncated context never takes cached blocks: they would hold exact state at positions
         its approximate rows also claim."""
         req.block_ids, req.num_computed, req.num_published = [], 0, 0
-        if not self.prefix_cache or req.kept is not None:
-            return
+        if not self.prefix_cache or req.kept is not None or req.params.prompt_logprobs is not None:
+            return  # (prompt logprobs need every prompt token computed: a cached one has no logits)
         req.block_hashes = block_hashes(req.all_ids, self.pool.block_size, req.block_hashes, req.cache_salt)
         usable = (req.num_tokens - 1) // self.pool.block_size
         req.block_ids = self.pool.match_prefix(req.block_hashes[:usable])

@@ -81,6 +81,17 @@ def completion_logprobs(lps: Sequence[TokenLogprobs], text: TokenText, offset: i
     )
 
 
+def prompt_logprobs(out: RequestOutput, text: TokenText) -> r.PromptLogprobs | None:
+    if out.prompt_logprobs is None:
+        return None
+
+    def entry(lp: TokenLogprobs) -> dict[str, r.PromptLogprob]:
+        top = {str(t): r.PromptLogprob(logprob=v, rank=i + 1, decoded_token=text(t)[0]) for i, (t, v) in enumerate(lp.top)}
+        return {**top, str(lp.token): r.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=text(lp.token)[0])}
+
+    return [entry(lp) if lp is not None else None for lp in out.prompt_logprobs]
+
+
 def _calls_out(calls: Sequence[ToolCall]) -> list[r.ToolCallOut]:
     return [r.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=r.FunctionCallOut(name=c.name,
                                                                                          arguments=c.arguments))
@@ -109,6 +120,7 @@ def completion_choice(out: RequestOutput, text: TokenText) -> r.CompletionChoice
     return r.CompletionChoice(
         index=out.index, text=out.text, finish_reason=reason(out),
         logprobs=completion_logprobs(out.logprobs, text, 0) if out.logprobs is not None else None,
+        prompt_logprobs=prompt_logprobs(out, text),
     )
 
 

@@ -22,6 +22,7 @@ from kvtier.serve.choices import (
     TokenText,
     chat_choice,
     completion_choice,
+    prompt_logprobs,
     usage,
 )
 from kvtier.serve.context import ServerContext, get_context
@@ -136,7 +137,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     ids = await run_in_threadpool(chat_prompt, engine, body, tools)
     structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body, tools))
     prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
-    text = await _token_text(engine, body.logprobs)
+    text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "chat", received, request)
     base: dict[str, Any] = dict(
@@ -156,6 +157,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         return outs
     return r.ChatCompletion(
         **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text) for o in outs], usage=usage(outs),
+        prompt_logprobs=prompt_logprobs(outs[0], text),
     )
 
 
@@ -170,7 +172,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     ids = await run_in_threadpool(completion_prompt, engine, body)
     structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body))
     prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
-    text = await _token_text(engine, body.logprobs is not None)
+    text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = _start(ctx, prepared, body, rid, "completions", received, request)
     base: dict[str, Any] = dict(

@@ -177,6 +177,7 @@ def prepare(
             min_tokens=body.min_tokens or 0,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=body.num_logprobs,  # type: ignore[attr-defined]
+            prompt_logprobs=body.prompt_logprobs,
             n=body.n,
             structured=structured,
             seed=body.generator_seed(),

@@ -39,6 +39,19 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprob entry (keyed by token id as a string)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the likeliest
+    decoded_token: str
+
+
+# One entry per prompt token: null for the first (nothing precedes it), else the token's own entry
+# and its position's k likeliest.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class FunctionCallOut(BaseModel):
     name: str
     arguments: str  # a JSON object, as text
@@ -71,6 +84,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (vLLM's place for it)
 
 
 class ToolCallDelta(BaseModel):
@@ -116,6 +130,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason | None = None  # None on streamed chunks before the last
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (vLLM's place for it)
 
 
 class Completion(BaseModel):

@@ -164,7 +164,6 @@ class StructuredOutputs(BaseModel):
 # Fields of the OpenAI and vLLM APIs this server does not implement. Each is accepted only in its
 # neutral form and refused otherwise with a 400 naming it, never silently ignored.
 _REFUSED_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
@@ -228,7 +227,11 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice or grammar")
     grammar: str | None = Field(None, min_length=1, description="llama-server's: a GBNF grammar")
-    prompt_logprobs: int | None = _refused(_REFUSED_NEUTRAL["prompt_logprobs"], "not supported")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM's: each prompt token's logprob and rank, and the k likeliest (the prompt is computed, "
+        "not restored); not with stream",
+    )
     best_of: int | None = _refused(_REFUSED_NEUTRAL["best_of"], "not supported; use n")
     use_beam_search: bool | None = _refused(_REFUSED_NEUTRAL["use_beam_search"], "not supported")
     length_penalty: float | None = _refused(_REFUSED_NEUTRAL["length_penalty"], "beam search only; not supported")
@@ -260,6 +263,13 @@ class SamplingFields(BaseModel):
         if not any(_is_neutral(v, n) for n in neutral):
             raise ValueError(f"not supported by this server; leave it out (or send {neutral[-1]!r})")
         return None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt logprobs come in the whole response; ask without stream")
+        return v
 
     @field_validator("stream_options")
     @classmethod

@@ -45,6 +45,7 @@ EFFECT = {
     "n": "test_serve_sampling_fields.py::test_n_samples_are_the_seeded_single_requests",
     "logprobs": "test_serve_sampling_fields.py::test_streamed_n_samples_logprobs_and_continuous_usage",
     "top_logprobs": "test_serve_structured.py::test_chat_logprobs_in_openai_shape",
+    "prompt_logprobs": "test_serve_sampling_fields.py::test_prompt_logprobs_in_vllms_shape",
     "stream": "test_serve_openai.py::test_chat_stream_matches_plain",
     "stream_options": "test_serve_sampling_fields.py::test_streamed_n_samples_logprobs_and_continuous_usage",
     "response_format": "test_serve_structured.py::test_every_constraint_form_is_followed",
@@ -60,7 +61,7 @@ EFFECT = {
 }
 # Refused fields -> a value that is not their neutral one.
 NOT_NEUTRAL = {
-    "echo": True, "suffix": "and then", "prompt_logprobs": 1, "best_of": 2, "use_beam_search": True,
+    "echo": True, "suffix": "and then", "best_of": 2, "use_beam_search": True,
     "length_penalty": 0.5, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 5, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": 'root ::= "a"',

@@ -123,7 +123,7 @@ def test_streamed_n_samples_logprobs_and_continuous_usage(tiny_server):
 
 
 def test_refused_fields_name_themselves(tiny_server):
-    for field, value in [("use_beam_search", True), ("best_of", 3), ("prompt_logprobs", 1), ("top_k", -2),
+    for field, value in [("use_beam_search", True), ("best_of", 3), ("prompt_logprobs", 21), ("top_k", -2),
                          ("logit_bias", {"x": 1}), ("logit_bias", {"999999": 1}), ("stop_token_ids", [10**7]),
                          ("guided_json", {"type": "object"})]:
         r = _complete(tiny_server, **{field: value})
@@ -132,3 +132,18 @@ def test_refused_fields_name_themselves(tiny_server):
     ok = _complete(tiny_server, min_p=0, repetition_penalty=1, min_tokens=0, logit_bias={}, stop_token_ids=[],
                    top_k=-1, ignore_eos=False, use_beam_search=False, best_of=1, prompt_logprobs=None)
     assert ok.status_code == 200, ok.text
+
+
+def test_prompt_logprobs_in_vllms_shape(tiny_server):
+    got = _complete(tiny_server, prompt_logprobs=2, max_tokens=2).json()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(PROMPT) and got[0] is None
+    for token, entry in zip(PROMPT[1:], got[1:]):
+        assert str(token) in entry and 2 <= len(entry) <= 3  # the prompt token's own entry and the 2 likeliest
+        assert entry[str(token)]["rank"] >= 1 and entry[str(token)]["logprob"] <= 0
+        assert sorted(e["rank"] for t, e in entry.items() if t != str(token))[:2] == [1, 2]
+    chat = httpx.post(tiny_server.url + "/v1/chat/completions", json={
+        "model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+        timeout=60).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    streamed = _complete(tiny_server, prompt_logprobs=1, stream=True)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

@@ -39,6 +39,9 @@ class RunItem:
     start: int
     block_ids: Sequence[int]
     want_logits: bool
+    # Logits of every token of the run, not just the last (prompt logprobs); they come first among
+    # its rows, the last token's (when want_logits) among them.
+    all_logits: bool = False
     # Prefix tokens not in the request's slots (importance-only restore): position p sits in slot
     # p - dropped; RoPE still rotates at p. 0 for every exact request.
     dropped: int = 0
@@ -104,7 +107,7 @@ class StepBatch:
     # Exact attention: the padding rows of the decodes' gathered contexts (flat rows of the padded
     # [decodes * width] layout), zeroed after the gather (a stale slot may hold NaN).
     decode_padding: torch.Tensor | None = None
-    last_rows: torch.Tensor | None = None  # [runs wanting logits] row of each one's last token
+    last_rows: torch.Tensor | None = None  # [rows wanting logits]: each run's last token, every token of all_logits runs
     # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
     # padded [decodes * width] or packed layout), from which step rows (front runs; None: a FrontFeed),
     # and which rows' K/V enter the pool (None: all; front rows never do).
@@ -256,7 +259,8 @@ class ModelRunner:
                 front: _FrontLayout, ctx: tuple[range | torch.Tensor | None, ...]) -> StepBatch:
         """Every index tensor of the step in one host buffer, uploaded in one copy, then split."""
         writing = [(it, n) for it, n in zip(items, lens) if it.front_of is None]
-        last = [offsets[i + 1] - 1 for i, it in enumerate(items) if it.want_logits]
+        last = [r for i, it in enumerate(items) for r in (range(offsets[i], offsets[i + 1]) if it.all_logits
+                                                           else [offsets[i + 1] - 1] if it.want_logits else [])]
         host = [
             torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),  # ids
             torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]),  # positions
@@ -385,7 +389,8 @@ class ModelRunner:
         every_token: bool = False,
         fed: FrontFeed | None = None,
     ) -> torch.Tensor:
-        """Run one step. Returns fp32 logits [num items with want_logits, vocab] (last token of each;
+        """Run one step. Returns fp32 logits [rows, vocab]: the last token of each item with
+        want_logits, every token of each item with all_logits, in item order (
         with `every_token`, [tokens, vocab] for every token of the step: scoring a continuation).
 
         `layers` limits the pass to a prefix of the layers (restoring by recomputing the first
