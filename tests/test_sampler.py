@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from kvtier.engine.penalties import Seen
 from kvtier.engine.request import GrammarSpec, SamplingParams
 from kvtier.engine.sampler import Row, make_generator, process, sample_batch, warp
 from kvtier.engine.structured import Grammars
@@ -29,9 +30,9 @@ def _logits(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def _row(prompt=(1, 2, 3), output=(), constraint=None, **kw) -> Row:
+def _row(prompt=(1, 2, 3), output=(), constraint=None, seen=None, **kw) -> Row:
     p = SamplingParams(**kw)
-    return Row(p, make_generator(p, CPU), list(prompt), list(output), constraint)
+    return Row(p, make_generator(p, CPU), list(prompt), list(output), constraint, seen)
 
 
 def test_repetition_penalty_equals_transformers():
@@ -146,3 +147,17 @@ def test_the_grammar_mask_allows_only_what_the_matcher_allows(tokenizer):
     c.accept(allowed[0])  # the mask moves with the matcher: a second "{" is no longer allowed
     again = torch.isfinite(process(x, [_row(constraint=c)], ())[0]).nonzero().flatten().tolist()
     assert again and not set(again) & set(allowed)
+
+
+def test_penalties_kept_across_steps_equal_those_built_from_scratch():
+    """The engine keeps each sequence's seen tokens across steps (penalties.Seen); adding tokens one
+    by one gives bit for bit what a fresh build from the prompt and output gives."""
+    x = _logits(1, seed=6)
+    prompt, output = [4, 9, 9, 17, 250], [250, 4, 33, 33, 7]
+    kw = dict(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2)
+    seen = Seen(prompt)
+    for t in output:
+        seen.add(t)
+    kept = process(x, [_row(prompt, output, seen=seen, **kw)], ())
+    assert torch.equal(kept, process(x, [_row(prompt, output, **kw)], ()))
+    assert not torch.equal(kept, x)

@@ -23,6 +23,7 @@ from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
 from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
 from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
+from kvtier.engine.penalties import Seen
 from kvtier.engine.request import Request, RequestMetrics, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, sample_batch, score
@@ -104,6 +105,7 @@ class _Live:
     forks: int = 0  # samples still to start from this one's prefill (n - 1 until its first token)
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    seen: Seen | None = None  # penalties: the tokens it has seen, kept across steps
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
@@ -334,8 +336,10 @@ class Engine:
         batch = []
         for rid, _ in draws:
             live = self._live[rid]
+            if live.req.params.penalized and live.seen is None:
+                live.seen = Seen(live.req.prompt_ids, live.req.output_ids, logits.device)
             batch.append(Row(live.req.params, live.generator, live.req.prompt_ids, live.req.output_ids,
-                             live.constraint))
+                             live.constraint, live.seen))
         at = torch.tensor([row for _, row in draws], device=logits.device)
         got = sample_batch(logits.index_select(0, at), batch, self.eos_ids)
         return {rid: g for (rid, _), g in zip(draws, got)}
@@ -363,6 +367,8 @@ class Engine:
             live.logprobs.append(sampled.logprobs)
         if live.constraint is not None:
             live.constraint.accept(token)
+        if live.seen is not None:
+            live.seen.add(token)
         status = self._check_stop(live, token)
         self.link.step_side.after_step(req, finished=status is not None)
         if status is not None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from llguidance.torch import apply_token_bitmask_inplace
 
+from kvtier.engine.penalties import Seen, penalize
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.structured import Constraint, allocate_bitmask
 
@@ -43,6 +44,7 @@ class Row:
     prompt: Sequence[int]
     output: Sequence[int]
     constraint: Constraint | None = None
+    seen: Seen | None = None  # kept across steps by the engine; built from prompt and output if None
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def process(logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[int]
     greedy rows take the argmax of)."""
     x = logits.clone()  # logits stay raw for logprobs
     _bias_and_masks(x, rows, stop_ids)
-    _penalize(x, rows)
+    penalize(x, [(i, r.params, r.seen if r.seen is not None else Seen(r.prompt, r.output, x.device))
+                 for i, r in enumerate(rows) if r.params.penalized])
     return x
 
 
@@ -146,35 +149,6 @@ def _bias_and_masks(x: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[i
         for i, c in constrained:
             c.fill_mask(mask, i)
         apply_token_bitmask_inplace(x, mask.to(x.device, non_blocking=True))
-
-
-def _penalize(x: torch.Tensor, rows: Sequence[Row]) -> None:
-    """In place on x [n, vocab]: repetition over prompt + output, frequency and presence over output."""
-    pen = [i for i, r in enumerate(rows) if r.params.penalized]
-    if not pen:
-        return
-    dev = x.device
-    _, vocab = x.shape
-    idx = torch.tensor(pen, device=dev)
-    sub = x.index_select(0, idx)  # [m, vocab]
-    counts = _counts([rows[i].output for i in pen], vocab, dev)  # [m, vocab] output occurrences
-    seen = _counts([rows[i].prompt for i in pen], vocab, dev).bool() | (counts > 0)  # [m, vocab]
-    rep = torch.tensor([rows[i].params.repetition_penalty for i in pen], device=dev)[:, None]
-    freq = torch.tensor([rows[i].params.frequency_penalty for i in pen], device=dev)[:, None]
-    pres = torch.tensor([rows[i].params.presence_penalty for i in pen], device=dev)[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * counts - pres * (counts > 0).float()
-    x.index_copy_(0, idx, sub)
-
-
-def _counts(seqs: Sequence[Sequence[int]], vocab: int, dev: torch.device) -> torch.Tensor:
-    """[len(seqs), vocab] fp32: how often each token occurs in each sequence."""
-    lens = torch.tensor([len(s) for s in seqs])
-    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)
-    counts = torch.zeros(len(seqs), vocab)
-    counts.index_put_((rows, flat), torch.ones(len(flat)), accumulate=True)
-    return counts.to(dev, non_blocking=True)
 
 
 def warp(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
