@@ -102,6 +102,8 @@ def read_calls(text: str, tools: ToolSetup | None, parallel: bool) -> tuple[str 
     """The content and the tool calls of a finished sample's text."""
     if tools is None or tools.mode == "none":
         return text, []
+    if tools.strict and not text.startswith("<" if tools.family == "hermes" else ("{", "<")):
+        return text, []  # the grammar let it answer in text: a call written later was not checked
     content, calls = parse_tool_calls(text, tools.family, tools.names)
     return content, calls[:1] if not parallel else calls
 

@@ -42,12 +42,21 @@ class ToolSetup:
     family: ToolFamily
     names: tuple[str, ...]
     tools: list[dict[str, Any]]
+    # tool_choice auto with a strict function: a grammar keeps the output to plain text or a call
+    # that follows its schema, so only a call at the very start is one.
+    strict: bool = False
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named") or self.strict
 
 
 def tool_setup(engine: Engine, body: ChatCompletionRequest) -> ToolSetup:
     template = getattr(engine.model.tokenizer, "chat_template", None)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-    return ToolSetup(body.tool_mode, tool_family(template), tuple(t["function"]["name"] for t in tools), tools)
+    strict = body.tool_mode == "auto" and any(t.function.strict for t in body.tools or [])
+    return ToolSetup(body.tool_mode, tool_family(template), tuple(t["function"]["name"] for t in tools), tools,
+                     strict)
 
 
 def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -> list[int]:
@@ -74,10 +83,11 @@ def completion_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
 
 def grammar_spec(body: SamplingFields, tools: ToolSetup | None = None) -> tuple[GrammarSpec, str] | None:
     """The constraint a request asks for, and the field that asked (for errors), or None."""
-    if tools is not None and tools.mode in ("required", "named"):
+    if tools is not None and tools.constrained:
         assert isinstance(body, ChatCompletionRequest)
         name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-        return GrammarSpec("lark", forced_grammar(tools.tools, name, tools.family)), "tool_choice"
+        grammar = forced_grammar(tools.tools, name, tools.family, optional=tools.strict)
+        return GrammarSpec("lark", grammar), "tools" if tools.strict else "tool_choice"
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type == "json_object":
         return GrammarSpec("json_object", ""), "response_format"

@@ -103,7 +103,10 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
-    strict: bool | None = Field(None, description="accepted; calls forced by tool_choice always follow the schema")
+    strict: bool | None = Field(
+        None, description="true: with tool_choice auto, the answer is text or a call that follows the schema "
+        "(required and named calls always do)",
+    )
 
 
 class Tool(BaseModel):
@@ -327,10 +330,12 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice required or a named function needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        forced = choice not in (None, "none", "auto")
-        if forced and any(getattr(self, f) is not None for f in ("structured_outputs", "grammar")) or (
-                forced and self.response_format is not None and self.response_format.type != "text"):
-            raise ValueError("a forced tool_choice already constrains the output; drop response_format")
+        strict = self.tool_mode == "auto" and any(t.function.strict for t in self.tools or [])
+        constrained = choice not in (None, "none", "auto") or strict
+        if constrained and (any(getattr(self, f) is not None for f in ("structured_outputs", "grammar")) or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("a forced tool_choice or a strict tool already constrains the output; drop "
+                             "response_format / structured_outputs / grammar")
         return self
 
     def requested_max_tokens(self) -> int | None:

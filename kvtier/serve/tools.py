@@ -270,11 +270,12 @@ def _prefix_or_starts(head: str, tag: str) -> bool:
 # ----- forcing a call: llguidance grammars -------------------------------------------------------
 
 
-def forced_grammar(tools: list[dict[str, Any]], choice: str | None, family: ToolFamily) -> str:
+def forced_grammar(tools: list[dict[str, Any]], choice: str | None, family: ToolFamily, optional: bool = False) -> str:
     """A Lark grammar (llguidance dialect) whose only sentences are one call in the family's format.
 
     `choice` None means tool_choice "required": a call to any of the tools; otherwise a call to that function.
-    The call's JSON is checked against the tool's parameters schema by llguidance's %json rule.
+    The call's JSON is checked against the tool's parameters schema by llguidance's %json rule. `optional`
+    (tool_choice "auto" with strict tools): a call, or text that does not begin like one.
     """
     functions = [tool["function"] for tool in tools]
     if choice is not None:
@@ -288,6 +289,9 @@ def forced_grammar(tools: list[dict[str, Any]], choice: str | None, family: Tool
     rules = [f"call_{i}: %json {json.dumps(_call_schema(f, key), ensure_ascii=False)}" for i, f in enumerate(functions)]
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
     start = 'start: "<tool_call>\\n" call "\\n</tool_call>"' if family == "hermes" else "start: call"
+    if optional:  # text may not begin with "<" (Hermes' tag) or, for Llama 3, "{" (a call) or "<" (its tag)
+        start = start.replace("start: ", "start: TEXT | ") + "\nTEXT: " + (
+            "/[^<][\\s\\S]*/" if family == "hermes" else "/[^{<][\\s\\S]*/")
     return "\n".join([start, call, *rules]) + "\n"
 
 

@@ -98,3 +98,16 @@ def test_forced_calls_on_the_random_model_parse_and_parallel_false_keeps_one(tin
     two = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "f", ' \
           '"arguments": {"x": 2}}\n</tool_call>'
     assert len(read_calls(two, setup, parallel=True)[1]) == 2 and len(read_calls(two, setup, parallel=False)[1]) == 1
+
+
+def test_a_strict_tool_in_auto_mode_answers_text_or_a_valid_call(tiny_server):
+    strict = {"type": "function", "function": {**TOOL["function"], "strict": True}}
+    r = _chat(tiny_server, tools=[strict], temperature=1.0, seed=2, max_tokens=60, n=6).json()
+    for choice in r["choices"]:
+        if choice["finish_reason"] == "tool_calls":
+            (call,) = choice["message"]["tool_calls"]
+            assert json.loads(call["function"]["arguments"])["x"] in range(10)
+        else:  # text: the grammar let nothing begin like a call
+            assert not choice["message"]["content"].startswith("<"), choice
+    both = _chat(tiny_server, tools=[strict], response_format={"type": "json_object"})
+    assert both.status_code == 400  # two constraints on one output

@@ -336,3 +336,12 @@ def test_forced_grammar_refuses_an_unknown_choice():
         forced_grammar([], None, "hermes")
 
 
+
+
+def test_optional_call_grammar_allows_text_or_a_valid_call(ll_tok, tok):
+    """tool_choice auto with a strict tool: plain text, or a call that follows the schema."""
+    grammar = forced_grammar(TOOLS, None, "hermes", optional=True)
+    assert matches(grammar, ll_tok, tok, "It is sunny in Paris today.")
+    assert matches(grammar, ll_tok, tok, hermes({"name": "get_weather", "arguments": {"city": "Paris"}}))
+    assert not matches(grammar, ll_tok, tok, hermes({"name": "get_weather", "arguments": {"town": "Paris"}}))
+    assert not matches(grammar, ll_tok, tok, "<b>bold</b> text")
