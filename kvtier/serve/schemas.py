@@ -360,6 +360,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
         d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text() if m.content is not None else None}
+        if m.name is not None:  # the template decides what a participant's name changes (most ignore it)
+            d["name"] = m.name
         if m.tool_calls:
             d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
