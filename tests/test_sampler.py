@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 from kvtier.engine.penalties import Seen
 from kvtier.engine.request import GrammarSpec, SamplingParams
 from kvtier.engine.sampler import Row, make_generator, process, sample_batch, warp
-from kvtier.engine.structured import Grammars
+from kvtier.engine.structured import Grammars, apply_bitmask
 from kvtier.models.loading import load_model
 
 VOCAB = 300
@@ -161,3 +161,15 @@ def test_penalties_kept_across_steps_equal_those_built_from_scratch():
     kept = process(x, [_row(prompt, output, seen=seen, **kw)], ())
     assert torch.equal(kept, process(x, [_row(prompt, output, **kw)], ()))
     assert not torch.equal(kept, x)
+
+
+def test_the_bitmask_is_applied_as_llguidance_applies_it():
+    from llguidance.torch import apply_token_bitmask_inplace
+
+    x = _logits(3, seed=11)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, (VOCAB + 31) // 32), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(2))
+    ours, theirs = x.clone(), x.clone()
+    apply_bitmask(ours, mask)
+    apply_token_bitmask_inplace(theirs, mask)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()

@@ -178,3 +178,26 @@ def test_a_sample_with_no_free_block_waits_and_prefills_itself(tiny_bf16):
     assert second.output_ids == alone.output_ids
     assert [x.logprob for x in second.logprobs] == [x.logprob for x in alone.logprobs]
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_grammar_that_fails_mid_sequence_aborts_and_ids_may_not_name_samples():
+    """A grammar llguidance compiles but cannot follow (over its limits) ends the request as an
+    error, never as a "stop" whose text would look complete; '#' is kept for n > 1 sample ids."""
+    engine = Engine(load_model("tiny-gqa"), EngineConfig(kv_cache_bytes=16 << 20, max_model_len=256))
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=1.0, seed=1,
+                                                      structured=GrammarSpec("regex", "a{99999999}")))[0]
+    assert out.finish_reason == "abort"
+    assert engine.pool.num_free == engine.pool.num_blocks
+    with pytest.raises(ValueError, match="'#'"):
+        engine.add_request([5, 6], request_id="mine#1")
+
+
+def test_samples_keep_to_the_batch_cap(tiny_bf16):
+    engine = Engine(tiny_bf16, EngineConfig(kv_cache_bytes=8 << 20, max_model_len=256, max_num_seqs=2))
+    for seed in range(3):
+        engine.add_request([5, 17, 301, 42, 9] * 4, SamplingParams(n=3, seed=seed, max_tokens=4, temperature=1.0))
+    finished = 0
+    while engine.has_work():
+        finished += sum(o.finished for o in engine.step())
+        assert len(engine.scheduler.running) + len(engine.scheduler.restoring) <= 2
+    assert finished == 9 and engine.pool.num_free == engine.pool.num_blocks

@@ -44,6 +44,8 @@ class PromptError(ValueError):
 
 FinishReason = Literal["stop", "length", "abort"]
 
+_SCORE_ROWS = 256  # prompt rows scored per call: each call copies [rows, vocab] a few times
+
 _FINISH_REASON: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -106,15 +108,17 @@ class _Live:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     seen: Seen | None = None  # penalties: the tokens it has seen, kept across steps
+    group: str = ""  # n > 1: the request's own id (its samples' key in Engine._samples)
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
 
 
-def _scores_prompt(req: Request, start: int) -> bool:
-    """Whether a run of `req` from `start` needs the logits of every token: it asked for prompt
-    logprobs and the run predicts prompt tokens not yet scored."""
-    return req.params.prompt_logprobs is not None and start < len(req.prompt_ids) - 1
+def _scores_prompt(live: _Live, start: int) -> bool:
+    """Whether a run from `start` needs the logits of every token: its request asked for prompt
+    logprobs, some are not scored yet, and the run predicts prompt tokens."""
+    scored = live.prompt_logprobs
+    return scored is not None and len(scored) < len(live.req.prompt_ids) and start < len(live.req.prompt_ids) - 1
 
 
 def sample_id(request_id: str, index: int) -> str:
@@ -242,6 +246,8 @@ class Engine:
             source, kept = ids, kept_positions(len(ids), limit, self.truncation)
             ids = [ids[i] for i in kept]
         self.validate(ids)
+        if request_id is not None and "#" in request_id:
+            raise PromptError("a request id may not contain '#': it names the samples of an n > 1 request")
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, session_id=session_id, cache_salt=cache_salt or "", source_ids=source,
                       kept=kept)
@@ -276,7 +282,8 @@ class Engine:
             return None, {}
         reqs = [self._live[c.request_id].req for c in out.chunks]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
-                         all_logits=_scores_prompt(r, c.start), dropped=r.dropped, front=r.front)
+                         all_logits=_scores_prompt(self._live[c.request_id], c.start), dropped=r.dropped,
+                         front=r.front)
                  for r, c in zip(reqs, out.chunks)]
         ids = [c.request_id for c in out.chunks]
         fronts = self.partial.step_fronts(items, reqs)
@@ -294,7 +301,7 @@ class Engine:
         for c in out.chunks:  # the runner's rows, in run order (see RunItem.all_logits)
             live = self._live[c.request_id]
             req = live.req
-            if _scores_prompt(req, c.start):
+            if _scores_prompt(live, c.start):
                 assert live.prompt_logprobs is not None
                 if c.request_id not in void:  # row r predicts token p + 1; a recompute skips scored ones
                     first = max(c.start, len(live.prompt_logprobs) - 1)
@@ -347,12 +354,14 @@ class Engine:
     def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[_Live, int, int]]) -> None:
         """Prompt logprobs of this step's prompt rows, in one call (one more transfer, only in
         steps that compute prompt tokens of such requests)."""
-        at = torch.tensor([r for _, r, _ in scored], device=logits.device)
-        targets = torch.tensor([lv.req.prompt_ids[i] for lv, _, i in scored], device=logits.device)
-        wants = [lv.req.params.prompt_logprobs for lv, _, _ in scored]
-        for (live, _, _), lp in zip(scored, score(logits.index_select(0, at), targets, wants, rank=True)):
-            assert live.prompt_logprobs is not None
-            live.prompt_logprobs.append(lp)
+        for s in range(0, len(scored), _SCORE_ROWS):  # bounded copies of [rows, vocab]
+            part = scored[s : s + _SCORE_ROWS]
+            at = torch.tensor([r for _, r, _ in part], device=logits.device)
+            targets = torch.tensor([lv.req.prompt_ids[i] for lv, _, i in part], device=logits.device)
+            wants = [lv.req.params.prompt_logprobs for lv, _, _ in part]
+            for (live, _, _), lp in zip(part, score(logits.index_select(0, at), targets, wants, rank=True)):
+                assert live.prompt_logprobs is not None
+                live.prompt_logprobs.append(lp)
 
     def _accept(self, live: _Live, sampled: Sampled, now: float) -> RequestOutput:
         """Append a sampled token to its request, stop it if it should, and emit its output."""
@@ -370,6 +379,10 @@ class Engine:
         if live.seen is not None:
             live.seen.add(token)
         status = self._check_stop(live, token)
+        if live.constraint is not None and (error := live.constraint.error) is not None:
+            # Never a "stop": the output would look complete and not follow its grammar.
+            log.warning("request %s: the grammar engine failed (%s); ending the request", req.request_id, error)
+            status = RequestStatus.FINISHED_ABORTED
         self.link.step_side.after_step(req, finished=status is not None)
         if status is not None:
             self.scheduler.finish(req, status)
@@ -390,7 +403,8 @@ class Engine:
                 child, Detokenizer(self.model.tokenizer, req.params.stop), make_generator(req.params, self.device, i),
                 parent.on_output, parent.constraint.fork() if parent.constraint is not None else None, index=i,
                 logprobs=[] if req.params.logprobs is not None else None,
-                prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
+                prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+                group=req.request_id)
             self._samples.setdefault(req.request_id, {req.request_id}).add(child.request_id)
             copy = self.scheduler.fork(req, child)
             if copy is None:
@@ -435,7 +449,8 @@ class Engine:
                 detok = Detokenizer(self.model.tokenizer, p.stop)
                 self._live[req.request_id] = _Live(req, detok, make_generator(p, self.device), cb, constraint,
                                                    forks=p.n - 1, logprobs=[] if p.logprobs is not None else None,
-                                                   prompt_logprobs=[None] if p.prompt_logprobs is not None else None)
+                                                   prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
+                                                   group=req.request_id)
                 self.scheduler.add(req)
                 continue
             for rid in sorted(self._samples.pop(arg, set()) | {arg}):  # an n > 1 request's samples end together
@@ -482,11 +497,10 @@ class Engine:
         live.delta_text, live.delta_ids = "", []
         if out.finished:
             del self._live[req.request_id]
-            group = req.request_id.partition("#")[0]
-            if (samples := self._samples.get(group)) is not None:
+            if (samples := self._samples.get(live.group)) is not None:
                 samples.discard(req.request_id)
                 if not samples:
-                    del self._samples[group]
+                    del self._samples[live.group]
             self.partial.forget(req.request_id)
         if live.on_output is not None:
             live.on_output(out)

@@ -26,11 +26,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
-from llguidance.torch import apply_token_bitmask_inplace
 
 from kvtier.engine.penalties import Seen, penalize
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.structured import Constraint, allocate_bitmask
+from kvtier.engine.structured import Constraint, allocate_bitmask, apply_bitmask
 
 _TINY = torch.finfo(torch.float32).tiny  # an exponential draw of exactly 0 would give log 0
 
@@ -148,7 +147,7 @@ def _bias_and_masks(x: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[i
         mask = allocate_bitmask(n, vocab)  # [n, ceil(vocab / 32)] int32, host
         for i, c in constrained:
             c.fill_mask(mask, i)
-        apply_token_bitmask_inplace(x, mask.to(x.device, non_blocking=True))
+        apply_bitmask(x, mask)
 
 
 def warp(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -307,11 +307,13 @@ class Scheduler:
     def fork(self, parent: Request, child: Request) -> tuple[int, int, int] | None:
         """Start `child` (the same prompt) where `parent` stands after its prefill: its full
         blocks shared, its partial last block to be copied. -> (src, dst, tokens) of that copy
-        ((-1, -1, 0) when there is none), or None when no block is free (the child then waits
-        and prefills like any request, taking the published prefix from the device cache)."""
+        ((-1, -1, 0) when there is none), or None when no block is free or the batch is full (the
+        child then waits and prefills like any request, taking the published prefix from the
+        device cache)."""
         bs = self.pool.block_size
         full, tail = divmod(parent.num_computed, bs)
-        if parent.front or parent.dropped or parent.approximate or (tail and not self.pool.num_free):
+        if parent.front or parent.dropped or parent.approximate or (tail and not self.pool.num_free) or \
+                len(self.running) + len(self.restoring) >= self.max_num_seqs:
             return None
         self.pool.share(parent.block_ids[:full])
         child.block_ids = parent.block_ids[:full] + (self.pool.allocate(1) if tail else [])

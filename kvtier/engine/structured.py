@@ -45,8 +45,13 @@ class Constraint:
 
     @property
     def done(self) -> bool:
-        """The grammar is complete (or the matcher failed): nothing more may be generated."""
-        return bool(self._m.is_stopped() or self._m.is_error())
+        """The grammar is complete: nothing more may be generated."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed mid-sequence (a grammar too large for its limits), or None."""
+        return str(self._m.get_error()) if self._m.is_error() else None
 
     def fork(self) -> Constraint:
         """An independent copy at the same place (the other samples of an n > 1 request)."""
@@ -113,3 +118,12 @@ def _gbnf_to_lark(text: str) -> str:
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(vocab / 32)] int32, every token allowed (rows without a constraint stay so)."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on x [rows, vocab]: tokens whose bit is clear go to -inf. Plain tensor ops (llguidance's
+    own helper is torch.compile'd: seconds of compile on the step thread, and no compiler, no step)."""
+    rows, vocab = x.shape
+    shifts = torch.arange(32, device=x.device, dtype=torch.int32)
+    bits = (bitmask.to(x.device, non_blocking=True)[:, :, None] >> shifts) & 1  # [rows, words, 32]
+    x.masked_fill_(bits.reshape(rows, -1)[:, :vocab] == 0, float("-inf"))

@@ -153,7 +153,11 @@ class Generation:
                 self.metrics.finished.labels(self.endpoint, "error").inc()
             return
         self.metrics.finished.labels(self.endpoint, out.finish_reason or "stop").inc()
-        self.metrics.observe_finished(self.endpoint, out)
+        # The prompt and its reuse once (sample 0 computed or restored it; the others forked from
+        # it), the generated tokens of every sample.
+        first = self.finals.get(0, out)
+        self.metrics.observe_finished(self.endpoint, first)
+        self.metrics.generation_tokens.inc(sum(len(o.output_ids) for i, o in self.finals.items() if i != first.index))
 
 
 async def wait_for_disconnect(request: Request) -> None:
