@@ -33,14 +33,15 @@ class Detokenizer:
     _ahead: int = 0  # characters of the tentative text already released (then _pending is empty)
     _tentative: str = ""  # text of ids[_read:] that may still change (ends in an incomplete character)
 
-    def add(self, token_id: int) -> str:
-        """Append a token; return newly released text. Sets `stopped` when a stop string appears."""
+    def add(self, token_id: int, check_stop: bool = True) -> str:
+        """Append a token; return newly released text. Sets `stopped` when a stop string appears
+        (`check_stop` False: not yet, as before min_tokens; text released meanwhile is not searched again)."""
         self._ids.append(token_id)
         if self.tokenizer is None:
             return ""
         self._advance()
         rest = self._pending + self._tentative[self._ahead:]  # the decode from len(self.text) on
-        for s in self.stop:
+        for s in self.stop if check_stop else ():
             # A stop string cannot start in released text: every release holds back len(s) - 1 characters.
             idx = rest.find(s)
             if idx != -1:

@@ -463,7 +463,8 @@ class Engine:
         req = live.req
         if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        live.delta_text += live.detok.add(token)
+        # Stop strings count from min_tokens on, as vLLM checks them.
+        live.delta_text += live.detok.add(token, check_stop=len(req.output_ids) > req.params.min_tokens)
         if live.detok.stopped or (live.constraint is not None and live.constraint.done):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:

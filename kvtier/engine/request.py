@@ -54,7 +54,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens exist
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings are held back until this many tokens exist
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (as EOS does; not in the text)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k likeliest
     # None: none; k >= 0: every prompt token's logprob (after the first), rank and the k likeliest.

@@ -68,6 +68,10 @@ def test_stop_token_ids_stop_and_min_tokens_holds_them_back(tiny_server, greedy_
     held = _complete(tiny_server, temperature=0, stop_token_ids=[stop], min_tokens=5, logprobs=0).json()
     assert len(held["choices"][0]["logprobs"]["tokens"]) >= 5
     assert held["usage"]["completion_tokens"] >= 5
+    word = tiny_server.engine.model.tokenizer.decode([stop])  # the same token's text as a stop string
+    assert _complete(tiny_server, temperature=0, stop=[word]).json()["choices"][0]["text"] == ""
+    late = _complete(tiny_server, temperature=0, stop=[word], min_tokens=3).json()["choices"][0]
+    assert late["finish_reason"] == "stop" and late["text"].startswith(word * 3)
 
 
 @pytest.mark.parametrize(("given", "top_k"), [(None, 0), (-1, 0), (0, 0), (1, 1), (50, 50)])
