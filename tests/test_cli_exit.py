@@ -49,7 +49,7 @@ def busy_cpu():
 def test_generate_exits_cleanly_under_contention_and_saves(tmp_path, busy_cpu):
     home, store = tmp_path / "home", tmp_path / "store"
     seen = 0
-    for i in range(4):
+    for i in range(2):  # the second run also exits while the first one's state is on disk
         proc = _generate(home, store, f"Run {i}. {PROMPT}", "--max-tokens", "8")
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
