@@ -74,8 +74,11 @@ def _generate(lm, prompts, partial: PartialConfig | None, max_tokens: int = 32):
         return [o.output_ids for o in outs], eng
 
 
-@pytest.mark.parametrize("model_name", ["tiny_mha", "tiny_gqa", "smollm2_fp32"])
-@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.9])
+# Every ratio on the tiny models; the real model (seconds a case) at the two extremes.
+@pytest.mark.parametrize(("model_name", "ratio"), [
+    (m, r) for m in ("tiny_mha", "tiny_gqa", "smollm2_fp32") for r in (0.1, 0.5, 0.9)
+    if not (m == "smollm2_fp32" and r == 0.5)
+])
 def test_engine_partial_caching_generates_the_same_tokens(model_name, ratio, request):
     """fp32, 32 greedy tokens of three prompts: fronts of `ratio` of each request's length
     (growing as it decodes), recomputed every step, equal full caching's tokens."""
