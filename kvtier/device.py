@@ -48,7 +48,8 @@ def describe(device: torch.device) -> str:
     return f"{p.name} sm{p.major}{p.minor} cuda{torch.version.cuda}"
 
 
+DEVICE_HELP = "where the model, KV pool and restores run: auto (CUDA when available), cpu, cuda, cuda:N"
+
+
 def add_device_argument(p) -> None:  # an argparse parser or argument group
-    p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help="where the model, KV pool and restores run: auto (CUDA when available), cpu, cuda, "
-                        "cuda:N (default: auto)")
+    p.add_argument("--device", default="auto", metavar="DEVICE", help=f"{DEVICE_HELP} (default: auto)")

@@ -127,10 +127,14 @@ def test_pool_holds_only_the_cached_tail(tiny_gqa):
 def test_cli_options_build_the_config():
     import argparse
 
-    from kvtier.cli.engine_args import add_partial_arguments, partial_from_args
+    from kvtier.cli.engine_args import EngineOptions, add_engine_arguments
 
     p = argparse.ArgumentParser()
-    add_partial_arguments(p)
+    add_engine_arguments(p)
+
+    def partial_from_args(args):
+        return EngineOptions.from_args(args).partial()
+
     assert partial_from_args(p.parse_args([])) is None
     cfg = partial_from_args(p.parse_args(["--tpot-slo-ms", "60", "--front-swap-gb", "0.5"]))
     assert cfg == PartialConfig(policy="optimizer", tpot_slo_s=0.06, swap_bytes=1 << 29)

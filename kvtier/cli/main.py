@@ -11,7 +11,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtier.cli.engine_args import add_engine_arguments, add_model_arguments, build_engine_from_args
+from kvtier.cli.engine_args import EngineOptions, add_engine_arguments, add_model_arguments, build_engine_from_args
+from kvtier.cli.options import apply_sources
+from kvtier.cli.serve import LOG_LEVELS, ServeOptions
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
 from kvtier.models.config import UnsupportedModelError
@@ -20,8 +22,8 @@ from kvtier.store.redact import redact
 
 # Errors that are the user's to fix: printed as one line, exit code 2, no traceback. ConnectionError: a
 # store tier unreachable at startup (a Redis down, a wrong password).
-USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, FileNotFoundError,
-               ConnectionError)
+# OSError: a file or directory the user named cannot be read or written.
+USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, OSError)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,7 +217,8 @@ def _bench_registrations() -> list[Callable[[argparse._SubParsersAction], object
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", dest="global_log_level", type=str.lower, choices=LOG_LEVELS, default=None,
+                        help="logging level (default: warning; info for serve, which also takes --log-level)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -266,11 +269,14 @@ def exit_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     exit_on_sigterm()
     try:
+        apply_sources(args, known=(EngineOptions, ServeOptions))  # $KVTIER_* and --config under the flags
+        # One level for the whole program: `kvtier --log-level X`, else the command's own (serve's
+        # --log-level, default info), else warning.
+        args.log_level = args.global_log_level or getattr(args, "log_level", None) or "warning"
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
         print(f"error: {redact(e)}", file=sys.stderr)  # a store spec in it loses its Redis password

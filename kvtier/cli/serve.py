@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cli.engine_args import (
+    EngineOptions,
     add_engine_arguments,
-    build_engine_from_args,
     non_negative_int,
     positive_float,
     positive_int,
-    reuse_from_args,
 )
+from kvtier.cli.options import add_options, from_args, option
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
 from kvtier.store.redact import redact
 
@@ -39,39 +39,51 @@ def _port(text: str) -> int:
     return value
 
 
+SESSIONS, HTTP = "sessions", "HTTP"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's own options (the engine's are EngineOptions): flags, --config keys and
+    KVTIER_<NAME> environment variables, as every option (kvtier/cli/options.py)."""
+
+    session_ttl: float | None = option(None, SESSIONS, "delete what a session (the request's prompt_cache_key) saved "
+                                       "once it has been idle this long; chunks other live sessions share are kept",
+                                       type=positive_float, metavar="SECONDS", default_text="keep until evicted")
+    max_queued_requests: int = option(256, SESSIONS, "requests that may wait beyond the running batch; more get 429 "
+                                      "with Retry-After", type=non_negative_int)
+    host: str = option("127.0.0.1", HTTP, "address to bind; use 0.0.0.0 to accept remote clients")
+    port: int = option(8000, HTTP, "port to bind", type=_port)
+    api_key: str | None = option(None, HTTP, "require 'Authorization: Bearer KEY' on every path but /health; the "
+                                 f"key's tenant is 'default' (default: ${API_KEY_ENV}, else no key)", secret=True)
+    api_keys: str | None = option(None, HTTP, "several keys: one 'TENANT KEY' pair per line ('#' comment lines and "
+                                  "blank lines ignored); each tenant's cached prompt state is its own (instead of "
+                                  "--api-key)", metavar="FILE", default_text="none")
+    metrics_public: bool = option(False, HTTP, "leave /metrics open without a key (for Prometheus scrapers)")
+    shared_cache: bool = option(False, HTTP, "let tenants share cached prompt state: more reuse, but a tenant can tell "
+                                "from timing or cached_tokens whether another tenant sent a prompt")
+    served_model_name: str | None = option(None, HTTP, "model id clients send and /v1/models lists",
+                                           default_text="the --model value")
+    max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, HTTP, "larger request bodies get 413", type=positive_int)
+    default_max_tokens: int | None = option(None, HTTP, "completion limit when a request sets none",
+                                            type=positive_int, default_text="the rest of the context window")
+    log_level: str = option("info", HTTP, "server and access log level", type=str.lower, choices=LOG_LEVELS)
+
+    def serve_config(self) -> ServeConfig:
+        """The validated server settings (the --api-keys file is read here)."""
+        from kvtier.serve.api_keys import load_api_keys
+
+        return ServeConfig(
+            served_model_name=self.served_model_name, api_key=self.api_key,
+            api_keys=load_api_keys(self.api_keys) if self.api_keys else {}, metrics_public=self.metrics_public,
+            shared_cache=self.shared_cache, max_body_bytes=self.max_body_bytes,
+            default_max_tokens=self.default_max_tokens, max_queued_requests=self.max_queued_requests,
+        )
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    g = p.add_argument_group("sessions")
-    g.add_argument("--session-ttl", type=positive_float, default=None, metavar="SECONDS",
-                   help="delete what a session (the request's prompt_cache_key) saved once it has been idle this "
-                        "long; chunks other live sessions share are kept (default: keep until evicted)")
-    g.add_argument("--max-queued-requests", type=non_negative_int, default=256,
-                   help="requests that may wait beyond the running batch; more get 429 with Retry-After "
-                        "(default: %(default)s)")
-
-    g = p.add_argument_group("HTTP")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
-    g.add_argument("--port", type=_port, default=8000, help="port to bind (default: %(default)s)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help="require 'Authorization: Bearer KEY' on every path but /health; the key's tenant is "
-                        f"'default' (default: ${API_KEY_ENV}, else no key)")
-    g.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="several keys: one 'TENANT KEY' pair per line ('#' comment lines and blank lines "
-                        "ignored); each tenant's cached prompt state is its own (instead of --api-key)")
-    g.add_argument("--metrics-public", action="store_true",
-                   help="leave /metrics open without a key (for Prometheus scrapers)")
-    g.add_argument("--shared-cache", action="store_true",
-                   help="let tenants share cached prompt state: more reuse, but a tenant can tell from "
-                        "timing or cached_tokens whether another tenant sent a prompt")
-    g.add_argument("--served-model-name", default=None,
-                   help="model id clients send and /v1/models lists (default: the --model value)")
-    g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413 (default: %(default)s)")
-    g.add_argument("--default-max-tokens", type=positive_int, default=None,
-                   help="completion limit when a request sets none (default: the rest of the context window)")
-    g.add_argument("--log-level", dest="serve_log_level", default="info", choices=LOG_LEVELS,
-                   help="server and access log level (default: %(default)s)")
+    add_options(p, ServeOptions)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -86,32 +98,35 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, then serve until interrupted. Returns the process exit code."""
+    """Check everything a start needs, load the model, then serve until interrupted. Returns the
+    process exit code. Fails fast: the options, the API keys, the port, the device, the store's
+    tiers and the model's name are checked before any weight is read."""
     import uvicorn
 
-    from kvtier.serve.api_keys import load_api_keys
     from kvtier.serve.app import create_app
+    from kvtier.serve.server import ReadyServer, listen_socket
 
-    level = args.serve_log_level
-    logging.getLogger("kvtier").setLevel(level.upper())
+    options = from_args(ServeOptions, args)
+    engine_options = EngineOptions.from_args(args)
+    logging.getLogger("kvtier").setLevel(options.log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = ServeConfig(
-        served_model_name=args.served_model_name, api_key=args.api_key,
-        api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
-        metrics_public=args.metrics_public, shared_cache=args.shared_cache, max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens, max_queued_requests=args.max_queued_requests,
-    )  # validated before the (slow) model load
-    engine = build_engine_from_args(args, reuse=reuse_from_args(args, session_ttl_s=args.session_ttl))
-    app = create_app(engine, config=config)
-    name = config.served_model_name or engine.model.name
-    store = "no store" if args.no_store or not args.store else f"store {redact(args.store)}"
-    print(
-        f"kvtier serving {name} ({engine.model.dtype} on {engine.device}, context {engine.max_model_len}, {store}) on "
-        f"http://{args.host}:{args.port}/v1" + _auth_note(config),
-        file=sys.stderr, flush=True,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+    config = options.serve_config()
+    sock = listen_socket(options.host, options.port)  # the port is ours (or one line, exit 2) before the load
+    try:
+        engine = engine_options.build(reuse=engine_options.reuse(session_ttl_s=options.session_ttl))
+        app = create_app(engine, config=config)
+        host, port = sock.getsockname()[:2]
+        name = config.served_model_name or engine.model.name
+        store = "no store" if engine_options.no_store or not engine_options.store else \
+            f"store {redact(engine_options.store)}"
+        banner = (f"kvtier serving {name} ({engine.model.dtype} on {engine.device}, context {engine.max_model_len}, "
+                  f"{store}) on http://{host}:{port}/v1" + _auth_note(config))
+        server = ReadyServer(uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=5),
+                             on_ready=lambda: print(banner, file=sys.stderr, flush=True))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 
@@ -124,15 +139,7 @@ def _auth_note(config: ServeConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtier serve", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        return run(args)
-    except (ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:  # model not found, Redis down, ...
-        print(f"error: {redact(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    """`python -m kvtier.serve`: the same as `kvtier serve`."""
+    from kvtier.cli.main import main as kvtier_main
+
+    return kvtier_main(["serve", *(sys.argv[1:] if argv is None else argv)])

@@ -9,14 +9,14 @@ import json
 import sys
 
 from kvtier import paths
-from kvtier.store.spec import SPEC_HELP, SpecError, parse_spec
+from kvtier.store.spec import SpecError, parse_spec
 
 
 def default_store_spec(home: str | None = None) -> str:
     return f"memory:2GB,disk:{home or paths.home()}/store:20GB"
 
 
-def _spec_type(text: str) -> str:
+def spec_type(text: str) -> str:
     try:
         parse_spec(text)
     except SpecError as e:
@@ -24,11 +24,13 @@ def _spec_type(text: str) -> str:
     return text
 
 
-def add_store_argument(parser: argparse._ActionsContainer, home: str | None = None) -> None:
-    """Add `--store SPEC` (default: memory:2GB plus a 20GB disk tier under the kvtier home)."""
-    default = default_store_spec(home)
-    parser.add_argument("--store", metavar="SPEC", type=_spec_type, default=default,
-                        help=f"tiered state store: {SPEC_HELP} (default: {default})")
+def add_store_argument(parser: argparse.ArgumentParser) -> None:
+    """Add `--store SPEC` (default: memory:2GB plus a 20GB disk tier under the kvtier home), the
+    engine commands' option (kvtier.cli.engine_args.EngineOptions.store)."""
+    from kvtier.cli.engine_args import TITLES, EngineOptions
+    from kvtier.cli.options import add_options
+
+    add_options(parser, EngineOptions, only=("store",), titles=TITLES)
 
 
 def register(subparsers) -> None:

@@ -14,6 +14,7 @@ from kvtier.bench.load import run as load_bench
 from kvtier.cli import serve as cli
 from kvtier.cli.bench import load as load_cli
 from kvtier.cli.main import main as kvtier_main
+from kvtier.cli.options import apply_sources
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -31,8 +32,10 @@ def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_serve_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
-    assert _serve_parser().parse_args(["serve"]).api_key == "from-env"
-    assert _serve_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    for argv, key in ((["serve"], "from-env"), (["serve", "--api-key", "flag"], "flag")):
+        args = _serve_parser().parse_args(argv)
+        apply_sources(args)
+        assert args.api_key == key
 
 
 def test_serve_options_parse() -> None:
@@ -44,7 +47,7 @@ def test_serve_options_parse() -> None:
         "--chunk-tokens", "32", "--no-store",
     ])
     assert (args.port, args.max_num_seqs, args.kv_cache_gb, args.served_model_name) == (9001, 8, 0.5, "mine")
-    assert args.serve_log_level == "debug" and args.no_prefix_cache and args.store == "memory:64MB"
+    assert args.log_level == "debug" and args.no_prefix_cache and args.store == "memory:64MB"
     assert (args.restore_method, args.chunk_tokens, args.no_store) == ("hidden", 32, True)
 
 

@@ -67,11 +67,11 @@ def test_bad_spec_is_a_usage_error(capsys):
 
 
 def test_default_store_spec_uses_home(monkeypatch):
-    p = argparse.ArgumentParser()
-    store_cli.add_store_argument(p, home="/h")
-    assert p.parse_args([]).store == "memory:2GB,disk:/h/store:20GB"
     monkeypatch.setenv("KVTIER_HOME", "/k")
-    assert store_cli.default_store_spec() == "memory:2GB,disk:/k/store:20GB"
+    p = argparse.ArgumentParser()
+    store_cli.add_store_argument(p)
+    assert p.parse_args([]).store == "memory:2GB,disk:/k/store:20GB"
+    assert store_cli.default_store_spec("/h") == "memory:2GB,disk:/h/store:20GB"
 
 
 def test_bench_store_small_run(tmp_path, capsys):
