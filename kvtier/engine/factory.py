@@ -18,8 +18,9 @@ from kvtier.engine.calibrate.probes import ProbeCalibration, calibrate
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.restore.impress_policy import probe_kv_heads_for
-from kvtier.models.loading import LoadedModel, load_model
+from kvtier.models.loading import LoadedModel, load_model, resolve
 from kvtier.planning.costs import HardwareProfile
+from kvtier.store.preflight import check_store
 
 
 def make_engine(loaded: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
@@ -40,7 +41,12 @@ def make_engine(loaded: LoadedModel, config: EngineConfig | None = None, store: 
 
 def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,
                  profile: HardwareProfile | None = None, device: str = "auto", **config: Any) -> Engine:
-    """Load `model` on `device` and build its engine. `store` is a tier spec (see `kvtier store --help`)."""
-    dev = resolve_device(device)  # a DeviceError before the (slow) model load
+    """Load `model` on `device` and build its engine. `store` is a tier spec (see `kvtier store --help`).
+    The device, the store's tiers and the model's name are checked first: a mistake in any of them
+    is one error in a second, not after the (slow) model load."""
+    dev = resolve_device(device)  # a DeviceError
+    if store:
+        check_store(store)  # StoreUnusable / ConnectionError naming the tier and the fix
+    resolve(model)  # ModelLoadError listing what a model may be
     loaded = load_model(model, dtype=dtype, device=dev)
     return make_engine(loaded, EngineConfig(device=str(dev), **config), store=store, reuse=reuse, profile=profile)

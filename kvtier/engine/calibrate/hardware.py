@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvtier.device import describe
 from kvtier.dtypes import name_of
@@ -107,7 +109,9 @@ def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float,
     return out[0], out[1], out[2], out[3]
 
 
-def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] = COMPUTE_POINTS) -> dict:
+def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] = COMPUTE_POINTS,
+                    tick: Callable[[], object] = lambda: None) -> dict:
+    """Prefill steps at `points` and the placements (`tick` after each: a progress bar)."""
     cfg = model.config
     runner, blocks = _runner(model, max(e for _, e in points))
     timed = []
@@ -115,8 +119,10 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] = COMP
         item = RunItem(torch.randint(100, cfg.vocab_size, (e - s,)).tolist(), s, blocks, want_logits=False)
         # medians: one slow run skews the fit; the long steps take seconds, two repeats suffice
         timed.append((s, e, _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)))
+        tick()
     a, b, g, c = fit_compute(timed)
     place, project = _measure_placement(model, runner, blocks, 1024)
+    tick()
     return dict(prefill_a=a, prefill_b=b, prefill_g=g, prefill_c=c, project_s=project, place_s=place,
                 points=tuple(timed))
 
@@ -184,9 +190,10 @@ def _tier_name(single: str) -> str:
 
 
 def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: int = 16,
-                  compute: Callable[[], object] | None = None) -> dict[str, TierRates]:
+                  compute: Callable[[], object] | None = None,
+                  tick: Callable[[], object] = lambda: None) -> dict[str, TierRates]:
     """Write `chunks` KV chunks into a scratch namespace of each tier and time reading them back
-    the way a restore does (alone, and beside `compute` for the overlap)."""
+    the way a restore does (alone, and beside `compute` for the overlap; `tick` after each tier)."""
     cfg = model.config
     # A scratch namespace: its keys can never collide with real state of this model.
     ns = StoreNamespace(f"profile-{model.fingerprint}", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -254,6 +261,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
             store.discard(c.key for c in planned)  # only the scratch chunks: the tier may hold real state
         finally:
             store.close()
+            tick()
     return out
 
 
@@ -269,17 +277,23 @@ def _busy(model: LoadedModel) -> Callable[[], object]:
     return compute
 
 
-def _measure_spec(model: LoadedModel, spec: str | None) -> dict[str, TierRates]:
+def _measure_spec(model: LoadedModel, spec: str | None, tick: Callable[[], object] = lambda: None
+                  ) -> dict[str, TierRates]:
     if spec is not None:
-        return measure_tiers(model, spec, compute=_busy(model))
+        return measure_tiers(model, spec, compute=_busy(model), tick=tick)
     with tempfile.TemporaryDirectory() as d:
-        return measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=_busy(model))
+        return measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=_busy(model), tick=tick)
 
 
-def measure(model: LoadedModel, spec: str | None = None) -> HardwareProfile:
-    compute = measure_compute(model)
-    return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(),
-                           tiers=_measure_spec(model, spec), **compute)
+def measure(model: LoadedModel, spec: str | None = None, progress: bool = False) -> HardwareProfile:
+    """Measure compute and every tier of `spec` (a memory and a scratch disk tier without one);
+    `progress`: a bar on stderr (where it is a terminal)."""
+    steps = len(COMPUTE_POINTS) + 1 + (len(_spec_parts(spec)) if spec is not None else 2)
+    with tqdm(total=steps, desc="measuring this machine for the planner (once)", unit="step", file=sys.stderr,
+              disable=None if progress else True) as bar:
+        compute = measure_compute(model, tick=bar.update)
+        return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(),
+                               tiers=_measure_spec(model, spec, tick=bar.update), **compute)
 
 
 def estimate(model: LoadedModel) -> HardwareProfile:
@@ -326,14 +340,18 @@ def load_or_measure(model: LoadedModel, home: Path, spec: str | None = None) -> 
     lacks a tier of `spec` gets that tier measured and added (a store spec grew a Redis tier)."""
     prof = load_profile(model, home)
     if prof is None:
-        log.warning("no hardware profile for this model/dtype yet: measuring (under a minute)")
-        prof = measure(model, spec)
+        log.warning("no hardware profile for this model, dtype and machine yet: measuring it once (1-3 minutes on "
+                    "a 2-core CPU, seconds on a GPU; saved under %s)", home)
+        prof = measure(model, spec, progress=True)
     else:
         missing = [part for part in _spec_parts(spec or "") if _tier_name(part) not in prof.tiers]
         if not missing:
             return prof
         log.warning("hardware profile lacks tier(s) %s: measuring them", redact(", ".join(missing)))
-        prof = dataclasses.replace(prof, tiers={**prof.tiers, **_measure_spec(model, ",".join(missing))})
+        with tqdm(total=len(missing), desc="measuring the new tiers (once)", unit="tier", file=sys.stderr,
+                  disable=None) as bar:
+            prof = dataclasses.replace(prof, tiers={**prof.tiers, **_measure_spec(model, ",".join(missing),
+                                                                                   tick=bar.update)})
     save_profile(prof, profile_path(home, model))
     return prof
 

@@ -78,6 +78,29 @@ def connect(spec: RedisSpec) -> redis.Redis | redis.RedisCluster:
     return redis.Redis.from_url(spec.url, **options)
 
 
+def connect_checked(spec: RedisSpec) -> redis.Redis | redis.RedisCluster:
+    """`connect` and ping: a ConnectionError whose one line names the fix when the server is down
+    or refuses the password (at startup an unreachable URL is a configuration error)."""
+    # spec.url has no password: it comes apart (spec.auth), so the URL is safe in every message.
+    url = redact(spec.url)
+    try:
+        client = connect(spec)
+        client.ping()
+        return client
+    except redis.AuthenticationError as e:  # checked before its base class, ConnectionError
+        # Where the password came from, never the password: the message is printed and logged.
+        why = redact(e).rstrip(".")
+        if spec.auth.password:
+            raise ConnectionError(f"Redis at {url} refused the password from {spec.auth.password_from}: "
+                                  f"{why}. Fix it there") from e
+        raise ConnectionError(f"Redis at {url} wants a password and none was given: {why}. Give it with "
+                              f"password_file=PATH in the URL's options or ${PASSWORD_ENV}") from e
+    except (redis.RedisError, RedisClusterException) as e:
+        raise ConnectionError(
+            f"cannot reach Redis at {url}: {redact(e).rstrip('.')}. Start the server or fix the URL in --store"
+        ) from e
+
+
 class RedisTier(Tier):
     name = "redis"
 
@@ -85,24 +108,8 @@ class RedisTier(Tier):
         super().__init__(spec.emulation)
         self.spec = spec
         self.ns = ns
-        self.client: redis.Redis | redis.RedisCluster
-        # spec.url has no password: it comes apart (spec.auth), so the URL is safe in every message.
+        self.client = connect_checked(spec)
         url = redact(spec.url)
-        try:
-            self.client = connect(spec)
-            self.client.ping()
-        except redis.AuthenticationError as e:  # checked before its base class, ConnectionError
-            # Where the password came from, never the password: the message is printed and logged.
-            why = redact(e).rstrip(".")
-            if spec.auth.password:
-                raise ConnectionError(f"Redis at {url} refused the password from {spec.auth.password_from}: "
-                                      f"{why}. Fix it there") from e
-            raise ConnectionError(f"Redis at {url} wants a password and none was given: {why}. Give it with "
-                                  f"password_file=PATH in the URL's options or ${PASSWORD_ENV}") from e
-        except (redis.RedisError, RedisClusterException) as e:  # at startup an unreachable URL is a configuration error
-            raise ConnectionError(
-                f"cannot reach Redis at {url}: {redact(e).rstrip('.')}. Start the server or fix the URL in --store"
-            ) from e
         self.breaker = Breaker(f"redis tier {url}", UNREACHABLE)
         self._admin_keys: dict[str, str] = {}
         self.ex = int(math.ceil(spec.ttl)) if spec.ttl else None
