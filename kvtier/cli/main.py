@@ -151,6 +151,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kvtier.models.hub import cached_models
     from kvtier.models.loading import smollm2_gguf_path
     from kvtier.models.presets import PRESETS
     from kvtier.paths import home
@@ -164,6 +165,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     for name, cfg in PRESETS.items():
         table.add_row(name, "random preset", str(cfg.num_layers), str(cfg.hidden_size),
                       f"{cfg.num_heads}/{cfg.num_kv_heads}", "built in (seeded)")
+    for m in cached_models():  # the local Hugging Face cache: what `--model org/name` loads offline
+        table.add_row(m.repo_id, "hub (cached)", str(m.config.num_layers), str(m.config.hidden_size),
+                      f"{m.config.num_heads}/{m.config.num_kv_heads}", str(m.path))
     Console().print(table)
     print(f"cache directory (KVTIER_HOME): {home()}")
     return 0
