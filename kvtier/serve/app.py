@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvtier.serve.errors import install_error_handlers
 from kvtier.serve.metrics import ServerMetrics
 from kvtier.serve.middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware
 from kvtier.serve.ops import models_router, ops_router
+from kvtier.serve.stats_log import run_stats_log
 from kvtier.serve.tokenize import router as tokenizer_router
 
 
@@ -41,7 +43,8 @@ def create_app(
         metrics_public=metrics_public, shared_cache=shared_cache, max_body_bytes=max_body_bytes,
         default_max_tokens=default_max_tokens, max_queued_requests=max_queued_requests,
     )
-    metrics = ServerMetrics()
+    core = engine.engine if isinstance(engine, BackgroundEngine) else engine
+    metrics = ServerMetrics(config.served_model_name or core.model.name, core.max_model_len)
     if isinstance(engine, BackgroundEngine):
         ctx = ServerContext(engine.engine, config, metrics, background=engine, owns_background=False)
         metrics.attach(engine)
@@ -51,9 +54,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.start()
+        interval = config.stats_interval_s
+        stats = asyncio.create_task(run_stats_log(metrics, ctx.engine, interval)) if interval > 0 else None
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
+                with suppress(asyncio.CancelledError):
+                    await stats
             if ctx.owns_background and ctx.background is not None:
                 ctx.background.close()
                 ctx.engine.close()  # drain pending saves into the store before the process exits

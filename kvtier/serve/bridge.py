@@ -87,7 +87,7 @@ class Generation:
                     if len(self.finals) == self.n or out.finish_reason == "abort":
                         self.finished = True
                         self._done()
-                        self._count_finish(out)
+                        self._count_finish(out, stamp)
                     if out.finish_reason == "abort" and not self._cancelled:
                         raise EngineFailed("the engine failed while running this request")
                 yield out
@@ -104,7 +104,7 @@ class Generation:
         self._cancelled = True
         self.background.abort(self.request_id)
         self._done()
-        self.metrics.finished.labels(self.endpoint, "cancelled").inc()
+        self.metrics.count_finish(self.endpoint, "abort")  # vLLM's reason for a request the client ended
 
     def _done(self) -> None:
         if self._on_done is not None:
@@ -138,26 +138,23 @@ class Generation:
         if not out.delta_ids:
             return
         last = self._last_token_at.get(out.index)
-        if last is None:
-            if not self._last_token_at:  # the request's first token, whichever sample drew it
-                self.metrics.ttft.labels(self.endpoint).observe(stamp - self.received)
-        else:
-            gap = (stamp - last) / len(out.delta_ids)
-            for _ in out.delta_ids:
-                self.metrics.tbt.labels(self.endpoint).observe(gap)
+        if last is None and not self._last_token_at:  # the request's first token, whichever sample drew it
+            self.metrics.first_token(self.endpoint, stamp - self.received, out.prompt_tokens)
+        gap = None if last is None else (stamp - last) / len(out.delta_ids)
+        self.metrics.generated(self.endpoint, len(out.delta_ids), gap)
         self._last_token_at[out.index] = stamp
 
-    def _count_finish(self, out: RequestOutput) -> None:
+    def _count_finish(self, out: RequestOutput, stamp: float) -> None:
         if out.finish_reason == "abort":
             if not self._cancelled:
-                self.metrics.finished.labels(self.endpoint, "error").inc()
+                self.metrics.count_finish(self.endpoint, "error")
             return
-        self.metrics.finished.labels(self.endpoint, out.finish_reason or "stop").inc()
+        self.metrics.count_finish(self.endpoint, out.finish_reason or "stop")
         # The prompt and its reuse once (sample 0 computed or restored it; the others forked from
         # it), the generated tokens of every sample.
         first = self.finals.get(0, out)
-        self.metrics.observe_finished(self.endpoint, first)
-        self.metrics.generation_tokens.inc(sum(len(o.output_ids) for i, o in self.finals.items() if i != first.index))
+        generated = sum(len(o.output_ids) for o in self.finals.values())
+        self.metrics.observe_finished(self.endpoint, first, stamp - self.received, generated)
 
 
 async def wait_for_disconnect(request: Request) -> None:

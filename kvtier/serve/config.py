@@ -31,6 +31,9 @@ class ServeConfig:
     # Requests waiting beyond the running batch (--max-num-seqs); more get 429 with Retry-After
     # instead of queueing without bound. None: no limit.
     max_queued_requests: int | None = 256
+    # Seconds between the one-line activity summaries logged as `kvtier.stats` (vLLM's every-10 s
+    # line); 0 turns them off. Idle intervals log nothing.
+    stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -39,6 +42,8 @@ class ServeConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not self.stats_interval_s >= 0:  # (NaN too)
+            raise ValueError(f"stats_interval_s must be >= 0 (0: off), got {self.stats_interval_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.api_key is not None and self.api_keys:

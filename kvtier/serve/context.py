@@ -32,7 +32,7 @@ class ServerContext:
         limit = self.config.max_queued_requests
         with self._admission:
             if limit is not None and self.in_flight >= self.engine.config.max_num_seqs + limit:
-                self.metrics.rejected.labels("queue_full").inc()
+                self.metrics.count_rejected("queue_full")
                 raise APIError(429, f"the server is at capacity ({self.in_flight} requests running or queued); "
                                     "retry after a second", code="too_many_requests", headers={"Retry-After": "1"})
             self.in_flight += 1

@@ -119,7 +119,7 @@ class HTTPMetricsMiddleware:
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.http_requests.labels(path, str(message["status"])).inc()
+                self.metrics.count_http(path, message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)

@@ -90,11 +90,12 @@ def serve(model, window: int = WINDOW, kv_bytes: int = 16 << 20, truncation=None
 
 
 def metrics(url: str) -> dict[tuple[str, tuple], float]:
-    """A server's /metrics as {(sample name, sorted labels): value}."""
+    """A server's /metrics as {(sample name, sorted labels): value}, without the `model_name` label
+    every family carries (one model per server here; tests/serve/test_dashboard.py checks it)."""
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
     return out
 
 

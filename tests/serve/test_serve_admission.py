@@ -36,7 +36,7 @@ def test_full_queue_answers_429_with_retry_after_and_recovers(tiny_model):
         assert e.value.response.headers["retry-after"] == "1"
         err = e.value.response.json()["error"]
         assert err["code"] == "too_many_requests" and err["type"] == "rate_limit_error" and "capacity" in err["message"]
-        assert metric(metrics(s.url), "kvtier_requests_rejected_total", reason="queue_full") == 1
+        assert metric(metrics(s.url), "kvtier:requests_rejected_total", reason="queue_full") == 1
 
         gate.set()  # the engine runs again: the held requests finish and their slots come back
         for t in held:

@@ -59,10 +59,12 @@ def test_health_reports_dead_engine(tiny_model) -> None:
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels but model_name): value}: one model per server here, and every
+    family carries its name (tests/serve/test_dashboard.py checks that)."""
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
     return out
 
 
@@ -86,21 +88,22 @@ def test_metrics(tiny_server: Served) -> None:
     def delta(name: str, **labels: str) -> float:
         return _value(after, name, **labels) - _value(before, name, **labels)
 
-    assert delta("kvtier_time_to_first_token_seconds_count", endpoint="chat") == 2
-    assert delta("kvtier_time_between_tokens_seconds_count", endpoint="chat") >= 2
-    assert delta("kvtier_http_requests_total", path="/v1/chat/completions", code="200") == 2
-    assert delta("kvtier_http_requests_total", path="/v1/chat/completions", code="404") == 1
-    assert delta("kvtier_requests_finished_total", endpoint="chat", reason="length") + \
-        delta("kvtier_requests_finished_total", endpoint="chat", reason="stop") == 2
-    assert delta("kvtier_prompt_tokens_reused_total", tier="device") > 0
-    assert delta("kvtier_prompt_tokens_reused_by_method_total", method="device_cache") > 0
-    assert delta("kvtier_generation_tokens_total") >= 2
-    assert delta("kvtier_prefix_cache_hits_total") > 0
-    for gauge in ("kvtier_queue_depth", "kvtier_running_requests", "kvtier_kv_blocks_free", "kvtier_kv_blocks_total"):
+    assert delta("kvtier:time_to_first_token_seconds_count", endpoint="chat") == 2
+    assert delta("kvtier:inter_token_latency_seconds_count", endpoint="chat") >= 2
+    assert delta("kvtier:http_requests_total", path="/v1/chat/completions", code="200") == 2
+    assert delta("kvtier:http_requests_total", path="/v1/chat/completions", code="404") == 1
+    assert delta("kvtier:request_success_total", endpoint="chat", finished_reason="length") + \
+        delta("kvtier:request_success_total", endpoint="chat", finished_reason="stop") == 2
+    assert delta("kvtier:prompt_tokens_reused_total", tier="device") > 0
+    assert delta("kvtier:prompt_tokens_reused_by_method_total", method="device_cache") > 0
+    assert delta("kvtier:generation_tokens_total") >= 2
+    assert delta("kvtier:prefix_cache_hits_total") > 0
+    for gauge in ("kvtier:num_requests_waiting", "kvtier:num_requests_running", "kvtier:kv_blocks_free",
+                  "kvtier:kv_blocks_total"):
         assert (gauge, ()) in after
     # Store families are exported even before a store is attached to the engine.
-    for family in ("kvtier_store_bytes", "kvtier_store_hits_total", "kvtier_store_evictions_total",
-                   "kvtier_store_dropped_saves_total"):
+    for family in ("kvtier:store_bytes", "kvtier:store_hits_total", "kvtier:store_evictions_total",
+                   "kvtier:store_dropped_saves_total"):
         assert re.search(rf"^# TYPE {family} ", resp.text, re.M), family
 
 
@@ -121,10 +124,10 @@ def test_store_reuse_is_reported(tiny_model) -> None:
             assert served.engine.flush(30)  # this turn's saves are stored before the next
         assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1], cached
         s = _samples(httpx.get(served.url + "/metrics").text)
-        assert _value(s, "kvtier_prompt_tokens_reused_total", tier="memory") == sum(cached)
-        assert _value(s, "kvtier_prompt_tokens_reused_by_method_total", method="kv") == sum(cached)
-        assert _value(s, "kvtier_restores_total") == 2 and _value(s, "kvtier_saves_total") > 0
-        assert _value(s, "kvtier_store_bytes", tier="memory") > 0
+        assert _value(s, "kvtier:prompt_tokens_reused_total", tier="memory") == sum(cached)
+        assert _value(s, "kvtier:prompt_tokens_reused_by_method_total", method="kv") == sum(cached)
+        assert _value(s, "kvtier:restores_total") == 2 and _value(s, "kvtier:saves_total") > 0
+        assert _value(s, "kvtier:store_bytes", tier="memory") > 0
 
 
 class FakeStore:
@@ -148,12 +151,12 @@ def test_store_metrics(tiny_model) -> None:
     for served in serve(tiny_model):
         served.engine.link.store = FakeStore()
         s = _samples(httpx.get(served.url + "/metrics").text)
-        assert _value(s, "kvtier_store_bytes", tier="memory") == 1024
-        assert _value(s, "kvtier_store_hits_total", tier="memory") == 7
-        assert _value(s, "kvtier_store_evictions_total", tier="memory") == 3
-        assert _value(s, "kvtier_store_dropped_saves_total") == 5
-        assert _value(s, "kvtier_store_write_queue_depth") == 1
-        assert _value(s, "kvtier_store_chunks_written_total") == 11
-        assert _value(s, "kvtier_store_chunks_skipped_total") == 2
+        assert _value(s, "kvtier:store_bytes", tier="memory") == 1024
+        assert _value(s, "kvtier:store_hits_total", tier="memory") == 7
+        assert _value(s, "kvtier:store_evictions_total", tier="memory") == 3
+        assert _value(s, "kvtier:store_dropped_saves_total") == 5
+        assert _value(s, "kvtier:store_write_queue_depth") == 1
+        assert _value(s, "kvtier:store_chunks_written_total") == 11
+        assert _value(s, "kvtier:store_chunks_skipped_total") == 2
         served.engine.link.store = BrokenStore()  # a scrape must survive an unreachable tier
         assert httpx.get(served.url + "/metrics").status_code == 200

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from serve_testlib import TINY, Served, serve, wait_idle
+from serve_testlib import TINY, Served, metric, metrics, serve, wait_idle
 
 LONG_WINDOW = 4096  # a generation that would run for many seconds if it were not aborted
 
@@ -30,9 +29,7 @@ def _long_chat(stream: bool) -> dict:
 
 
 def _cancelled(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    found = re.findall(r'kvtier_requests_finished_total\{endpoint="chat",reason="cancelled"\} ([0-9.]+)', text)
-    return float(found[0]) if found else 0.0
+    return metric(metrics(url), "kvtier:request_success_total", endpoint="chat", finished_reason="abort")
 
 
 def _busy(engine) -> bool:

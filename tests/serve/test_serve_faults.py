@@ -95,18 +95,18 @@ def test_redis_killed_while_streaming_then_restarted(tiny_model, tiny_server):
 
             assert _turns(s, tiny_server, 7) == 0  # nothing to restore while Redis is down
             m = metrics(s.url)
-            assert metric(m, "kvtier_store_tier_up", tier="redis") == 0
-            assert metric(m, "kvtier_store_put_errors_total", tier="redis") > 0  # saves dropped, counted
-            assert metric(m, "kvtier_store_unavailable_total", tier="redis") > 0
-            assert metric(m, "kvtier_store_corrupt_total", tier="redis") == 0
-            assert metric(m, "kvtier_http_requests_total", path="/v1/chat/completions", code="500") == 0
+            assert metric(m, "kvtier:store_tier_up", tier="redis") == 0
+            assert metric(m, "kvtier:store_put_errors_total", tier="redis") > 0  # saves dropped, counted
+            assert metric(m, "kvtier:store_unavailable_total", tier="redis") > 0
+            assert metric(m, "kvtier:store_corrupt_total", tier="redis") == 0
+            assert metric(m, "kvtier:http_requests_total", path="/v1/chat/completions", code="500") == 0
 
             srv.start()  # same address, empty: the server finds it again without a restart
             deadline, i = time.monotonic() + 30, 8
             while _turns(s, tiny_server, i) == 0:
                 assert time.monotonic() < deadline, "the server never used the restarted Redis"
                 i += 1
-            assert metric(metrics(s.url), "kvtier_store_tier_up", tier="redis") == 1
+            assert metric(metrics(s.url), "kvtier:store_tier_up", tier="redis") == 1
     finally:
         srv.close()
 
@@ -129,7 +129,7 @@ def test_flipped_chunk_file_between_turns_is_a_miss(tiny_model, tiny_server, tmp
         a2, cached = ask(s, _turn2(0, a1))
         assert a2 == ask(tiny_server, _turn2(0, a1))[0] and cached == 0
         m = metrics(s.url)
-        assert metric(m, "kvtier_store_corrupt_total", tier="disk") >= 1  # found on the read, removed
+        assert metric(m, "kvtier:store_corrupt_total", tier="disk") >= 1  # found on the read, removed
         admin = TieredStore.open(f"disk:{root}:64MB", None)
         report = admin.verify()  # flipped chunks the request never reached are caught too
         flipped = {f.stem.split("-")[-1] for f in files}
@@ -146,7 +146,7 @@ def test_disk_directory_deleted_under_a_running_server(tiny_model, tiny_server, 
         a2, cached = ask(s, _turn2(0, a1))
         assert a2 == ask(tiny_server, _turn2(0, a1))[0] and cached == 0  # a miss, the right answer
         assert _turns(s, tiny_server, 1) > 0  # the tier writes (and serves) again
-        assert metric(metrics(s.url), "kvtier_http_requests_total", path="/v1/chat/completions", code="500") == 0
+        assert metric(metrics(s.url), "kvtier:http_requests_total", path="/v1/chat/completions", code="500") == 0
 
 
 def _can_mount() -> bool:
@@ -172,18 +172,18 @@ def test_disk_full_and_read_only_keep_serving(tiny_model, tiny_server, tmp_path)
         for i in range(12):  # far more state than 256 KB holds
             _turns(s, tiny_server, i)
         m = metrics(s.url)
-        assert metric(m, "kvtier_store_put_errors_total", tier="disk") > 0  # ENOSPC, counted
-        assert metric(m, "kvtier_http_requests_total", path="/v1/chat/completions", code="500") == 0
+        assert metric(m, "kvtier:store_put_errors_total", tier="disk") > 0  # ENOSPC, counted
+        assert metric(m, "kvtier:http_requests_total", path="/v1/chat/completions", code="500") == 0
         assert not [p for p in root.rglob("*.tmp")]  # no partial file left behind
         assert TieredStore.open(f"disk:{root}:64MB", None).verify().clean  # every visible chunk intact
 
         subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
-        before = metric(metrics(s.url), "kvtier_store_put_errors_total", tier="disk")
+        before = metric(metrics(s.url), "kvtier:store_put_errors_total", tier="disk")
         for i in range(20, 23):
             _turns(s, tiny_server, i)
         m = metrics(s.url)
-        assert metric(m, "kvtier_store_put_errors_total", tier="disk") > before  # EROFS, counted
-        assert metric(m, "kvtier_http_requests_total", path="/v1/chat/completions", code="500") == 0
+        assert metric(m, "kvtier:store_put_errors_total", tier="disk") > before  # EROFS, counted
+        assert metric(m, "kvtier:http_requests_total", path="/v1/chat/completions", code="500") == 0
 
 
 def test_disk_tier_never_grows_past_its_cap(tiny_model, tiny_server, tmp_path):
@@ -194,5 +194,5 @@ def test_disk_tier_never_grows_past_its_cap(tiny_model, tiny_server, tmp_path):
             _turns(s, tiny_server, i)
             assert sum(f.stat().st_size for f in _chunk_files(root)) <= cap
         m = metrics(s.url)
-        assert 0 < metric(m, "kvtier_store_bytes", tier="disk") <= cap
-        assert metric(m, "kvtier_store_evictions_total", tier="disk") > 0
+        assert 0 < metric(m, "kvtier:store_bytes", tier="disk") <= cap
+        assert metric(m, "kvtier:store_evictions_total", tier="disk") > 0

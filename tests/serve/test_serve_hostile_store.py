@@ -51,8 +51,8 @@ def test_junk_index_members_and_planted_chunks_are_misses_not_500s(tiny_model, t
             text, cached = _ask(s, 0 if i == 0 else i)
             assert text == _ask(tiny_server, 0 if i == 0 else i)[0]
         m = metrics(s.url)
-        assert metric(m, "kvtier_store_errors_total", tier="redis") >= 1
-        assert metric(m, "kvtier_store_corrupt_total", tier="redis") >= 1
+        assert metric(m, "kvtier:store_errors_total", tier="redis") >= 1
+        assert metric(m, "kvtier:store_corrupt_total", tier="redis") >= 1
         assert first == _ask(tiny_server, 0)[0]
 
 
@@ -66,6 +66,6 @@ def test_an_acl_user_without_rights_gets_200s(tiny_model, tiny_server, redis_ser
                 assert _ask(s, i)[0] == _ask(tiny_server, i)[0]
                 assert s.engine.flush(30)
             m = metrics(s.url)
-            assert metric(m, "kvtier_store_errors_total", tier="redis") >= 1
+            assert metric(m, "kvtier:store_errors_total", tier="redis") >= 1
     finally:
         admin.execute_command("ACL", "DELUSER", "serve-nokeys")

@@ -29,9 +29,9 @@ def test_usage_and_metrics_report_the_attended_prefix(tiny_model) -> None:
         assert second.cached_tokens >= 32
         assert second.attended_prefix_tokens == math.ceil(0.25 * second.cached_tokens)
         s = metrics(served.url)
-        assert metric(s, "kvtier_importance_prefix_tokens_attended_total") == second.attended_prefix_tokens
-        assert metric(s, "kvtier_importance_prefix_tokens_skipped_total") == \
+        assert metric(s, "kvtier:importance_prefix_tokens_attended_total") == second.attended_prefix_tokens
+        assert metric(s, "kvtier:importance_prefix_tokens_skipped_total") == \
             second.cached_tokens - second.attended_prefix_tokens
-        assert metric(s, "kvtier_prompt_tokens_reused_by_method_total", method="impress") == second.cached_tokens
+        assert metric(s, "kvtier:prompt_tokens_reused_by_method_total", method="impress") == second.cached_tokens
         # The second turn's state was not saved: the store wrote the first turn's chunks only.
         assert written[0] > 0 and written[1] == written[0], written

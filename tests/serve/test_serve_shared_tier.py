@@ -104,8 +104,8 @@ def _saves_settled(p: Proc, timeout: float = 60) -> None:
     deadline, last = time.monotonic() + timeout, -1.0
     while time.monotonic() < deadline:
         m = metrics(p.url)
-        written = metric(m, "kvtier_store_chunks_written_total")
-        if metric(m, "kvtier_store_write_queue_depth") == 0 and written == last and written > 0:
+        written = metric(m, "kvtier:store_chunks_written_total")
+        if metric(m, "kvtier:store_write_queue_depth") == 0 and written == last and written > 0:
             return
         last = written
         time.sleep(0.3)
@@ -124,12 +124,12 @@ def test_turn_two_on_another_server_restores_from_the_shared_tier(servers):
     assert text == _ask(plain, messages)[0]  # greedy output equals a server without reuse
     assert cached >= prompt1 - prompt1 % 16 - 16 and cached > 0  # turn 1's chunks, from server A's saves
     mb = metrics(b.url)
-    assert metric(mb, "kvtier_prompt_tokens_reused_total", tier="redis") == cached  # all of it from Redis
-    assert metric(mb, "kvtier_store_hits_total", tier="redis") > 0
+    assert metric(mb, "kvtier:prompt_tokens_reused_total", tier="redis") == cached  # all of it from Redis
+    assert metric(mb, "kvtier:store_hits_total", tier="redis") > 0
 
     # Another model on the same Redis: same prompt, only misses (namespaces never mix).
     _, _, cached_other = _ask(other, messages)
     assert cached_other == 0
     mo = metrics(other.url)
-    assert metric(mo, "kvtier_store_hits_total", tier="redis") == 0
-    assert metric(mo, "kvtier_prompt_tokens_reused_total", tier="redis") == 0
+    assert metric(mo, "kvtier:store_hits_total", tier="redis") == 0
+    assert metric(mo, "kvtier:prompt_tokens_reused_total", tier="redis") == 0

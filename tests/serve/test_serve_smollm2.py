@@ -197,7 +197,7 @@ def _reused_by_tier(url: str) -> dict[str, float]:
     headers = {"Authorization": f"Bearer {KEY}"}  # with a key set, /metrics needs it too
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=headers).text):
         for s in family.samples:
-            if s.name == "kvtier_prompt_tokens_reused_total":
+            if s.name == "kvtier:prompt_tokens_reused_total":
                 out[s.labels["tier"]] = s.value
     return out
 

@@ -79,7 +79,7 @@ def store_memory_mb(client_url: str, api_key: str | None = None) -> float | None
         return None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "kvtier_store_bytes" and sample.labels.get("tier") == "memory":
+            if sample.name == "kvtier:store_bytes" and sample.labels.get("tier") == "memory":
                 return sample.value / (1 << 20)
     return None
 

@@ -63,8 +63,8 @@ class ConversationReport(LoadReport):
     verdict: dict[str, Any] = field(default_factory=dict)
 
 
-WRITER_METRICS = {"kvtier_store_write_queue_depth": "queued", "kvtier_store_dropped_saves_total": "dropped",
-                  "kvtier_store_chunks_written_total": "written", "kvtier_restores_total": "restores"}
+WRITER_METRICS = {"kvtier:store_write_queue_depth": "queued", "kvtier:store_dropped_saves_total": "dropped",
+                  "kvtier:store_chunks_written_total": "written", "kvtier:restores_total": "restores"}
 
 
 def scrape(url: str, api_key: str | None = None
@@ -81,8 +81,8 @@ def scrape(url: str, api_key: str | None = None
         text = httpx.get(url + "/metrics", timeout=10, headers=auth_headers(api_key)).text
     except httpx.HTTPError:
         return used, cap, reused, writer
-    wanted = {"kvtier_store_bytes": used, "kvtier_store_capacity_bytes": cap,
-              "kvtier_prompt_tokens_reused_total": reused}
+    wanted = {"kvtier:store_bytes": used, "kvtier:store_capacity_bytes": cap,
+              "kvtier:prompt_tokens_reused_total": reused}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in wanted and "tier" in s.labels:
