@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) as plain nn.Modules.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) as plain nn.Modules.
 
-Parameter names match Hugging Face's `LlamaForCausalLM`, so a transformers state dict loads as is.
+Parameter names match Hugging Face's `LlamaForCausalLM` (and `Qwen3ForCausalLM`'s q_norm/k_norm), so
+a transformers state dict loads as is; Phi-3's fused projections are split at load (checkpoint.py).
 Each layer exposes its steps (`qkv`, `kv`, `finish`) instead of one opaque forward, so the engine
 can capture a layer's input hidden state and pre-RoPE K/V, rebuild K/V from a stored hidden state,
 and run new tokens against KV that someone else placed in the pool.
@@ -46,6 +47,15 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm over each head of q (and of k), shared by the heads
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def heads_k(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """x: [tokens, hidden] normed layer input -> pre-RoPE k [tokens, kv_heads, hd] (k-norm included,
+        so K rebuilt from a stored hidden state is the K the forward pass computed)."""
+        k = self.k_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return self.k_norm(k) if cfg.qk_norm else k
 
 
 class MLP(nn.Module):
@@ -73,15 +83,16 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         a, c = self.self_attn, self.cfg
         q = a.q_proj(x).view(-1, c.num_heads, c.head_dim)
-        k = a.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = a.q_norm(q)
         v = a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        return q, k, v
+        return q, a.heads_k(x, c), v
 
     def kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rebuild pre-RoPE K/V from a stored layer input (HCache): norm -> W_k, norm -> W_v."""
+        """Rebuild pre-RoPE K/V from a stored layer input (HCache): norm -> W_k (-> k-norm), norm -> W_v."""
         x = self.input_layernorm(h)
         a, c = self.self_attn, self.cfg
-        return a.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        return a.heads_k(x, c), a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj + MLP. h: [tokens, hidden], attn: [tokens, heads, hd] -> next layer input."""

@@ -1,39 +1,44 @@
-"""Rotary position embeddings (RoPE), including linear and Llama-3 frequency scaling.
+"""Rotary position embeddings (RoPE) in every variant transformers ships for the Llama family.
 
 K is rotated at its token's position once, when it is computed; it is stored and restored that
 way. Only a restore that moves tokens (context truncation) rotates again, by the position
 difference: rotations compose, R(a)R(b) = R(a+b).
+
+The frequencies of a scaled RoPE (linear, dynamic, yarn, longrope, llama3) come from transformers'
+own `ROPE_INIT_FUNCTIONS`, so they are HF's to the bit. Two of them depend in HF on the length of
+the batch at hand: dynamic NTK raises the base once a sequence is longer than
+max_position_embeddings, LongRoPE switches from its short to its long factors once a sequence is
+longer than original_max_position_embeddings. State computed at one length would then be rotated
+differently from state computed at another, and a cached prefix could never be reused. kvtier
+computes them once, for the model's context window (max_position_embeddings, which the engine
+never exceeds; it is part of the config digest, so state is never shared across two choices):
+- dynamic: the window is max_position_embeddings itself, where HF's formula leaves the base as it
+  is, so kvtier agrees with HF at every length it runs.
+- longrope: the long factors iff max_position_embeddings > original_max_position_embeddings (as
+  vLLM). kvtier agrees with HF on sequences longer than original_max_position_embeddings; on
+  shorter ones HF uses the short factors and kvtier the long ones (set max_position_embeddings to
+  original_max_position_embeddings in config.json for the short ones).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from kvtier.models.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies after the configured scaling."""
+def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """-> [head_dim // 2] float32 inverse frequencies after the configured scaling, and the factor
+    cos/sin are multiplied by (yarn and longrope scale attention logits through it; else 1)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
-    if s.kind == "linear":
-        return inv_freq / s.factor
-    if s.kind == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend the band in between.
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-        middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(middle, blended, scaled)
-    return inv_freq
+    if cfg.rope_scaling.kind == "default":  # no transformers import for the plain case
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS[cfg.rope_scaling.kind]
+    # seq_len: the context window, the one length kvtier computes dynamic and longrope for.
+    inv_freq, scaling = init(cfg.to_hf(), torch.device("cpu"), seq_len=cfg.max_position_embeddings)
+    return inv_freq.float(), float(scaling)
 
 
 class Rope:
@@ -41,16 +46,22 @@ class Rope:
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        inv_freq = inverse_frequencies(cfg)
+        inv_freq, scaling = inverse_frequencies(cfg)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [positions, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
         half = cfg.head_dim // 2
         # Computed in fp32 on the host (the same tables on every device), each moved once. The two
-        # halves of cos/sin are equal (half-split layout): rotate_into needs one.
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # halves of cos/sin are equal (half-split layout): rotate_into needs one. The attention
+        # scaling multiplies the fp32 values before the cast, as HF does.
+        cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
         tables = (cos, sin, cos[:, :half].contiguous(), sin[:, :half].contiguous())
         self.cos, self.sin, self.cos_h, self.sin_h = (t.to(device, non_blocking=True) for t in tables)
+        # `delta` rotates K that already carries the scaling: its tables must not scale again.
+        self.dcos_h, self.dsin_h = self.cos_h, self.sin_h
+        if scaling != 1.0:
+            plain = (freqs.cos().to(dtype), freqs.sin().to(dtype))  # [positions, head_dim/2]
+            self.dcos_h, self.dsin_h = (t.to(device, non_blocking=True) for t in plain)
         self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +80,8 @@ class Rope:
         """Half tables [tokens, 1, head_dim/2] for rotating by `shift` positions (may be negative):
         cos is even and sin odd in the angle, so R(-d) uses cos(d) and -sin(d)."""
         mag = shift.abs()
-        sign = (1 - 2 * (shift < 0).to(self.sin_h.dtype)).unsqueeze(1)  # [tokens, 1]: -1 or 1
-        return self.cos_h.index_select(0, mag).unsqueeze(1), (self.sin_h.index_select(0, mag) * sign).unsqueeze(1)
+        sign = (1 - 2 * (shift < 0).to(self.dsin_h.dtype)).unsqueeze(1)  # [tokens, 1]: -1 or 1
+        return self.dcos_h.index_select(0, mag).unsqueeze(1), (self.dsin_h.index_select(0, mag) * sign).unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
