@@ -1,8 +1,9 @@
 """Resolve a model name or path to weights, config and tokenizer.
 
 Sources: built-in presets, a local Hugging Face directory (config.json + safetensors + tokenizer),
-or a GGUF file. GGUF is dequantized once through transformers and cached as a safetensors
-directory under the cache home, so later loads take seconds.
+a Hugging Face Hub id (hub.py: the local cache first, a download only when allowed), or a GGUF file
+(gguf.py: converted once per compute dtype into a safetensors directory under the cache home, so later
+loads take seconds). This module only dispatches between them and builds the module.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvtier import paths
 from kvtier.device import resolve_device
 from kvtier.dtypes import COMPUTE_DTYPES, canonical, torch_dtype
+from kvtier.models import gguf, hub
 from kvtier.models.checkpoint import to_llama_names
 from kvtier.models.config import ModelConfig
+from kvtier.models.errors import ModelLoadError
 from kvtier.models.llama import CausalLM
 from kvtier.models.presets import PRESETS, random_state_dict
+from kvtier.models.weights import read_weights, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +35,6 @@ DEFAULT_MODEL = "smollm2-135m"
 PRESET_SEED = 0
 PRESET_GENERATOR = 2  # how presets draw their weights (part of their fingerprint: v2 = per-tensor seeds)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -102,9 +101,11 @@ def resolve(name: str) -> tuple[str, Path | None]:
         return "hf", path
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", path
+    if (hub_id := hub.HubId.parse(name)) is not None:
+        return "hf", hub.snapshot(hub_id)
     raise ModelLoadError(
         f"model {name!r} not found; use a preset ({', '.join(PRESETS)}), {DEFAULT_MODEL}, "
-        "a Hugging Face model directory or a .gguf file"
+        "a Hugging Face model directory, a Hub id (org/name[@revision]) or a .gguf file"
     )
 
 
@@ -128,44 +129,6 @@ def _load_tokenizer(path: Path) -> Any | None:
     except Exception as e:  # a model without tokenizer files still runs on token ids
         log.warning("no tokenizer in %s (%s); only token ids will work", path, e)
         return None
-
-
-def _convert_gguf(path: Path, home: Path) -> Path:
-    """Dequantize a GGUF once into `home/models/<stem>-<digest>/` (safetensors + config + tokenizer)."""
-    stat = path.stat()
-    tag = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = home / "models" / f"{path.stem}-{tag}"
-    if (out / "kvtier.json").exists():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to safetensors under %s (once)", path, out)
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:
-        raise ModelLoadError(
-            f"cannot read GGUF {path}: {e}. The file may be corrupt or of an unsupported architecture "
-            "(kvtier runs llama, mistral and qwen2 GGUF files)"
-        ) from e
-    cfg = ModelConfig.from_hf(hf.config)  # rejects unsupported architectures with a clear message
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"))
-    hf_cfg = hf.config.to_dict()
-    hf_cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
-    tok.save_pretrained(str(tmp))
-    (tmp / "kvtier.json").write_text(json.dumps({"source": str(path)}))
-    if out.exists():  # a half-written earlier attempt
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -194,7 +157,7 @@ def load_model(
     home: Path | None = None,
     tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load a model by preset name, `smollm2-135m`, HF directory or GGUF path onto `device`
+    """Load a model by preset name, `smollm2-135m`, HF directory, Hub id or GGUF path onto `device`
     (auto, cpu, cuda, cuda:N; raises DeviceError where it is not available)."""
     home = home or paths.home()
     dev = resolve_device(device)
@@ -205,20 +168,18 @@ def load_model(
         # Drawn in fp32 and cast per tensor when the target is narrower: the same bits on every device.
         module = _build(cfg, random_state_dict(cfg, PRESET_SEED, torch_dtype), torch_dtype, dev)
         tok = None
-        if tokenizer and (gguf := smollm2_gguf_path()) is not None:
-            tok = _load_tokenizer(_convert_gguf(gguf, home))
+        if tokenizer and (gguf_path := smollm2_gguf_path()) is not None:
+            tok = _load_tokenizer(gguf.metadata_dir(gguf_path, home))
         fp = _fingerprint(cfg, f"preset:{name}:seed={PRESET_SEED}:gen={PRESET_GENERATOR}")
         return LoadedModel(name, cfg, module, tok, fp, f"preset {name} (random weights, seed {PRESET_SEED})")
     assert path is not None
     if kind == "gguf":
-        path = _convert_gguf(path, home)
+        path = gguf.convert(path, home, torch_dtype)  # in the compute dtype: loading it casts nothing
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights (PyTorch .bin files are not supported)")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    state = read_weights(files)
     module = _build(cfg, state, torch_dtype, dev)
     tok = _load_tokenizer(path) if tokenizer else None
     fp = _fingerprint(cfg, _digest_files(files))
