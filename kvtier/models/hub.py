@@ -99,7 +99,7 @@ def snapshot(hub: HubId, settings: HubSettings | None = None) -> Path:
     except HFValidationError as e:
         raise ModelLoadError(f"{hub} is neither a local path nor a valid Hugging Face Hub id ({_first_line(e)})") from e
     if settings.offline:
-        raise ModelLoadError(f"model {hub} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: "
+        raise ModelLoadError(f"model {hub} is not a local path, nor in the Hugging Face cache, and HF_HUB_OFFLINE is set: "
                              + _fix(hub, settings))
     return _download(hub, settings)
 
