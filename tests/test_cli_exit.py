@@ -20,6 +20,18 @@ def _env(home: Path) -> dict[str, str]:
     return dict(os.environ, KVTIER_HOME=str(home), PYTHONUNBUFFERED="1")
 
 
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """One kvtier home for the module, with tiny-gqa's machine profile measured (and the presets'
+    tokenizer converted) once, on an idle machine: the tests are about exits, not about measuring."""
+    home = tmp_path_factory.mktemp("home")
+    run = subprocess.run([sys.executable, "-m", "kvtier", "profile", "--model", "tiny-gqa", "--dtype", "fp32",
+                          "--store", f"disk:{home / 'scratch'}:1GB"], env=_env(home), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    return home
+
+
 def _generate(home: Path, store: Path, prompt: str, *extra: str, **kw) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvtier", "generate", "--model", "tiny-gqa", "--dtype", "fp32", "--raw",
            "--prompt", prompt, "--temperature", "0", "--store", f"disk:{store}:1GB", "--stats", *extra]
@@ -46,8 +58,8 @@ def busy_cpu():
         p.wait()
 
 
-def test_generate_exits_cleanly_under_contention_and_saves(tmp_path, busy_cpu):
-    home, store = tmp_path / "home", tmp_path / "store"
+def test_generate_exits_cleanly_under_contention_and_saves(tmp_path, home, busy_cpu):
+    store = tmp_path / "store"
     proc = _generate(home, store, f"Run 0. {PROMPT}", "--max-tokens", "8")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
@@ -61,10 +73,8 @@ def test_generate_exits_cleanly_under_contention_and_saves(tmp_path, busy_cpu):
     assert _reused(err) >= 64
 
 
-def test_sigterm_mid_generation_drains_saves_and_exits_143(tmp_path):
-    home, store = tmp_path / "home", tmp_path / "store"
-    warm = _generate(home, store, "warm up", "--max-tokens", "2")  # measures the profile once
-    assert warm.wait(300) == 0
+def test_sigterm_mid_generation_drains_saves_and_exits_143(tmp_path, home):
+    store = tmp_path / "store"
     proc = _generate(home, store, PROMPT, "--max-tokens", "100000", "--max-model-len", "1024")
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
@@ -98,13 +108,13 @@ print(out.prompt_tokens_reused)
 """
 
 
-def test_a_script_that_never_closes_its_engine_exits_cleanly_with_its_state_saved(tmp_path, busy_cpu):
+def test_a_script_that_never_closes_its_engine_exits_cleanly_with_its_state_saved(tmp_path, home, busy_cpu):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     spec = f"disk:{tmp_path / 'store'}:1GB"
     reused = []
     for _ in range(3):
-        run = subprocess.run([sys.executable, str(script), spec], env=_env(tmp_path / "home"),
+        run = subprocess.run([sys.executable, str(script), spec], env=_env(home),
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
         assert "terminate called" not in run.stderr, run.stderr

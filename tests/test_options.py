@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.cli.engine_args import EngineOptions
 from kvtier.cli.main import build_parser
-from kvtier.cli.options import ConfigError, apply_sources, fields_of
+from kvtier.cli.options import ConfigError, apply_sources, fields_of, from_args
 from kvtier.cli.serve import ServeOptions
 
 KNOWN = (EngineOptions, ServeOptions)
@@ -40,6 +40,8 @@ def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path):
     opts = EngineOptions.from_args(args)
     assert (opts.max_num_seqs, opts.chunk_tokens, opts.no_prefix_cache) == (5, 16, True)
     assert opts.engine_config()["enable_prefix_cache"] is False and opts.reuse().chunk_tokens == 16
+    serve = from_args(ServeOptions, _resolve(["serve", "--log-stats-interval", "0", "--max-body-bytes", "99"]))
+    assert (serve.serve_config().stats_interval_s, serve.serve_config().max_body_bytes) == (0.0, 99)
 
 
 def test_a_file_shared_by_commands_may_hold_another_commands_options(tmp_path):

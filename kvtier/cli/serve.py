@@ -11,6 +11,7 @@ from typing import Any
 from kvtier.cli.engine_args import (
     EngineOptions,
     add_engine_arguments,
+    non_negative,
     non_negative_int,
     positive_float,
     positive_int,
@@ -68,6 +69,9 @@ class ServeOptions:
     default_max_tokens: int | None = option(None, HTTP, "completion limit when a request sets none",
                                             type=positive_int, default_text="the rest of the context window")
     log_level: str = option("info", HTTP, "server and access log level", type=str.lower, choices=LOG_LEVELS)
+    log_stats_interval: float = option(10.0, HTTP, "seconds between the one-line stats log (throughput, running and "
+                                       "waiting requests, KV usage, reuse by tier), when there was activity; 0: off",
+                                       type=non_negative, metavar="S")
 
     def serve_config(self) -> ServeConfig:
         """The validated server settings (the --api-keys file is read here)."""
@@ -78,6 +82,7 @@ class ServeOptions:
             api_keys=load_api_keys(self.api_keys) if self.api_keys else {}, metrics_public=self.metrics_public,
             shared_cache=self.shared_cache, max_body_bytes=self.max_body_bytes,
             default_max_tokens=self.default_max_tokens, max_queued_requests=self.max_queued_requests,
+            stats_interval_s=self.log_stats_interval,
         )
 
 
