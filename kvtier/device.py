@@ -7,7 +7,10 @@ the first kernel.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the CLI parses its options without loading torch
+    import torch
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
@@ -17,6 +20,8 @@ class DeviceError(ValueError):
 
 
 def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    import torch
+
     if isinstance(name, torch.device):
         name = str(name)
     name = (name or "auto").strip().lower()
@@ -42,6 +47,8 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
 
 def describe(device: torch.device) -> str:
     """A name that identifies the hardware a measurement was taken on (profiles are keyed by it)."""
+    import torch
+
     if device.type != "cuda":
         return "cpu"
     p = torch.cuda.get_device_properties(device)

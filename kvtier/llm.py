@@ -20,7 +20,7 @@ from typing import Any, cast
 from kvtier.cli.engine_args import EngineOptions
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
-from kvtier.models.loading import DEFAULT_MODEL
+from kvtier.models import DEFAULT_MODEL
 
 Messages = Sequence[dict[str, Any]]
 

@@ -415,7 +415,7 @@ def test_profile_warning_masks_the_password(tiny_gqa, tmp_path: Path, monkeypatc
     prof = fake_profile(tiny_gqa.fingerprint)
     prof = dataclasses.replace(prof, tiers={k: r for k, r in prof.tiers.items() if k != "redis"})
     monkeypatch.setattr(hardware, "load_profile", lambda model, home: prof)
-    monkeypatch.setattr(hardware, "_measure_spec", lambda model, spec: {})  # no server needed
+    monkeypatch.setattr(hardware, "_measure_spec", lambda model, spec, tick=None: {})  # no server needed
     monkeypatch.setattr(hardware, "save_profile", lambda p, path: None)
     hardware.load_or_measure(tiny_gqa, tmp_path, f"memory:1MB,redis://:{PW}@127.0.0.1:1/0")
     assert "lacks tier(s) redis://:***@127.0.0.1:1/0" in caplog.text

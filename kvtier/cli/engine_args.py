@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvtier.cli.options import add_options, from_args, option
 from kvtier.device import DEVICE_HELP
 from kvtier.dtypes import canonical
-from kvtier.models.loading import DEFAULT_MODEL
+from kvtier.models import DEFAULT_MODEL
 from kvtier.planning.plan import METHOD_CHOICES
 from kvtier.store.spec import SPEC_HELP
 

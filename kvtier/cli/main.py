@@ -10,20 +10,24 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.cli.engine_args import EngineOptions, add_engine_arguments, add_model_arguments, build_engine_from_args
 from kvtier.cli.options import apply_sources
 from kvtier.cli.serve import LOG_LEVELS, ServeOptions
-from kvtier.engine.engine import Engine, PromptError, RequestOutput
-from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
-from kvtier.models.config import UnsupportedModelError
-from kvtier.models.loading import DEFAULT_MODEL, ModelLoadError
+from kvtier.models import DEFAULT_MODEL
+from kvtier.models.errors import ModelLoadError
 from kvtier.store.redact import redact
 
-# Errors that are the user's to fix: printed as one line, exit code 2, no traceback. ConnectionError: a
-# store tier unreachable at startup (a Redis down, a wrong password).
-# OSError: a file or directory the user named cannot be read or written.
-USER_ERRORS = (ModelLoadError, UnsupportedModelError, PromptError, SamplingError, ValueError, OSError)
+if TYPE_CHECKING:  # the engine (torch, transformers) is imported by the commands that run it
+    from kvtier.engine.engine import Engine, RequestOutput
+    from kvtier.engine.request import SamplingParams
+
+# Errors that are the user's to fix: printed as one line, exit code 2, no traceback. ValueError covers
+# bad options, prompts (PromptError), sampling parameters (SamplingError), unsupported models and
+# devices; OSError a file or directory the user named, and a store tier unreachable at startup
+# (ConnectionError: a Redis down, a wrong password).
+USER_ERRORS = (ModelLoadError, ValueError, OSError)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +46,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    from kvtier.engine.request import GrammarSpec, SamplingParams
+
     structured = GrammarSpec("json_schema", args.json_schema.read_text()) if args.json_schema else None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -127,6 +133,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """A scripted multi-turn chat: each turn re-sends the whole conversation, so reuse shows."""
     from rich.console import Console
     from rich.table import Table
+
+    from kvtier.engine.request import SamplingParams
 
     console = Console()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -21,7 +21,11 @@ import torch
 from kvtier import paths
 from kvtier.device import resolve_device
 from kvtier.dtypes import COMPUTE_DTYPES, canonical, torch_dtype
-from kvtier.models import gguf, hub
+from kvtier.models import (
+    DEFAULT_MODEL,  # noqa: F401 (its home is the package, which imports no torch)
+    gguf,
+    hub,
+)
 from kvtier.models.checkpoint import to_llama_names
 from kvtier.models.config import ModelConfig
 from kvtier.models.errors import ModelLoadError
@@ -31,7 +35,6 @@ from kvtier.models.weights import read_weights, weight_files
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
 PRESET_SEED = 0
 PRESET_GENERATOR = 2  # how presets draw their weights (part of their fingerprint: v2 = per-tensor seeds)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

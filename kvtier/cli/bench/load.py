@@ -7,7 +7,7 @@ import os
 
 from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
 from kvtier.cli.engine_args import positive_int
-from kvtier.models.loading import DEFAULT_MODEL
+from kvtier.models import DEFAULT_MODEL
 from kvtier.planning.plan import METHOD_CHOICES
 
 
