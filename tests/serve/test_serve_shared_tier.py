@@ -75,7 +75,8 @@ def servers(request, tmp_path_factory) -> Iterator[dict[str, Proc]]:
     shared = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster_server")
     base = tmp_path_factory.mktemp(f"servers-{request.param}")
     redis = f"{shared}/0?prefix=shared" if request.param == "redis" else f"{shared}?prefix=shared"
-    home = base / "home"
+    # One home for both params: the machine profiles are measured by the first only (CI time).
+    home = tmp_path_factory.getbasetemp() / "shared-tier-home"
     procs: list[Proc] = []
     try:
         first = _start("A", "tiny-gqa", ["--store", f"memory:64MB,disk:{base}/a:256MB,{redis}"], home, base)
