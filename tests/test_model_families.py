@@ -121,14 +121,23 @@ def _every_restore_is_exact(m: LoadedModel) -> None:
         assert same(out, fresh), method
 
 
+def _random(name: str) -> LoadedModel:
+    cfg = FAMILIES[name]
+    return loaded(cfg, _build(cfg, random_state_dict(cfg, 0), torch.float32, torch.device("cpu")))
+
+
 @pytest.fixture(scope="module")
 def qwen3() -> LoadedModel:
-    cfg = FAMILIES["qwen3"]
-    return loaded(cfg, _build(cfg, random_state_dict(cfg, 0), torch.float32, torch.device("cpu")))
+    return _random("qwen3")
 
 
 def test_qwen3_every_restore_is_exact(qwen3):
     _every_restore_is_exact(qwen3)
+
+
+def test_qwen2_yarn_every_restore_is_exact():
+    """yarn scales cos/sin by its attention factor: a restored K is the K the forward pass made."""
+    _every_restore_is_exact(_random("qwen2-yarn"))
 
 
 def test_phi3_every_restore_is_exact(phi3):
