@@ -82,6 +82,15 @@ def test_a_bad_environment_variable_names_it_and_hides_secrets():
         build_parser().parse_args(["serve", "--help"])
 
 
+def test_a_store_secret_file_wins_over_the_environment(tmp_path):
+    """As before the options had environment variables: --store-secret-file, else $KVTIER_STORE_SECRET."""
+    secret = tmp_path / "secret"
+    secret.write_text("from-the-file-0123456789\n")
+    env = {"KVTIER_STORE_SECRET": "from-the-environment-0123"}
+    opts = EngineOptions.from_args(_resolve(["serve", "--store-secret-file", str(secret)], env))
+    assert opts.store_secret is None and opts.reuse().seal.secret == b"from-the-file-0123456789"
+
+
 def test_every_engine_option_is_a_flag_of_every_engine_command():
     names = set(fields_of(EngineOptions))
     assert {"storage_dtype", "chunk_tokens", "min_restore_tokens"} <= names

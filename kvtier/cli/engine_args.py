@@ -121,7 +121,8 @@ class EngineOptions:
                                            "directories cannot plant state (see docs/serve.md, Security)",
                                            metavar="PATH", default_text="none")
     store_secret: str | None = option(None, STORE, "the store secret as a value (visible to other users in `ps`: "
-                                      "prefer the file or $KVTIER_STORE_SECRET)", metavar="SECRET", secret=True)
+                                      "prefer the file or $KVTIER_STORE_SECRET)", metavar="SECRET", secret=True,
+                                      env=False)  # load_secret reads $KVTIER_STORE_SECRET, after a file
     restore_method: str = option("auto", STORE, "how stored state comes back: auto (the planner decides per request), "
                                  "kv, hidden, bubblefree, cake, recompute, or impress (lossy, opt-in: only the stored "
                                  "prefix tokens the new tokens attend to; its state is never saved)",

@@ -46,6 +46,7 @@ class Option:
     metavar: str | None = None
     default_text: str | None = None  # what --help says the default is (None: the default itself)
     secret: bool = False  # never shown (its default or value) in --help or errors
+    env: bool = True  # False: no KVTIER_<NAME> (the option reads its variable itself, after other sources)
 
 
 def option(default: Any, group: str, help: str, **kw: Any) -> Any:
@@ -180,7 +181,7 @@ def apply_sources(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         if name in given:
             continue
         env = ENV_PREFIX + name.upper()
-        if env in environ:
+        if opt.env and env in environ:
             setattr(args, name, coerce(f, opt, environ[env], f"${env}"))
         elif name in file:
             setattr(args, name, coerce(f, opt, file[name], f"config file {path}: {name}"))
