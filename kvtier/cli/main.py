@@ -196,7 +196,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from kvtier.paths import home
 
     model = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=False)
-    prof = measure(model, args.store)
+    prof = measure(model, args.store, progress=True)
     out = Path(args.json) if args.json else profile_path(home(), model)
     save_profile(prof, out)
     print(f"prefill: {prof.prefill_a * 1e3:.3f} ms/token + {prof.prefill_b * 1e6:.4f} us/token^2 "
