@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.cli.options import add_options, from_args, option
+from kvtier.cli.store import default_store_spec, spec_type
 from kvtier.device import DEVICE_HELP
 from kvtier.dtypes import canonical
 from kvtier.models import DEFAULT_MODEL
@@ -70,18 +71,6 @@ def _storage_dtype(text: str) -> str:
     return text
 
 
-def _default_store() -> str:
-    from kvtier.cli.store import default_store_spec
-
-    return default_store_spec()
-
-
-def _spec(text: str) -> str:
-    from kvtier.cli.store import spec_type
-
-    return spec_type(text)
-
-
 @dataclass(frozen=True)
 class EngineOptions:
     """Every option of a command that runs an engine, declared once: each field is a flag of
@@ -107,7 +96,8 @@ class EngineOptions:
                                 "a token's logits (bf16, fp16; its state is stored apart from exact state) "
                                 "(default: exact)")
 
-    store: str = option(_default_store, STORE, f"tiered state store: {SPEC_HELP}", type=_spec, metavar="SPEC")
+    store: str = option(default_store_spec, STORE, f"tiered state store: {SPEC_HELP}", type=spec_type,
+                        metavar="SPEC")
     no_store: bool = option(False, STORE, "run without the state store (no saving, no restore)")
     chunk_tokens: int = option(64, STORE, "tokens per stored chunk", type=positive_int)
     storage_dtype: str = option("auto", STORE, "dtype chunks are stored in: auto = the compute dtype (lossless); "

@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         # One level for the whole program: `kvtier --log-level X`, else the command's own (serve's
         # --log-level, default info), else warning.
         args.log_level = args.global_log_level or getattr(args, "log_level", None) or "warning"
-        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        # Libraries log at the top-level level (warning unless given); kvtier's own loggers at the command's.
+        logging.basicConfig(level=(args.global_log_level or "warning").upper(),
+                            format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("kvtier").setLevel(args.log_level.upper())
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
         print(f"error: {redact(e)}", file=sys.stderr)  # a store spec in it loses its Redis password

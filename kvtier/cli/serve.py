@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -113,9 +112,6 @@ def run(args: argparse.Namespace) -> int:
 
     options = from_args(ServeOptions, args)
     engine_options = EngineOptions.from_args(args)
-    logging.getLogger("kvtier").setLevel(options.log_level.upper())
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = options.serve_config()
     sock = listen_socket(options.host, options.port)  # the port is ours (or one line, exit 2) before the load
     try:
