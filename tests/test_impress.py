@@ -11,8 +11,11 @@ import torch.nn.functional as F
 
 from kvtier.engine.calibrate import probes as probe_calibration
 from kvtier.engine.calibrate.probes import calibrate, calibrate_probe, probe_pass_rate
+from kvtier.engine.config import ImpressConfig
+from kvtier.engine.restore.importance import select_all
 from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
 from kvtier.engine.restore.impress_prefill import impress_prefill
+from kvtier.engine.restore.impress_select import Units
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store import StoreNamespace, TieredStore
@@ -97,13 +100,14 @@ def _masked_oracle(model, ids: list[int], kept: list[torch.Tensor]) -> torch.Ten
     return model.logits(h[PREFIX:])
 
 
-@pytest.mark.parametrize("selection, score_kv_heads, probe_first", [
-    (Selection.IMPRESS, None, 0), (Selection.IMPRESS, None, 1), (Selection.PROBES, None, 0), (Selection.H2O, None, 0),
-    (Selection.H2O, (1,), 0), (Selection.RANDOM, None, 0), (Selection.RECENT, None, 0)])
+@pytest.mark.parametrize("selection, score_kv_heads, probe_first, window", [
+    (Selection.IMPRESS, None, 0, 1), (Selection.IMPRESS, None, 1, 1), (Selection.IMPRESS, None, 0, 5),
+    (Selection.PROBES, None, 0, 1), (Selection.H2O, None, 0, 1), (Selection.H2O, (1,), 0, 1), (Selection.RANDOM, None, 0, 1),
+    (Selection.RECENT, None, 0, 1)])
 def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection,
-                                                                               score_kv_heads, probe_first):
+                                                                               score_kv_heads, probe_first, window):
     ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 2, seed=5)
-    policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads)
+    policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads, window=window)
     with _stored(loaded, tmp_path, ids, probe_first) as store:
         rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
     k = math.ceil(0.25 * PREFIX)
@@ -113,6 +117,27 @@ def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(l
                                atol=1e-4, rtol=1e-4)
     if selection is Selection.RECENT:
         assert all(t.tolist() == list(range(PREFIX - k, PREFIX)) for t in stats.kept)
+
+
+def test_pooling_keeps_the_neighbours_of_an_important_token():
+    imp = torch.zeros(1, 20)  # [heads, prefix]
+    imp[0, 10], imp[0, 3] = 1.0, 0.5
+
+    def chosen(unit: int, window: int, kept: int) -> list[int]:
+        units = Units(20, unit, 20 // unit, kept, window)
+        return units.tokens(select_all(units.pooled(imp), kept).tokens).tolist()
+
+    assert chosen(1, 1, 5) == [0, 1, 2, 3, 10]  # the two peaks, then ties by position
+    assert chosen(1, 5, 5) == [8, 9, 10, 11, 12]  # the peak and two tokens either side of it
+    assert chosen(1, 5, 7) == [1, 2, 8, 9, 10, 11, 12]  # then the lower peak's window
+    # Granules of 4, by their pooled sums.
+    assert chosen(4, 1, 2) == [0, 1, 2, 3, 8, 9, 10, 11]  # 0.5 (0-3), 1 (8-11)
+    assert chosen(4, 5, 2) == [0, 1, 2, 3, 8, 9, 10, 11]  # 1.5 (0-3), 4 (8-11) over 1 (4-7), 1 (12-15)
+    assert chosen(4, 9, 2) == [4, 5, 6, 7, 8, 9, 10, 11]  # 4 (8-11), 3 (4-7; 12-15 ties, later) over 2 (0-3)
+    with pytest.raises(ValueError, match="odd"):
+        ImpressPolicy(window=4)
+    with pytest.raises(ValueError, match="importance_window"):
+        ImpressConfig(window=0)
 
 
 def test_bytes_read_follow_the_selection(loaded, tmp_path):

@@ -68,14 +68,16 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int
     return out
 
 
-@pytest.mark.parametrize("selection, unit", [("impress", "token"), ("h2o", "granule")])
-def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, selection, unit):
+@pytest.mark.parametrize("options", [dict(unit="token", window=1), dict(selection="h2o", unit="granule", window=1), {}],
+                         ids=["paper", "h2o-granule", "defaults"])
+def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, options):
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
-    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25, selection=selection, unit=unit))
-    with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
+    config = ImpressConfig(ratio=0.25, **options)
+    with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", impress=config)) as engine:
         out = engine.generate([ids], GREEDY)[0]
-        policy = ImpressPolicy(ratio=0.25, selection=Selection(selection), block=16 if unit == "granule" else 1)
+        policy = ImpressPolicy(ratio=0.25, selection=Selection(config.selection.value), window=config.window,
+                               block=16 if config.unit.value == "granule" else 1)
         want = _standalone(model, engine.link.store, ids, policy)
     assert out.restore is not None and out.restore.prefix_attended == HIST // 4
     assert out.output_ids == want
@@ -88,6 +90,8 @@ def test_bad_importance_options_are_refused():
         ImpressConfig(unit="word")
     with pytest.raises(ValueError, match="importance_ratio"):
         ImpressConfig(ratio=0.0)
+    with pytest.raises(ValueError, match="importance_window"):
+        ImpressConfig(window=8)
 
 
 @torch.inference_mode()

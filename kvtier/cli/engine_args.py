@@ -58,6 +58,10 @@ def ratio(text: str) -> float:
     return _number(text, float, lambda x: 0.0 < x <= 1.0, "a number in (0, 1]")
 
 
+def odd_window(text: str) -> int:
+    return _number(text, int, lambda x: x >= 1 and x % 2 == 1, "an odd number of tokens >= 1")
+
+
 # ----- the options ---------------------------------------------------------------------------------
 MODEL, ENGINE, STORE, PARTIAL = "model", "engine", "store", "partial"
 TITLES = {MODEL: "model and engine", ENGINE: "model and engine", STORE: "state store (reuse across requests)",
@@ -122,9 +126,14 @@ class EngineOptions:
                                "lossy, so off by default)")
     importance_ratio: float = option(0.25, STORE, "impress: share of a stored prefix each layer keeps", type=ratio,
                                      metavar="R")
-    importance_unit: str = option("token", STORE, "impress: keep single tokens (the paper), or whole stored granules "
-                                  "of 16 tokens chosen by their summed importance (reads follow the ratio)",
-                                  choices=("token", "granule"))
+    importance_unit: str = option("granule", STORE, "impress: keep whole stored granules of 16 tokens chosen by their "
+                                  "summed importance (reads follow the ratio), or single tokens (the paper)",
+                                  choices=("granule", "token"))
+    importance_window: int = option(17, STORE, "impress: each token's importance is the highest within W tokens "
+                                    "centred on it before choosing (odd; 1: none), so what follows and surrounds an "
+                                    "important token is kept with it", type=odd_window, metavar="W")
+    importance_vote: str = option("sum", STORE, "impress: the probe heads' choice is by their summed importance (sum), "
+                                  "or tokens in at least two probes' top-k first (majority)", choices=("sum", "majority"))
     importance_selection: str = option("impress", STORE, "impress: how tokens are chosen: probe heads first, every key "
                                        "only where they disagree (impress, the paper), or every key and every head "
                                        "(h2o: more bytes, closer to full accuracy on models with few KV heads)",
@@ -161,7 +170,8 @@ class EngineOptions:
         from kvtier.engine.config import ImportanceSelection, ImportanceUnit, ImpressConfig
 
         return ImpressConfig(ratio=self.importance_ratio, alpha=self.importance_alpha,
-                             unit=ImportanceUnit(self.importance_unit),
+                             unit=ImportanceUnit(self.importance_unit), window=self.importance_window,
+                             vote=self.importance_vote,
                              selection=ImportanceSelection(self.importance_selection),
                              reorder_s=self.importance_reorder_s)
 

@@ -119,7 +119,15 @@ class ImpressConfig:
 
     ratio: float = 0.25  # the share of a stored prefix each layer keeps
     alpha: float = 0.6  # the similarity threshold's exponent (IMPRESS §4.3)
-    unit: ImportanceUnit = ImportanceUnit.TOKEN
+    # The defaults (whole granules, scores pooled over 17 tokens, the probes' importance summed)
+    # keep free-form retrieval; the paper's single tokens lose it (docs/impress.md).
+    unit: ImportanceUnit = ImportanceUnit.GRANULE
+    # Tokens each importance score is max-pooled over before choosing (odd; 1: none): what follows
+    # and surrounds an important token is kept with it.
+    window: int = 17
+    # How the probe heads' sets become one: "sum" ranks by their summed importance; "majority"
+    # puts tokens in at least two probes' top-k first (one retrieval head among three is outvoted).
+    vote: str = "sum"
     selection: ImportanceSelection = ImportanceSelection.IMPRESS
     # Seconds between reorder passes (IMPRESS §4.4.1, store/reorder.py): chunks importance restores
     # have seen are stored again with K/V rows by importance. 0: never.
@@ -132,6 +140,10 @@ class ImpressConfig:
             raise ValueError(f"importance_alpha must be >= 0, got {self.alpha}")
         if self.reorder_s < 0:
             raise ValueError(f"importance_reorder_s must be >= 0 seconds (0: never), got {self.reorder_s}")
+        if self.window < 1 or self.window % 2 == 0:
+            raise ValueError(f"importance_window must be an odd number of tokens >= 1, got {self.window}")
+        if self.vote not in ("sum", "majority"):
+            raise ValueError(f"importance_vote must be sum or majority, got {self.vote!r}")
         object.__setattr__(self, "unit", _member(ImportanceUnit, self.unit, "importance_unit"))
         object.__setattr__(self, "selection", _member(ImportanceSelection, self.selection, "importance_selection"))
 

@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from kvtier.engine.config import ImportanceUnit, ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.engine.link.stats import LinkStats
 from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore.impress import ImpressRestore
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
+from kvtier.engine.restore.impress_policy import ImpressPolicy
 from kvtier.engine.restore.job import RestoreJob
 from kvtier.engine.restore.layerwise import Restore, RestoreMiss
 from kvtier.engine.runner.model_runner import ModelRunner
@@ -65,9 +65,7 @@ class Restorer:
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
-        self.importance = ImpressPolicy(config.impress.ratio, config.impress.alpha,
-                                        Selection(config.impress.selection.value),
-                                        block=PROBE_GRANULE_TOKENS if config.impress.unit == ImportanceUnit.GRANULE else 1)
+        self.importance = ImpressPolicy.of(config.impress)
         if all_kv:
             self.allowed = {Method.KV: self.layout, Method.CAKE: self.layout}
             if config.allow_lossy:  # auto may weigh it against the exact methods

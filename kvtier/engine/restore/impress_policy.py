@@ -13,8 +13,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtier.engine.config import ImpressConfig
 
 
 class Selection(str, enum.Enum):
@@ -36,7 +40,12 @@ class ImpressPolicy:
     # granules chosen by their summed importance, so a read never fetches a granule for one token
     # of it (bytes follow the ratio; a trailing part-granule is always kept).
     block: int = 1
-    vote: str = "majority"  # the probes' consensus: "majority" (in two top-k sets first) or "sum" of importance
+    # Tokens a score is pooled over before choosing (odd; 1: none): each token takes the highest
+    # importance within window // 2 tokens of it, so what surrounds and follows an important token
+    # is kept with it (a question attends to "the access code for the X vault is", the answer is
+    # the digits after it; SnapKV pools for the same reason).
+    window: int = 1
+    vote: str = "sum"  # the probes' consensus: "sum" of importance, or "majority" (in two top-k sets first)
     # H2O only (an ablation): score with the query heads of these KV heads alone, every key read;
     # what a probe at those KV heads would choose. None: every head.
     score_kv_heads: tuple[int, ...] | None = None
@@ -50,6 +59,14 @@ class ImpressPolicy:
             raise ValueError(f"vote must be majority or sum, got {self.vote!r}")
         if self.block < 1:
             raise ValueError(f"block must be >= 1 token, got {self.block}")
+        if self.window < 1 or self.window % 2 == 0:
+            raise ValueError(f"importance window must be an odd number of tokens >= 1, got {self.window}")
+
+    @staticmethod
+    def of(config: ImpressConfig) -> ImpressPolicy:
+        """The rule the engine's options (`ImpressConfig`) give."""
+        return ImpressPolicy(config.ratio, config.alpha, Selection(config.selection.value), window=config.window,
+                             block=PROBE_GRANULE_TOKENS if config.unit.value == "granule" else 1, vote=config.vote)
 
     @property
     def unit(self) -> int:

@@ -61,7 +61,7 @@ class ImportanceAttention(LayerAttention):
         count, kept_units = policy.units(m)
         g = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.policy, self.reads, self.probes, self.stats, self.cos, self.sin = policy, reads, probes, stats, cos, sin
-        self.units = Units(m, policy.unit, count, kept_units)
+        self.units = Units(m, policy.unit, count, kept_units, policy.window)
         self.heads = ProbeHeads.of(probe_first, probe_count, g)
         self.score_heads = None if policy.score_kv_heads is None else \
             [h * g + i for h in policy.score_kv_heads for i in range(g)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvtier.engine.restore.importance import LayerSelection, column_importance, mean_jaccard, select, select_all
 
@@ -17,15 +18,19 @@ from kvtier.engine.restore.importance import LayerSelection, column_importance, 
 @dataclass(frozen=True)
 class Units:
     """A prefix of `prefix` tokens cut into `count` whole units of `unit` tokens, `kept` of them
-    chosen per layer; a trailing part-unit is always kept besides them."""
+    chosen per layer; a trailing part-unit is always kept besides them. Token scores are first
+    max-pooled over `window` tokens centred on each (1: as they are)."""
 
     prefix: int
     unit: int
     count: int
     kept: int
+    window: int = 1
 
     def pooled(self, imp: torch.Tensor) -> torch.Tensor:
         """[heads, prefix] token importance -> [heads, count] importance per unit."""
+        if self.window > 1:  # [heads, 1, prefix] -> the same shape, each token its window's highest
+            imp = F.max_pool1d(imp[:, None], self.window, stride=1, padding=self.window // 2)[:, 0]
         if self.unit == 1:
             return imp
         return imp[:, : self.count * self.unit].reshape(imp.shape[0], self.count, self.unit).sum(-1)
