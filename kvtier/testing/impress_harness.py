@@ -35,6 +35,10 @@ class ReducedCache:
         e = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)  # [0, kv_heads, hd]
         return ReducedCache([e] * cfg.num_layers, [e] * cfg.num_layers, 0)
 
+    def copy(self) -> ReducedCache:
+        """Another cache to extend, sharing the K/V computed so far."""
+        return ReducedCache(list(self.k), list(self.v), self.rope_offset)
+
     @staticmethod
     def of(kv: CompactKV) -> ReducedCache:
         """A growable copy of a restore's compact K/V (the restore's own lists are left as they are)."""

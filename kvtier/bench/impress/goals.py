@@ -10,7 +10,22 @@ from collections.abc import Sequence
 
 from kvtier.bench.goals import Goal, Item, evaluate, figure, one
 
-KINDS = ("impress", "impress-g")
+KINDS = ("impress", "impress-g")  # the probes' majority vote, single tokens or whole granules, no pooling
+TODAY = "impress"  # the defaults before issue 31: single tokens, the majority vote, no pooling
+
+
+def kind_name(selection: str, granule: bool = False, window: int = 1) -> str:
+    """impress, impress-g (whole granules), impress-g-w9 (scores pooled over 9 tokens): a row is kind@ratio."""
+    return f"{selection}{'-g' if granule else ''}{f'-w{window}' if window > 1 else ''}"
+
+
+def default_kind() -> str:
+    """The kind of row the engine's defaults restore with (`ImpressConfig()`)."""
+    from kvtier.engine.config import ImpressConfig
+    from kvtier.engine.restore.impress_policy import ImpressPolicy
+
+    p = ImpressPolicy.of(ImpressConfig())
+    return kind_name("impress-sum" if p.vote == "sum" else "impress", p.unit > 1, p.window)
 
 
 # ----- accuracy ---------------------------------------------------------------------------------
@@ -42,43 +57,70 @@ def _at_quarter(kind: str, key: str, target: float):
     return select
 
 
-def _versus(kind: str, ref: str, target: float, worse: bool):
-    """Accuracy points of ref over the kind's ratio-0.25 row (worse: at most target) or of the kind
-    over ref (at least target)."""
+def _versus(kind: str, ref: str, target: float, worse: bool, key: str = "accuracy", scale: float = 100.0):
+    """`key` of ref over the kind's ratio-0.25 row (worse: at most target) or of the kind over ref
+    (at least target); accuracy in points."""
     def select(rows: Sequence[Item]) -> list[Item]:
         r, b = variant(rows, f"{kind}@0.25"), variant(rows, ref)
-        if variant(rows, "full") is None or r is None or b is None:
+        if variant(rows, "full") is None or r is None or b is None or r is b:
             return []
         if worse:
-            gap = (b["accuracy"] - r["accuracy"]) * 100
+            gap = (b[key] - r[key]) * scale
             return _figure(gap, target, gap <= target)
-        gain = (r["accuracy"] - b["accuracy"]) * 100
+        gain = (r[key] - b[key]) * scale
         return _figure(gain, target, gain >= target)
     return select
 
 
-def _accuracy_goals(kind: str) -> list[Goal]:
-    h2o = "h2o-g@0.25" if kind.endswith("-g") else "h2o@0.25"
+def _kind_goals(task: str, kind: str) -> list[Goal]:
+    """The importance restore's goals on the needle multiple choice (the first issue's)."""
+    h2o = "h2o-g@0.25" if "-g" in kind else "h2o@0.25"
     return [
-        *(figure(f"{kind}: needle accuracy drop vs full KV at ratio {ratio:g} <= {limit:g} points",
+        *(figure(f"{task}: {kind}: accuracy drop vs full KV at ratio {ratio:g} <= {limit:g} points",
                  _drop(kind, ratio, limit)) for ratio, limit in ((0.5, 1.0), (0.25, 2.0))),
-        figure(f"{kind}: KL(full || variant) at ratio 0.25 <= 0.05", _at_quarter(kind, "kl_mean", 0.05)),
-        figure(f"{kind}: bytes read at ratio 0.25 <= 0.45x of full KV", _at_quarter(kind, "bytes_vs_full", 0.45)),
-        figure(f"{kind}: identification <= 10% of the restore's time (memory tier)",
+        figure(f"{task}: {kind}: KL(full || variant) at ratio 0.25 <= 0.05", _at_quarter(kind, "kl_mean", 0.05)),
+        figure(f"{task}: {kind}: bytes read at ratio 0.25 <= 0.45x of full KV", _at_quarter(kind, "bytes_vs_full", 0.45)),
+        figure(f"{task}: {kind}: identification <= 10% of the restore's time (memory tier)",
                _at_quarter(kind, "identify_share", 0.10)),
-        figure(f"{kind}: within 1 point of H2O over all keys at ratio 0.25",
-               _versus(kind, h2o, 1.0, worse=True)),
-        *(figure(f"{kind}: >= 10 points above {ref}", _versus(kind, ref, 10.0, worse=False))
+        figure(f"{task}: {kind}: within 1 point of H2O over all keys at ratio 0.25", _versus(kind, h2o, 1.0, worse=True)),
+        *(figure(f"{task}: {kind}: >= 10 points above {ref}", _versus(kind, ref, 10.0, worse=False))
           for ref in ("random@0.25", "recent@0.25")),
     ]
 
 
-ACCURACY_GOALS = tuple(g for kind in KINDS for g in _accuracy_goals(kind))
+def _default_goals(task: str, kind: str) -> list[Goal]:
+    """The defaults' goals: within 5 points of full KV on free-form retrieval at 0.25, not worse than
+    today's defaults on multiple choice, no higher summary perplexity, bytes within the ratio."""
+    today = f"{TODAY}@0.25"
+    goals = [figure(f"{task}: {kind} (default): bytes read at ratio 0.25 <= 0.45x of full KV",
+                    _at_quarter(kind, "bytes_vs_full", 0.45))]
+    if task == "retrieval":
+        goals += [figure(f"{task}: {kind} (default): accuracy drop vs full KV at ratio 0.25 <= 5 points",
+                         _drop(kind, 0.25, 5.0)),
+                  figure(f"{task}: {kind} (default): summary perplexity at 0.25 no higher than {today}'s (ratio)",
+                         _versus(kind, today, 0.0, worse=False, key="perplexity", scale=-1.0))]
+    else:
+        goals.append(figure(f"{task}: {kind} (default): accuracy at 0.25 not below {today}'s (points below)",
+                            _versus(kind, today, 0.0, worse=True)))
+    return goals
+
+
+def kinds() -> tuple[str, ...]:
+    """Today's kinds of rows (single tokens, whole granules) and the defaults' where it differs."""
+    return tuple(dict.fromkeys((*KINDS, default_kind())))
+
+
+def accuracy_goal_records(task: str) -> list[Goal]:
+    goals = [g for kind in kinds() for g in _kind_goals(task, kind)] if task == "choice" else []
+    return goals + _default_goals(task, default_kind())
 
 
 def accuracy_goals(rows: Sequence[Item]) -> list[Item]:
-    """The issue's goals, for IMPRESS choosing tokens (the paper) and choosing whole granules."""
-    return evaluate(ACCURACY_GOALS, rows)
+    """Each task's goals judged on its own rows."""
+    out: list[Item] = []
+    for task in dict.fromkeys(r.get("task", "choice") for r in rows):
+        out += evaluate(accuracy_goal_records(task), [r for r in rows if r.get("task", "choice") == task])
+    return out
 
 
 # ----- TTFT -------------------------------------------------------------------------------------
@@ -119,12 +161,12 @@ def _vs_h2o(kind: str, ratio: float):
 def ttft_goal_records(rows: Sequence[Item], ratio: float, tier: str = "disk") -> list[Goal]:
     """The ttft mode's goals (an auto goal names how many cells it judged, so they follow the rows)."""
     goals = []
-    for auto, kind in (("auto-lossy", "impress"), ("auto-lossy-g", "impress-g")):
+    for auto, kind in (("auto-lossy", "impress"), ("auto-lossy-g", "impress-g"), (f"auto-lossy-{default_kind()}", default_kind())):
         picks = [r for r in rows if r["method"] == auto]
         if picks:
             goals.append(figure(f"{auto}: never restores by importance where {kind} measured slower than kv or cake "
                                 f"(cells, of {len(picks)})", _wrong_picks(auto, kind, picks)))
-    for kind in KINDS:
+    for kind in kinds():
         goals += [figure(f"{tier} at 100 MB/s: {kind} TTFT <= 0.6x the best exact method (kv, cake)", _vs_exact(kind)),
                   figure(f"{tier} at 100 MB/s: {kind} >= 1.3x faster than H2O-style loading of all keys",
                          _vs_h2o(kind, ratio))]

@@ -1,11 +1,6 @@
 """`kvtier bench impress`: importance-only restores (IMPRESS) against the full stored prefix.
 
-accuracy  the needle multiple-choice task (bench/tasks.py) on a real model: each item's document is
-          computed once and stored in the importance layout (memory tier), then restored by every
-          variant (full KV; IMPRESS at several ratios; probes without the threshold; H2O over all
-          keys; random and recent references) and answered by log-likelihood. Reports accuracy with
-          Wilson 95% intervals, KL(full || variant) of the query rows' next-token distributions,
-          bytes read against full KV, layers whose probes agreed, identification time.
+accuracy  multiple choice and free-form retrieval on a real model (accuracy.py).
 ttft      a long history on a disk tier at emulated bandwidths: TTFT of the engine's exact restores
           (recompute, kv, cake) beside `--restore-method impress`, and the bytes and seconds of the
           IMPRESS, H2O-style and full reads of the same prefix through the same code.
@@ -16,171 +11,27 @@ Both write JSON with `rows` and `goals` ({goal, met, value, target}) and, with -
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from kvtier.bench.common import drop_page_cache, machine_info, write_json_atomic
+from kvtier.bench.impress import accuracy as impress_accuracy
 from kvtier.bench.impress import admission as impress_admission
 from kvtier.bench.impress import reorder as impress_reorder
-from kvtier.bench.impress.goals import accuracy_goals, ttft_goals, variant
-from kvtier.bench.tasks import needle_items
-from kvtier.dtypes import name_of
-from kvtier.engine.calibrate.probes import calibrate
-from kvtier.engine.restore.impress_policy import (
-    PROBE_GRANULE_TOKENS,
-    ImpressPolicy,
-    ImpressStats,
-    Selection,
-    probe_kv_heads_for,
-)
+from kvtier.bench.impress.goals import default_kind, ttft_goals
+from kvtier.bench.impress.layout import CHUNK, namespace
+from kvtier.engine.config import ImpressConfig
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
 from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.models.rope import Rope
-from kvtier.store import StoreNamespace, TieredStore
+from kvtier.store import TieredStore
 from kvtier.store.selective import TokenReads
-from kvtier.testing.impress_harness import ReducedCache, extend
-
-CHUNK = 64
-
-
-def variants(ratios: list[float], granule: int) -> dict[str, ImpressPolicy]:
-    """The rows: full KV, then per ratio IMPRESS and H2O-style loading choosing tokens, and both
-    choosing whole granules ("-g"), then the ablation and blind references at 0.25."""
-    out = {"full": ImpressPolicy(selection=Selection.FULL)}
-    for r in ratios:
-        out[f"impress@{r:g}"] = ImpressPolicy(ratio=r)
-        out[f"impress-g@{r:g}"] = ImpressPolicy(ratio=r, block=granule)
-        out[f"impress-sum@{r:g}"] = ImpressPolicy(ratio=r, vote="sum")
-        out[f"impress-sum-g@{r:g}"] = ImpressPolicy(ratio=r, vote="sum", block=granule)
-        out[f"h2o@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O)
-        out[f"h2o-g@{r:g}"] = ImpressPolicy(ratio=r, selection=Selection.H2O, block=granule)
-    out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
-    for j in range(3):  # which KV head's query heads would make a good probe (every key read)
-        out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
-    out["random@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RANDOM)
-    out["recent@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RECENT)
-    return out
-
-
-def namespace(loaded: LoadedModel, granule_tokens: int = PROBE_GRANULE_TOKENS, probes: int = 0,
-              probe_first: int = -1) -> StoreNamespace:
-    """The importance layout the engine would open (its calibrated probe head unless one is given)."""
-    c = loaded.config
-    probes = probes or probe_kv_heads_for(c.num_kv_heads)
-    first = probe_first if probe_first >= 0 else calibrate(loaded, probes).first
-    return StoreNamespace(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size,
-                          compute_dtype=name_of(loaded.dtype), probe_kv_heads=probes, probe_first=first,
-                          granule_tokens=granule_tokens)
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion k/n."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return mid - half, mid + half
-
-
-def _empty(loaded: LoadedModel) -> ReducedCache:
-    c = loaded.config
-    e = torch.empty(0, c.num_kv_heads, c.head_dim, dtype=loaded.dtype)
-    return ReducedCache([e] * c.num_layers, [e] * c.num_layers, 0)
-
-
-def _choice_loglik(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Tensor,
-                   choice: list[int]) -> float:
-    """log P(choice | everything in cache), the first token's distribution being `last` [vocab]."""
-    lp = torch.log_softmax(last, -1)[choice[0]].item()
-    if len(choice) > 1:
-        copy = ReducedCache(list(cache.k), list(cache.v), cache.rope_offset)
-        logits = extend(loaded.module, rope, copy, choice[:-1])  # [len - 1, vocab]
-        lp += torch.log_softmax(logits, -1).gather(1, torch.tensor(choice[1:])[:, None]).sum().item()
-    return lp
-
-
-def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
-    """Mean over rows of KL(full || other), logits [rows, vocab]."""
-    p, q = torch.log_softmax(full, -1), torch.log_softmax(other, -1)
-    return (p.exp() * (p - q)).sum(-1).mean().item()
-
-
-def _nll(logits: torch.Tensor, ids: list[int]) -> float:
-    """Mean negative log-likelihood of ids[1:] under logits [len(ids), vocab] (row i predicts i + 1)."""
-    lp = torch.log_softmax(logits[:-1].float(), -1)
-    return -lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
-
-
-def cmd_accuracy(args: argparse.Namespace) -> dict:
-    loaded = load_model(args.model, dtype=args.dtype)
-    if loaded.tokenizer is None:
-        raise SystemExit(f"model {args.model} has no tokenizer: the needle task needs one (use smollm2-135m)")
-    lengths = tuple(int(x) for x in args.lengths.split(","))
-    items = needle_items(loaded.tokenizer, args.n, lengths, seed=args.seed)
-    rope = Rope(loaded.config, max(lengths) * 2 + 512, loaded.dtype)
-    vs = variants([float(x) for x in args.ratios.split(",")], args.granule_tokens)
-    if args.variants:
-        keep = {"full", *args.variants.split(",")}
-        vs = {k: v for k, v in vs.items() if k in keep}
-    per: dict[str, dict[str, list]] = {name: {"correct": [], "kl": [], "nll": [], "bytes": [], "passed": [], "identify": [],
-                                              "seconds": [], "jaccard": [], "granules": []} for name in vs}
-    ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
-    print(f"probe KV heads [{ns.probe_first}, {ns.probe_first + ns.probe_kv_heads}) of {ns.num_kv_heads}", flush=True)
-    with TieredStore.open("memory:8GB", ns, chunk_tokens=CHUNK) as store:
-        for item in tqdm(items, desc="needle items", unit="item"):
-            cache = _empty(loaded)
-            with torch.inference_mode():
-                extend(loaded.module, rope, cache, item.prefix_ids)
-            store.save(item.prefix_ids, 0, torch.stack(cache.k), torch.stack(cache.v), None)
-            store.flush(120)
-            match = store.lookup(item.prefix_ids)
-            stored = match.num_tokens
-            new = item.prefix_ids[stored:] + item.query_ids  # any tail past the last stored chunk is computed
-            full_logits = None
-            for name, policy in vs.items():
-                reads = TokenReads(store, match.chunks)
-                try:
-                    logits, reduced, st = impress_prefill(loaded.module, rope, reads, new, policy)
-                finally:
-                    reads.close()
-                scores = [_choice_loglik(loaded, rope, ReducedCache.of(reduced), logits[-1], c) for c in item.choices]
-                q = per[name]
-                q["correct"].append(int(max(range(4), key=scores.__getitem__) == item.answer))
-                if full_logits is None:
-                    full_logits = logits
-                q["kl"].append(_kl(full_logits[-len(item.query_ids):], logits[-len(item.query_ids):]))
-                q["nll"].append(_nll(logits[-len(item.query_ids):], item.query_ids))  # the question, teacher-forced
-                q["bytes"].append(st.bytes_read)
-                q["passed"].append(st.layers_passed / st.layers)
-                q["identify"].append(st.identify_s / st.seconds)
-                q["seconds"].append(st.seconds)
-                q["granules"].append(st.granules_read / max(st.granules_whole, 1))
-                if st.jaccard:
-                    q["jaccard"].append(st.jaccard)
-            store.discard(store.keys_for(item.prefix_ids))
-    n = len(items)
-    full_bytes = per["full"]["bytes"]
-    rows = []
-    for name, q in per.items():
-        k = sum(q["correct"])
-        lo, hi = wilson(k, n)
-        rows.append(dict(variant=name, n=n, correct=k, accuracy=k / n, ci95=[lo, hi],
-                         kl_mean=statistics.mean(q["kl"]), perplexity=math.exp(statistics.mean(q["nll"])),
-                         bytes_vs_full=statistics.mean(
-                             b / f for b, f in zip(q["bytes"], full_bytes)),
-                         layers_passed=statistics.mean(q["passed"]),
-                         identify_share=statistics.mean(q["identify"]), seconds_p50=statistics.median(q["seconds"]),
-                         granules_read_share=statistics.mean(q["granules"]),
-                         jaccard_by_layer=[statistics.mean(layer) for layer in zip(*q["jaccard"])] if q["jaccard"] else []))
-    return dict(rows=rows, goals=accuracy_goals(rows), items=n, lengths=list(lengths),
-                probe_kv_heads=[ns.probe_first, ns.probe_first + ns.probe_kv_heads])
 
 
 # ----- TTFT -------------------------------------------------------------------------------------
@@ -194,21 +45,43 @@ def _history(loaded: LoadedModel, tokens: int) -> list[int]:
     return loaded.tokenizer.encode(stdlib_text(tokens * 8), add_special_tokens=False)[:tokens]
 
 
-def _engine_ttft(loaded: LoadedModel, spec: str, method: str, ids: list[int], ratio: float, unit: str = "token",
-                 lossy: bool = False):
-    from kvtier.engine.config import EngineConfig, ImportanceUnit, ImpressConfig, ReuseConfig
+@dataclass(frozen=True)
+class EngineRow:
+    """A row of the ttft mode: the engine with this restore method and importance selection. The
+    auto rows let the planner choose, importance restores allowed (they store the importance
+    layout, as impress does)."""
+
+    method: str
+    unit: str = "token"
+    window: int = 1
+    vote: str = "majority"
+    lossy: bool = False
+
+
+def _engine_rows() -> dict[str, EngineRow]:
+    """The selections before issue 31 (single tokens or whole granules, the probes' majority vote,
+    no pooling) and the engine's defaults."""
+    c = ImpressConfig()
+    return {"recompute": EngineRow("recompute"), "kv": EngineRow("kv"), "cake": EngineRow("cake"),
+            "impress": EngineRow("impress"), "impress-g": EngineRow("impress", "granule"),
+            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote),
+            "auto-lossy": EngineRow("auto", lossy=True), "auto-lossy-g": EngineRow("auto", "granule", lossy=True),
+            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, lossy=True)}
+
+
+def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, row: EngineRow):
+    from kvtier.engine.config import EngineConfig, ReuseConfig
     from kvtier.engine.engine import Engine
     from kvtier.engine.request import SamplingParams
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
-    reuse = ReuseConfig(method=method, impress=ImpressConfig(ratio=ratio, unit=ImportanceUnit(unit)), allow_lossy=lossy)
+    impress = ImpressConfig(ratio=ratio, unit=row.unit, window=row.window, vote=row.vote)
+    reuse = ReuseConfig(method=row.method, impress=impress, allow_lossy=row.lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
     return out
 
 
-# Row name -> (restore method, importance unit, lossy allowed). The auto rows let the planner
-# choose, with importance restores allowed (they store the importance layout, as impress does).
 def _throttled(spec: str, bw: str) -> str:
     """`spec` read at `bw` MB/s (emulated), or as is for "none"."""
     if bw == "none":
@@ -216,12 +89,6 @@ def _throttled(spec: str, bw: str) -> str:
     if spec.startswith("redis"):
         return f"{spec}{'&' if '?' in spec else '?'}bw={bw}MB/s"
     return f"{spec}:bw={bw}MB/s"
-
-
-ENGINE_ROWS = {"recompute": ("recompute", "token", False), "kv": ("kv", "token", False),
-               "cake": ("cake", "token", False), "impress": ("impress", "token", False),
-               "impress-g": ("impress", "granule", False), "auto-lossy": ("auto", "token", True),
-               "auto-lossy-g": ("auto", "granule", True)}
 
 
 def cmd_ttft(args: argparse.Namespace) -> dict:
@@ -232,23 +99,25 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
     base = args.tier or f"disk:{root}:16GB"
     # Turn 1, once per namespace: the exact engines' layout and the importance layout.
     for method in ("kv", "impress"):
-        _engine_ttft(loaded, base, method, ids[:hist], args.ratio)
+        _engine_ttft(loaded, base, ids[:hist], args.ratio, EngineRow(method))
     rows: list[dict] = []
-    rows_wanted = set(args.methods.split(",")) if args.methods else set(ENGINE_ROWS) | {"read"}
+    engine_rows = _engine_rows()
+    rows_wanted = set(args.methods.split(",")) if args.methods else set(engine_rows) | {"read"}
     rope = Rope(loaded.config, hist + new + 64, loaded.dtype)
     reads_of = {"read:full": ImpressPolicy(selection=Selection.FULL),
                 f"read:h2o@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, selection=Selection.H2O),
-                f"read:impress@{args.ratio:g}": ImpressPolicy(ratio=args.ratio),
-                f"read:impress-g@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, block=PROBE_GRANULE_TOKENS)}
+                f"read:impress@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, vote="majority"),
+                f"read:impress-g@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, block=PROBE_GRANULE_TOKENS, vote="majority"),
+                f"read:{default_kind()}@{args.ratio:g}": ImpressPolicy.of(ImpressConfig(ratio=args.ratio))}
     for bw in args.bandwidths.split(","):
         spec = _throttled(base, bw)
-        for name, (method, unit, lossy) in ENGINE_ROWS.items():
+        for name, row in engine_rows.items():
             if name not in rows_wanted:
                 continue
             runs = []
             for _ in range(args.repeats):
                 drop_page_cache(root)
-                runs.append(_engine_ttft(loaded, spec, method, ids, args.ratio, unit, lossy))
+                runs.append(_engine_ttft(loaded, spec, ids, args.ratio, row))
             ttft = statistics.median(o.ttft for o in runs)
             rs = runs[0].restore
             if name.startswith("auto"):
@@ -296,13 +165,7 @@ def _table(doc: dict, mode: str) -> str:
     elif mode == "admission":
         lines = [impress_admission.table(doc)]
     elif mode == "accuracy":
-        lines = ["| variant | accuracy | 95% CI | KL vs full | query perplexity | bytes vs full | layers passed | "
-                 "identify share |", "|---|---|---|---|---|---|---|---|"]
-        for r in doc["rows"]:
-            lines.append(f"| {r['variant']} | {r['accuracy'] * 100:.1f}% ({r['correct']}/{r['n']}) | "
-                         f"{r['ci95'][0] * 100:.1f}-{r['ci95'][1] * 100:.1f} | {r['kl_mean']:.4f} | "
-                         f"{r.get('perplexity', float('nan')):.3f} | "
-                         f"{r['bytes_vs_full']:.3f} | {r['layers_passed']:.2f} | {r['identify_share']:.3f} |")
+        lines = [impress_accuracy.table(doc)]
     else:
         lines = ["| bandwidth MB/s | method | TTFT ms (median) | bytes read MB |", "|---|---|---|---|"]
         for r in doc["rows"]:
@@ -319,6 +182,12 @@ def _plot(doc: dict, mode: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if mode == "accuracy":
+        fig = plt.figure(figsize=(11, 4))
+        impress_accuracy.plot(doc, fig)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     if mode == "reorder":
         ax.bar([r["phase"] for r in doc["rows"]], [r["granules"] for r in doc["rows"]])
@@ -326,18 +195,6 @@ def _plot(doc: dict, mode: str, path: str) -> None:
     elif mode == "admission":
         ax.bar([r["policy"] for r in doc["rows"]], [r["important_hit_ratio"] for r in doc["rows"]])
         ax.set_ylabel("faster tier's hit ratio on important tokens (simulated)")
-    elif mode == "accuracy":
-        for kind in ("impress", "impress-g", "h2o", "h2o-g"):
-            pts = sorted((float(r["variant"].split("@")[1]), r["accuracy"] * 100) for r in doc["rows"]
-                         if r["variant"].startswith(kind + "@"))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=kind)
-        full = variant(doc["rows"], "full")
-        if full:
-            ax.axhline(full["accuracy"] * 100, color="k", ls="--", label="full KV")
-        ax.axhline(25, color="grey", ls=":", label="chance")
-        ax.set_xlabel("importance ratio (share of the prefix kept)")
-        ax.set_ylabel("needle accuracy (%)")
     else:
         methods = sorted({r["method"] for r in doc["rows"]})
         bws = [b for b in dict.fromkeys(r["bandwidth"] for r in doc["rows"])]
@@ -348,7 +205,7 @@ def _plot(doc: dict, mode: str, path: str) -> None:
         ax.set_xlabel("emulated disk bandwidth (MB/s)")
         ax.set_ylabel("TTFT / restore seconds (median)")
         ax.set_yscale("log")
-    if mode in ("accuracy", "ttft"):
+    if mode == "ttft":
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -362,7 +219,7 @@ def cmd(args: argparse.Namespace) -> int:
         _plot(doc, doc["mode"], args.plot or str(Path(args.replot).with_suffix(".png")))
         return 0
     torch.manual_seed(0)
-    run = {"accuracy": cmd_accuracy, "ttft": cmd_ttft, "reorder": impress_reorder.run,
+    run = {"accuracy": impress_accuracy.run, "ttft": cmd_ttft, "reorder": impress_reorder.run,
            "admission": impress_admission.run}[args.mode]
     doc = run(args)
     doc.update(mode=args.mode, model=args.model, dtype=args.dtype, machine=machine_info(), args=vars(args) | {"func": None})

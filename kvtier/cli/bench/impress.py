@@ -9,14 +9,21 @@ from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["accuracy", "ttft", "reorder", "admission"], default="accuracy",
-                   help="accuracy: needle multiple choice; ttft: restore time by disk bandwidth; reorder: granules "
+                   help="accuracy: needle multiple choice and free-form retrieval; ttft: restore time by disk bandwidth; reorder: granules "
                         "and TTFT of held-out queries of one stored document before and after a reorder pass; "
                         "admission: the faster tier's hit ratio on important tokens by eviction policy (simulated)")
     p.add_argument("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
     add_dtype_argument(p)
-    p.add_argument("--n", type=int, default=210, help="accuracy: needle items (5 depths x lengths x seeds)")
+    p.add_argument("--tasks", default="choice,retrieval",
+                   help="accuracy: choice (needle multiple choice), retrieval (free-form codes, numbers and names, "
+                        "with the summary perplexity proxy), or both (default: %(default)s)")
+    p.add_argument("--n", type=int, default=210, help="accuracy: multiple-choice items (5 depths x lengths x seeds)")
+    p.add_argument("--n-retrieval", type=int, default=120,
+                   help="accuracy: retrieval items, cycling over lengths x (1, 4 facts) x (code, number, name)")
     p.add_argument("--lengths", default="1024,2048,4096", help="accuracy: document lengths in tokens")
-    p.add_argument("--ratios", default="0.5,0.25,0.1", help="accuracy: importance ratios")
+    p.add_argument("--ratios", default="0.5,0.25", help="accuracy: importance ratios (default: %(default)s)")
+    p.add_argument("--windows", default="1,9",
+                   help="accuracy: pooling windows in tokens (odd; 1: none) of the importance rows (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="accuracy: seed of the needle items (default: %(default)s)")
     p.add_argument("--probe-kv-heads", type=int, default=0,
                    help="accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV heads, else 3)")

@@ -1,0 +1,302 @@
+"""`kvtier bench impress --mode accuracy`: what an importance-only restore costs in answers.
+
+Each item's document is computed once and stored in the importance layout (memory tier), then
+restored by every variant (full KV, the importance restore by ratio, unit and pooling window,
+H2O over all keys, random and recent references) and asked its question:
+
+choice     needle multiple choice (bench/tasks.py), answered by log-likelihood; the query's
+           teacher-forced perplexity besides.
+retrieval  free-form retrieval of codes, numbers and names from 1-4K-token documents with one or
+           four facts, decoded greedily and scored by exact match; besides, the perplexity of the
+           full-KV summary of the same document, teacher-forced under each restore (a proxy for
+           tasks that need the whole document rather than one fact).
+
+Rows per (task, variant): accuracy with a Wilson 95% interval, KL(full || variant) of the query
+rows' next-token distributions, perplexity, bytes read against full KV, layers whose probes
+agreed, identification time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from kvtier.bench.impress.goals import accuracy_goals, kind_name, variant
+from kvtier.bench.impress.layout import CHUNK, namespace
+from kvtier.bench.stats import wilson
+from kvtier.bench.tasks import NeedleItem, RetrievalItem, needle_items, retrieval_items
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
+from kvtier.engine.restore.impress_prefill import impress_prefill
+from kvtier.models.loading import LoadedModel, load_model
+from kvtier.models.rope import Rope
+from kvtier.store import TieredStore
+from kvtier.store.selective import TokenReads
+from kvtier.testing.impress_harness import ReducedCache, extend
+
+TASKS = ("choice", "retrieval")
+ANSWER_TOKENS = 12  # greedy tokens after the answer prefix: enough for "19494." or a full name
+SUMMARY_TOKENS = 48  # the reference summary's length
+
+
+def variant_name(selection: str, ratio: float, granule: bool = False, window: int = 1) -> str:
+    """impress@0.25, impress-g@0.25 (whole granules), impress-g-w9@0.25 (scores pooled over 9 tokens)."""
+    return f"{kind_name(selection, granule, window)}@{ratio:g}"
+
+
+def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PROBE_GRANULE_TOKENS) -> dict[str, ImpressPolicy]:
+    """The rows: full KV; per ratio and pooling window the importance restore choosing tokens and
+    whole granules, its probes voting by majority (impress: the paper's reading, the defaults
+    before issue 31) or summing their importance (impress-sum), and H2O over every key; at 0.25
+    the probes without the threshold, each KV head's query heads as the only scorers, and the
+    blind references."""
+    out = {"full": ImpressPolicy(selection=Selection.FULL)}
+    for r in ratios:
+        for w in windows:
+            for g in (False, True):
+                block = granule if g else 1
+                out[variant_name("impress", r, g, w)] = ImpressPolicy(ratio=r, block=block, window=w, vote="majority")
+                out[variant_name("impress-sum", r, g, w)] = ImpressPolicy(ratio=r, block=block, window=w, vote="sum")
+                out[variant_name("h2o", r, g, w)] = ImpressPolicy(ratio=r, selection=Selection.H2O, block=block, window=w)
+    out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
+    for j in range(3):  # which KV head's query heads would make a good probe (every key read)
+        out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
+    out["random@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RANDOM)
+    out["recent@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.RECENT)
+    return out
+
+
+@dataclass
+class Tally:
+    """One (task, variant)'s measurements, an entry per item."""
+
+    correct: list[int] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    passed: list[float] = field(default_factory=list)
+    identify: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    granules: list[float] = field(default_factory=list)
+    jaccard: list[list[float]] = field(default_factory=list)
+    cells: list[str] = field(default_factory=list)  # the item's (length, facts) cell, for the breakdown
+    answers: list[str] = field(default_factory=list)  # retrieval: the decoded answers
+
+    def add(self, st: ImpressStats) -> None:
+        self.bytes.append(st.bytes_read)
+        self.passed.append(st.layers_passed / st.layers)
+        self.identify.append(st.identify_s / st.seconds)
+        self.seconds.append(st.seconds)
+        self.granules.append(st.granules_read / max(st.granules_whole, 1))
+        if st.jaccard:
+            self.jaccard.append(st.jaccard)
+
+
+def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over rows of KL(full || other), logits [rows, vocab]."""
+    p, q = torch.log_softmax(full, -1), torch.log_softmax(other, -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def _nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] under logits [len(ids), vocab] (row i predicts i + 1)."""
+    lp = torch.log_softmax(logits[:-1].float(), -1)
+    return -lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+
+
+def _continuation_logprob(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Tensor,
+                          ids: list[int]) -> float:
+    """log P(ids | everything in cache), the first token's distribution being `last` [vocab]; the
+    cache is extended by ids[:-1]."""
+    lp = torch.log_softmax(last, -1)[ids[0]].item()
+    if len(ids) > 1:
+        logits = extend(loaded.module, rope, cache, ids[:-1])  # [len - 1, vocab]
+        lp += torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+    return lp
+
+
+def _greedy(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Tensor, max_tokens: int,
+            stop: set[int]) -> list[int]:
+    """Greedy tokens after `cache`, the first from `last` [vocab], until a stop token or max_tokens."""
+    out: list[int] = []
+    while len(out) < max_tokens:
+        t = int(last.argmax())
+        if t in stop:
+            break
+        out.append(t)
+        last = extend(loaded.module, rope, cache, [t])[-1]
+    return out
+
+
+def _end_ids(loaded: LoadedModel) -> set[int]:
+    """Token ids that end a turn: end of text, and the chat template's end of turn."""
+    tok = loaded.tokenizer
+    return {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
+
+
+def _newline_ids(loaded: LoadedModel) -> set[int]:
+    """Token ids that start a new line (a one-line answer is over)."""
+    tok = loaded.tokenizer
+    return {i for t, i in tok.get_vocab().items() if tok.convert_tokens_to_string([t]).startswith("\n")}
+
+
+class Bench:
+    """One model's store and restores: `restore` computes new tokens over a stored document as a
+    variant keeps it."""
+
+    def __init__(self, loaded: LoadedModel, rope: Rope, store: TieredStore) -> None:
+        self.loaded, self.rope, self.store = loaded, rope, store
+        self.end = _end_ids(loaded)  # a summary runs to the end of its turn
+        self.stop = self.end | _newline_ids(loaded)  # an answer to the end of its line
+
+    def store_document(self, ids: list[int]) -> tuple[object, list[int]]:
+        """Compute and store `ids`; -> (the store's match, the tail past the last whole chunk)."""
+        c = self.loaded.config
+        cache = ReducedCache.empty(c, self.loaded.dtype)
+        with torch.inference_mode():
+            extend(self.loaded.module, self.rope, cache, ids)
+        self.store.save(ids, 0, torch.stack(cache.k), torch.stack(cache.v), None)
+        self.store.flush(120)
+        match = self.store.lookup(ids)
+        return match, ids[match.num_tokens:]
+
+    def restore(self, match, new: list[int], policy: ImpressPolicy) -> tuple[torch.Tensor, ReducedCache, ImpressStats]:
+        reads = TokenReads(self.store, match.chunks)
+        try:
+            logits, reduced, st = impress_prefill(self.loaded.module, self.rope, reads, new, policy)
+        finally:
+            reads.close()
+        return logits, ReducedCache.of(reduced), st
+
+
+def _choice(bench: Bench, item: NeedleItem, vs: dict[str, ImpressPolicy], tallies: dict[str, Tally]) -> None:
+    match, tail = bench.store_document(item.prefix_ids)
+    new, q = tail + item.query_ids, len(item.query_ids)
+    full = None
+    for name, policy in vs.items():
+        logits, cache, st = bench.restore(match, new, policy)
+        scores = [_continuation_logprob(bench.loaded, bench.rope, cache.copy(), logits[-1], c) for c in item.choices]
+        full = logits if full is None else full
+        t = tallies[name]
+        t.correct.append(int(max(range(len(scores)), key=scores.__getitem__) == item.answer))
+        t.kl.append(_kl(full[-q:], logits[-q:]))
+        t.nll.append(_nll(logits[-q:], item.query_ids))  # the question, teacher-forced
+        t.cells.append(f"{item.doc_tokens // 1024 * 1024}")
+        t.add(st)
+    bench.store.discard(bench.store.keys_for(item.prefix_ids))
+
+
+def _retrieval(bench: Bench, item: RetrievalItem, vs: dict[str, ImpressPolicy], tallies: dict[str, Tally]) -> None:
+    match, tail = bench.store_document(item.prefix_ids)
+    new, q = tail + item.query_ids, len(item.query_ids)
+    full, reference = None, None
+    tok = bench.loaded.tokenizer
+    for name, policy in vs.items():
+        logits, cache, st = bench.restore(match, new, policy)
+        answer = tok.decode(_greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop))
+        s_logits, s_cache, _ = bench.restore(match, tail + item.summary_ids, policy)
+        if reference is None:  # full KV comes first: its own summary is the reference
+            reference = _greedy(bench.loaded, bench.rope, s_cache.copy(), s_logits[-1], SUMMARY_TOKENS, bench.end)
+            reference = reference or sorted(bench.end)[:1]
+        full = logits if full is None else full
+        t = tallies[name]
+        t.correct.append(int(item.correct(answer)))
+        t.answers.append(answer)
+        t.kl.append(_kl(full[-q:], logits[-q:]))
+        t.nll.append(-_continuation_logprob(bench.loaded, bench.rope, s_cache, s_logits[-1], reference) / len(reference))
+        t.cells.append(f"{item.doc_tokens // 1024 * 1024}x{item.facts}")
+        t.add(st)
+    bench.store.discard(bench.store.keys_for(item.prefix_ids))
+
+
+def _rows(task: str, tallies: dict[str, Tally]) -> list[dict]:
+    full_bytes = tallies["full"].bytes
+    rows = []
+    for name, t in tallies.items():
+        n, k = len(t.correct), sum(t.correct)
+        lo, hi = wilson(k, n)
+        by_cell = {c: statistics.mean(x for x, cc in zip(t.correct, t.cells) if cc == c) for c in dict.fromkeys(t.cells)}
+        rows.append(dict(task=task, variant=name, n=n, correct=k, accuracy=k / n, ci95=[lo, hi], by_cell=by_cell,
+                         kl_mean=statistics.mean(t.kl), perplexity=math.exp(statistics.mean(t.nll)),
+                         bytes_vs_full=statistics.mean(b / f for b, f in zip(t.bytes, full_bytes)),
+                         layers_passed=statistics.mean(t.passed), identify_share=statistics.mean(t.identify),
+                         seconds_p50=statistics.median(t.seconds), granules_read_share=statistics.mean(t.granules),
+                         jaccard_by_layer=[statistics.mean(x) for x in zip(*t.jaccard)] if t.jaccard else [],
+                         answers=t.answers))
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.model, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise SystemExit(f"model {args.model} has no tokenizer: the accuracy tasks need one (use smollm2-135m)")
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    tasks = args.tasks.split(",")
+    if unknown := set(tasks) - set(TASKS):
+        raise SystemExit(f"--tasks: unknown {sorted(unknown)} (choose from {', '.join(TASKS)})")
+    vs = variants([float(x) for x in args.ratios.split(",")], [int(x) for x in args.windows.split(",")],
+                  args.granule_tokens)
+    if args.variants:
+        wanted = ["full", *(v for v in args.variants.split(",") if v != "full")]
+        if missing := [v for v in wanted if v not in vs]:
+            raise SystemExit(f"--variants: no such rows {missing} (with --ratios {args.ratios} --windows {args.windows})")
+        vs = {k: vs[k] for k in wanted}
+    rope = Rope(loaded.config, max(lengths) * 2 + 512, loaded.dtype)
+    ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
+    print(f"probe KV heads [{ns.probe_first}, {ns.probe_first + ns.probe_kv_heads}) of {ns.num_kv_heads}", flush=True)
+    rows: list[dict] = []
+    with TieredStore.open("memory:8GB", ns, chunk_tokens=CHUNK) as store:
+        bench = Bench(loaded, rope, store)
+        for task in tasks:
+            tallies = {name: Tally() for name in vs}
+            if task == "choice":
+                items = needle_items(loaded.tokenizer, args.n, lengths, seed=args.seed)
+                for item in tqdm(items, desc="multiple choice", unit="item"):
+                    _choice(bench, item, vs, tallies)
+            else:
+                items = retrieval_items(loaded.tokenizer, args.n_retrieval, lengths, seed=args.seed)
+                for item in tqdm(items, desc="retrieval", unit="item"):
+                    _retrieval(bench, item, vs, tallies)
+            rows += _rows(task, tallies)
+    return dict(rows=rows, goals=accuracy_goals(rows), lengths=list(lengths),
+                probe_kv_heads=[ns.probe_first, ns.probe_first + ns.probe_kv_heads])
+
+
+def table(doc: dict) -> str:
+    """The rows as a markdown table (the goals follow it in the report)."""
+    lines = ["| task | variant | accuracy | 95% CI | KL vs full | perplexity | bytes vs full | layers passed | "
+             "identify share |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r.get('task', 'choice')} | {r['variant']} | {r['accuracy'] * 100:.1f}% ({r['correct']}/{r['n']}) | "
+                     f"{r['ci95'][0] * 100:.1f}-{r['ci95'][1] * 100:.1f} | {r['kl_mean']:.4f} | "
+                     f"{r.get('perplexity', float('nan')):.3f} | {r['bytes_vs_full']:.3f} | {r['layers_passed']:.2f} | "
+                     f"{r['identify_share']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, fig) -> None:
+    """Accuracy by ratio per kind of row, a panel per task, full KV and chance as lines."""
+    tasks = list(dict.fromkeys(r.get("task", "choice") for r in doc["rows"]))
+    for i, task in enumerate(tasks):
+        ax = fig.add_subplot(1, len(tasks), i + 1)
+        rows = [r for r in doc["rows"] if r.get("task", "choice") == task]
+        kinds = dict.fromkeys(r["variant"].split("@")[0] for r in rows if "@" in r["variant"])
+        for kind in kinds:
+            pts = sorted((float(r["variant"].split("@")[1]), r["accuracy"] * 100) for r in rows
+                         if r["variant"].startswith(kind + "@"))
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), marker="o", label=kind)
+        full = variant(rows, "full")
+        if full:
+            ax.axhline(full["accuracy"] * 100, color="k", ls="--", label="full KV")
+        if task == "choice":
+            ax.axhline(25, color="grey", ls=":", label="chance")
+        ax.set_title(task)
+        ax.set_xlabel("importance ratio (share of the prefix kept)")
+        ax.set_ylabel("accuracy (%)")
+        ax.legend(fontsize=7)
