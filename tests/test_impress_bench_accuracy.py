@@ -43,8 +43,8 @@ def test_the_accuracy_bench_scores_both_tasks_and_its_full_row_is_the_models_own
         assert r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
         if name == "full":
             assert r["kl_mean"] == 0.0 and r["bytes_vs_full"] == 1.0
-        else:
-            assert r["bytes_vs_full"] < 1.0  # a quarter of the prefix, read by granule
+        elif name.startswith(default_kind()):
+            assert r["bytes_vs_full"] < 1.0  # a quarter of the granules (random weights: the probes may disagree)
     # The full row's retrieval answers are the model's own over the whole sequence.
     items = retrieval_items(loaded.tokenizer, 4, (256,), seed=0)
     bench_stop = accuracy._end_ids(loaded) | accuracy._newline_ids(loaded)

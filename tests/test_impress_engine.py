@@ -68,7 +68,8 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int
     return out
 
 
-@pytest.mark.parametrize("options", [dict(unit="token", window=1), dict(selection="h2o", unit="granule", window=1), {}],
+@pytest.mark.parametrize("options", [dict(unit="token", window=1, vote="majority"),
+                                     dict(selection="h2o", unit="granule", window=1), {}],
                          ids=["paper", "h2o-granule", "defaults"])
 def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, options):
     ids = _ids(model, HIST + NEW, seed=12)
@@ -77,7 +78,7 @@ def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, t
     with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", impress=config)) as engine:
         out = engine.generate([ids], GREEDY)[0]
         policy = ImpressPolicy(ratio=0.25, selection=Selection(config.selection.value), window=config.window,
-                               block=16 if config.unit.value == "granule" else 1)
+                               block=16 if config.unit.value == "granule" else 1, vote=config.vote)
         want = _standalone(model, engine.link.store, ids, policy)
     assert out.restore is not None and out.restore.prefix_attended == HIST // 4
     assert out.output_ids == want
@@ -155,7 +156,8 @@ def test_score_policy_hears_what_importance_restores_needed(model, tmp_path):
 def test_reordering_changes_what_is_read_not_what_is_restored(model, tmp_path):
     ids = _ids(model, HIST + NEW, seed=16)
     _turn_one(model, tmp_path, ids)
-    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25, reorder_s=0))
+    # Reordering serves single-token selection (whole granules say nothing about order within one).
+    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25, unit="token", window=1, reorder_s=0))
     with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         # Approximate state is never published: the same prompt restores by importance each time.
         first, second = (engine.generate([ids], GREEDY)[0] for _ in range(2))

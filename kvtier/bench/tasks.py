@@ -18,6 +18,7 @@ teacher-forced under a restore: a perplexity proxy for tasks that need the whole
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ class NeedleItem:
     answer: int  # index of the right one in `choices`
     depth: float
     doc_tokens: int
+    length: int  # the document's length asked for
 
 
 def _filler(tok: Any, tokens: int, rng: random.Random) -> str:
@@ -99,7 +101,7 @@ def needle_items(tok: Any, n: int, lengths: tuple[int, ...] = (1024, 2048, 4096)
         order = list(range(4))
         rng.shuffle(order)
         choices = [tok.encode(" " + options[j], add_special_tokens=False) for j in order]
-        items.append(NeedleItem(prefix_ids, query_ids, choices, order.index(0), depth, len(prefix_ids)))
+        items.append(NeedleItem(prefix_ids, query_ids, choices, order.index(0), depth, len(prefix_ids), length))
     return items
 
 
@@ -146,11 +148,13 @@ class RetrievalItem:
     answer: str  # the fact's value, which the decoded answer must contain
     kind: str
     facts: int
+    length: int  # the document's length asked for (tokens of text; doc_tokens adds the chat's and the facts')
     doc_tokens: int
 
     def correct(self, text: str) -> bool:
-        """Exact match: the value appears in the answer (digit groups' commas ignored)."""
-        return self.answer in text.replace(",", "")
+        """Exact match: the value appears in the answer as a whole (not inside a longer number or
+        name; digit groups' commas ignored)."""
+        return re.search(rf"(?<![0-9A-Za-z]){re.escape(self.answer)}(?![0-9A-Za-z])", text.replace(",", "")) is not None
 
 
 def retrieval_items(tok: Any, n: int, lengths: tuple[int, ...] = (1024, 2048, 4096), facts: tuple[int, ...] = (1, 4),
@@ -178,5 +182,6 @@ def retrieval_items(tok: Any, n: int, lengths: tuple[int, ...] = (1024, 2048, 40
         prefix_ids, query_ids = _split_chat(tok, doc, kind.question.format(key=key), kind.answer_prefix.format(key=key))
         summary_prefix, summary_ids = _split_chat(tok, doc, SUMMARY, "")
         assert summary_prefix == prefix_ids  # both questions follow the same stored document
-        items.append(RetrievalItem(prefix_ids, query_ids, summary_ids, values[asked], kind_name, count, len(prefix_ids)))
+        items.append(RetrievalItem(prefix_ids, query_ids, summary_ids, values[asked], kind_name, count, length,
+                                     len(prefix_ids)))
     return items

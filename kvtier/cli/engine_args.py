@@ -143,8 +143,8 @@ class EngineOptions:
                                   "lowest held", choices=("lru", "lfu", "fifo", "score"))
     importance_reorder_s: float = option(600.0, STORE, "impress: every S seconds, when the writer is idle, store the "
                                          "chunks importance restores have seen again with their tokens' K/V rows by "
-                                         "importance, so the tokens a query keeps share granules (single-token "
-                                         "selection); 0: never", type=non_negative, metavar="S")
+                                         "importance, so the tokens a query keeps share granules (with --importance-unit "
+                                         "token only); 0: never", type=non_negative, metavar="S")
     importance_alpha: float = option(0.6, STORE, "impress: probe heads agree when their Jaccard index is at least "
                                      "j**A, j that of two random sets", type=non_negative, metavar="A")
 

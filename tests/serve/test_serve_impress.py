@@ -2,11 +2,10 @@
 prefix each request attended to, and nothing an importance restore computed is stored."""
 from __future__ import annotations
 
-import math
-
 import openai
 
 from kvtier.engine.config import ImpressConfig, ReuseConfig
+from kvtier.engine.restore.impress_policy import ImpressPolicy
 
 from serve_testlib import TINY, metric, metrics, serve
 
@@ -27,7 +26,7 @@ def test_usage_and_metrics_report_the_attended_prefix(tiny_model) -> None:
         first, second = usages
         assert first.cached_tokens == 0 and first.attended_prefix_tokens is None
         assert second.cached_tokens >= 32
-        assert second.attended_prefix_tokens == math.ceil(0.25 * second.cached_tokens)
+        assert second.attended_prefix_tokens == ImpressPolicy.of(reuse.impress).kept(second.cached_tokens)
         s = metrics(served.url)
         assert metric(s, "kvtier:importance_prefix_tokens_attended_total") == second.attended_prefix_tokens
         assert metric(s, "kvtier:importance_prefix_tokens_skipped_total") == \

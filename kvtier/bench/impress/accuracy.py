@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kvtier.bench.impress.goals import accuracy_goals, kind_name, variant
+from kvtier.bench.impress.goals import accuracy_goals, default_kind, kind_name, variant
 from kvtier.bench.impress.layout import CHUNK, namespace
 from kvtier.bench.stats import wilson
 from kvtier.bench.tasks import NeedleItem, RetrievalItem, needle_items, retrieval_items
+from kvtier.engine.config import ImpressConfig
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
 from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
@@ -63,6 +64,7 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
                 out[variant_name("impress", r, g, w)] = ImpressPolicy(ratio=r, block=block, window=w, vote="majority")
                 out[variant_name("impress-sum", r, g, w)] = ImpressPolicy(ratio=r, block=block, window=w, vote="sum")
                 out[variant_name("h2o", r, g, w)] = ImpressPolicy(ratio=r, selection=Selection.H2O, block=block, window=w)
+        out[f"{default_kind()}@{r:g}"] = ImpressPolicy.of(ImpressConfig(ratio=r))  # the engine's defaults
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
     for j in range(3):  # which KV head's query heads would make a good probe (every key read)
         out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
@@ -124,11 +126,10 @@ def _greedy(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Te
             stop: set[int]) -> list[int]:
     """Greedy tokens after `cache`, the first from `last` [vocab], until a stop token or max_tokens."""
     out: list[int] = []
-    while len(out) < max_tokens:
-        t = int(last.argmax())
-        if t in stop:
-            break
+    while (t := int(last.argmax())) not in stop:
         out.append(t)
+        if len(out) == max_tokens:
+            break
         last = extend(loaded.module, rope, cache, [t])[-1]
     return out
 
@@ -136,7 +137,8 @@ def _greedy(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Te
 def _end_ids(loaded: LoadedModel) -> set[int]:
     """Token ids that end a turn: end of text, and the chat template's end of turn."""
     tok = loaded.tokenizer
-    return {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
+    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), *loaded.config.eos_token_ids}
+    return {i for i in ids if isinstance(i, int) and i >= 0}
 
 
 def _newline_ids(loaded: LoadedModel) -> set[int]:
@@ -186,7 +188,7 @@ def _choice(bench: Bench, item: NeedleItem, vs: dict[str, ImpressPolicy], tallie
         t.correct.append(int(max(range(len(scores)), key=scores.__getitem__) == item.answer))
         t.kl.append(_kl(full[-q:], logits[-q:]))
         t.nll.append(_nll(logits[-q:], item.query_ids))  # the question, teacher-forced
-        t.cells.append(f"{item.doc_tokens // 1024 * 1024}")
+        t.cells.append(f"{item.length}")
         t.add(st)
     bench.store.discard(bench.store.keys_for(item.prefix_ids))
 
@@ -209,7 +211,7 @@ def _retrieval(bench: Bench, item: RetrievalItem, vs: dict[str, ImpressPolicy], 
         t.answers.append(answer)
         t.kl.append(_kl(full[-q:], logits[-q:]))
         t.nll.append(-_continuation_logprob(bench.loaded, bench.rope, s_cache, s_logits[-1], reference) / len(reference))
-        t.cells.append(f"{item.doc_tokens // 1024 * 1024}x{item.facts}")
+        t.cells.append(f"{item.length}x{item.facts}")
         t.add(st)
     bench.store.discard(bench.store.keys_for(item.prefix_ids))
 
@@ -239,8 +241,10 @@ def run(args: argparse.Namespace) -> dict:
     tasks = args.tasks.split(",")
     if unknown := set(tasks) - set(TASKS):
         raise SystemExit(f"--tasks: unknown {sorted(unknown)} (choose from {', '.join(TASKS)})")
-    vs = variants([float(x) for x in args.ratios.split(",")], [int(x) for x in args.windows.split(",")],
-                  args.granule_tokens)
+    windows = [int(x) for x in args.windows.split(",")]
+    if bad := [w for w in windows if w < 1 or w % 2 == 0]:
+        raise SystemExit(f"--windows: {bad} (each an odd number of tokens >= 1)")
+    vs = variants([float(x) for x in args.ratios.split(",")], windows, args.granule_tokens)
     if args.variants:
         wanted = ["full", *(v for v in args.variants.split(",") if v != "full")]
         if missing := [v for v in wanted if v not in vs]:

@@ -29,7 +29,9 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 def _engine(loaded: LoadedModel, spec: str, tokens: int, ratio: float) -> Engine:
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=tokens + 64)
-    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=ratio, reorder_s=0))  # passes run by hand
+    # Single tokens, as the paper (reordering serves them; whole granules need none); passes run by hand.
+    impress = ImpressConfig(ratio=ratio, unit="token", window=1, vote="majority", reorder_s=0)
+    reuse = ReuseConfig(method="impress", impress=impress)
     return Engine(loaded, cfg, store=spec, reuse=reuse)
 
 

@@ -22,9 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accuracy: retrieval items, cycling over lengths x (1, 4 facts) x (code, number, name)")
     p.add_argument("--lengths", default="1024,2048,4096", help="accuracy: document lengths in tokens")
     p.add_argument("--ratios", default="0.5,0.25", help="accuracy: importance ratios (default: %(default)s)")
-    p.add_argument("--windows", default="1,9",
+    p.add_argument("--windows", default="1,17",
                    help="accuracy: pooling windows in tokens (odd; 1: none) of the importance rows (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="accuracy: seed of the needle items (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="accuracy: seed of both tasks' items (default: %(default)s)")
     p.add_argument("--probe-kv-heads", type=int, default=0,
                    help="accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV heads, else 3)")
     p.add_argument("--probe-first", type=int, default=-1,
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidths", default="none,500,100,20", help="ttft: emulated disk bandwidths in MB/s")
     p.add_argument("--repeats", type=int, default=3, help="ttft: timed runs per row (default: %(default)s)")
     p.add_argument("--methods", default=None,
-                   help="ttft: only these rows (comma-separated: recompute, kv, cake, impress, impress-g, auto-lossy, auto-lossy-g, read) (default: all)")
+                   help="ttft: only these rows (comma-separated: recompute, kv, cake, impress, impress-g, the defaults' impress-sum-g-w17, auto-lossy, auto-lossy-g, auto-lossy-impress-sum-g-w17, read) (default: all)")
     p.add_argument("--bandwidth", default="100", help="reorder: emulated disk bandwidth in MB/s (or none)")
     p.add_argument("--warm", type=int, default=4, help="reorder: queries that feed the importance statistics")
     p.add_argument("--queries", type=int, default=4, help="reorder: held-out queries timed before and after")
@@ -61,5 +61,5 @@ run = Target("kvtier.bench.impress.run", "cmd")
 
 def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return add_command(bench_subparsers, "impress", add_arguments, run,
-                       "importance-only restore (IMPRESS): needle accuracy, bytes and TTFT against full KV and the exact"
+                       "importance-only restore (IMPRESS): accuracy (multiple choice, free-form retrieval), bytes and TTFT against full KV and the exact"
                        " methods")

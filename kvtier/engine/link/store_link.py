@@ -19,13 +19,13 @@ from typing import Protocol
 
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.probes import UNCALIBRATED, ProbeCalibration, cached_calibration
-from kvtier.engine.config import ImportanceUnit, ReuseConfig
+from kvtier.engine.config import ReuseConfig
 from kvtier.engine.link.restorer import Restorer
 from kvtier.engine.link.saver import Saver
 from kvtier.engine.link.sessions import SessionRetention
 from kvtier.engine.link.stats import LinkReport, LinkStats
 from kvtier.engine.request import Request
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.scheduler_api import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
 from kvtier.models import invariant
@@ -303,7 +303,7 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
     shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))
     reads = ImportanceReads.initial(reuse.impress.ratio, probes, cfg.num_kv_heads, PROBE_GRANULE_TOKENS,
-                                    PROBE_GRANULE_TOKENS if reuse.impress.unit == ImportanceUnit.GRANULE else 1,
+                                    ImpressPolicy.of(reuse.impress).unit,
                                     calib.pass_rate) if importance else None
     planner = Planner(profile, shape, links(profile, [(n, em.bandwidth, em.latency) for n, em in tiers]),
                       prefill_chunk_tokens=prefill_chunk_tokens, importance=reads)
@@ -317,6 +317,6 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
                                        reuse.chunk_tokens)
     store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy.value,
                              pin=runner.device.type == "cuda", seal=reuse.seal)
-    if importance:
+    if importance and ImpressPolicy.of(reuse.impress).unit == 1:  # whole granules need no reordering
         store.reorder_every(reuse.impress.reorder_s)
     return StoreLink(store, layout, runner, planner, reuse)

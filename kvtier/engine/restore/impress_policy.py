@@ -45,7 +45,7 @@ class ImpressPolicy:
     # is kept with it (a question attends to "the access code for the X vault is", the answer is
     # the digits after it; SnapKV pools for the same reason).
     window: int = 1
-    vote: str = "sum"  # the probes' consensus: "sum" of importance, or "majority" (in two top-k sets first)
+    vote: str = "majority"  # the probes' consensus: "majority" (in two top-k sets first) or "sum" of importance
     # H2O only (an ablation): score with the query heads of these KV heads alone, every key read;
     # what a probe at those KV heads would choose. None: every head.
     score_kv_heads: tuple[int, ...] | None = None
