@@ -120,7 +120,8 @@ class ImpressConfig:
     ratio: float = 0.25  # the share of a stored prefix each layer keeps
     alpha: float = 0.6  # the similarity threshold's exponent (IMPRESS §4.3)
     # The defaults (whole granules, scores pooled over 17 tokens, the probes' importance summed)
-    # keep free-form retrieval; the paper's single tokens lose it (docs/impress.md).
+    # lose least on free-form retrieval within the byte budget; the paper's single tokens lose
+    # most of it (docs/impress.md, "What a user gives up").
     unit: ImportanceUnit = ImportanceUnit.GRANULE
     # Tokens each importance score is max-pooled over before choosing (odd; 1: none): what follows
     # and surrounds an important token is kept with it.
