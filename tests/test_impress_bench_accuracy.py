@@ -47,7 +47,7 @@ def test_the_accuracy_bench_scores_both_tasks_and_its_full_row_is_the_models_own
             assert r["bytes_vs_full"] < 1.0  # a quarter of the granules (random weights: the probes may disagree)
     # The full row's retrieval answers are the model's own over the whole sequence.
     items = retrieval_items(loaded.tokenizer, 4, (256,), seed=0)
-    bench_stop = accuracy._end_ids(loaded) | accuracy._newline_ids(loaded)
+    bench_stop = accuracy._end_ids(loaded, loaded.tokenizer) | accuracy._newline_ids(loaded.tokenizer)
     want = [loaded.tokenizer.decode(_greedy_full(loaded.module, it.prefix_ids + it.query_ids, bench_stop,
                                                  accuracy.ANSWER_TOKENS)) for it in items]
     assert rows[("retrieval", "full")]["answers"] == want

@@ -23,6 +23,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -134,16 +135,14 @@ def _greedy(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Te
     return out
 
 
-def _end_ids(loaded: LoadedModel) -> set[int]:
+def _end_ids(loaded: LoadedModel, tok: Any) -> set[int]:
     """Token ids that end a turn: end of text, and the chat template's end of turn."""
-    tok = loaded.tokenizer
     ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), *loaded.config.eos_token_ids}
     return {i for i in ids if isinstance(i, int) and i >= 0}
 
 
-def _newline_ids(loaded: LoadedModel) -> set[int]:
+def _newline_ids(tok: Any) -> set[int]:
     """Token ids that start a new line (a one-line answer is over)."""
-    tok = loaded.tokenizer
     return {i for t, i in tok.get_vocab().items() if tok.convert_tokens_to_string([t]).startswith("\n")}
 
 
@@ -151,10 +150,10 @@ class Bench:
     """One model's store and restores: `restore` computes new tokens over a stored document as a
     variant keeps it."""
 
-    def __init__(self, loaded: LoadedModel, rope: Rope, store: TieredStore) -> None:
-        self.loaded, self.rope, self.store = loaded, rope, store
-        self.end = _end_ids(loaded)  # a summary runs to the end of its turn
-        self.stop = self.end | _newline_ids(loaded)  # an answer to the end of its line
+    def __init__(self, loaded: LoadedModel, tok: Any, rope: Rope, store: TieredStore) -> None:
+        self.loaded, self.tok, self.rope, self.store = loaded, tok, rope, store
+        self.end = _end_ids(loaded, tok)  # a summary runs to the end of its turn
+        self.stop = self.end | _newline_ids(tok)  # an answer to the end of its line
 
     def store_document(self, ids: list[int]) -> tuple[object, list[int]]:
         """Compute and store `ids`; -> (the store's match, the tail past the last whole chunk)."""
@@ -197,10 +196,9 @@ def _retrieval(bench: Bench, item: RetrievalItem, vs: dict[str, ImpressPolicy], 
     match, tail = bench.store_document(item.prefix_ids)
     new, q = tail + item.query_ids, len(item.query_ids)
     full, reference = None, None
-    tok = bench.loaded.tokenizer
     for name, policy in vs.items():
         logits, cache, st = bench.restore(match, new, policy)
-        answer = tok.decode(_greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop))
+        answer = bench.tok.decode(_greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop))
         s_logits, s_cache, _ = bench.restore(match, tail + item.summary_ids, policy)
         if reference is None:  # full KV comes first: its own summary is the reference
             reference = _greedy(bench.loaded, bench.rope, s_cache.copy(), s_logits[-1], SUMMARY_TOKENS, bench.end)
@@ -235,7 +233,8 @@ def _rows(task: str, tallies: dict[str, Tally]) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, dtype=args.dtype)
-    if loaded.tokenizer is None:
+    tok = loaded.tokenizer
+    if tok is None:
         raise SystemExit(f"model {args.model} has no tokenizer: the accuracy tasks need one (use smollm2-135m)")
     lengths = tuple(int(x) for x in args.lengths.split(","))
     tasks = args.tasks.split(",")
@@ -255,17 +254,16 @@ def run(args: argparse.Namespace) -> dict:
     print(f"probe KV heads [{ns.probe_first}, {ns.probe_first + ns.probe_kv_heads}) of {ns.num_kv_heads}", flush=True)
     rows: list[dict] = []
     with TieredStore.open("memory:8GB", ns, chunk_tokens=CHUNK) as store:
-        bench = Bench(loaded, rope, store)
+        bench = Bench(loaded, tok, rope, store)
         for task in tasks:
             tallies = {name: Tally() for name in vs}
             if task == "choice":
-                items = needle_items(loaded.tokenizer, args.n, lengths, seed=args.seed)
-                for item in tqdm(items, desc="multiple choice", unit="item"):
-                    _choice(bench, item, vs, tallies)
+                for needle in tqdm(needle_items(tok, args.n, lengths, seed=args.seed), desc="multiple choice", unit="item"):
+                    _choice(bench, needle, vs, tallies)
             else:
-                items = retrieval_items(loaded.tokenizer, args.n_retrieval, lengths, seed=args.seed)
-                for item in tqdm(items, desc="retrieval", unit="item"):
-                    _retrieval(bench, item, vs, tallies)
+                for fact in tqdm(retrieval_items(tok, args.n_retrieval, lengths, seed=args.seed), desc="retrieval",
+                                 unit="item"):
+                    _retrieval(bench, fact, vs, tallies)
             rows += _rows(task, tallies)
     return dict(rows=rows, goals=accuracy_goals(rows), lengths=list(lengths),
                 probe_kv_heads=[ns.probe_first, ns.probe_first + ns.probe_kv_heads])

@@ -25,7 +25,7 @@ from kvtier.bench.impress import admission as impress_admission
 from kvtier.bench.impress import reorder as impress_reorder
 from kvtier.bench.impress.goals import default_kind, ttft_goals
 from kvtier.bench.impress.layout import CHUNK, namespace
-from kvtier.engine.config import ImpressConfig
+from kvtier.engine.config import ImportanceUnit, ImpressConfig
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
 from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
@@ -75,7 +75,7 @@ def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, r
     from kvtier.engine.request import SamplingParams
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
-    impress = ImpressConfig(ratio=ratio, unit=row.unit, window=row.window, vote=row.vote)
+    impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit(row.unit), window=row.window, vote=row.vote)
     reuse = ReuseConfig(method=row.method, impress=impress, allow_lossy=row.lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
