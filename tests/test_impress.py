@@ -34,7 +34,7 @@ def _ids(vocab: int, n: int, seed: int = 3) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _stored(loaded, tmp_path, ids: list[int], probe_first: int = 0) -> TieredStore:
+def _stored(loaded, tmp_path, ids: list[int], probe_first: tuple[int, ...] = ()) -> TieredStore:
     """Save the K/V of ids[:PREFIX] (computed by `extend` from an empty cache) in the importance layout."""
     cfg = loaded.config
     probe = 1 if cfg.num_kv_heads <= 2 else 2
@@ -101,14 +101,16 @@ def _masked_oracle(model, ids: list[int], kept: list[torch.Tensor]) -> torch.Ten
 
 
 @pytest.mark.parametrize("selection, score_kv_heads, probe_first, window", [
-    (Selection.IMPRESS, None, 0, 1), (Selection.IMPRESS, None, 1, 1), (Selection.IMPRESS, None, 0, 5),
-    (Selection.PROBES, None, 0, 1), (Selection.H2O, None, 0, 1), (Selection.H2O, (1,), 0, 1), (Selection.RANDOM, None, 0, 1),
-    (Selection.RECENT, None, 0, 1)])
+    (Selection.IMPRESS, None, "0", 1), (Selection.IMPRESS, None, "1", 1), (Selection.IMPRESS, None, "by layer", 1),
+    (Selection.IMPRESS, None, "0", 5), (Selection.PROBES, None, "0", 1), (Selection.H2O, None, "0", 1),
+    (Selection.H2O, (1,), "0", 1), (Selection.RANDOM, None, "0", 1), (Selection.RECENT, None, "0", 1)])
 def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection,
                                                                                score_kv_heads, probe_first, window):
     ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 2, seed=5)
     policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads, window=window)
-    with _stored(loaded, tmp_path, ids, probe_first) as store:
+    layers = loaded.config.num_layers
+    firsts = tuple(li % 2 for li in range(layers)) if probe_first == "by layer" else (int(probe_first),) * layers
+    with _stored(loaded, tmp_path, ids, firsts) as store:
         rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
     k = math.ceil(0.25 * PREFIX)
     assert stats.kept_tokens == k and all(t.numel() == k for t in stats.kept)
@@ -117,6 +119,26 @@ def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(l
                                atol=1e-4, rtol=1e-4)
     if selection is Selection.RECENT:
         assert all(t.tolist() == list(range(PREFIX - k, PREFIX)) for t in stats.kept)
+
+
+def test_each_layer_is_chosen_by_its_own_probe_head(loaded, tmp_path):
+    """Per-layer probe heads: a layer probed by head 1 keeps what head 1 keeps there (the oracle: the
+    same layer with head 1 everywhere) while the layers before it keep head 0's choice. A layer's
+    input depends on what the layers before it kept, so each is compared where those agree."""
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW, seed=6)
+    last = loaded.config.num_layers - 1
+    policy = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
+
+    def kept(firsts: tuple[int, ...], name: str) -> list[torch.Tensor]:
+        with _stored(loaded, tmp_path / name, ids, firsts) as store:
+            return _restore(loaded, store, ids, policy)[3].kept
+
+    zero, one = kept((0,) * (last + 1), "zero"), kept((1,) * (last + 1), "one")
+    first_one = kept((1,) + (0,) * last, "first")  # layer 0 probed by head 1, the rest by head 0
+    last_one = kept((0,) * last + (1,), "last")  # only the last layer probed by head 1
+    assert torch.equal(first_one[0], one[0]) and not torch.equal(one[0], zero[0])
+    assert all(torch.equal(a, b) for a, b in zip(last_one[:last], zero[:last]))
+    assert not torch.equal(last_one[last], zero[last])
 
 
 def test_pooling_keeps_the_neighbours_of_an_important_token():
@@ -186,23 +208,23 @@ def test_probe_calibration_scores_each_candidate_kv_head(loaded):
     cfg = loaded.config
     rope = Rope(cfg, 4096, torch.float32)
     ids = _ids(cfg.vocab_size, 160, seed=9)
-    first, err = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1)
-    assert len(err) == cfg.num_kv_heads and all(e > 0.0 for e in err)
-    assert err[first] == min(err)
+    err = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1)  # [layers, candidates]
+    assert err.shape == (cfg.num_layers, cfg.num_kv_heads) and bool((err > 0.0).all())
     # Keeping the whole prefix changes nothing, whichever head chooses.
-    _, none_lost = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1, ratio=1.0)
-    assert max(none_lost) < 1e-5
+    none_lost = calibrate_probe(loaded.module, rope, ids[:128], ids[40:56], probes=1, ratio=1.0)
+    assert float(none_lost.max()) < 1e-5
 
 
 def test_probe_pass_rate_and_the_cached_calibration(loaded, tmp_path, monkeypatch):
     cfg = loaded.config
     rope = Rope(cfg, 4096, torch.float32)
     ids = _ids(cfg.vocab_size, 160, seed=9)
-    assert probe_pass_rate(loaded.module, rope, ids, 128, 0, 1, ratio=1.0) == 1.0  # every set is everything
-    rate = probe_pass_rate(loaded.module, rope, ids, 128, 0, 1)
+    zeros = (0,) * cfg.num_layers
+    assert probe_pass_rate(loaded.module, rope, ids, 128, zeros, 1, ratio=1.0) == 1.0  # every set is everything
+    rate = probe_pass_rate(loaded.module, rope, ids, 128, zeros, 1)
     assert 0.0 <= rate <= 1.0 and rate * cfg.num_layers == round(rate * cfg.num_layers)  # whole layers
     monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
     first = calibrate(loaded, 1)
-    assert first.first == 0  # no tokenizer: the paper's first heads
+    assert first.first == ()  # no tokenizer: the paper's first heads
     monkeypatch.setattr(probe_calibration, "probe_pass_rate", lambda *a, **k: pytest.fail("not cached"))
     assert calibrate(loaded, 1) == first  # measured once per model, dtype and probe count

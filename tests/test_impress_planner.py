@@ -109,7 +109,7 @@ def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, t
 
     # Random weights: probe heads rarely agree, so importance restores would read most keys and auto
     # would (rightly) not choose them; here the probes are taken to always agree.
-    monkeypatch.setattr(statelink, "cached_calibration", lambda model, probes: ProbeCalibration(0, 1.0))
+    monkeypatch.setattr(statelink, "cached_calibration", lambda model, probes: ProbeCalibration((), 1.0))
 
     ids = torch.randint(3, model.config.vocab_size, (268,), generator=torch.Generator().manual_seed(5)).tolist()
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

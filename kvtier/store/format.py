@@ -154,7 +154,7 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     if ns.probe_kv_heads:  # every layer's probe keys first: one ranged read fetches them all
         for layer, rep in enumerate(ns.layer_reprs):
             if rep is Repr.KV:
-                kp = layers[layer]["k"][:, ns.probe_first : ns.probe_first + ns.probe_kv_heads]  # [tokens, probes, hd]
+                kp = layers[layer]["k"][:, ns.probes(layer)]  # [tokens, probes, hd]
                 for _, buf in codec.encode(kp, ns.storage_dtype):
                     pieces.append((layer, "kp", buf, ns.storage_dtype, tuple(kp.shape)))
     for layer, rep in enumerate(ns.layer_reprs):

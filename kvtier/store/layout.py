@@ -43,13 +43,15 @@ class StoreNamespace:
     compute_dtype: str = "float32"
     storage_dtype: str = ""  # empty = same as compute_dtype (lossless)
     layer_reprs: tuple[Repr, ...] = field(default=())  # empty = all KV
-    # The importance-only restore's layout (IMPRESS): the keys of the first `probe_kv_heads` KV
-    # heads of every layer stored again, all layers together at the start of a chunk ("kp": one
-    # read gives a chunk's probe keys), and a CRC per `granule_tokens` rows of every K/V segment
-    # so a read of a few tokens is verified without reading the rest. 0: the plain layout.
+    # The importance-only restore's layout (IMPRESS): the keys of `probe_kv_heads` KV heads of
+    # every layer stored again, all layers together at the start of a chunk ("kp": one read gives
+    # a chunk's probe keys), and a CRC per `granule_tokens` rows of every K/V segment so a read of
+    # a few tokens is verified without reading the rest. 0: the plain layout.
     probe_kv_heads: int = 0
     granule_tokens: int = 0
-    probe_first: int = 0  # the probes are KV heads [probe_first, probe_first + probe_kv_heads)
+    # Each layer's probes are KV heads [probe_first[l], probe_first[l] + probe_kv_heads): which
+    # head chooses best differs by layer (engine/calibrate/probes.py). Empty: 0 in every layer.
+    probe_first: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -69,9 +71,13 @@ class StoreNamespace:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.probe_kv_heads <= self.num_kv_heads:
             raise ValueError(f"probe_kv_heads must be in [0, {self.num_kv_heads}], got {self.probe_kv_heads}")
-        if not 0 <= self.probe_first <= self.num_kv_heads - self.probe_kv_heads:
-            raise ValueError(f"probe_first {self.probe_first} with {self.probe_kv_heads} probe heads is outside "
+        firsts = tuple(int(f) for f in self.probe_first) or (0,) * self.num_layers
+        if len(firsts) != self.num_layers:
+            raise ValueError(f"probe_first has {len(firsts)} entries but the model has {self.num_layers} layers")
+        if bad := [f for f in firsts if not 0 <= f <= self.num_kv_heads - self.probe_kv_heads]:
+            raise ValueError(f"probe_first {bad[0]} with {self.probe_kv_heads} probe heads is outside "
                              f"the model's {self.num_kv_heads} KV heads")
+        object.__setattr__(self, "probe_first", firsts)
         if self.granule_tokens < 0:
             raise ValueError(f"granule_tokens must be >= 0, got {self.granule_tokens}")
         if self.granule_tokens and self.storage_dtype == "int8":
@@ -93,9 +99,14 @@ class StoreNamespace:
         }
         if self.probe_kv_heads or self.granule_tokens:  # only when set: plain keys stay what they were
             doc["importance_layout"] = [self.probe_kv_heads, self.granule_tokens] + \
-                ([self.probe_first] if self.probe_first else [])
+                (list(self.probe_first) if any(self.probe_first) else [])
         raw = json.dumps(doc, sort_keys=True).encode()
         return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+    def probes(self, layer: int) -> slice:
+        """Layer `layer`'s probe KV heads."""
+        first = self.probe_first[layer]
+        return slice(first, first + self.probe_kv_heads)
 
     def part_shape(self, part: str, tokens: int) -> tuple[int, ...]:
         """Per-layer tensor shape of one part for `tokens` tokens."""

@@ -15,7 +15,7 @@ from store_testlib import HEAD_DIM, KV_HEADS, LAYERS, make_ns, make_state, token
 CHUNK, G = 16, 4
 
 
-def _store(spec: str, storage: str = "", probe_first: int = 0) -> TieredStore:
+def _store(spec: str, storage: str = "", probe_first: tuple[int, ...] = ()) -> TieredStore:
     ns = dataclasses.replace(make_ns(storage), probe_kv_heads=1, granule_tokens=G, probe_first=probe_first)
     return TieredStore.open(spec, ns, chunk_tokens=CHUNK)
 
@@ -64,17 +64,22 @@ def test_token_reads_return_exactly_the_stored_rows(spec):
             reads.close()
 
 
-def test_the_probe_keys_are_those_of_the_chosen_kv_head(tmp_path):
-    with _store(f"disk:{tmp_path}/d:64MB", probe_first=1) as store:
+def test_the_probe_keys_are_those_of_each_layers_chosen_kv_head(tmp_path):
+    firsts = tuple((li + 1) % KV_HEADS for li in range(LAYERS))  # a different head from layer to layer
+    with _store(f"disk:{tmp_path}/d:64MB", probe_first=firsts) as store:
         match, k, _ = _saved(store, CHUNK)
         reads = TokenReads(store, match.chunks)
         probes = reads.probe_keys()
         reads.close()
-        assert all(torch.equal(probes[li], k[li, :, 1:2]) for li in range(LAYERS))
+        assert all(torch.equal(probes[li], k[li, :, f : f + 1]) for li, f in enumerate(firsts))
     plain = dataclasses.replace(make_ns(), probe_kv_heads=1, granule_tokens=G)
-    assert dataclasses.replace(plain, probe_first=1).digest() != plain.digest()
+    assert plain.probe_first == (0,) * LAYERS  # empty: the first head in every layer
+    assert dataclasses.replace(plain, probe_first=(0,) * LAYERS).digest() == plain.digest()
+    assert dataclasses.replace(plain, probe_first=firsts).digest() != plain.digest()
     with pytest.raises(ValueError, match="probe_first"):
-        dataclasses.replace(plain, probe_first=KV_HEADS)
+        dataclasses.replace(plain, probe_first=(KV_HEADS,) * LAYERS)
+    with pytest.raises(ValueError, match="probe_first has 1 entries"):
+        dataclasses.replace(plain, probe_first=(1,))
 
 
 def test_token_reads_of_bf16_storage_decode_to_the_compute_dtype(tmp_path):

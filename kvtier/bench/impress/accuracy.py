@@ -251,7 +251,8 @@ def run(args: argparse.Namespace) -> dict:
         vs = {k: vs[k] for k in wanted}
     rope = Rope(loaded.config, max(lengths) * 2 + 512, loaded.dtype)
     ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
-    print(f"probe KV heads [{ns.probe_first}, {ns.probe_first + ns.probe_kv_heads}) of {ns.num_kv_heads}", flush=True)
+    print(f"first probe KV head per layer (of {ns.num_kv_heads}, {ns.probe_kv_heads} each): {list(ns.probe_first)}",
+          flush=True)
     rows: list[dict] = []
     with TieredStore.open("memory:8GB", ns, chunk_tokens=CHUNK) as store:
         bench = Bench(loaded, tok, rope, store)
@@ -266,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
                     _retrieval(bench, fact, vs, tallies)
             rows += _rows(task, tallies)
     return dict(rows=rows, goals=accuracy_goals(rows), lengths=list(lengths),
-                probe_kv_heads=[ns.probe_first, ns.probe_first + ns.probe_kv_heads])
+                probe_kv_heads=ns.probe_kv_heads, probe_first=list(ns.probe_first))
 
 
 def table(doc: dict) -> str:

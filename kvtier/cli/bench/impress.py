@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-kv-heads", type=int, default=0,
                    help="accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV heads, else 3)")
     p.add_argument("--probe-first", type=int, default=-1,
-                   help="accuracy: first probe KV head (default -1: the engine's calibrated choice)")
+                   help="accuracy: the first probe KV head of every layer (default -1: the engine's calibrated choice per layer)")
     p.add_argument("--variants", default=None, help="accuracy: only these rows (comma-separated names; full is always run)")
     p.add_argument("--granule-tokens", type=int, default=16,
                    help="accuracy: rows per verified granule in the importance layout (what a partial read rounds to)")

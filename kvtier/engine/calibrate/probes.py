@@ -1,10 +1,12 @@
-"""Which KV heads an importance restore probes, and how often they agree: measured once per model,
-dtype and probe count (cached under KVTIER_HOME/probes).
+"""Which KV heads an importance restore probes in each layer, and how often they agree: measured
+once per model, dtype and probe count (cached under KVTIER_HOME/probes).
 
-The probe is the candidate whose query heads' top-k choice of a prefix changes the query rows'
-attention output least (relative to attending to the whole prefix), measured over stretches of
-standard-library docstrings. Why not simply the paper's first heads: on some models another KV
-head's choice matches every head's much better (docs/impress.md has the measurements).
+A layer's probe is the candidate whose query heads' top-k choice of a prefix changes the query
+rows' attention output least (relative to attending to the whole prefix), measured over stretches
+of standard-library docstrings. Why not simply the paper's first heads: on some models another KV
+head's choice matches every head's much better, and which one differs from layer to layer (on
+SmolLM2 each of the three KV heads is the best probe in some layers; docs/impress.md has the
+measurements).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ TOKENS, QUERY = 1024, slice(400, 432)  # each calibration text, and the span of 
 
 @dataclass(frozen=True)
 class ProbeCalibration:
-    first: int  # first probe KV head
+    first: tuple[int, ...]  # each layer's first probe KV head (empty: 0 in every layer, the paper's)
     pass_rate: float  # share of layers whose probe heads agreed on the calibration text
-    # Each candidate first head's mean relative error (zeros where none was measured: the first heads).
+    # Each candidate first head's relative error, mean over layers (zeros where none was measured:
+    # the first heads), and that of each layer's own choice.
     relative_error: tuple[float, ...] = field(default=(), compare=False)
+    chosen_error: float = field(default=0.0, compare=False)
 
 
 def _each_layer(model: CausalLM, rope: Rope, ids: Sequence[int], observe: ObserveFn) -> None:
@@ -46,43 +50,44 @@ def _each_layer(model: CausalLM, rope: Rope, ids: Sequence[int], observe: Observ
 
 @torch.inference_mode()
 def calibrate_probe(model: CausalLM, rope: Rope, prefix_ids: Sequence[int], query_ids: Sequence[int],
-                    probes: int, ratio: float = 0.25) -> tuple[int, list[float]]:
-    """Which `probes` consecutive KV heads to probe: those whose query heads' top-k choice of the
-    prefix changes the query rows' attention output (every head's) least, relative to attending
-    to the whole prefix, averaged over layers. -> (first probe KV head, each candidate's mean
-    relative error)."""
+                    probes: int, ratio: float = 0.25) -> torch.Tensor:
+    """How well each candidate probe (`probes` consecutive KV heads) chooses in each layer: how much
+    its query heads' top-k choice of the prefix changes the query rows' attention output (every
+    head's), relative to attending to the whole prefix. -> [layers, candidate first heads]."""
     cfg = model.cfg
     g = cfg.num_heads // cfg.num_kv_heads
     m, k = len(prefix_ids), math.ceil(ratio * len(prefix_ids))
     own = torch.arange(m, m + len(query_ids))
-    err = [0.0] * (cfg.num_kv_heads - probes + 1)
+    err = torch.zeros(cfg.num_layers, cfg.num_kv_heads - probes + 1)
 
     def observe(li: int, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor) -> None:
         imp = column_importance(q[m:], kk[:m], kk[m:])  # [heads, m]
         full = causal_attention(q[m:], kk, v, m).float()  # [n, heads, hd]: the query rows over everything
-        for j in range(len(err)):
+        for j in range(err.shape[1]):
             idx = torch.cat([top_k(imp[j * g : (j + probes) * g].sum(0), k), own]).to(kk.device)
             out = causal_attention(q[m:], kk.index_select(0, idx), v.index_select(0, idx), k).float()
-            err[j] += float((out - full).norm() / full.norm()) / cfg.num_layers
+            err[li, j] = float((out - full).norm() / full.norm())
 
     _each_layer(model, rope, list(prefix_ids) + list(query_ids), observe)
-    return min(range(len(err)), key=err.__getitem__), err
+    return err
 
 
 @torch.inference_mode()
-def probe_pass_rate(model: CausalLM, rope: Rope, ids: Sequence[int], m: int, first: int, probes: int,
+def probe_pass_rate(model: CausalLM, rope: Rope, ids: Sequence[int], m: int, first: Sequence[int], probes: int,
                     ratio: float = 0.25, alpha: float = 0.6) -> float:
-    """Share of layers whose probe heads (KV heads [first, first + probes)) agree at `ratio`: the
-    mean pairwise Jaccard of their query heads' top-k sets of the prefix ids[:m], scored by the
-    rows after it, reaches the threshold. Layers below it read every key (the planner's input)."""
+    """Share of layers whose probe heads (layer l: KV heads [first[l], first[l] + probes)) agree at
+    `ratio`: the mean pairwise Jaccard of their query heads' top-k sets of the prefix ids[:m],
+    scored by the rows after it, reaches the threshold. Layers below it read every key (the
+    planner's input)."""
     cfg = model.cfg
     g = cfg.num_heads // cfg.num_kv_heads
     k, t = math.ceil(ratio * m), similarity_threshold(ratio, alpha)
     passed = [0]
 
     def observe(li: int, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor) -> None:
-        imp = column_importance(q[m:, first * g : (first + probes) * g], kk[:m, first : first + probes],
-                                kk[m:, first : first + probes])  # [probe q heads, m]
+        f = first[li]
+        imp = column_importance(q[m:, f * g : (f + probes) * g], kk[:m, f : f + probes],
+                                kk[m:, f : f + probes])  # [probe q heads, m]
         passed[0] += mean_jaccard(imp, k) >= t
 
     _each_layer(model, rope, ids, observe)
@@ -102,37 +107,38 @@ def _measure(loaded: LoadedModel, probes: int) -> ProbeCalibration:
     cfg = loaded.config
     rope = Rope(cfg, TOKENS + QUERY.stop - QUERY.start, loaded.dtype, loaded.module.lm_head.weight.device)
     texts = _texts(loaded)
-    first, total = 0, [0.0] * (cfg.num_kv_heads - probes + 1)
+    err = torch.zeros(cfg.num_layers, cfg.num_kv_heads - probes + 1)  # [layers, candidates]
+    first: tuple[int, ...] = ()
     if probes < cfg.num_kv_heads and loaded.tokenizer is not None:  # else the paper's first heads
-        for ids in texts:
-            _, err = calibrate_probe(loaded.module, rope, ids, ids[QUERY], probes)
-            total = [a + b / 3 for a, b in zip(total, err)]
-        first = min(range(len(total)), key=total.__getitem__)
-    rate = sum(probe_pass_rate(loaded.module, rope, ids + ids[QUERY], len(ids), first, probes) for ids in texts) / 3
-    return ProbeCalibration(first, rate, tuple(total))
+        err = sum((calibrate_probe(loaded.module, rope, ids, ids[QUERY], probes) for ids in texts), err) / len(texts)
+        first = tuple(err.argmin(1).tolist())  # each layer's best
+    rate = sum(probe_pass_rate(loaded.module, rope, ids + ids[QUERY], len(ids), first or (0,) * cfg.num_layers, probes)
+               for ids in texts) / len(texts)
+    return ProbeCalibration(first, rate, tuple(err.mean(0).tolist()), float(err.min(1).values.mean()))
 
 
 # Without a measurement: the paper's first heads, and probes assumed to agree in every layer (the
 # planner then learns the real pass rate from restores).
-UNCALIBRATED = ProbeCalibration(0, 1.0)
+UNCALIBRATED = ProbeCalibration((), 1.0)
 
 
 def _key(loaded: LoadedModel, probes: int) -> str:
-    return f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}"
+    return f"{loaded.fingerprint}-{name_of(loaded.dtype)}-{probes}-by-layer"  # by-layer: not the older one-head file
 
 
 def _decode(doc: dict[str, Any]) -> ProbeCalibration:
-    return ProbeCalibration(int(doc["probe_first"]), float(doc["pass_rate"]),
-                            tuple(float(e) for e in doc.get("relative_error", ())))
+    return ProbeCalibration(tuple(int(f) for f in doc["probe_first"]), float(doc["pass_rate"]),
+                            tuple(float(e) for e in doc.get("relative_error", ())), float(doc.get("chosen_error", 0.0)))
 
 
 def calibrate(loaded: LoadedModel, probes: int) -> ProbeCalibration:
-    """A model's probe KV heads and how often they agree (`calibrate_probe`'s best candidate, and
-    `probe_pass_rate` there), measured once per model, dtype and probe count."""
+    """A model's probe KV heads per layer and how often they agree (`calibrate_probe`'s best
+    candidate in each layer, and `probe_pass_rate` there), measured once per model, dtype and
+    probe count."""
 
     def encode(c: ProbeCalibration) -> dict[str, Any]:
-        return {"probe_first": c.first, "pass_rate": c.pass_rate, "relative_error": list(c.relative_error),
-                "probes": probes}
+        return {"probe_first": list(c.first), "pass_rate": c.pass_rate, "relative_error": list(c.relative_error),
+                "chosen_error": c.chosen_error, "probes": probes}
 
     return load_or_measure(kind="probes", key=_key(loaded, probes), measure=lambda: _measure(loaded, probes),
                            decode=_decode, encode=encode)

@@ -56,13 +56,14 @@ class ImportanceAttention(LayerAttention):
     their own; what each layer kept is collected in `k`/`v` (`CompactKV`) and `stats`."""
 
     def __init__(self, cfg: ModelConfig, policy: ImpressPolicy, reads: TimedReads, probes: dict[int, torch.Tensor],
-                 stats: ImpressStats, cos: torch.Tensor, sin: torch.Tensor, probe_first: int, probe_count: int) -> None:
+                 stats: ImpressStats, cos: torch.Tensor, sin: torch.Tensor, probe_first: Sequence[int],
+                 probe_count: int) -> None:
         m = stats.prefix_tokens
         count, kept_units = policy.units(m)
         g = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.policy, self.reads, self.probes, self.stats, self.cos, self.sin = policy, reads, probes, stats, cos, sin
         self.units = Units(m, policy.unit, count, kept_units, policy.window)
-        self.heads = ProbeHeads.of(probe_first, probe_count, g)
+        self.heads = [ProbeHeads.of(f, probe_count, g) for f in probe_first]  # per layer
         self.score_heads = None if policy.score_kv_heads is None else \
             [h * g + i for h in policy.score_kv_heads for i in range(g)]
         self.k: list[torch.Tensor] = []
@@ -103,7 +104,7 @@ class ImportanceAttention(LayerAttention):
 
     def _by_probes(self, li: int, q: torch.Tensor, kn: torch.Tensor, threshold: float) -> Choice:
         probe_keys, rule = self.probes[li], self.policy.vote
-        imp, sel = self._identify(lambda: probe_selection(q, kn, probe_keys, self.heads, self.units, threshold, rule))
+        imp, sel = self._identify(lambda: probe_selection(q, kn, probe_keys, self.heads[li], self.units, threshold, rule))
         keys = None
         if sel is None:  # the probes disagree: every key, a set from every head
             keys = self.reads.keys(li)
