@@ -135,6 +135,20 @@ def test_auto_with_lossy_allowed_restores_exactly_where_exact_is_faster(model, t
     assert out.restore.prefix_attended == 64 and out.restore.predicted_s > 0
 
 
+@pytest.mark.parametrize("selection, passes", [("impress", 0.25), ("probes", 1.0), ("h2o", 0.0)])
+def test_the_planner_expects_every_key_read_where_the_selection_reads_it(model, tmp_path, monkeypatch, selection,
+                                                                          passes):
+    """The share of layers planned to read only the probe keys and the kept tokens: the calibrated
+    pass rate under the paper's threshold, every layer without it, none with H2O."""
+    from kvtier.engine.calibrate.probes import ProbeCalibration
+    from kvtier.engine.link import store_link as statelink
+
+    monkeypatch.setattr(statelink, "cached_calibration", lambda model, probes: ProbeCalibration((), 0.25))
+    reuse = ReuseConfig(method="impress", impress=ImpressConfig(selection=selection))
+    with Engine(model, store=f"disk:{tmp_path}/d:64MB", reuse=reuse) as engine:
+        assert engine.link.scheduler_side.planner.importance.pass_rate == passes
+
+
 @pytest.mark.parametrize("lossy_s, chosen", [(0.84, Method.IMPRESS), (0.86, Method.KV)])
 def test_a_lossy_plan_must_be_predicted_15_percent_faster(monkeypatch, lossy_s, chosen):
     planner, chunks = _planner(None), _chunks(1024)

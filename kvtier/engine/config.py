@@ -25,6 +25,7 @@ class ImportanceUnit(str, enum.Enum):
 
 class ImportanceSelection(str, enum.Enum):
     IMPRESS = "impress"  # probe heads first, every key only where they disagree (the paper)
+    PROBES = "probes"  # the probe heads choose in every layer (no threshold: fewer bytes)
     H2O = "h2o"  # every key read and every head scored (more bytes; keeps accuracy on few KV heads)
 
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.probes import UNCALIBRATED, ProbeCalibration, cached_calibration
-from kvtier.engine.config import ReuseConfig
+from kvtier.engine.config import ImportanceSelection, ReuseConfig
 from kvtier.engine.link.restorer import Restorer
 from kvtier.engine.link.saver import Saver
 from kvtier.engine.link.sessions import SessionRetention
@@ -302,9 +302,12 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
 
     probe = namespace((Repr.KV,) * cfg.num_layers)  # per-layer sizes do not depend on the layout
     shape = ModelShape(cfg.num_layers, probe.layer_bytes_per_token(Repr.KV), probe.layer_bytes_per_token(Repr.HIDDEN))
+    # Share of layers that read only the probe keys and the kept tokens: under the threshold the
+    # calibrated share; without it every layer; H2O reads every key in every layer.
+    passes = {ImportanceSelection.IMPRESS: calib.pass_rate, ImportanceSelection.PROBES: 1.0,
+              ImportanceSelection.H2O: 0.0}[reuse.impress.selection]
     reads = ImportanceReads.initial(reuse.impress.ratio, probes, cfg.num_kv_heads, PROBE_GRANULE_TOKENS,
-                                    ImpressPolicy.of(reuse.impress).unit,
-                                    calib.pass_rate) if importance else None
+                                    ImpressPolicy.of(reuse.impress).unit, passes) if importance else None
     planner = Planner(profile, shape, links(profile, [(n, em.bandwidth, em.latency) for n, em in tiers]),
                       prefill_chunk_tokens=prefill_chunk_tokens, importance=reads)
     if reuse.layout is not None:
