@@ -54,7 +54,8 @@ def variant_name(selection: str, ratio: float, granule: bool = False, window: in
 def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PROBE_GRANULE_TOKENS) -> dict[str, ImpressPolicy]:
     """The rows: full KV; per ratio and pooling window the importance restore choosing tokens and
     whole granules, its probes voting by majority (impress: the paper's reading, the defaults
-    before issue 31) or summing their importance (impress-sum), and H2O over every key; at 0.25
+    before issue 31) or summing their importance (impress-sum), the probes' sum without the
+    threshold's fallback (probes-sum), and H2O over every key; at 0.25
     the probes without the threshold, each KV head's query heads as the only scorers, and the
     blind references."""
     out = {"full": ImpressPolicy(selection=Selection.FULL)}
@@ -65,6 +66,9 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
                 out[variant_name("impress", r, g, w)] = ImpressPolicy(ratio=r, block=block, window=w, vote="majority")
                 out[variant_name("impress-sum", r, g, w)] = ImpressPolicy(ratio=r, block=block, window=w, vote="sum")
                 out[variant_name("h2o", r, g, w)] = ImpressPolicy(ratio=r, selection=Selection.H2O, block=block, window=w)
+                # The probes' sum in every layer, no threshold: what the fallback's reads buy.
+                out[variant_name("probes-sum", r, g, w)] = ImpressPolicy(ratio=r, selection=Selection.PROBES,
+                                                                         block=block, window=w, vote="sum")
         out[f"{default_kind()}@{r:g}"] = ImpressPolicy.of(ImpressConfig(ratio=r))  # the engine's defaults
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
     for j in range(3):  # which KV head's query heads would make a good probe (every key read)

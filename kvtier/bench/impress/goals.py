@@ -25,7 +25,7 @@ def default_kind() -> str:
     from kvtier.engine.restore.impress_policy import ImpressPolicy
 
     p = ImpressPolicy.of(ImpressConfig())
-    return kind_name("impress-sum" if p.vote == "sum" else "impress", p.unit > 1, p.window)
+    return kind_name(p.selection.value + ("-sum" if p.vote == "sum" else ""), p.unit > 1, p.window)
 
 
 # ----- accuracy ---------------------------------------------------------------------------------

@@ -124,8 +124,11 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
                 print(f"        {name} chose {[o.restore.method if o.restore else 'recompute' for o in runs]}")
             rows.append(dict(bandwidth=bw, method=name, ttft_s=ttft, runs=[o.ttft for o in runs],
                              bytes_read=rs.bytes_read if rs else 0, restored_by=rs.method if rs else None,
-                             attended=rs.prefix_attended if rs else None))
-            print(f"{bw:>5} MB/s  {name:22s} TTFT {ttft * 1000:7.0f} ms  read {rows[-1]['bytes_read'] / 1e6:7.1f} MB",
+                             attended=rs.prefix_attended if rs else None,
+                             predicted_s=statistics.median(o.restore.predicted_s for o in runs if o.restore) if rs else None))
+            predicted = rows[-1]["predicted_s"]  # what auto compares (0: a forced importance restore is not planned)
+            said = f", predicted {predicted * 1000:.0f} ms" if predicted else ""
+            print(f"{bw:>5} MB/s  {name:22s} TTFT {ttft * 1000:7.0f} ms  read {rows[-1]['bytes_read'] / 1e6:7.1f} MB{said}",
                   flush=True)
         # The same prefix read by IMPRESS, H2O-style and in full through one code path (no engine).
         if "read" not in rows_wanted:
