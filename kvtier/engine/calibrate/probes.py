@@ -21,6 +21,7 @@ import torch
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.cache import load, load_or_measure
 from kvtier.engine.restore.importance import column_importance, mean_jaccard, similarity_threshold, top_k
+from kvtier.engine.restore.impress_select import ProbeHeads
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM, ObserveFn, SelfAttention
 from kvtier.models.loading import LoadedModel
@@ -85,9 +86,8 @@ def probe_pass_rate(model: CausalLM, rope: Rope, ids: Sequence[int], m: int, fir
     passed = [0]
 
     def observe(li: int, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor) -> None:
-        f = first[li]
-        imp = column_importance(q[m:, f * g : (f + probes) * g], kk[:m, f : f + probes],
-                                kk[m:, f : f + probes])  # [probe q heads, m]
+        heads = ProbeHeads.of(first[li], probes, g)
+        imp = column_importance(q[m:, heads.q], kk[:m, heads.kv], kk[m:, heads.kv])  # [probe q heads, m]
         passed[0] += mean_jaccard(imp, k) >= t
 
     _each_layer(model, rope, ids, observe)
