@@ -134,9 +134,9 @@ class EngineOptions:
                                     "important token is kept with it", type=odd_window, metavar="W")
     importance_vote: str = option("sum", STORE, "impress: the probe heads' choice is by their summed importance (sum), "
                                   "or tokens in at least two probes' top-k first (majority)", choices=("sum", "majority"))
-    importance_selection: str = option("impress", STORE, "impress: how tokens are chosen: probe heads first, every key "
-                                       "only where they disagree (impress, the paper), the probe heads in every layer "
-                                       "(probes: fewer bytes), or every key and every head (h2o: more bytes, closer to "
+    importance_selection: str = option("probes", STORE, "impress: how tokens are chosen: the probe heads in every "
+                                       "layer (probes), probe heads first and every key only where they disagree "
+                                       "(impress, the paper: more bytes), or every key and every head (h2o: more bytes, closer to "
                                        "full accuracy on models with few KV heads)", choices=("impress", "probes", "h2o"))
     eviction_policy: str = option("lru", STORE, "what the memory and disk tiers give up first; score: accesses x the "
                                   "share of a chunk importance restores needed, admitted to memory only above the "

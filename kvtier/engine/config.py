@@ -130,7 +130,10 @@ class ImpressConfig:
     # How the probe heads' sets become one: "sum" ranks by their summed importance; "majority"
     # puts tokens in at least two probes' top-k first (one retrieval head among three is outvoted).
     vote: str = "sum"
-    selection: ImportanceSelection = ImportanceSelection.IMPRESS
+    # The probe heads choose in every layer: with a calibrated head per layer they keep full KV's
+    # retrieval accuracy, and no layer falls back to reading every key (the paper's threshold),
+    # which is what kept the byte budget out of reach (docs/impress.md).
+    selection: ImportanceSelection = ImportanceSelection.PROBES
     # Seconds between reorder passes (IMPRESS §4.4.1, store/reorder.py): chunks importance restores
     # have seen are stored again with K/V rows by importance. 0: never.
     reorder_s: float = 600.0

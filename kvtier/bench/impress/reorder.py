@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvtier.bench.common import drop_page_cache
 from kvtier.bench.goals import Goal, evaluate
-from kvtier.engine.config import EngineConfig, ImportanceUnit, ImpressConfig, ReuseConfig
+from kvtier.engine.config import EngineConfig, ImportanceSelection, ImportanceUnit, ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS
@@ -30,7 +30,8 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 def _engine(loaded: LoadedModel, spec: str, tokens: int, ratio: float) -> Engine:
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=tokens + 64)
     # Single tokens, as the paper (reordering serves them; whole granules need none); passes run by hand.
-    impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit.TOKEN, window=1, vote="majority", reorder_s=0)
+    impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit.TOKEN, window=1, vote="majority",
+                            selection=ImportanceSelection.IMPRESS, reorder_s=0)
     reuse = ReuseConfig(method="impress", impress=impress)
     return Engine(loaded, cfg, store=spec, reuse=reuse)
 

@@ -25,7 +25,7 @@ from kvtier.bench.impress import admission as impress_admission
 from kvtier.bench.impress import reorder as impress_reorder
 from kvtier.bench.impress.goals import default_kind, ttft_goals
 from kvtier.bench.impress.layout import CHUNK, namespace
-from kvtier.engine.config import ImportanceUnit, ImpressConfig
+from kvtier.engine.config import ImportanceSelection, ImportanceUnit, ImpressConfig
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
 from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
@@ -56,6 +56,7 @@ class EngineRow:
     window: int = 1
     vote: str = "majority"
     lossy: bool = False
+    selection: str = "impress"
 
 
 def _engine_rows() -> dict[str, EngineRow]:
@@ -64,9 +65,9 @@ def _engine_rows() -> dict[str, EngineRow]:
     c = ImpressConfig()
     return {"recompute": EngineRow("recompute"), "kv": EngineRow("kv"), "cake": EngineRow("cake"),
             "impress": EngineRow("impress"), "impress-g": EngineRow("impress", "granule"),
-            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote),
+            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote, selection=c.selection.value),
             "auto-lossy": EngineRow("auto", lossy=True), "auto-lossy-g": EngineRow("auto", "granule", lossy=True),
-            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, lossy=True)}
+            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, True, c.selection.value)}
 
 
 def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, row: EngineRow):
@@ -75,7 +76,8 @@ def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, r
     from kvtier.engine.request import SamplingParams
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
-    impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit(row.unit), window=row.window, vote=row.vote)
+    impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit(row.unit), window=row.window, vote=row.vote,
+                            selection=ImportanceSelection(row.selection))
     reuse = ReuseConfig(method=row.method, impress=impress, allow_lossy=row.lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
