@@ -1,0 +1,279 @@
+"""The measurements that choose the GPU data paths of issues 27 and 28, on one GPU, in one run.
+
+    python scripts/gpu_candidates.py OUT.json [--quick]
+
+Copies (issue 27): a restore of N tokens of llama3-8b-shaped bf16 KV (32 layers, 8 KV heads x 128)
+from a pinned host arena of 64-token chunks into a paged device pool (16-token blocks, scattered),
+by each candidate:
+  peak            one contiguous pinned copy of the same bytes (the bound)
+  chunk_layer     one DMA per (chunk, layer) into a staging buffer, then one placement per layer
+                  (today's granularity: O(chunks x layers) host-issued copies)
+  chunk           one DMA per whole chunk (all layers contiguous), then one placement per layer
+                  and K/V: chunks + 2 x layers operations
+  batched         the chunk copies in one cuMemcpyBatchAsync driver call (cuda-bindings)
+  uva_gather      no DMA: each layer's placement reads the pinned arena directly (zero-copy through
+                  unified addressing), 2 x layers kernels
+Each row: device time (CUDA events, median), host time to enqueue, GB/s, host-issued operations.
+
+Paged decode attention (issue 28): one layer's decode step, B sequences x T tokens of context in a
+paged pool, by
+  gather_sdpa     gather each sequence's K/V out of the pool, SDPA (grouped heads)
+  packed_varlen   gather into packed rows, varlen_attn (today's decode path)
+  flex_pageP      FlexAttention over the pool in place, a block mask over the page table (page P)
+each against gather_sdpa's output (max abs difference) and timed (median of CUDA-event times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import torch
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def _timed(fn, repeats: int = 5) -> dict:
+    """Median device time (events on the current stream) and host enqueue time of fn()."""
+    fn()
+    if DEV.type != "cuda":  # a smoke run of the code paths
+        return {}
+    torch.cuda.synchronize()
+    dev, host = [], []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a.record()
+        fn()
+        b.record()
+        host.append(time.perf_counter() - t0)
+        b.synchronize()
+        dev.append(a.elapsed_time(b) / 1e3)
+    return {"device_s": statistics.median(dev), "host_enqueue_s": statistics.median(host)}
+
+
+# ----- copies ----------------------------------------------------------------------------------
+def copies(tokens: int, layers: int = 32, kvh: int = 8, hd: int = 128, chunk: int = 64, block: int = 16) -> list[dict]:
+    chunks, blocks = tokens // chunk, tokens // block
+    per = chunk // block  # pool blocks per chunk
+    # The arena: [chunks, layers, 2 (k, v), chunk tokens, kvh, hd], every chunk's layers contiguous.
+    arena = torch.randn(chunks, layers, 2, chunk, kvh, hd, dtype=BF16).pin_memory()
+    nbytes = arena.numel() * arena.element_size()
+    # The pool: per layer K and V [pool blocks, block, kvh, hd]; the restore's blocks are scattered.
+    pool_blocks = blocks * 2
+    pool_k = [torch.empty(pool_blocks, block, kvh, hd, dtype=BF16, device=DEV) for _ in range(layers)]
+    pool_v = [torch.empty(pool_blocks, block, kvh, hd, dtype=BF16, device=DEV) for _ in range(layers)]
+    ids = torch.randperm(pool_blocks, device=DEV)[:blocks]  # [blocks]: logical block -> pool block
+    stage = torch.empty(chunks, layers, 2, chunk, kvh, hd, dtype=BF16, device=DEV)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+
+    at = ids.view(chunks, per)  # [chunks, blocks per chunk]
+
+    def place(src) -> None:
+        """One placement per layer and K/V: src [chunks, layers, 2, chunk, kvh, hd] (device or UVA),
+        read strided in place (a reshape would copy it first)."""
+        for li in range(layers):
+            pool_k[li].index_put_((at,), src[:, li, 0].unflatten(1, (per, block)))  # [chunks, per, block, kvh, hd]
+            pool_v[li].index_put_((at,), src[:, li, 1].unflatten(1, (per, block)))
+
+    def peak():
+        flat.copy_(arena.view(-1).view(torch.uint8), non_blocking=True)
+
+    def chunk_layer():
+        torch._foreach_copy_([stage[c, li] for c in range(chunks) for li in range(layers)],
+                             [arena[c, li] for c in range(chunks) for li in range(layers)], non_blocking=True)
+        place(stage)
+
+    def whole_chunk():
+        torch._foreach_copy_(list(stage.unbind(0)), list(arena.unbind(0)), non_blocking=True)
+        place(stage)
+
+    rows = [dict(candidate="peak", ops=1, **_timed(peak)),
+            dict(candidate="chunk_layer", ops=chunks * layers + 2 * layers, **_timed(chunk_layer)),
+            dict(candidate="chunk", ops=chunks + 2 * layers, **_timed(whole_chunk))]
+    check = pool_k[3][ids[5]].float().cpu()
+    want = arena[5 // per, 3, 0, (5 % per) * block:(5 % per + 1) * block].float()
+    rows[-1]["equal"] = bool(torch.equal(check, want))
+
+    try:
+        batched = _batched_copy(stage, arena, chunks)
+        rows.append(dict(candidate="batched", ops=1 + 2 * layers, **_timed(lambda: (batched(), place(stage)))))
+    except Exception as e:
+        rows.append(dict(candidate="batched", error=f"{type(e).__name__}: {e}"[:300]))
+    try:
+        uva = _uva_view(arena)
+        rows.append(dict(candidate="uva_gather", ops=2 * layers, **_timed(lambda: place(uva))))
+        rows[-1]["equal"] = bool(torch.equal(pool_v[7][ids[9]].float().cpu(),
+                                             arena[9 // per, 7, 1, (9 % per) * block:(9 % per + 1) * block].float()))
+    except Exception as e:
+        rows.append(dict(candidate="uva_gather", error=f"{type(e).__name__}: {e}"[:300]))
+    for r in rows:
+        r.update(tokens=tokens, bytes=nbytes)
+        if "device_s" in r:
+            r["GBps"] = nbytes / r["device_s"] / 1e9
+    return rows
+
+
+def _batched_copy(stage: torch.Tensor, arena: torch.Tensor, chunks: int):
+    """The chunk copies as one cuMemcpyBatchAsync call (CUDA 12.8+ driver, cuda-bindings)."""
+    from cuda.bindings import driver
+
+    size = arena[0].numel() * arena.element_size()
+    dsts = [driver.CUdeviceptr(stage[c].data_ptr()) for c in range(chunks)]
+    srcs = [driver.CUdeviceptr(arena[c].data_ptr()) for c in range(chunks)]
+    attr = driver.CUmemcpyAttributes()
+    attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    attr.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    handle = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+    def run():
+        out = driver.cuMemcpyBatchAsync(dsts, srcs, [size] * chunks, chunks, [attr], [0], 1, handle)
+        err = out[0] if isinstance(out, tuple) else out  # CUDA 12.8 also returns a failing index
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+
+    return run
+
+
+def _uva_view(host: torch.Tensor) -> torch.Tensor:
+    """The pinned host tensor as a CUDA tensor over the same memory (unified addressing): kernels
+    read it across the bus, no staging copy. Built through CuPy's unowned memory and DLPack."""
+    import cupy
+
+    nbytes = host.numel() * host.element_size()
+    mem = cupy.cuda.UnownedMemory(host.data_ptr(), nbytes, host, torch.cuda.current_device())
+    raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return torch.utils.dlpack.from_dlpack(raw).view(BF16).view(host.shape)
+
+
+# ----- paged decode attention ------------------------------------------------------------------
+def attention(batch: int, context: int, heads: int, kvh: int, hd: int, pages: tuple[int, ...]) -> list[dict]:
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rows: list[dict] = []
+    q = torch.randn(batch, heads, 1, hd, dtype=BF16, device=DEV, generator=g)  # [B, H, 1, hd]
+    for page in pages:
+        n_pages = batch * context // page
+        pool_k = torch.randn(n_pages * 2, page, kvh, hd, dtype=BF16, device=DEV, generator=g)  # [pages, P, kvh, hd]
+        pool_v = torch.randn_like(pool_k)
+        table = torch.randperm(n_pages * 2, device=DEV, generator=g)[:n_pages].view(batch, context // page)  # [B, T/P]
+        lens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
+        lens[0] = context - page // 2 - 1  # a ragged last page
+
+        def gathered():
+            k = pool_k[table].reshape(batch, context, kvh, hd).transpose(1, 2)  # [B, kvh, T, hd]
+            v = pool_v[table].reshape(batch, context, kvh, hd).transpose(1, 2)
+            pos = torch.arange(context, device=DEV)
+            mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        ref = gathered()
+        if page == pages[0]:
+            rows.append(dict(candidate="gather_sdpa", **_timed(gathered)))
+            try:
+                from torch.nn.attention.varlen import varlen_attn
+
+                cu_k = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).int()
+                cu_q = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+                pos = torch.arange(context, device=DEV)
+                slots = (table[:, pos // page] * page + pos % page)[pos[None, :] < lens[:, None]]  # [sum(lens)]
+
+                def packed():
+                    k = pool_k.view(-1, kvh, hd)[slots]  # [sum(lens), kvh, hd]
+                    v = pool_v.view(-1, kvh, hd)[slots]
+                    return varlen_attn(q.view(batch, heads, hd), k, v, cu_q, cu_k, 1, context, enable_gqa=True)
+
+                out = packed().view(batch, heads, 1, hd)
+                rows.append(dict(candidate="packed_varlen", diff=(out - ref).abs().max().item(), **_timed(packed)))
+            except Exception as e:
+                rows.append(dict(candidate="packed_varlen", error=f"{type(e).__name__}: {e}"[:300]))
+        try:
+            flex = _flex_paged(q, pool_k, pool_v, table, lens, page)
+            out = flex()
+            rows.append(dict(candidate=f"flex_page{page}", diff=(out - ref).abs().max().item(), **_timed(flex)))
+        except Exception as e:
+            traceback.print_exc()
+            rows.append(dict(candidate=f"flex_page{page}", error=f"{type(e).__name__}: {e}"[:300]))
+    kv_bytes = 2 * batch * context * kvh * hd * 2
+    for r in rows:
+        r.update(batch=batch, context=context, heads=heads, kv_heads=kvh, head_dim=hd, kv_bytes=kv_bytes)
+        if "device_s" in r:
+            r["GBps"] = kv_bytes / r["device_s"] / 1e9
+    return rows
+
+
+_compiled = None
+
+
+def _flex_paged(q, pool_k, pool_v, table, lens, page: int):
+    """Decode attention over the pool in place: K/V are the whole pool as one sequence
+    [1, kvh, pages x P, hd]; sequence b's block mask lists its pages (the page table), and the mask
+    function maps a physical slot back to its logical position to cut the ragged end."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention)
+    batch, per = table.shape
+    k = pool_k.view(1, -1, *pool_k.shape[2:]).transpose(1, 2)  # [1, kvh, pages x P, hd]
+    v = pool_v.view(1, -1, *pool_v.shape[2:]).transpose(1, 2)
+    logical = torch.full((batch, pool_k.shape[0]), -1, dtype=torch.int32, device=DEV)  # [B, pages]: page's index
+    logical.scatter_(1, table.long(), torch.arange(per, device=DEV, dtype=torch.int32).expand(batch, per).contiguous())
+
+    def mask_mod(b, h, q_idx, kv_idx):  # the page is b's (the eager path visits every block) and in range
+        at = logical[b, kv_idx // page]
+        return (at >= 0) & (at * page + kv_idx % page < lens[b])
+
+    num = torch.full((batch, 1, 1), per, dtype=torch.int32, device=DEV)
+    idx = torch.zeros(batch, 1, 1, pool_k.shape[0], dtype=torch.int32, device=DEV)  # [B, 1, 1, pool pages]
+    idx[:, 0, 0, :per] = table  # the first num entries are read: sequence b's pages
+    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(128, page), mask_mod=mask_mod,
+                                    seq_lengths=(1, k.shape[2]))
+    # The kernel's KV tile must divide the page; small pages need a small tile.
+    opts = {"BLOCK_N": page} if page < 64 else None
+    run = _compiled if DEV.type == "cuda" else flex_attention
+    try:  # one pool for every sequence: K/V broadcast over the batch
+        run(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
+    except Exception as e:
+        print(f"flex page {page}: broadcast K/V refused ({type(e).__name__}: {str(e)[:200]}); expanding")
+        k, v = k.expand(batch, *k.shape[1:]), v.expand(batch, *v.shape[1:])
+    return lambda: run(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--device", default="cuda", help="cpu: the attention candidates' code paths only, untimed")
+    args = ap.parse_args()
+    global DEV
+    DEV = torch.device(args.device)
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+    res: dict = {"device": name, "torch": torch.__version__, "copies": [], "attention": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    for tokens in ((1024,) if args.quick else (8192, 16384)) if DEV.type == "cuda" else ():
+        res["copies"] += copies(tokens)
+        save()
+        torch.cuda.empty_cache()
+    # (batch, context, heads, kv heads, head dim, page sizes): smollm2's and llama3-8b's shapes
+    shapes = [(2, 1024, 9, 3, 64, (128, 16))] if args.quick else [
+        (1, 8192, 9, 3, 64, (128,)), (32, 8192, 9, 3, 64, (128, 16)), (32, 8192, 32, 8, 128, (128,))]
+    for b, t, h, kvh, hd, pages in shapes:
+        res["attention"] += attention(b, t, h, kvh, hd, pages)
+        save()
+    for r in res["copies"] + res["attention"]:
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+if __name__ == "__main__":
+    main()
