@@ -347,8 +347,12 @@ class Engine:
                 live.seen = Seen(live.req.prompt_ids, live.req.output_ids, logits.device)
             batch.append(Row(live.req.params, live.generator, live.req.prompt_ids, live.req.output_ids,
                              live.constraint, live.seen))
-        at = torch.tensor([row for _, row in draws], device=logits.device)
-        got = sample_batch(logits.index_select(0, at), batch, self.eos_ids)
+        rows = [row for _, row in draws]
+        if rows != list(range(logits.shape[0])):  # a plain decode step samples every row, in order
+            # From pinned memory without blocking: the sampled ids stay the step's one device sync.
+            at = torch.tensor(rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+            logits = logits.index_select(0, at)  # [draws, vocab]
+        got = sample_batch(logits, batch, self.eos_ids)
         return {rid: g for (rid, _), g in zip(draws, got)}
 
     def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[_Live, int, int]]) -> None:
