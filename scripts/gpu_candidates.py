@@ -129,13 +129,16 @@ def _batched_copy(stage: torch.Tensor, arena: torch.Tensor, chunks: int):
     attr = driver.CUmemcpyAttributes()
     attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     attr.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-    handle = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    side = torch.cuda.Stream()  # batched copies refuse the legacy default stream
+    handle = driver.CUstream(side.cuda_stream)
 
     def run():
+        side.wait_stream(torch.cuda.current_stream())
         out = driver.cuMemcpyBatchAsync(dsts, srcs, [size] * chunks, chunks, [attr], [0], 1, handle)
         err = out[0] if isinstance(out, tuple) else out  # CUDA 12.8 also returns a failing index
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+        torch.cuda.current_stream().wait_stream(side)
 
     return run
 
@@ -177,7 +180,7 @@ def attention(batch: int, context: int, heads: int, kvh: int, hd: int, pages: tu
         if page == pages[0]:
             rows.append(dict(candidate="gather_sdpa", **_timed(gathered)))
             try:
-                from torch.nn.attention.varlen import varlen_attn
+                from kvtier.models.varlen import attend  # grouped heads as this torch's varlen_attn allows
 
                 cu_k = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).int()
                 cu_q = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
@@ -187,7 +190,7 @@ def attention(batch: int, context: int, heads: int, kvh: int, hd: int, pages: tu
                 def packed():
                     k = pool_k.view(-1, kvh, hd)[slots]  # [sum(lens), kvh, hd]
                     v = pool_v.view(-1, kvh, hd)[slots]
-                    return varlen_attn(q.view(batch, heads, hd), k, v, cu_q, cu_k, 1, context, enable_gqa=True)
+                    return attend(q.view(batch, heads, hd), k, v, cu_q, cu_k, 1, context)
 
                 out = packed().view(batch, heads, 1, hd)
                 rows.append(dict(candidate="packed_varlen", diff=(out - ref).abs().max().item(), **_timed(packed)))

@@ -3,11 +3,14 @@
 #
 #   scripts/gpu_check.sh [OUT_DIR]          (default out/gpu)
 #
-# kvtier runs from this checkout with the machine's torch (nothing is installed over it). Pure-Python
-# packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c: see
+# kvtier runs from this checkout with the machine's torch (nothing is installed over it). Python
+# packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c, blake3, llguidance: see
 # docs/benchmarks.md for the download line); they are unpacked into a private directory.
 # Environment knobs: MODELS, CONTEXTS, TIERS, BANDWIDTHS, REPEATS, FORWARD_MODEL, FORWARD_PREFILL,
-# FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, SKIP_BENCH=1, SKIP_FORWARD=1.
+# FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, SKIP_PROBES=1, SKIP_BENCH=1, SKIP_FORWARD=1.
+# On the 2026-11-26 H200 the steps took about 40 s (tests), 60 s (probes), 150 s (restore, llama3-8b
+# 8K+16K memory) and over 100 s (forward): the defaults below do not fit one 10-minute call; the
+# knobs split them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/gpu}
@@ -26,6 +29,14 @@ $PY scripts/gpu_env.py "$OUT/env.json" | tee "$OUT/env.log" || status=1
 if [ -z "${SKIP_TESTS:-}" ]; then
   $PY -m pytest -m cuda -q -p no:cacheprovider -rs --durations=10 tests/test_cuda.py \
       --junitxml="$OUT/pytest_cuda.xml" 2>&1 | tee "$OUT/pytest_cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ -z "${SKIP_PROBES:-}" ]; then
+  # Restores against recompute, bitwise; the copy and paged-attention candidates (issues 27/28).
+  $PY scripts/gpu_exactness.py "$OUT/exactness.json" 2>&1 | tee "$OUT/exactness.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  $PY scripts/gpu_candidates.py "$OUT/candidates.json" 2>&1 | tee "$OUT/candidates.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
