@@ -93,23 +93,29 @@ def copies(tokens: int, layers: int = 32, kvh: int = 8, hd: int = 128, chunk: in
         torch._foreach_copy_(list(stage.unbind(0)), list(arena.unbind(0)), non_blocking=True)
         place(stage)
 
-    rows = [dict(candidate="peak", ops=1, **_timed(peak)),
-            dict(candidate="chunk_layer", ops=chunks * layers + 2 * layers, **_timed(chunk_layer)),
-            dict(candidate="chunk", ops=chunks + 2 * layers, **_timed(whole_chunk))]
-    check = pool_k[3][ids[5]].float().cpu()
-    want = arena[5 // per, 3, 0, (5 % per) * block:(5 % per + 1) * block].float()
-    rows[-1]["equal"] = bool(torch.equal(check, want))
+    def placed(fn) -> dict:
+        """fn timed on an emptied pool, then one block of each of K and V checked against the arena
+        (so a candidate cannot pass on what an earlier one wrote)."""
+        for t in pool_k + pool_v:
+            t.zero_()
+        out = _timed(fn)
+        b, li = 5, 3
+        lo = (b % per) * block  # logical block b: chunk b // per, tokens lo:lo + block
+        out["equal"] = all(bool(torch.equal(pool[li][ids[b]].cpu(), arena[b // per, li, kv, lo:lo + block]))
+                           for kv, pool in ((0, pool_k), (1, pool_v)))
+        return out
 
+    rows = [dict(candidate="peak", ops=1, **_timed(peak)),
+            dict(candidate="chunk_layer", ops=chunks * layers + 2 * layers, **placed(chunk_layer)),
+            dict(candidate="chunk", ops=chunks + 2 * layers, **placed(whole_chunk))]
     try:
         batched = _batched_copy(stage, arena, chunks)
-        rows.append(dict(candidate="batched", ops=1 + 2 * layers, **_timed(lambda: (batched(), place(stage)))))
+        rows.append(dict(candidate="batched", ops=1 + 2 * layers, **placed(lambda: (batched(), place(stage)))))
     except Exception as e:
         rows.append(dict(candidate="batched", error=f"{type(e).__name__}: {e}"[:300]))
     try:
         uva = _uva_view(arena)
-        rows.append(dict(candidate="uva_gather", ops=2 * layers, **_timed(lambda: place(uva))))
-        rows[-1]["equal"] = bool(torch.equal(pool_v[7][ids[9]].float().cpu(),
-                                             arena[9 // per, 7, 1, (9 % per) * block:(9 % per + 1) * block].float()))
+        rows.append(dict(candidate="uva_gather", ops=2 * layers, **placed(lambda: place(uva))))
     except Exception as e:
         rows.append(dict(candidate="uva_gather", error=f"{type(e).__name__}: {e}"[:300]))
     for r in rows:

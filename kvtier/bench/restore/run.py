@@ -225,7 +225,7 @@ class RestoreBench:
         ids = torch.randint(100, loaded.config.vocab_size, (ctx + cfg.new_tokens,), generator=gen).tolist()
         self.log(f"[bold]{loaded.name} context {ctx} + {cfg.new_tokens} new tokens[/bold]: reference")
         with torch.inference_mode():
-            ref_logits = loaded.module(torch.tensor(ids))[-1].float().cpu()  # [vocab] full recompute (on the host, as engine outputs are)
+            ref_logits = loaded.module(torch.tensor(ids))[-1].float().cpu()  # [vocab] full recompute, on the host as engine outputs are
         plain = self.engine(loaded, ctx)
         greedy = SamplingParams(max_tokens=cfg.greedy_tokens, temperature=0.0, ignore_eos=True)
         info = Context(ids, ctx, ref_logits, plain.generate([ids], greedy)[0].output_ids)
