@@ -219,3 +219,19 @@ def test_partial_caching_generates_the_cpu_tokens(gqa_cuda, tiny_gqa, layers):
     got, eng = _generate(gqa_cuda, prompts, cfg)
     assert got == want
     assert eng.partial.stats.front_steps > 0
+
+
+def test_a_restore_copies_through_one_batched_driver_call_per_group(gqa_cuda, monkeypatch):
+    """Where cuda-bindings offers cuMemcpyBatchAsync the staging DMA goes through it (else plain
+    copies serve, logged); either way the restore equals recompute."""
+    pytest.importorskip("cuda.bindings")
+    from kvtier.engine.runner import transfer
+
+    ids = _ids(gqa_cuda)
+    ref = _engine(gqa_cuda, None).generate([ids], GREEDY)[0].output_ids
+    for batched in ("0", "1"):
+        monkeypatch.setattr(transfer, "_BATCH", [])
+        monkeypatch.setenv("KVTIER_BATCHED_COPY", batched)
+        out = restore_after_saving(_engine(gqa_cuda, "memory:256MB", "kv"), ids)
+        assert out.prompt_tokens_reused == HIST and out.output_ids == ref
+        assert (transfer._BATCH[0] is not None) == (batched == "1"), transfer._BATCH

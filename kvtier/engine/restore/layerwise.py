@@ -13,10 +13,16 @@ Its life is the engine's (tests and benchmarks drive it through the engine too):
                 recomputed and nothing it computed on top is kept).
 
 Reads land where they are needed with as few copies as the tier allows: memory-tier reads are
-strided views of the stored bytes, copied into the pool once (one strided copy per chunk and layer
-group); disk reads go straight into the pool slots by direct I/O where alignment allows (else into
-reused staging buffers); Redis replies are viewed in place and copied once. K is stored rotated at
-its position, so placing it is a copy; only a truncated context rotates it again.
+strided views of the stored bytes; disk reads go straight into the pool slots by direct I/O where
+alignment allows (else into reused staging buffers); Redis replies are viewed in place. K is stored
+rotated at its position, so placing it is a copy; only a truncated context rotates it again.
+
+On the CPU a K/V layer group is copied into the pool at once, one strided copy per chunk. On an
+asynchronous device (CUDA) host work must not grow with chunks x layers: each layer group of every
+chunk (K and V of consecutive layers lie back to back in a stored chunk) goes over in one DMA run
+into a slot of a device staging ring, all of a group's runs in one batched submission; then one
+scatter kernel per layer and part puts every chunk's rows into the pool. A restore issues
+groups + 2 x layers host operations, whatever its chunk count.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer
+from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer, byte_view
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Method, Plan
 from kvtier.store.layout import Repr
@@ -106,7 +112,8 @@ class LayerReader:
         if threaded:
             size = READ_GROUP_LAYERS
         else:
-            size = max(READ_GROUP_LAYERS, -(-len(layout) // 4)) if self.transfer.is_async else len(layout)
+            # Eight groups: the first group's copy is the only one not hidden under compute.
+            size = max(READ_GROUP_LAYERS, -(-len(layout) // 8)) if self.transfer.is_async else len(layout)
         self.ready_layers = depth  # what the new tokens wait for (at least the first group)
         self.depth = max(depth, 2 * size)  # how far reading may run ahead of placement
         self.groups = layer_groups(self.layout, first, size)
@@ -280,6 +287,13 @@ class Restore:
             self.shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
         # Groups sent to the device: group index -> (the copies' handle, staged device tensors by part)
         self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor]]]] = {}
+        # Asynchronous K/V placement (module docstring): the staging ring, and the pool slot of row t
+        # of planned chunk c as a [chunks, chunk tokens] grid on the device (the sink where none).
+        self._ring: list[torch.Tensor] = []
+        self._keep: list[torch.Tensor] = []  # host copies made for a staging run (rare)
+        self._grid: torch.Tensor | None = None
+        if self.transfer.is_async and self.source is None and spans:
+            self._grid = runner.upload(self._slot_grid(spans, start, hist))
         self._next_send = 0
         self._marks: dict[str, torch.cuda.Event | None] = {}  # copy_start/copy_end/compute_start
         self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
@@ -288,6 +302,17 @@ class Restore:
         direct = any(t.stages_reads for t in self.reads.tiers) and runner.k_cache.device.type == "cpu"
         self._targets = [runner.pool_target(whole[i].slot) if direct and i in whole and whole[i].length == b - a
                          else None for i, (a, b) in enumerate(spans)]
+
+    def _slot_grid(self, spans: Sequence[tuple[int, int]], start: int, hist: int) -> torch.Tensor:
+        """[chunks, T] pool slots of the chunks' rows: position a + t of chunk [a, b), for
+        start <= a + t < min(b, hist); every other cell the runner's sink (rows never placed)."""
+        width = max(b - a for a, b in spans)
+        pos = torch.tensor([a for a, _ in spans])[:, None] + torch.arange(width)[None, :]  # [chunks, T]
+        ends = torch.tensor([min(b, hist) for _, b in spans])[:, None]
+        keep = (pos >= start) & (pos < ends)
+        grid = torch.full(pos.shape, self.runner.sink, dtype=torch.long)
+        grid[keep] = self.runner.slots(self.block_ids, start, hist)[pos[keep] - start]
+        return grid
 
     # ----- background part --------------------------------------------------------------------
     def prepare(self) -> None:
@@ -357,30 +382,40 @@ class Restore:
 
     def _send(self, gi: int) -> None:
         """Enqueue the copies of every group up to `gi` (waiting for their reads), and of the next
-        one if it is read: copies run one group ahead of compute, and the host interleaves their
-        enqueueing with the layers' kernels instead of enqueueing every copy before layer 0."""
+        ones that are read, as far as the staging ring allows: copies run ahead of compute, and the
+        host interleaves their enqueueing with the layers' kernels instead of enqueueing every copy
+        before layer 0."""
         reader = self.reader
         assert reader is not None  # place() returns early without one
         groups = reader.groups
+        ahead = max(1, self._ring_slots() - 1)  # a ring slot is reused only once its group is placed
         while self._next_send < len(groups) and (self._next_send <= gi or (
-                self._next_send == gi + 1 and reader.has(self._next_send))):
+                self._next_send <= gi + ahead and reader.has(self._next_send))):
             j = self._next_send
             group = reader.take(j)
             if j == 0:
                 self._marks["copy_start"] = self.transfer.mark(copy=True)
-            self._sent[j] = self._copy(groups[j], group)
+            self._sent[j] = self._copy(groups[j], group, j)
             self._next_send += 1
             if self._next_send == len(groups):
                 self._marks["copy_end"] = self.transfer.mark(copy=True)
 
+    def _ring_slots(self) -> int:
+        """Staging slots: the read buffer's layers (CachedAttention's formula, in the plan) in
+        groups, at least two (one copying while one is placed)."""
+        size = len(self.reader.groups[0]) if self.reader is not None and self.reader.groups else 1
+        return max(2, -(-self.plan.read_buffer_layers // size))
+
     @torch.inference_mode()
-    def _copy(self, layers: tuple[int, ...], group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
+    def _copy(self, layers: tuple[int, ...], group: LayerGroup, gi: int) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
         """One copy per chunk and part for the whole group: K/V straight into their pool slots,
         anything that is transformed on the way (hidden states, remapped rows) into device staging."""
         if self.source is None and self.plan.layer_reprs[layers[0]] is Repr.KV:
             ks, vs = group.parts["k"], group.parts["v"]
             if any((k is None) != (v is None) for k, v in zip(ks, vs)):
                 raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
+            if self._grid is not None:
+                return self._stage_kv(len(layers), ks, vs, gi)
             ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
             # Only ps's chunks are indexed: they were read (not None). Each slice is [layers, n, kv_heads, hd].
             kr, vr = cast("list[torch.Tensor]", ks), cast("list[torch.Tensor]", vs)
@@ -395,12 +430,56 @@ class Restore:
         per = len(flat) // max(len(names), 1)
         return handle, {n: list(staged[i * per:(i + 1) * per]) for i, n in enumerate(names)}
 
+    def _stage_kv(self, n_layers: int, ks: Sequence[torch.Tensor | None], vs: Sequence[torch.Tensor | None],
+                  gi: int) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
+        """K/V of a layer group of every chunk into a staging ring slot laid out
+        [chunks, layers, 2 (K, V), T, kv_heads, hd]: one DMA run per chunk where its stored bytes
+        have that layout (every whole chunk), one per layer and part otherwise (a partial tail, a
+        decoded or reordered chunk), all in one batched submission."""
+        grid = self._grid
+        assert grid is not None
+        chunks, width = grid.shape
+        pool = self.runner.k_cache
+        kvh, hd, dtype = pool.shape[2], pool.shape[3], pool.dtype
+        row = kvh * hd  # elements of one token of one part
+        part_bytes = width * row * dtype.itemsize  # [T, kvh, hd] of one layer and part
+        chunk_bytes = n_layers * 2 * part_bytes
+        slot = gi % self._ring_slots()
+        while len(self._ring) <= slot:  # allocated once per restore, for the largest group
+            largest = max(len(g) for g in self.reader.groups) if self.reader is not None else n_layers
+            self._ring.append(torch.empty(chunks * largest * 2 * part_bytes, dtype=torch.uint8, device=pool.device))
+        stage = self._ring[slot]
+        runs: list[tuple[int, torch.Tensor]] = []
+        for c, (k, v) in enumerate(zip(ks, vs)):
+            if k is None or v is None:  # read straight into its pool slots (a CPU direct read)
+                continue
+            base = c * chunk_bytes
+            if k.shape[1] == width and k.stride() == (2 * width * row, row, hd, 1) and v.stride() == k.stride() \
+                    and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() \
+                    and v.storage_offset() - k.storage_offset() == width * row and k.dtype == dtype:
+                runs.append((base, byte_view(k, chunk_bytes)))  # layers' K, V back to back: one run
+                continue
+            for i in range(n_layers):
+                for p, t in enumerate((k[i], v[i])):  # [n, kvh, hd]
+                    if t.dtype != dtype or not t.is_contiguous():  # rare: kept until finish(), the copy reads it
+                        t = t.to(dtype).contiguous()
+                        self._keep.append(t)
+                    runs.append((base + (2 * i + p) * part_bytes, byte_view(t)))
+        handle = self.transfer.to_stage(stage, runs)
+        view = stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, 2, width, kvh, hd)
+        skipped = [c for c, k in enumerate(ks) if k is None]
+        grid = grid if not skipped else grid.index_fill(0, self.runner.upload(torch.tensor(skipped)), self.runner.sink)
+        return handle, {"kv": [view], "grid": [grid]}
+
     @torch.inference_mode()
     def _place(self, layer: int, staged: dict[str, list[torch.Tensor]], i: int) -> None:
         """Layer `layer` (row i of its group) from the group's staged device tensors; K/V of a
         plain group are in the pool already."""
         rep = self.plan.layer_reprs[layer]
-        if self.source is not None:
+        if "kv" in staged:  # [chunks, layers, 2, T, kvh, hd] in the staging ring
+            kv, grid = staged["kv"][0], staged["grid"][0]
+            self.runner.place_staged(layer, grid, kv[:, i, 0], kv[:, i, 1])
+        elif self.source is not None:
             self._place_remapped(layer, rep, staged, i)
         elif rep is not Repr.KV:  # hidden: project this layer's inputs over every chunk in one matmul
             skip = self._lo - self.plan.chunks[0].start

@@ -161,7 +161,13 @@ class ModelRunner:
         self.device = device = model.lm_head.weight.device
         self.transfer = transfer if transfer is not None else make_transfer(device)
         self.rope = Rope(cfg, max_positions, model.dtype, device)
-        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Past the blocks' slots, a sink no block owns: a restore's placement writes there the staged
+        # rows it must not place (one kernel over a regular [chunks, tokens] grid, not one per run).
+        # Whole pages, so every layer's slots stay as aligned as the blocks' (direct-I/O reads).
+        slot_bytes = cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        self.sink = num_blocks * block_size
+        sink_slots = block_size * (4096 // math.gcd(4096, block_size * slot_bytes))
+        shape = (cfg.num_layers, self.sink + sink_slots, cfg.num_kv_heads, cfg.head_dim)
         # Uninitialised, not zeros: zeros writes every page, while a slot is always written before
         # it is read, so an unused part of the budget never becomes resident memory. Page-aligned,
         # so a block-aligned run of slots can be the target of a direct-I/O disk read.
@@ -431,6 +437,14 @@ class ModelRunner:
         a, b = layers.start, layers.stop
         dst = [self.k_cache[a:b, s : s + n] for s, n in runs] + [self.v_cache[a:b, s : s + n] for s, n in runs]
         return self.transfer.to_device(dst, list(k) + list(v))
+
+    @torch.inference_mode()
+    def place_staged(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Staged K/V rows of one layer into the pool: k, v [chunks, tokens, kv_heads, hd] (strided
+        views of a restore's staging buffer) go to slots `index` [chunks, tokens] (`self.sink` for
+        rows that must not be placed). One kernel per part, on the compute stream."""
+        self.transfer.scatter(self.k_cache[layer], index, k)
+        self.transfer.scatter(self.v_cache[layer], index, v)
 
     def pool_target(self, slot: int) -> PoolTarget:
         """Where a direct read may land a stored chunk whose tokens take slots from `slot` on."""

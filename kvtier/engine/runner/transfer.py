@@ -3,6 +3,9 @@
 Every host<->device copy of the restore and saving paths goes through a `Transfer`:
 
     to_device(dst, src)  enqueue host pieces -> device pieces; -> a Handle
+    to_stage(stage, runs) contiguous host byte runs into one device byte buffer: one batched
+                         submission (a restore's DMA of a layer group of every chunk)
+    scatter(dst, idx, src) dst[idx] = src on the compute stream (placing staged rows in the pool)
     stage(src)           the same into fresh device tensors (hidden states to project, rows to remap)
     to_host(src)         enqueue device pieces -> fresh host tensors (pinned on CUDA); -> a Handle
     wait(handle)         make the compute stream wait for it (no host sync)
@@ -21,6 +24,7 @@ someone waits on them, so a missing wait makes restore-equals-recompute tests fa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,6 +69,16 @@ class Transfer:
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
         return out, self.to_device(out, src)
+
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+        """Host byte runs into the device byte buffer `stage` (uint8): runs[i] = (byte offset in
+        `stage`, a contiguous host uint8 tensor). The sources must stay untouched until the handle
+        is done."""
+        return self.to_device([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs])
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        """dst[index] = src, one kernel on the compute stream (`src` may be any strided view)."""
+        dst.index_put_((index,), src)
 
     def to_host(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # On the CPU these are already host tensors: views, nothing copied.
@@ -147,6 +161,22 @@ class CudaTransfer(Transfer):
             ev.record(self.h2d)
         return Handle(event=ev)
 
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+        """One driver call for every run where the `cuda-bindings` package offers the batched copy
+        (CUDA 12.8+), else one C++ loop of DMA copies: either way plain copy-engine transfers,
+        none of them staged through pageable memory."""
+        if not runs:
+            return DONE
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        stage.record_stream(self.h2d)  # freed early (a failed restore), it is not reused under the copy
+        with torch.cuda.stream(self.h2d):
+            if not _batched_copy(stage, runs, self.h2d):
+                torch._foreach_copy_([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs],
+                                     non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        return Handle(event=ev)
+
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # Allocated on the compute stream, which reads them after waiting on the copy's event.
         out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
@@ -209,6 +239,9 @@ class LazyTransfer(Transfer):
     def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
         return self._later(dst, src) if dst else DONE
 
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+        return self._later([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs]) if runs else DONE
+
     def to_host(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         out = [torch.empty(s.shape, dtype=s.dtype) for s in src]
         return out, self._later(out, src)
@@ -228,7 +261,14 @@ class LazyTransfer(Transfer):
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole storage under `t`, as a flat uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def byte_view(t: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
+    """`nbytes` bytes of t's storage from its first element, as uint8 (default: t's own bytes,
+    for a contiguous t)."""
+    lo = int(t.storage_offset()) * t.element_size()
+    return _bytes(t)[lo:lo + (t.numel() * t.element_size() if nbytes is None else nbytes)]
 
 
 _ALIGN = 512  # staging offsets stay aligned for every dtype view
@@ -255,6 +295,41 @@ def _spans(src: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, li
             g[1], g[2] = min(g[1], lo), max(g[2], hi)
             g[3].append(i)
     return [tuple(g) for g in groups.values()]
+
+
+_BATCH: list = []  # [the cuda-bindings driver module] once it worked, [None] once it did not
+
+
+def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]], stream: torch.cuda.Stream) -> bool:
+    """The runs as one cuMemcpyBatchAsync call on `stream` (the driver walks the list: one host
+    call however many runs). False where the package or the driver lacks it (then never tried
+    again in this process); KVTIER_BATCHED_COPY=0 turns it off (to compare the two)."""
+    if _BATCH == [None]:
+        return False
+    try:
+        if not _BATCH:
+            if os.environ.get("KVTIER_BATCHED_COPY", "1") == "0":
+                raise RuntimeError("KVTIER_BATCHED_COPY=0")
+            from cuda.bindings import driver
+            _BATCH.append(driver)
+        driver = _BATCH[0]
+        base = stage.data_ptr()
+        attr = driver.CUmemcpyAttributes()
+        attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attr.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        n = len(runs)
+        out = driver.cuMemcpyBatchAsync([driver.CUdeviceptr(base + o) for o, _ in runs],
+                                        [driver.CUdeviceptr(r.data_ptr()) for _, r in runs],
+                                        [r.numel() for _, r in runs], n, [attr], [0], 1,
+                                        driver.CUstream(stream.cuda_stream))
+        err = out[0] if isinstance(out, tuple) else out  # CUDA 12.8's binding also returns a failing index
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+        return True
+    except Exception as e:  # ImportError, an old driver, a refused stream: plain copies serve
+        log.info("batched host-to-device copies unavailable (%s): one copy call per run", e)
+        _BATCH[:] = [None]
+        return False
 
 
 def _can_pin() -> bool:

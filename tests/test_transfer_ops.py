@@ -1,0 +1,118 @@
+"""What the host issues to move state between the pool and host memory, counted by a recording
+transfer back end (the CUDA back end's operations, on a CPU-only machine): a K/V restore is
+O(chunks + layers) operations of whole-chunk DMA runs, saving is at most one device-to-host copy
+per filled pool block, and the step thread never waits on a save copy."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.models.llama import CausalLM
+from kvtier.models.presets import PRESETS, random_state_dict
+from kvtier.testing.transfers import RecordingTransfer, StepWaitedOnSave
+
+from kvtier_testlib import fake_profile, loaded
+
+# llama3-8b's layer count and the chunk count of its 8K history (64-token chunks), scaled down in
+# width and chunk length so it runs in seconds: 32 layers, 128 whole chunks and a partial tail.
+LAYERS, CHUNK, WHOLE, TAIL = 32, 16, 128, 8
+HIST = WHOLE * CHUNK + TAIL
+
+
+@pytest.fixture(scope="module")
+def deep():
+    cfg = dataclasses.replace(PRESETS["tiny-gqa"], num_layers=LAYERS, vocab_size=512)
+    module = CausalLM(cfg)
+    module.load_state_dict(random_state_dict(cfg, 0))
+    return loaded(cfg, module.eval(), "deep-gqa")
+
+
+@pytest.fixture
+def rec(monkeypatch) -> RecordingTransfer:
+    rec = RecordingTransfer()
+    monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
+    return rec
+
+
+def _ids(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
+    config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
+    ids = _ids(HIST + 5, 0)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    fresh = Engine(deep, config)
+    try:
+        ref = fresh.generate([ids], once)[0].output_ids  # recomputed: the oracle
+    finally:
+        fresh.close()
+    engine = Engine(deep, config, store="memory:1GB", profile=fake_profile(deep.fingerprint),
+                    reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK))
+    try:
+        engine.generate([ids[:HIST]], once)
+        assert engine.flush(60)
+        rec.ops.clear()
+        out = engine.generate([ids], once)[0]
+    finally:
+        engine.close()
+    assert out.prompt_tokens_reused == HIST and out.output_ids == ref
+    cfg = deep.config
+    h2d, scatters = rec.of("h2d"), rec.of("scatter")
+    chunks = WHOLE + 1
+    assert len(scatters) == 2 * LAYERS  # one placement per layer and part, over every chunk
+    assert len(h2d) + len(scatters) <= chunks + 2 * LAYERS + 8, [len(h2d), len(scatters)]
+    # Every whole chunk goes over as one run per layer group (its K and V of those layers lie back to
+    # back); only the partial tail goes layer by layer. On llama3-8b (64-token chunks, 8 KV heads of
+    # 128, bf16, groups of 4 layers) such a run is 1 MiB.
+    group = LAYERS // len(h2d)
+    whole_run = 2 * group * CHUNK * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+    runs = [r for op in h2d for r in op.runs]
+    assert sorted(set(runs))[-1] == whole_run and runs.count(whole_run) == WHOLE * len(h2d)
+    tail_runs = [r for r in runs if r != whole_run]
+    assert tail_runs == [TAIL * cfg.num_kv_heads * cfg.head_dim * 4] * (2 * LAYERS)
+    assert sum(runs) == 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim * 4  # every byte once
+
+
+def test_saving_copies_each_filled_block_once_and_never_waits_on_the_step(tiny_gqa, rec):
+    """64 decode steps at batch 32: at most one device-to-host copy per filled pool block (and the
+    partial last one), none waited on by the step thread (the recording back end raises), and the
+    saved state restores to the same continuation."""
+    prompt, steps, bs = 20, 64, 16
+    reuse = ReuseConfig(method="kv", chunk_tokens=64)
+    config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512, max_num_seqs=32, enable_prefix_cache=False)
+    prompts = [_ids(prompt, 100 + i, tiny_gqa.config.vocab_size) for i in range(32)]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    engine = Engine(tiny_gqa, config, store="memory:256MB", profile=fake_profile(tiny_gqa.fingerprint), reuse=reuse)
+    try:
+        outs = engine.generate(prompts, params)
+        assert engine.flush(60)
+        d2h = rec.of("d2h")
+        per_request = prompt + steps  # tokens computed (the last sampled one never is)
+        assert len(d2h) <= 32 * math.ceil(per_request / bs), len(d2h)
+        assert sum(r for op in d2h for r in op.runs) == 32 * 2 * per_request * tiny_gqa.config.num_layers * \
+            tiny_gqa.config.kv_dim * 4  # every computed token's K and V, once
+        rec.ops.clear()
+        ids = prompts[3] + outs[3].output_ids
+        again = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        engine.close()
+    fresh = Engine(tiny_gqa, config)
+    try:
+        ref = fresh.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].output_ids
+    finally:
+        fresh.close()
+    assert again.prompt_tokens_reused == per_request and again.output_ids == ref
+
+
+def test_the_guard_catches_a_step_thread_waiting_on_a_save_copy(rec):
+    (_,), handle = rec.to_host([torch.ones(4)])
+    with pytest.raises(StepWaitedOnSave):
+        rec.sync(handle)
