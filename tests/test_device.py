@@ -89,15 +89,18 @@ def test_a_device_model_steps_places_and_saves_on_the_device():
         (ks, vs), _ = runner.transfer.stage([k[0], k[1]])
         runner.shift_in(2, ks, vs, runner.upload(torch.full((16,), 3)), runner.upload(runner.slots(list(range(16)), 96, 112)))
         assert runner.k_cache.device == dev
-        # A save: the saver receives host tensors only.
-        saver = Saver(store=None, layout=(Repr.KV, Repr.HIDDEN) * (cfg.num_layers // 2), chunk_tokens=16,  # type: ignore[arg-type]
-                      transfer=runner.transfer)
+        # A save: the saver snapshots pool blocks and hidden states into host tensors only.
+        saver = Saver(store=None, layout=(Repr.KV, Repr.HIDDEN) * (cfg.num_layers // 2), chunk_tokens=64,  # type: ignore[arg-type]
+                      runner=runner)
         req = Request("r", list(range(5, 45)), SamplingParams())
         cap = saver.capture_for([req])
         runner.execute([RunItem(list(range(5, 45)), 0, [0, 1, 2], True)], capture=cap)
+        req.block_ids, req.num_computed = [0, 1, 2], 40
+        saver.after_step(req, finished=False)
         buf = saver.buffers["r"]
-        held = [t for per in buf.k + buf.v + buf.h for t in per]
-        assert held and all(t.device.type == "cpu" for t in held) and buf.tokens == 40
+        held = [p[2] for p in buf.kv + buf.h]
+        assert held and all(t.device.type == "cpu" for t in held)
+        assert [p[:2] for p in buf.kv] == [(0, 32)] and [p[:2] for p in buf.h] == [(0, 40)]
 
 
 # ----- a lazy transfer back end -------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Turning a host snapshot into per-chunk, per-layer tensors (first half of the writer's work)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,21 @@ class SaveJob:
     @property
     def end(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A save whose tensors are still being copied off the device: `assemble` (run on the writer
+    thread) waits for the copies and returns (k, v, h) as a SaveJob holds them."""
+
+    token_ids: tuple[int, ...]
+    start: int
+    assemble: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
+    nbytes: int
+    salt: str = ""
+
+    def job(self) -> SaveJob:
+        return SaveJob(self.token_ids, self.start, *self.assemble(), self.salt)
 
 
 def _layer_slots(ns: StoreNamespace, rep: Repr) -> dict[int, int]:

@@ -24,7 +24,7 @@ from .policy import EvictionPolicy, ScorePolicy, make_policy
 from .reads import PlannedReads
 from .redact import redact
 from .reorder import MIN_OBSERVATIONS, ImportanceStats, ReorderReport
-from .saving import SaveJob, check_job, chunk_layers, job_nbytes
+from .saving import PendingSave, SaveJob, check_job, chunk_layers, job_nbytes
 from .seal import Seal
 from .spec import parse_spec
 from .staging import Staging
@@ -319,7 +319,18 @@ class TieredStore:
         self.counters["saves"] += 1
         self.writer.submit(job, job_nbytes(job))
 
+    def save_pending(self, pending: PendingSave) -> None:
+        """Hand a snapshot still in flight from the device to the writer, which waits for it (the
+        engine's step never does)."""
+        if not 0 <= pending.start < len(pending.token_ids):
+            raise ValueError(f"save: start={pending.start} outside the context of {len(pending.token_ids)} tokens")
+        self.counters["saves"] += 1
+        self.writer.submit(pending, pending.nbytes)
+
     def _process(self, job) -> None:
+        if isinstance(job, PendingSave):
+            job = job.job()
+            check_job(self._ns(), job)
         if isinstance(job, _Promote):
             self._promote(job)
         elif isinstance(job, _Reorder):

@@ -1,12 +1,18 @@
 """Saving: every computed token's state goes to the store, chunk by chunk, off the step's path.
 
-Two stages (HCache §4.2.2). First, once per layer per step, the runner's capture callback takes the
-whole batch's layer input and K (rotated)/V: on the CPU as views of the step's own tensors (which
-nothing modifies afterwards), on CUDA as one device-to-host copy per part into pinned memory on the
-transfer's own stream, so no device tensor outlives the step. Then, per request, whenever its
-buffer crosses a chunk boundary (and at its end, for the partial tail), the host pieces are
-stacked into one snapshot per part and handed to the store's bounded background writer; the
-copies are waited on first. Approximate state (a truncated context) is never captured.
+K (rotated) and V of every computed token are in the device pool already, so saving reads them from
+there: after a step, each request's newly filled pool blocks (and, at its end, the partial last
+one) are gathered on the compute stream into one fresh device buffer [2, kv layers, tokens,
+kv_heads, hd] and copied to pinned host memory on the transfer's device-to-host stream: one copy
+per request and step that filled a block, never one per layer or per token, and the pool block may
+be reused at once (the snapshot is a copy, ordered before any later write). Hidden states (HCache
+layers) are not in the pool: the runner's capture callback gathers them per step into one device
+buffer [hidden layers, tokens, hidden], copied out once at the step's last layer.
+
+Whenever a request's snapshots cross a chunk boundary (and at its end) they go to the store's
+bounded background writer as a pending save: the writer thread waits for the copies and
+concatenates them (HCache §4.2.2's two stages). The step thread never waits on a save copy and never
+concatenates. Approximate state (a truncated context) is never saved.
 """
 
 from __future__ import annotations
@@ -17,79 +23,85 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.engine.request import Request
-from kvtier.engine.runner.model_runner import CaptureFn
+from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.runner.transfer import Handle, Transfer
 from kvtier.store.layout import Repr
+from kvtier.store.saving import PendingSave
 from kvtier.store.tiered import TieredStore
+
+# A host snapshot of positions [a, b): K/V [2, kv layers, b - a, kv_heads, hd] or h [hidden layers,
+# b - a, hidden], a view of a buffer whose device-to-host copy is `handle`.
+Piece = tuple[int, int, torch.Tensor, Handle]
 
 
 @dataclass
 class _Buffer:
-    start: int  # first position held
-    h: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][piece] -> [tokens, hidden]
-    k: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][piece] -> [tokens, kv_heads, hd]
-    v: list[list[torch.Tensor]] = field(default_factory=list)
-    tokens: int = 0
+    start: int  # first position not yet handed to the writer
+    upto: int  # the pool holds this request's computed state up to here
+    snapped: int  # K/V of [start, snapped) are in `kv`
+    kv: list[Piece] = field(default_factory=list)
+    h: list[Piece] = field(default_factory=list)  # hidden states of [start, upto)
 
 
 class Saver:
-    def __init__(self, store: TieredStore, layout: Sequence[Repr], chunk_tokens: int,
-                 transfer: Transfer | None = None) -> None:
-        self.store = store
-        self.transfer = transfer or Transfer()
-        self._copies: list[Handle] = []  # device-to-host copies not yet waited on
+    def __init__(self, store: TieredStore, layout: Sequence[Repr], chunk_tokens: int, runner: ModelRunner) -> None:
+        self.store, self.runner = store, runner
+        self.transfer: Transfer = runner.transfer
         self.layout = tuple(layout)
         self.chunk_tokens = chunk_tokens
         self.kv_layers = [li for li, r in enumerate(self.layout) if r is Repr.KV]
         self.h_layers = [li for li, r in enumerate(self.layout) if r is Repr.HIDDEN]
+        # Index of the KV layers in the pool (None: every layer, gathered in one index_select).
+        self._kv_index = None if len(self.kv_layers) == len(self.layout) else \
+            runner.upload(torch.tensor(self.kv_layers, dtype=torch.long))
         self.buffers: dict[str, _Buffer] = {}
         self.saves = 0
 
     def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None:
-        """The runner callback for one step over `reqs` (in the step's run order)."""
+        """Note where each request's new state starts; the runner callback for the step's hidden
+        states (None when no layer stores them)."""
         bufs: list[_Buffer | None] = []
         for r in reqs:
             if r.approximate:  # approximate state: never saved as if it were exact
                 bufs.append(None)
                 continue
             b = self.buffers.get(r.request_id)
-            if b is None or b.start + b.tokens != r.num_computed:  # new, or a gap (preemption): start here
-                b = self.buffers[r.request_id] = _Buffer(r.num_computed)
+            if b is None or b.upto != r.num_computed:  # new, or a gap (preemption): start here
+                b = self.buffers[r.request_id] = _Buffer(r.num_computed, r.num_computed, r.num_computed)
             bufs.append(b)
-        n = len(self.layout)
-        if all(b is None for b in bufs):
+        if not self.h_layers or all(b is None for b in bufs):
             return None
+        row = {li: i for i, li in enumerate(self.h_layers)}
+        step: list[torch.Tensor] = []  # the step's device buffer [hidden layers, tokens, hidden]
 
         def capture(layer: int, offsets: tuple[int, ...], h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            r = self.layout[layer]
-            if r is Repr.NONE:
-                parts: list[torch.Tensor] = []
-            else:
-                parts, handle = self.transfer.to_host([h] if r is Repr.HIDDEN else [k, v])  # the whole batch
-                if not self.transfer.done(handle):
-                    self._copies.append(handle)
+            if layer not in row:
+                return
+            if not step:
+                step.append(torch.empty(len(self.h_layers), offsets[-1], h.shape[-1], dtype=h.dtype, device=h.device))
+            step[0][row[layer]].copy_(h[: offsets[-1]])  # the captured requests' rows come first
+            if row[layer] < len(self.h_layers) - 1:
+                return
+            (host,), handle = self.transfer.to_host(step)
             for i, b in enumerate(bufs):
-                if b is None:
-                    continue
-                if not b.h:
-                    b.h, b.k, b.v = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
                 lo, hi = offsets[i], offsets[i + 1]
-                if r is Repr.HIDDEN:
-                    b.h[layer].append(parts[0][lo:hi])
-                elif r is Repr.KV:
-                    b.k[layer].append(parts[0][lo:hi])
-                    b.v[layer].append(parts[1][lo:hi])
-                if layer == n - 1:
-                    b.tokens += hi - lo
+                if b is not None and hi > lo:  # this step's tokens of the request start where its state ends
+                    b.h.append((b.upto, b.upto + hi - lo, host[:, lo:hi], handle))
 
         return capture
 
     def after_step(self, req: Request, finished: bool) -> None:
-        """Hand full chunks (or, at the end, everything) of the request's buffer to the writer."""
+        """Snapshot the request's filled blocks; hand full chunks (or, at the end, everything) to
+        the writer."""
         b = self.buffers.get(req.request_id)
-        if b is not None and b.tokens:
-            end = b.start + b.tokens
-            cut = end if finished else (end // self.chunk_tokens) * self.chunk_tokens
+        if b is not None:
+            end = b.upto = req.num_computed
+            bs, ct = self.runner.block_size, self.chunk_tokens
+            snap = end if finished else max(end // bs * bs, end // ct * ct)
+            if self.kv_layers and snap > b.snapped:
+                b.kv.append(self._snapshot(req.block_ids, b.snapped, snap))
+                b.snapped = snap
+            cut = end if finished else end // ct * ct
             if cut > b.start:
                 self._save(req, b, cut)
         if finished:
@@ -99,21 +111,54 @@ class Saver:
         """Forget what was captured for a request (aborted, or its step's result was void)."""
         self.buffers.pop(request_id, None)
 
+    @torch.inference_mode()
+    def _snapshot(self, block_ids: Sequence[int], a: int, b: int) -> Piece:
+        """K/V of positions [a, b) out of the pool: one gather per part into one device buffer, one
+        device-to-host copy."""
+        r = self.runner
+        slots = r.upload(r.slots(block_ids, a, b))
+        pools = (r.k_cache, r.v_cache)  # [layers, slots, kv_heads, hd]
+        if self._kv_index is not None:
+            out = torch.stack([p.index_select(1, slots).index_select(0, self._kv_index) for p in pools])
+        else:
+            out = torch.empty((2, pools[0].shape[0], b - a, *pools[0].shape[2:]), dtype=pools[0].dtype,
+                              device=pools[0].device)
+            for p, dst in zip(pools, out):
+                torch.index_select(p, 1, slots, out=dst)
+        (host,), handle = self.transfer.to_host([out])
+        return a, b, host, handle
+
     def _save(self, req: Request, b: _Buffer, cut: int) -> None:
-        take = cut - b.start
-        for handle in self._copies:  # the host pieces hold their data once their copies are done
-            self.transfer.sync(handle)
-        self._copies.clear()
+        """Tokens [b.start, cut) to the writer, as views of the snapshots (nothing copied here)."""
+        kv, b.kv = _split(b.kv, cut)
+        h, b.h = _split(b.h, cut)
+        transfer, has_h, has_kv = self.transfer, bool(self.h_layers), bool(self.kv_layers)
 
-        def stack(parts: list[list[torch.Tensor]], layers: list[int]) -> torch.Tensor | None:
-            if not layers:
-                return None
-            whole = [torch.cat(parts[li]) for li in layers]  # [tokens held, ...] per layer
-            for li, w in zip(layers, whole):
-                parts[li] = [w[take:]] if w.shape[0] > take else []
-            return torch.stack([w[:take] for w in whole])  # [layers, take, ...]: a fresh host tensor
+        def assemble() -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+            # On the writer thread: wait for the copies, then join the pieces along tokens.
+            for *_, handle in kv + h:
+                transfer.sync(handle)
+            k = torch.cat([p[2][0] for p in kv], dim=1) if has_kv else None  # [kv layers, tokens, kvh, hd]
+            v = torch.cat([p[2][1] for p in kv], dim=1) if has_kv else None
+            hh = torch.cat([p[2] for p in h], dim=1) if has_h else None  # [hidden layers, tokens, hidden]
+            return k, v, hh
 
-        k, v, h = stack(b.k, self.kv_layers), stack(b.v, self.kv_layers), stack(b.h, self.h_layers)
-        self.store.save(req.all_ids[:cut], b.start, k, v, h, req.cache_salt)
+        nbytes = sum(p[2].nbytes for p in kv + h)
+        self.store.save_pending(PendingSave(tuple(req.all_ids[:cut]), b.start, assemble, nbytes, req.cache_salt))
         self.saves += 1
-        b.start, b.tokens = cut, b.tokens - take
+        b.start = cut
+
+
+def _split(pieces: list[Piece], cut: int) -> tuple[list[Piece], list[Piece]]:
+    """Pieces before `cut` and from it on (a piece across it becomes two views)."""
+    before, after = [], []
+    for a, b, t, handle in pieces:
+        dim = 2 if t.dim() == 5 else 1  # K/V snapshots [2, layers, tokens, ...]; h [layers, tokens, hidden]
+        if b <= cut:
+            before.append((a, b, t, handle))
+        elif a >= cut:
+            after.append((a, b, t, handle))
+        else:
+            before.append((a, cut, t.narrow(dim, 0, cut - a), handle))
+            after.append((cut, b, t.narrow(dim, cut - a, b - cut), handle))
+    return before, after

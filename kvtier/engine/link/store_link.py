@@ -248,7 +248,7 @@ class StoreLink:
         self._store = store
         self.layout = tuple(layout)
         self.stats = LinkStats()
-        self.saver = Saver(store, self.layout, config.chunk_tokens, runner.transfer)
+        self.saver = Saver(store, self.layout, config.chunk_tokens, runner)
         self.restorer = Restorer(store, runner, planner, self.layout, config, self.stats)
         self._scheduler_side = StoreScheduling(store, self.restorer, self.saver, planner, config, self.stats)
         self._step_side = StoreStepping(self.restorer, self.saver, config)
