@@ -6,11 +6,12 @@
 # kvtier runs from this checkout with the machine's torch (nothing is installed over it). Python
 # packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c, blake3, llguidance: see
 # docs/benchmarks.md for the download line); they are unpacked into a private directory.
-# Environment knobs: MODELS, CONTEXTS, TIERS, BANDWIDTHS, REPEATS, FORWARD_MODEL, FORWARD_PREFILL,
-# FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, SKIP_PROBES=1, SKIP_BENCH=1, SKIP_FORWARD=1.
-# On the 2026-11-26 H200 the steps took about 40 s (tests), 60 s (probes), 150 s (restore, llama3-8b
-# 8K+16K memory) and over 100 s (forward): the defaults below do not fit one 10-minute call; the
-# knobs split them.
+# Environment knobs: MODELS, CONTEXTS, TIERS, MHA_MODEL, MHA_CONTEXTS, BANDWIDTHS, REPEATS, FORWARD_MODEL,
+# FORWARD_PREFILL, FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, PROBES=1 (exactness and the copy and
+# attention candidates, about 60 s), SKIP_BENCH=1, SKIP_MHA=1, COPY_AB=1 (the kv restore again with
+# KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1.
+# The defaults fit one 10-minute call on an H200 (2026-11-26: about 40 s of tests, 150 s for
+# llama3-8b at 8K and 16K, 100 s for llama2-7b at 8K, 100 s of forward).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/gpu}
@@ -32,7 +33,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
-if [ -z "${SKIP_PROBES:-}" ]; then
+if [ -n "${PROBES:-}" ]; then
   # Restores against recompute, bitwise; the copy and paged-attention candidates (issues 27/28).
   $PY scripts/gpu_exactness.py "$OUT/exactness.json" 2>&1 | tee "$OUT/exactness.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -40,13 +41,22 @@ if [ -z "${SKIP_PROBES:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
-  $PY -m kvtier bench restore --device cuda --dtype bf16 \
-      --model "${MODELS:-smollm2-shape,llama3-8b,llama2-7b}" --context "${CONTEXTS:-4096,8192,16384}" \
-      --tier "${TIERS:-memory,disk}" --bandwidth "${BANDWIDTHS:-none}" --repeats "${REPEATS:-3}" \
-      --workdir /tmp/kvtier-restore-work --json "$OUT/restore_gpu.json" --markdown "$OUT/restore_gpu.md" \
-      --plot "$OUT/restore_gpu.png" 2>&1 | tee "$OUT/restore_gpu.log"
+restore() {  # restore() NAME [extra bench args...]: one `kvtier bench restore` run into $OUT/NAME.*
+  local name=$1; shift
+  $PY -m kvtier bench restore --device cuda --dtype bf16 --tier "${TIERS:-memory}" --bandwidth "${BANDWIDTHS:-none}" \
+      --repeats "${REPEATS:-3}" --workdir /tmp/kvtier-restore-work --json "$OUT/$name.json" \
+      --markdown "$OUT/$name.md" "$@" 2>&1 | tee "$OUT/$name.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+if [ -z "${SKIP_BENCH:-}" ]; then
+  restore restore_gpu --model "${MODELS:-llama3-8b}" --context "${CONTEXTS:-8192,16384}" --plot "$OUT/restore_gpu.png"
+fi
+if [ -z "${SKIP_MHA:-}" ]; then  # HCache's case: the hidden state is half of K+V per token
+  restore restore_mha --model "${MHA_MODEL:-llama2-7b}" --context "${MHA_CONTEXTS:-8192}" \
+      --methods kv,hidden,bubblefree,auto --no-baselines
+fi
+if [ -n "${COPY_AB:-}" ]; then  # the staging DMA as plain copies instead of one batched driver call
+  KVTIER_BATCHED_COPY=0 restore restore_unbatched --model "${MODELS:-llama3-8b}" --context 8192 --methods kv --no-baselines
 fi
 if [ -z "${SKIP_FORWARD:-}" ]; then
   # Prefill beside HF; batched decode at long context (packed flash decode vs HF), with saving on and off.
