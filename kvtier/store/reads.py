@@ -109,7 +109,7 @@ class PlannedReads:
             blob = getattr(oc.reader, "blob", None)
             if blob is None:
                 return False
-            parts_i = {p: fmt.strided_run(oc.header, blob, layers, p) for p in parts}
+            parts_i = {p: _run(oc, blob, layers, p) for p in parts}
             if any(v is None for v in parts_i.values()):
                 return False
             # No None left. A reordered chunk's K/V become token-ordered copies.
@@ -146,3 +146,26 @@ class PlannedReads:
         for oc in self.opened:
             oc.close()
         self.opened = []
+
+
+def _run(oc: OpenChunk, blob: torch.Tensor, layers: tuple[int, ...], part: str) -> torch.Tensor | None:
+    """`part` of consecutive `layers` of a chunk held in memory: a slice of the chunk's all-layer
+    view (a restore asks for every group of every chunk: one header walk per chunk, not per group).
+    The view is kept with the tier's entry (`runs`: part -> (view, first layer) or None), so a chunk
+    restored again costs a slice per group."""
+    runs: dict | None = getattr(oc.reader, "runs", None)
+    if runs is None:
+        return fmt.strided_run(oc.header, blob, layers, part)
+    if part not in runs:
+        stored = sorted(li for li, p in oc.header.by_part if p == part)
+        whole = stored == list(range(stored[0], stored[-1] + 1)) if stored else False
+        run = fmt.strided_run(oc.header, blob, stored, part) if whole else None
+        runs[part] = None if run is None else (run, stored[0])
+    got = runs[part]
+    if got is None:
+        return fmt.strided_run(oc.header, blob, layers, part)
+    run, first = got
+    a = layers[0] - first
+    if a < 0 or a + len(layers) > run.shape[0]:
+        return fmt.strided_run(oc.header, blob, layers, part)
+    return run[a:a + len(layers)]

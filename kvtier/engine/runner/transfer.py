@@ -147,7 +147,7 @@ class CudaTransfer(Transfer):
             dma_dst, dma_src, targets, views, pos = [], [], [], [], 0
             for (first, lo, hi, idx), n in zip(spans, sizes):
                 dma_dst.append(stage[pos:pos + hi - lo])
-                dma_src.append(_bytes(first)[lo:hi])
+                dma_src.append(storage_bytes(first)[lo:hi])
                 for i in idx:
                     a, b = _byte_range(src[i])
                     views.append(stage[pos + a - lo:pos + b - lo].view(src[i].dtype).as_strided(src[i].shape,
@@ -259,7 +259,7 @@ class LazyTransfer(Transfer):
         return not handle.pending
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole storage under `t`, as a flat uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
@@ -268,7 +268,7 @@ def byte_view(t: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
     """`nbytes` bytes of t's storage from its first element, as uint8 (default: t's own bytes,
     for a contiguous t)."""
     lo = int(t.storage_offset()) * t.element_size()
-    return _bytes(t)[lo:lo + (t.numel() * t.element_size() if nbytes is None else nbytes)]
+    return storage_bytes(t)[lo:lo + (t.numel() * t.element_size() if nbytes is None else nbytes)]
 
 
 _ALIGN = 512  # staging offsets stay aligned for every dtype view
@@ -330,6 +330,16 @@ def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
         log.info("batched host-to-device copies unavailable (%s): one copy call per run", e)
         _BATCH[:] = [None]
         return False
+
+
+def span_runs(src: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor]], int]:
+    """`to_stage` runs moving the bytes under host views `src`: one run per host buffer (the span
+    its views cover), packed back to back. -> (runs, staging bytes needed)."""
+    runs, pos = [], 0
+    for first, lo, hi, _ in _spans(src):
+        runs.append((pos, storage_bytes(first)[lo:hi]))
+        pos += -(-(hi - lo) // _ALIGN) * _ALIGN
+    return runs, pos
 
 
 def _can_pin() -> bool:

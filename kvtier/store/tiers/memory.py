@@ -2,28 +2,33 @@
 are carved from a pinned arena (sources of asynchronous copies to the device)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import validate
 from ..arena import PinnedArena
 from ..format import ChunkHeader, PackedChunk, sealed_by
 from ..policy import EvictionPolicy, LRUPolicy
 from ..throttle import Emulation
+from ..validate import Expect
 from .base import Reader, Tier, W
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Entry:
     blob: torch.Tensor  # uint8 [nbytes]
     header: ChunkHeader
+    checked: Expect | None = None  # the last expectation the header passed
+    runs: dict = field(default_factory=dict)  # reads.PlannedReads' per-part views of the blob, kept across restores
 
 
 class _MemReader(Reader):
-    def __init__(self, blob: torch.Tensor) -> None:
+    def __init__(self, blob: torch.Tensor, runs: dict | None = None) -> None:
         self.blob = blob
         self.size = blob.numel()
+        self.runs = runs if runs is not None else {}
 
     def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         view = self.blob[offset:offset + nbytes]  # zero-copy: the blob is never written again
@@ -54,13 +59,23 @@ class MemoryTier(Tier):
 
     def _open(self, key: str) -> Reader | None:
         e = self._entries.get(key)
-        return None if e is None else _MemReader(e.blob)
+        return None if e is None else _MemReader(e.blob, e.runs)
 
     def header(self, key: str) -> ChunkHeader | None:
         e = self._entries.get(key)
         return None if e is None else e.header
 
     _known_header = header  # parsed once on the way in: reads never parse it again
+
+    def _check_header(self, header: ChunkHeader, expect: Expect, size: int) -> None:  # type: ignore[override]
+        """Checked once per entry and expectation: an entry's bytes never change, so a restore of a
+        long prefix does not re-validate every chunk header it already checked."""
+        e = self._entries.get(expect.key)
+        if e is not None and e.header is header and e.checked == expect:
+            return
+        validate.check(header, expect, size)
+        if e is not None and e.header is header:
+            e.checked = expect
 
     def contains(self, key: str) -> bool:
         return key in self._entries
