@@ -14,6 +14,7 @@ import torch
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.runner.transfer import LazyTransfer, span_runs
 from kvtier.models.llama import CausalLM
 from kvtier.models.presets import PRESETS, random_state_dict
 from kvtier.testing.transfers import RecordingTransfer, StepWaitedOnSave
@@ -116,3 +117,17 @@ def test_the_guard_catches_a_step_thread_waiting_on_a_save_copy(rec):
     (_,), handle = rec.to_host([torch.ones(4)])
     with pytest.raises(StepWaitedOnSave):
         rec.sync(handle)
+
+
+def test_span_runs_move_every_byte_under_the_views_once():
+    """The calibration's runs (one per host buffer, the span its views cover) land where the views
+    say: a strided layer group of K and V of two chunks, through the lazy back end."""
+    chunks = [torch.randn(6, 2, 4, 3) for _ in range(2)]  # [layers, K|V, tokens, dim]
+    views = [c[1:4, p] for c in chunks for p in (0, 1)]  # [3 layers, tokens, dim], strided
+    runs, size = span_runs(views)
+    assert len(runs) == 2 and all(r.numel() == 3 * 2 * 4 * 3 * 4 for _, r in runs)
+    stage = torch.zeros(size, dtype=torch.uint8)
+    lazy = LazyTransfer()
+    lazy.wait(lazy.to_stage(stage, runs))
+    for (off, r), c in zip(runs, chunks):
+        assert torch.equal(stage[off:off + r.numel()].view(torch.float32).view(3, 2, 4, 3), c[1:4])

@@ -34,6 +34,7 @@ from kvtier.dtypes import name_of
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import cache
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.transfer import byte_view, span_runs
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
 from kvtier.planning.plan import PlannedChunk
@@ -139,10 +140,23 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype).to(runner.device)  # projected where it lands
     slots = runner.upload(runner.slots(blocks, 0, n))
 
+    grid = runner.upload(torch.arange(len(runs) * 64).view(-1, 64))  # [chunks, 64]: slot of each row (n % 64 == 0)
+
     def copy_all() -> None:
         for g in range(0, layers, READ_GROUP_LAYERS):
             group = range(g, min(layers, g + READ_GROUP_LAYERS))
-            runner.copy_in(group, runs, [c[g:group.stop, 0] for c in chunks], [c[g:group.stop, 1] for c in chunks])
+            if not runner.transfer.is_async:
+                runner.copy_in(group, runs, [c[g:group.stop, 0] for c in chunks], [c[g:group.stop, 1] for c in chunks])
+                continue
+            # As a restore places on an asynchronous device: one DMA run per chunk into a staging
+            # buffer [chunks, layers, 2, 64, kv_heads, hd], then one scatter per layer and part.
+            per = len(group) * 2 * 64 * cfg.kv_dim * model.dtype.itemsize
+            stage = torch.empty(len(chunks) * per, dtype=torch.uint8, device=runner.device)
+            parts = [(i * per, byte_view(c[g:group.stop].contiguous())) for i, c in enumerate(chunks)]
+            runner.transfer.wait(runner.transfer.to_stage(stage, parts))
+            view = stage.view(model.dtype).view(len(chunks), len(group), 2, 64, cfg.num_kv_heads, cfg.head_dim)
+            for i, li in enumerate(group):
+                runner.place_staged(li, grid, view[:, i, 0], view[:, i, 1])
 
     place = _time(copy_all) / (n * layers)
     project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
@@ -228,8 +242,10 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                 for layers in groups:
                     group = _read_back(reads.read(layers, ("k", "v"), into=targets))
                     if runner.device.type != "cpu":  # no targets there: every part is in a buffer
-                        _, handle = runner.transfer.stage([x for p in group.parts.values() for x in p if x is not None])
-                        runner.transfer.sync(handle)
+                        # As a restore moves them: one DMA run per chunk (its layers' K and V lie back to back).
+                        runs, size = span_runs([x for p in group.parts.values() for x in p if x is not None])
+                        stage = torch.empty(size, dtype=torch.uint8, device=runner.device)
+                        runner.transfer.sync(runner.transfer.to_stage(stage, runs))
                     reads.release(group)
                 reads.close()
 
