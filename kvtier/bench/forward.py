@@ -6,7 +6,9 @@ Both run the same weights, dtype and thread count in the same process; figures a
 `logits_to_keep=1`, so it is not charged for logits we skip too. `--device cuda` runs both on the
 GPU (times include the device work: each timed region ends with a synchronize); `--saving` adds
 decode rows with every token's state saved to a memory tier (HCache Fig. 14's setting), beside the
-same decode without saving. `continuation` rows time a chunk of new tokens after a history the
+same decode without saving: `decode+save` once the prompts' own saves are written (what saving the
+decoded tokens costs), `decode+save+backlog` while the writer still writes them (a burst of long
+prompts just arrived). `continuation` rows time a chunk of new tokens after a history the
 engine holds in its prefix cache (HF: the same chunk on a cache of that history). `--modes
 exact,inexact` runs our rows twice, the exact default and `--fast-inexact`, so the cost of
 exactness comes from the same run.
@@ -39,7 +41,7 @@ from kvtier.models.loading import load_model
 class Row:
     model: str
     dtype: str
-    phase: str  # "prefill", "continuation", "decode", or "decode+save" (hf_tok_s: the same decode without saving)
+    phase: str  # "prefill", "continuation", "decode", "decode+save" or "decode+save+backlog" (hf_tok_s: the same decode without saving)
     tokens: int  # prompt length (prefill), new tokens (continuation) or batch size (decode)
     kvtier_tok_s: float
     hf_tok_s: float
@@ -107,19 +109,26 @@ def bench_continuation(loaded, hf, history: int, new: int, repeats: int) -> tupl
 
 
 def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int,
-                 store: str | None = None) -> tuple[float, float]:
+                 store: str | None = None, drain: bool = False) -> tuple[float, float]:
     """Decode tokens/s of `batch` sequences after `prompt_len`-token prompts: kvtier's engine (with
-    `store`, saving every token's state) and HF transformers' (None when hf is None)."""
+    `store`, saving every token's state; `drain`: the prompts' saves written before the timed
+    decode) and HF transformers' (None when hf is None)."""
     prompts = [_prompt(prompt_len, loaded.config.vocab_size, 1000 + i) for i in range(batch)]
     engine = _engine(loaded, prompt_len + new + 16, batch, store)
     params = SamplingParams(max_tokens=new + 1, temperature=0, ignore_eos=True)
 
+    calls = [0]
+
     def ours_decode() -> float:
         started: set[str] = set()
-        for p in prompts:
-            engine.add_request(p, params)
+        calls[0] += 1
+        fresh = store is not None  # new prompts each time: none is restored from the last call's saves
+        for i, p in enumerate(prompts):
+            engine.add_request(_prompt(prompt_len, loaded.config.vocab_size, 7919 * calls[0] + i) if fresh else p, params)
         while len(started) < batch:  # prefill (chunked by the token budget) until every request has a token
             started |= {o.request_id for o in engine.step()}
+        if drain:
+            engine.flush()
         t = time.perf_counter()
         while engine.has_work():
             engine.step()
@@ -181,11 +190,11 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
                 rows.append(Row(model, name, "decode", b, o, h, repeats, mode))
                 print(f"  decode  {name} {mode} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  "
                       f"transformers {h:8.1f} tok/s", flush=True)
-                if saving:  # the same decode saving every token's state; compared with the row above
-                    s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, store="memory:16GB")
-                    rows.append(Row(model, name, "decode+save", b, s, o, repeats, mode))
-                    print(f"  decode+save {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)",
-                          flush=True)
+                # The same decode saving every token's state; compared with the row above.
+                for phase, drain in (("decode+save", True), ("decode+save+backlog", False)) if saving else ():
+                    s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, "memory:16GB", drain)
+                    rows.append(Row(model, name, phase, b, s, o, repeats, mode))
+                    print(f"  {phase} {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)", flush=True)
     _EXACT = True
     return rows
 

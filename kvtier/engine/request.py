@@ -140,6 +140,7 @@ class RestoreReport:
     overlap: float | None = None
     # Importance-only restores: of the restored prefix, the tokens each layer attended to (None: all).
     prefix_attended: int | None = None
+    host_s: float | None = None  # host time in the restore's own code: prepare() and the placements
 
 
 @dataclass

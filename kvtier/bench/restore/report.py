@@ -50,7 +50,7 @@ def markdown(rows: list[dict], goals: list[dict]) -> str:
 
 
 RICH_HEAD = ("model", "storage", "ctx", "tier", "bandwidth", "method", "restore_s", "ttft_s", "pred_s", "ideal_s",
-             "MB read", "B/token", "copy GB/s", "overlap", "logit diff", "greedy")
+             "MB read", "B/token", "copy GB/s", "overlap", "host_s", "logit diff", "greedy")
 
 
 def _rich_cells(r: dict) -> list[str]:
@@ -58,7 +58,7 @@ def _rich_cells(r: dict) -> list[str]:
     return [r["model"], r["storage"] or r["dtype"], str(r["context_tokens"]), r["tier"], r["bandwidth"],
             r["method"], num(r["restore_s"]), num(r["ttft_s"]), num(r.get("predicted_s")), num(r["ideal_s"]),
             f"{r['bytes_read'] / 1e6:.1f}", str(r["stored_bytes_per_token"]),
-            f"{r['bytes_read'] / copy / 1e9:.1f}" if copy else "-", num(r.get("overlap"), 2),
+            f"{r['bytes_read'] / copy / 1e9:.1f}" if copy else "-", num(r.get("overlap"), 2), num(r.get("host_s")),
             f"{r['max_logit_diff']:.1e}", "yes" if r["greedy_match"] else "NO"]
 
 

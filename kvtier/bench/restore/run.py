@@ -59,7 +59,7 @@ from kvtier.store.throttle import Emulation, Throttle
 
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
-            "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap")
+            "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap", "host_s")
 
 
 # ----- small helpers ----------------------------------------------------------------------------
@@ -334,6 +334,8 @@ class RestoreBench:
         return dict(ttft_s=median([o.ttft for o, _ in runs]),
                     copy_s=median([r.copy_s for r in timed_runs]) if timed_runs else None,
                     overlap=median([r.overlap for r in timed_runs]) if timed_runs else None,
+                    host_s=median(hosts) if (hosts := [o.restore.host_s for o, _ in runs
+                                                       if o.restore and o.restore.host_s is not None]) else None,
                     restore_s=median([o.restore.seconds for o, _ in runs if o.restore]) if rep else None,
                     bytes_read=rep.bytes_read if rep else 0, stored_bytes_per_token=stats.stored_bytes_per_token,
                     predicted=first_report.predicted_s if first_report else None,

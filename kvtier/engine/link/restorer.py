@@ -263,7 +263,8 @@ class Restorer:
         job.req.metrics.restore = RestoreReport(method, job.plan.describe_layout(), job.plan.predicted_s,
                                                 job.plan.ideal_s, seconds, stats.bytes_read, stats.wait_s,
                                                 tl.copy_s if tl else None, tl.compute_s if tl else None,
-                                                tl.overlap if tl else None, stats.prefix_attended)
+                                                tl.overlap if tl else None, stats.prefix_attended,
+                                                stats.prepare_s + stats.place_s + stats.wait_s)
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
         imp = job.restore.impress
