@@ -10,8 +10,10 @@
 # FORWARD_PREFILL, FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, PROBES=1 (exactness and the copy and
 # attention candidates, about 60 s), SKIP_BENCH=1, SKIP_MHA=1, COPY_AB=1 (the kv restore again with
 # KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1.
-# The defaults fit one 10-minute call on an H200 (2026-11-26: about 40 s of tests, 150 s for
-# llama3-8b at 8K and 16K, 100 s for llama2-7b at 8K, 100 s of forward).
+# The defaults take about 500 s on an H200 (2026-11-26: 26 s of tests, 155 s for llama3-8b at 8K and
+# 16K, 70 s for llama2-7b at 8K, 250 s of forward with its three decode rows per batch): one
+# 10-minute call. Under a shorter limit, split them with the knobs (a 420 s run did not reach the
+# batch-32 saving rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/gpu}

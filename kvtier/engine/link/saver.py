@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.engine.request import Request
@@ -138,15 +139,25 @@ class Saver:
             # On the writer thread: wait for the copies, then join the pieces along tokens.
             for *_, handle in kv + h:
                 transfer.sync(handle)
-            k = torch.cat([p[2][0] for p in kv], dim=1) if has_kv else None  # [kv layers, tokens, kvh, hd]
-            v = torch.cat([p[2][1] for p in kv], dim=1) if has_kv else None
-            hh = torch.cat([p[2] for p in h], dim=1) if has_h else None  # [hidden layers, tokens, hidden]
+            k = _cat([p[2][0] for p in kv]) if has_kv else None  # [kv layers, tokens, kvh, hd]
+            v = _cat([p[2][1] for p in kv]) if has_kv else None
+            hh = _cat([p[2] for p in h]) if has_h else None  # [hidden layers, tokens, hidden]
             return k, v, hh
 
         nbytes = sum(p[2].nbytes for p in kv + h)
         self.store.save_pending(PendingSave(tuple(req.all_ids[:cut]), b.start, assemble, nbytes, req.cache_salt))
         self.saves += 1
         b.start = cut
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Host tensors [layers, tokens, ...] joined along tokens, by numpy: a torch op parallel over
+    OpenMP threads, run on the writer thread, leaves the step thread's own parallel ops on one core
+    afterwards (measured on a 2-core CPU: a 1K-token restore's step 0.12 s -> 0.20 s)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    joined = np.concatenate([p.view(torch.uint8).numpy() for p in pieces], axis=1)  # bytes: any dtype
+    return torch.from_numpy(joined).view(pieces[0].dtype)
 
 
 def _split(pieces: list[Piece], cut: int) -> tuple[list[Piece], list[Piece]]:
