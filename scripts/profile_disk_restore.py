@@ -1,0 +1,69 @@
+"""Where a cold disk restore's time goes: engine A saves H tokens and closes, engine B (a restart)
+drops the page cache and restores them for H + 64 tokens, three times; prints wall and CPU time,
+the time spent opening the chunks, and a profile of the main thread for the last one.
+
+    python scripts/profile_disk_restore.py [H] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import tempfile
+import time
+
+import torch
+
+from kvtier.bench.e2e.run import drop_page_cache
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.models.loading import load_model
+from kvtier.store.reads import PlannedReads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("history", type=int, nargs="?", default=4096)
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args()
+    model = load_model("smollm2-135m", dtype=args.dtype)
+    opening: list[float] = []
+    plain_open = PlannedReads.open
+
+    def timed_open(self: PlannedReads) -> bool:
+        t = time.perf_counter()
+        try:
+            return plain_open(self)
+        finally:
+            opening.append(time.perf_counter() - t)
+
+    PlannedReads.open = timed_open  # type: ignore[method-assign]
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=8192, enable_prefix_cache=False)
+    with tempfile.TemporaryDirectory() as d:
+        spec = f"memory:8GB,disk:{d}:20GB"
+        for i in range(3):
+            ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(i)).tolist()
+            with Engine(model, config, store=spec) as a:
+                a.generate([ids[:args.history]], once)
+            with Engine(model, config, store=spec) as b:
+                drop_page_cache(d)
+                prof = cProfile.Profile()
+                opening.clear()
+                c0, t0 = os.times(), time.perf_counter()
+                prof.enable()
+                out = b.generate([ids], once)[0]
+                prof.disable()
+                c1, wall = os.times(), time.perf_counter() - t0
+            r = out.restore
+            print(f"wall {wall:.3f} s, CPU user {c1.user - c0.user:.3f} s sys {c1.system - c0.system:.3f} s; "
+                  f"reused {out.prompt_tokens_reused} by {r.method if r else '-'}; opening chunks "
+                  f"{sum(opening):.3f} s; reads waited {r.wait_s if r else 0:.3f} s")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
