@@ -292,9 +292,7 @@ class Restore:
         # of planned chunk c as a [chunks, chunk tokens] grid on the device (the sink where none).
         self._ring: list[torch.Tensor] = []
         self._keep: list[torch.Tensor] = []  # host copies made for a staging run (rare)
-        # Per chunk: (its buffer's address, the buffer as bytes, byte offset of layer 0's K) where
-        # its K/V lie as a staging slot does; None where they do not (checked once per chunk).
-        self._wholes: dict[int, tuple[int, torch.Tensor, int] | None] = {}
+        self._buffers: dict[int, torch.Tensor] = {}  # host buffer address -> its bytes (staging runs slice them)
         self._grid: torch.Tensor | None = None
         if self.transfer.is_async and self.source is None and spans:
             self._grid = runner.upload(self._slot_grid(spans, start, hist))
@@ -454,13 +452,12 @@ class Restore:
             largest = max(len(g) for g in self.reader.groups) if self.reader is not None else n_layers
             self._ring.append(torch.empty(chunks * largest * 2 * part_bytes, dtype=torch.uint8, device=pool.device))
         stage = self._ring[slot]
-        first = self.reader.groups[gi][0] if self.reader is not None else 0
         runs: list[tuple[int, torch.Tensor]] = []
         for c, (k, v) in enumerate(zip(ks, vs)):
             if k is None or v is None:  # read straight into its pool slots (a CPU direct read)
                 continue
             base = c * chunk_bytes
-            run = self._whole_run(c, k, v, first, n_layers, width, row, part_bytes)
+            run = self._whole_run(k, v, n_layers, width, row, part_bytes)
             if run is not None:
                 runs.append((base, run))  # the layers' K, V back to back: one run
                 continue
@@ -476,25 +473,19 @@ class Restore:
         grid = grid if not skipped else grid.index_fill(0, self.runner.upload(torch.tensor(skipped)), self.runner.sink)
         return handle, {"kv": [view], "grid": [grid]}
 
-    def _whole_run(self, c: int, k: torch.Tensor, v: torch.Tensor, first: int, n_layers: int, width: int, row: int,
+    def _whole_run(self, k: torch.Tensor, v: torch.Tensor, n_layers: int, width: int, row: int,
                    part_bytes: int) -> torch.Tensor | None:
-        """The bytes of chunk c's K/V of layers [first, first + n_layers) as one run, where they lie
-        as the staging slot does ([layers, 2, T, kv_heads, hd]), else None. The layout is checked
-        once per chunk; later groups only check that they view the same buffer where expected."""
-        if c not in self._wholes:
-            uniform = k.shape[1] == width and k.stride() == (2 * width * row, row, k.shape[3], 1) \
-                and v.stride() == k.stride() and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() \
-                and v.storage_offset() - k.storage_offset() == width * row and k.dtype == self.runner.k_cache.dtype
-            off = int(k.storage_offset()) * k.element_size() - first * 2 * part_bytes  # layer 0's K
-            self._wholes[c] = (k.untyped_storage().data_ptr(), storage_bytes(k), off) if uniform and off >= 0 else None
-        where = self._wholes[c]
-        if where is None:
+        """The bytes of a chunk's K/V of a group's layers as one run, where they lie as the staging
+        slot does ([layers, 2, T, kv_heads, hd]: whole chunks as stored, whatever the tier), else None."""
+        ptr = k.untyped_storage().data_ptr()
+        if k.shape[1] != width or k.stride() != (2 * width * row, row, k.shape[3], 1) or v.stride() != k.stride() \
+                or v.untyped_storage().data_ptr() != ptr or v.storage_offset() - k.storage_offset() != width * row \
+                or k.dtype != self.runner.k_cache.dtype:
             return None
-        ptr, buf, off = where
-        at = off + first * 2 * part_bytes
-        if k.untyped_storage().data_ptr() != ptr or int(k.storage_offset()) * k.element_size() != at or \
-                k.shape[1] != width or at + n_layers * 2 * part_bytes > buf.numel():
-            return None
+        buf = self._buffers.get(ptr)
+        if buf is None:  # one byte view per host buffer (a stored chunk, a staging buffer), not per group
+            buf = self._buffers[ptr] = storage_bytes(k)
+        at = int(k.storage_offset()) * k.element_size()
         return buf[at:at + n_layers * 2 * part_bytes]
 
     @torch.inference_mode()
