@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.engine.runner.transfer import DONE, Handle, LazyTransfer, _spans
+from kvtier.engine.runner.transfer import DONE, Handle, LazyTransfer, span_runs
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class RecordingTransfer(LazyTransfer):
 
     def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
         # The CUDA back end's general path: one DMA per host buffer's span, one scatter per source.
-        self.ops += [Op("h2d", (hi - lo,)) for _, lo, hi, _ in _spans(src)] + [Op("scatter", (s.nbytes,)) for s in src]
+        self.ops += [Op("h2d", (r.numel(),)) for _, r in span_runs(src)[0]] + [Op("scatter", (s.nbytes,)) for s in src]
         return super().to_device(dst, src)
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:

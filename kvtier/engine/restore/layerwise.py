@@ -485,8 +485,8 @@ class Restore:
         buf = self._buffers.get(ptr)
         if buf is None:  # one byte view per host buffer (a stored chunk, a staging buffer), not per group
             buf = self._buffers[ptr] = storage_bytes(k)
-        at = int(k.storage_offset()) * k.element_size()
-        return buf[at:at + n_layers * 2 * part_bytes]
+        at, n = int(k.storage_offset()) * k.element_size(), n_layers * 2 * part_bytes
+        return buf[at:at + n] if at + n <= buf.numel() else None  # never a short run from a short buffer
 
     @torch.inference_mode()
     def _place(self, layer: int, staged: dict[str, list[torch.Tensor]], i: int) -> None:

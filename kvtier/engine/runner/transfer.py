@@ -264,11 +264,10 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-def byte_view(t: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
-    """`nbytes` bytes of t's storage from its first element, as uint8 (default: t's own bytes,
-    for a contiguous t)."""
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's own bytes, as uint8."""
     lo = int(t.storage_offset()) * t.element_size()
-    return storage_bytes(t)[lo:lo + (t.numel() * t.element_size() if nbytes is None else nbytes)]
+    return storage_bytes(t)[lo:lo + t.numel() * t.element_size()]
 
 
 _ALIGN = 512  # staging offsets stay aligned for every dtype view
