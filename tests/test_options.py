@@ -36,7 +36,7 @@ def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path):
                     {"KVTIER_MAX_NUM_SEQS": "4", "KVTIER_CHUNK_TOKENS": "16", "KVTIER_PORT": "9200"})
     assert (args.max_num_seqs, args.chunk_tokens, args.port) == (5, 16, 9200)  # flag, env, env
     assert (args.no_prefix_cache, args.restore_method, args.max_model_len) == (True, "hidden", 256)  # file
-    assert (args.kv_cache_gb, args.host) == (4.0, "127.0.0.1")  # defaults
+    assert (args.kv_cache_gb, args.host) == (None, "127.0.0.1")  # defaults (None: the device's budget)
     opts = EngineOptions.from_args(args)
     assert (opts.max_num_seqs, opts.chunk_tokens, opts.no_prefix_cache) == (5, 16, True)
     assert opts.engine_config()["enable_prefix_cache"] is False and opts.reuse().chunk_tokens == 16

@@ -88,10 +88,17 @@ class EngineOptions:
     device: str = option("auto", MODEL, DEVICE_HELP, metavar="DEVICE")
     max_model_len: int | None = option(None, ENGINE, "context window in tokens", type=positive_int,
                                        default_text="the model's")
-    kv_cache_gb: float = option(4.0, ENGINE, "KV pool budget on the device in GiB; on a CPU, pages are used only as "
-                                "blocks fill", type=positive_float)
-    max_batched_tokens: int = option(2048, ENGINE, "per-step token budget shared by decodes and prefill chunks",
-                                     type=positive_int)
+    kv_cache_gb: float | None = option(None, ENGINE, "KV pool budget on the device in GiB; on a CPU, pages are used "
+                                       "only as blocks fill", type=positive_float,
+                                       default_text="4 on a CPU; on a GPU, --gpu-memory-utilization of its memory "
+                                       "less the weights and a step's activations")
+    max_batched_tokens: int | None = option(None, ENGINE, "per-step token budget shared by decodes and prefill chunks",
+                                            type=positive_int, default_text="2048 on a CPU, 16384 on a GPU")
+    gpu_memory_utilization: float = option(0.9, ENGINE, "share of a GPU's memory the engine may use (weights, "
+                                           "activations and the KV pool) when --kv-cache-gb is not set",
+                                           type=positive_float)
+    enforce_eager: bool = option(False, ENGINE, "decode without CUDA graphs (default: plain decode steps on a GPU "
+                                 "replay one captured graph per batch-size bucket)")
     max_num_seqs: int = option(64, ENGINE, "most requests in the running batch; the rest queue", type=positive_int)
     no_prefix_cache: bool = option(False, ENGINE, "disable the device prefix cache (reuse then comes only from the "
                                    "store)")
@@ -199,7 +206,9 @@ class EngineOptions:
 
     def engine_config(self) -> dict[str, Any]:
         """EngineConfig's fields (less the device, which `build_engine` resolves)."""
-        return dict(max_model_len=self.max_model_len, kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
+        kv = int(self.kv_cache_gb * (1 << 30)) if self.kv_cache_gb is not None else None
+        return dict(max_model_len=self.max_model_len, kv_cache_bytes=kv, memory_utilization=self.gpu_memory_utilization,
+                    static_decode=False if self.enforce_eager else None,
                     max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs,
                     enable_prefix_cache=not self.no_prefix_cache, partial=self.partial(), exact=not self.fast_inexact)
 

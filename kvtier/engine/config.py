@@ -85,9 +85,17 @@ class PartialConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per device KV block
-    kv_cache_bytes: int = 4 << 30  # KV pool budget on the device (on a CPU, pages are only touched when used)
-    max_batched_tokens: int = 2048  # per-step token budget shared by decodes and prefill chunks
+    # KV pool budget on the device. None: the device's default (engine/budget.py): 4 GiB on a CPU
+    # (pages are only touched when used); on a GPU, memory_utilization of its memory less the
+    # weights and a step's activations.
+    kv_cache_bytes: int | None = None
+    # Per-step token budget shared by decodes and prefill chunks. None: 2048 on a CPU, 16384 on a GPU.
+    max_batched_tokens: int | None = None
     max_num_seqs: int = 64
+    memory_utilization: float = 0.9  # the share of a GPU's memory the engine may use (vLLM's --gpu-memory-utilization)
+    # Plain decode steps through static buffers, replayed as CUDA graphs on CUDA (eager elsewhere).
+    # None: on for CUDA, off elsewhere; False is vLLM's --enforce-eager.
+    static_decode: bool | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     # Where the pool and every step's tensors live: the model's device when None; else it must be
@@ -104,8 +112,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_batched_tokens < 1:
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be >= 1")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization is a share of the device's memory in (0, 1], got {self.memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

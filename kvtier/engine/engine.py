@@ -15,6 +15,7 @@ import torch
 
 from kvtier import paths
 from kvtier.device import resolve_device
+from kvtier.engine import budget
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import fronts as front_costs
 from kvtier.engine.calibrate.hardware import estimate, load_profile
@@ -26,6 +27,7 @@ from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
 from kvtier.engine.penalties import Seen
 from kvtier.engine.request import Request, RequestMetrics, RequestStatus, RestoreReport, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.static_decode import StaticDecode
 from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, sample_batch, score
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.scheduler_api import SchedulerOutput
@@ -145,13 +147,16 @@ class Engine:
             raise ValueError(f"EngineConfig.device is {config.device} but the model is on {self.device}; "
                              f"load it with load_model(..., device={config.device!r})")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.budget = budget.choose(config, cfg, model.module.dtype, self.device)
         num_blocks = self._num_blocks()
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
+        if self.budget.static_decode:
+            self.runner.decoder = StaticDecode(self.runner, config.max_num_seqs, self.max_model_len)
         self.link: StateLink = NullStateLink()
         if store:
             self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(),
-                                        profile or self._saved_profile(), config.max_batched_tokens, probes)
+                                        profile or self._saved_profile(), self.budget.max_batched_tokens, probes)
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
         # exits without close(): a thread still in torch code at shutdown aborts the process.
         self._closer = weakref.finalize(self, self.link.close)
@@ -159,7 +164,7 @@ class Engine:
         if config.partial is not None:
             cost = config.partial.cost or front_costs.cached_or_estimate(model)
             self.partial = PartialCaching(config.partial, self.runner, cost)
-        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.link.scheduler_side,
+        self.scheduler = Scheduler(self.pool, self.budget.max_batched_tokens, config.max_num_seqs, self.link.scheduler_side,
                                    prefix_cache=config.enable_prefix_cache, fronts=self.partial)
         self.eos_ids = set(cfg.eos_token_ids)
         tok = model.tokenizer
@@ -173,12 +178,12 @@ class Engine:
         self._steps = 0
 
     def _num_blocks(self) -> int:
-        cfg = self.config
-        num_blocks = cfg.kv_cache_bytes // ModelRunner.bytes_per_block(self.model.module, cfg.block_size)
+        cfg, kv_bytes = self.config, self.budget.kv_cache_bytes
+        num_blocks = kv_bytes // ModelRunner.bytes_per_block(self.model.module, cfg.block_size)
         blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
-                f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks but one full-length sequence "
+                f"kv_cache_bytes={kv_bytes} ({self.budget.source}) holds {num_blocks} blocks but one full-length sequence "
                 f"needs {blocks_per_seq}; raise the KV budget or lower max_model_len"
             )
         return num_blocks

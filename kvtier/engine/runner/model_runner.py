@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import aligned_empty
 from kvtier.store.tiers.base import PoolTarget
+
+if TYPE_CHECKING:
+    from kvtier.engine.runner.static_decode import StaticDecode
 
 # capture(layer, offsets, h [tokens, hidden], k [tokens, kv_heads, hd] rotated, v [tokens, kv_heads, hd]):
 # once per layer for the whole step; run i is rows offsets[i]:offsets[i+1].
@@ -168,19 +171,22 @@ class ModelRunner:
         self.sink = num_blocks * block_size
         sink_slots = block_size * (4096 // math.gcd(4096, block_size * slot_bytes))
         shape = (cfg.num_layers, self.sink + sink_slots, cfg.num_kv_heads, cfg.head_dim)
-        # Uninitialised, not zeros: zeros writes every page, while a slot is always written before
+        # On the CPU uninitialised, not zeros: zeros writes every page, while a slot is always written before
         # it is read, so an unused part of the budget never becomes resident memory. Page-aligned,
         # so a block-aligned run of slots can be the target of a direct-I/O disk read.
 
         def pool() -> torch.Tensor:
-            if device.type != "cpu":
-                return torch.empty(shape, dtype=model.dtype, device=device)
+            if device.type != "cpu":  # allocated at once anyway; zeroed, as paged attention reads
+                # the stale tail of a context's last page (weighted 0, which NaN would survive)
+                return torch.zeros(shape, dtype=model.dtype, device=device)
             return aligned_empty(math.prod(shape) * model.dtype.itemsize).view(model.dtype).view(shape)
 
         self.k_cache = pool()  # [layers, slots, kv_heads, hd]
         self.v_cache = pool()
         self.packed_decode = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
+        # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
+        self.decoder: StaticDecode | None = None
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -405,6 +411,9 @@ class ModelRunner:
         Front runs (partial caching) come after every other run; with `fed` they leave the batch
         at its boundary and the fronts' remaining layers come from it.
         """
+        if (self.decoder is not None and capture is None and before_layer is None and fed is None and layers is None
+                and not every_token and self.decoder.accepts(items)):
+            return self.decoder.run(items)
         model = self.model
         layers = layers if layers is not None else range(model.cfg.num_layers)
         step = StepAttention(self, items, capture, before_layer, fed)

@@ -1,0 +1,83 @@
+"""Per-device defaults: a step's token budget, the KV pool's size, and how decode steps run.
+
+A CPU's step is bounded by compute: 2,048 tokens per step keeps a decode batch's step short while
+a long prompt is prefilled beside it, and a 4 GiB pool costs nothing until its pages are used. A
+GPU's step is bounded by launches and memory traffic: 16,384 tokens prefill a 16K prompt in one
+step, as one HF forward does, and the pool takes what the device has left, as vLLM's
+`--gpu-memory-utilization` does: that share of the device's memory, less what is in use now (the
+weights) and a step's activations at the token budget. Decode steps go through static buffers
+and CUDA graphs on CUDA (engine/runner/static_decode.py); elsewhere they stay dynamic.
+Anything set in `EngineConfig` wins over these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.engine.config import EngineConfig
+from kvtier.models.config import ModelConfig
+
+CPU_STEP_TOKENS = 2048
+GPU_STEP_TOKENS = 16384
+CPU_KV_BYTES = 4 << 30
+# Beyond the activations estimated below: the allocator's fragmentation, the CUDA graphs' pool,
+# the CUDA context's own growth, the store's staging.
+GPU_SLACK_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: int
+    free: int
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    max_batched_tokens: int
+    kv_cache_bytes: int
+    static_decode: bool  # plain decode steps through static buffers (captured in CUDA graphs on CUDA)
+    source: str  # how the pool was sized, for the log and `kvtier info`
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """Total and free bytes of a CUDA device (None elsewhere: host memory is not reserved up front)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free)
+
+
+def step_activation_bytes(cfg: ModelConfig, itemsize: int, tokens: int, seqs: int) -> int:
+    """A step's peak working memory at `tokens` tokens: per token the residual stream and its norm,
+    q/k/v and attention output, the MLP's gate, up and product (in the compute dtype), and fp32
+    logits for every sequence."""
+    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * (cfg.num_heads + cfg.num_kv_heads)
+                 * cfg.head_dim) * itemsize
+    return tokens * per_token + 2 * seqs * cfg.vocab_size * 4
+
+
+def choose(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+           memory: DeviceMemory | None = None) -> DeviceBudget:
+    """The budget for `device`: what `config` sets, the device's defaults for the rest. `memory`:
+    the device's memory now (measured when None)."""
+    gpu = device.type == "cuda"
+    tokens = config.max_batched_tokens or (GPU_STEP_TOKENS if gpu else CPU_STEP_TOKENS)
+    static = config.static_decode if config.static_decode is not None else gpu
+    if config.kv_cache_bytes is not None:
+        return DeviceBudget(tokens, config.kv_cache_bytes, static, "kv_cache_bytes")
+    memory = memory or device_memory(device)
+    if memory is None:
+        return DeviceBudget(tokens, CPU_KV_BYTES, static, "the CPU default")
+    used = memory.total - memory.free  # the weights, and anything else already on the device
+    cap = int(config.memory_utilization * memory.total)
+    activations = step_activation_bytes(cfg, dtype.itemsize, tokens, config.max_num_seqs)
+    kv = cap - used - activations - GPU_SLACK_BYTES
+    if kv <= 0:
+        gib = 1 << 30
+        raise ValueError(f"no device memory left for the KV pool: {config.memory_utilization:.0%} of "
+                         f"{memory.total / gib:.1f} GiB is {cap / gib:.1f} GiB, {used / gib:.1f} GiB is in use "
+                         f"(the weights), a {tokens}-token step needs ~{activations / gib:.1f} GiB; raise "
+                         f"--gpu-memory-utilization, lower --max-batched-tokens, or set --kv-cache-gb")
+    return DeviceBudget(tokens, kv, static, f"{config.memory_utilization:.0%} of device memory")

@@ -1,0 +1,182 @@
+"""The decode step over static buffers: the code CUDA graphs capture.
+
+A step in which every run decodes one token (no restore placing layers, no partial caching, no
+hidden states captured for saving) has shapes set by its batch size alone once its inputs sit in
+buffers allocated up front: token ids, positions, the pool slot each token's K/V goes to, the
+context lengths and the block table. The batch is padded up to a bucket (1, 2, 4, 8, then steps of
+8 up to 32 and of 16 beyond, as nano-vllm buckets); a padding row decodes token 0 at position 0
+into the pool's sink with a context of one, so it writes nowhere a request owns.
+
+On CUDA each bucket's step is captured into a CUDA graph on first use and replayed after: a step
+is one host-to-device copy of its inputs and one replay, and the sampled ids are its one host
+sync. Attention there reads the pool in place through the block table (`models.paged`, compiled
+FlexAttention). Elsewhere the same step runs eagerly, and on the CPU its attention gathers each
+context and runs the exact decode kernel (`models.attention.decode_attention`), so a static step
+is the same bits as the engine's dynamic one (tests/test_static_decode.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.models.attention import KEY_BLOCK, decode_attention, exact_cpu
+from kvtier.models.llama import LayerAttention
+from kvtier.models.paged import PageTable, paged_attention
+
+log = logging.getLogger(__name__)
+
+_IDS, _POS, _SLOT, _LEN, _TABLE = 0, 1, 2, 3, 4  # columns of the input buffer; the table is the rest
+
+
+def buckets(max_seqs: int) -> tuple[int, ...]:
+    """Batch sizes a step is padded up to: 1, 2, 4, 8, then every 8 to 32, every 16 after."""
+    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_seqs + 16, 16))
+    return tuple(s for s in sizes if s < max_seqs) + (max_seqs,)
+
+
+class StaticDecode:
+    def __init__(self, runner: ModelRunner, max_seqs: int, max_positions: int, graphs: bool | None = None) -> None:
+        self.runner = runner
+        self.bs = bs = runner.block_size
+        self.pages = -(-max_positions // bs)
+        self.buckets = buckets(max_seqs)
+        self.pad_block = runner.sink // bs  # the sink's first block: no request owns it
+        self.pool_blocks = runner.k_cache.shape[1] // bs  # the blocks and the sink's whole pages
+        dev = runner.device
+        self.graphs_on = dev.type == "cuda" if graphs is None else graphs
+        if self.graphs_on and dev.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {dev}")
+        self.paged = dev.type == "cuda"  # the CPU keeps its exact kernel (see the module doc)
+        cols, size = _TABLE + self.pages, self.buckets[-1]
+        # Every input in one buffer [max bucket, 4 + pages] (one upload per step), and its host twin.
+        self.inputs = torch.zeros(size, cols, dtype=torch.long, device=dev)
+        self.host = torch.zeros(size, cols, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.logits = torch.empty(size, runner.model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._mempool: Any = None  # one memory pool shared by every bucket's graph
+        self._lengths: list[int] = []  # the step's context lengths on the host (the CPU kernel's widths)
+        self.replays = 0
+
+    def accepts(self, items: Sequence[RunItem]) -> bool:
+        """Whether this step is plain decoding this buffer can hold."""
+        return 0 < len(items) <= self.buckets[-1] and all(
+            len(it.token_ids) == 1 and it.start > 0 and it.want_logits and not it.all_logits and not it.dropped
+            and not it.front and it.front_of is None and it.start < self.pages * self.bs for it in items)
+
+    @torch.inference_mode()
+    def run(self, items: Sequence[RunItem]) -> torch.Tensor:
+        """One decode step of `items` -> fp32 logits [len(items), vocab] (a fresh tensor)."""
+        n = len(items)
+        size = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self._fill(items, size)
+        self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+        graph = (self._graphs.get(size) or self._capture(size)) if self.graphs_on else None
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+        else:
+            self.step(size)
+        return self.logits[:n].clone()  # the buffer is the next step's too
+
+    def _fill(self, items: Sequence[RunItem], size: int) -> None:
+        h, bs = self.host[:size], self.bs
+        h[:, _TABLE:] = self.pad_block
+        h[:, _IDS] = 0
+        h[:, _POS] = 0
+        h[:, _SLOT] = self.pad_block * bs  # padding rows: token 0 at position 0, into the sink
+        h[:, _LEN] = 1
+        for r, it in enumerate(items):
+            p = it.start
+            blocks = it.block_ids[: p // bs + 1]
+            h[r, _IDS] = it.token_ids[0]
+            h[r, _POS] = p
+            h[r, _SLOT] = blocks[-1] * bs + p % bs
+            h[r, _LEN] = p + 1
+            h[r, _TABLE : _TABLE + len(blocks)] = torch.as_tensor(blocks)
+        self._lengths = [it.start + 1 for it in items] + [1] * (size - len(items))
+
+    def step(self, size: int) -> None:
+        """The captured function: reads inputs[:size], writes the pool and logits[:size]."""
+        model, inp = self.runner.model, self.inputs[:size]
+        pages = PageTable(inp[:, _TABLE:], inp[:, _POS], inp[:, _LEN], self.pad_block)
+        h = model.run_layers(model.embed(inp[:, _IDS]), _StaticAttention(self, pages, inp[:, _SLOT]))
+        self.logits[:size].copy_(model.logits(h))
+
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph | None:
+        """Warm the step up on a side stream (compiles the attention kernel, settles the
+        allocator), then capture it. The warm-up writes the current inputs' K/V: the same values
+        the replay writes. None (and eager decoding from then on) where this torch cannot capture
+        the step; paged attention that fails to build gives way to gathered contexts."""
+        dev = self.runner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            try:
+                self.step(size)
+            except Exception as e:  # noqa: BLE001 - a kernel this torch or Triton cannot build
+                if not self.paged:
+                    raise
+                log.warning("paged decode attention failed (%s); decoding over gathered contexts", e)
+                self.paged = False
+                self.step(size)
+            self.step(size)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):
+                self.step(size)
+        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay correct, eagerly
+            log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", e)
+            self.graphs_on = False
+            return None
+        self._mempool = graph.pool()
+        self._graphs[size] = graph
+        return graph
+
+
+class _StaticAttention(LayerAttention):
+    """Every layer of a static decode step: write the tokens' K/V at their slots, attend over the
+    block table."""
+
+    def __init__(self, sd: StaticDecode, pages: PageTable, slots: torch.Tensor) -> None:
+        self.sd, self.pages, self.slots = sd, pages, slots
+        self.cos, self.sin = sd.runner.rope.halves(pages.starts)  # [size, 1, hd/2]: a decode sits at its start
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r = self.sd.runner
+        kc, vc = r.k_cache[li], r.v_cache[li]  # [slots, kv_heads, hd]
+        kc.index_copy_(0, self.slots, k)
+        vc.index_copy_(0, self.slots, v)
+        if self.sd.paged:
+            return paged_attention(q[:, None], kc, vc, self.pages, self.sd.bs, compiled=q.is_cuda)[:, 0]
+        return self._gathered(q, kc, vc)
+
+    def _gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Each context gathered through the table to the whole key blocks the exact kernel reads
+        (zero past its length: a stale slot may hold NaN), then one attention call. q [size, heads, hd]."""
+        lengths, bs = self.sd._lengths, self.sd.bs
+        # The exact kernel's width: whole key blocks up to the longest context. A captured step's
+        # shapes are fixed, so it gathers the whole table.
+        width = self.sd.pages * bs if self.sd.graphs_on else -(-max(lengths) // KEY_BLOCK) * KEY_BLOCK
+        table = self.pages.table[:, : -(-width // bs)]
+        table = F.pad(table, (0, -(-width // bs) - table.shape[1]), value=self.sd.pad_block)
+        slots = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).flatten(1)[:, :width]  # [size, width]
+        valid = torch.arange(width, device=table.device)[None, :] < self.pages.lengths[:, None]  # [size, width]
+        ks, vs = (c.index_select(0, slots.flatten()).view(*slots.shape, *c.shape[1:]) for c in (kc, vc))
+        ks, vs = (x.masked_fill_(~valid[:, :, None, None], 0) for x in (ks, vs))  # [size, width, kvh, hd]
+        if exact_cpu(q.device):
+            return decode_attention(q, ks, vs, lengths)
+        out = F.scaled_dot_product_attention(q[:, :, None], ks.transpose(1, 2), vs.transpose(1, 2),
+                                             attn_mask=valid[:, None, None, :], enable_gqa=q.shape[1] != kc.shape[1])
+        return out[:, :, 0]  # [size, heads, hd]

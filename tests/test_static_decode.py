@@ -1,0 +1,118 @@
+"""The static-buffer decode step (what CUDA graphs capture, engine/runner/static_decode.py) run
+eagerly on the CPU, against the engine's dynamic decode: the same logits, bit for bit, at every
+step of a ragged batch (fp32 and bf16); the paged FlexAttention backend CUDA uses, against the
+same, to rounding; and the per-device budgets (engine/budget.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine import budget
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.engine.runner.static_decode import StaticDecode, buckets
+from kvtier.models.loading import load_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    # Ragged: inside a block, at a block edge, over a 512-key block of the exact kernel.
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 32, 530, 95, 300)]
+
+
+def _record(engine: Engine, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Every step's logits, and the generated ids."""
+    steps: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def recording(*a, **kw):
+        out = execute(*a, **kw)
+        steps.append(out.clone())
+        return out
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    try:
+        outs = engine.generate(prompts, GREEDY)
+    finally:
+        engine.close()
+    return steps, [o.output_ids for o in outs]
+
+
+def _engine(m, static: bool) -> Engine:
+    return Engine(m, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, static_decode=static))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_static_decode_step_equals_dynamic_decode_bit_for_bit(dtype: str):
+    m = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
+    prompts = _prompts(m.config.vocab_size)
+    want, want_ids = _record(_engine(m, static=False), prompts)
+    e = _engine(m, static=True)
+    sd = e.runner.decoder
+    assert isinstance(sd, StaticDecode) and not sd.graphs_on
+    calls = []
+    run = sd.run
+    sd.run = lambda items: calls.append(len(items)) or run(items)  # type: ignore[method-assign]
+    got, got_ids = _record(e, prompts)
+    assert got_ids == want_ids
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # Plain decode steps went through the static step: 5 requests (bucket 8), then fewer as they end.
+    assert calls and calls[0] == 5 and sum(calls) >= 5 * (GREEDY.max_tokens - 2)
+
+
+def test_paged_backend_decodes_the_same_tokens():
+    """The backend CUDA captures (FlexAttention over the block table, eager here) against the
+    dynamic decode: the same greedy tokens, logits to fp32 rounding."""
+    m = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    prompts = _prompts(m.config.vocab_size)[:3]
+    want, want_ids = _record(_engine(m, static=False), prompts)
+    e = _engine(m, static=True)
+    assert e.runner.decoder is not None
+    e.runner.decoder.paged = True
+    e.runner.k_cache.zero_()  # the eager kernel reads the whole pool (weighted 0): no stale NaN
+    e.runner.v_cache.zero_()
+    got, got_ids = _record(e, prompts)
+    assert got_ids == want_ids
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_buckets():
+    assert buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert buckets(5) == (1, 2, 4, 5)
+    assert buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)
+
+
+def test_budgets_per_device():
+    cfg = load_model("tiny-gqa", dtype="fp32", tokenizer=False).config
+    cpu = budget.choose(EngineConfig(), cfg, torch.float32, torch.device("cpu"))
+    assert (cpu.max_batched_tokens, cpu.kv_cache_bytes, cpu.static_decode) == (2048, 4 << 30, False)
+    gib = 1 << 30
+    mem = budget.DeviceMemory(total=80 * gib, free=70 * gib)  # 10 GiB of weights loaded
+    gpu = budget.choose(EngineConfig(), cfg, torch.bfloat16, torch.device("cuda"), memory=mem)
+    act = budget.step_activation_bytes(cfg, 2, 16384, 64)
+    assert gpu.max_batched_tokens == 16384 and gpu.static_decode
+    assert gpu.kv_cache_bytes == int(0.9 * 80 * gib) - 10 * gib - act - budget.GPU_SLACK_BYTES
+    half = budget.choose(EngineConfig(memory_utilization=0.5), cfg, torch.bfloat16, torch.device("cuda"), memory=mem)
+    assert half.kv_cache_bytes == 40 * gib - 10 * gib - act - budget.GPU_SLACK_BYTES
+    # What the config sets wins, on either device.
+    fixed = budget.choose(EngineConfig(kv_cache_bytes=gib, max_batched_tokens=512, static_decode=False), cfg,
+                          torch.bfloat16, torch.device("cuda"), memory=mem)
+    assert (fixed.kv_cache_bytes, fixed.max_batched_tokens, fixed.static_decode) == (gib, 512, False)
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        budget.choose(EngineConfig(memory_utilization=0.1), cfg, torch.bfloat16, torch.device("cuda"), memory=mem)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        EngineConfig(memory_utilization=1.5)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        m = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+        e = _engine(m, static=True)
+        try:
+            StaticDecode(e.runner, 4, 1024, graphs=True)
+        finally:
+            e.close()
