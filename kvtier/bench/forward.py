@@ -11,7 +11,13 @@ decoded tokens costs), `decode+save+backlog` while the writer still writes them 
 prompts just arrived). `continuation` rows time a chunk of new tokens after a history the
 engine holds in its prefix cache (HF: the same chunk on a cache of that history). `--modes
 exact,inexact` runs our rows twice, the exact default and `--fast-inexact`, so the cost of
-exactness comes from the same run.
+exactness comes from the same run; mode `eager` is the exact engine with its decode steps dynamic
+(no static buffers, no CUDA graphs: `--enforce-eager`).
+
+Decode rows also time HF with a static cache under `torch.compile(mode="reduce-overhead")` (the
+gpt-fast recipe: one CUDA graph per step) where `--hf-compiled` is on (by default on a GPU), and
+every row is set beside its roofline (bench/roofline.py: this machine's copy bandwidth and matmul
+rate, measured in the same run).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench import roofline
 from kvtier.dtypes import name_of
 
 # One warm-up call, then the median of `repeats` synchronized calls: the calibration's own timer.
@@ -46,7 +53,13 @@ class Row:
     kvtier_tok_s: float
     hf_tok_s: float
     repeats: int
-    mode: str = "exact"  # "exact" (the default) or "inexact" (--fast-inexact)
+    mode: str = "exact"  # "exact" (the default), "inexact" (--fast-inexact) or "eager" (exact, dynamic decode)
+    roofline_tok_s: float = float("nan")  # the fastest this row can run here (bench/roofline.py)
+    hf_compiled_tok_s: float = float("nan")  # HF, static cache, torch.compile reduce-overhead (decode rows)
+
+    @property
+    def of_roofline(self) -> float:
+        return self.kvtier_tok_s / self.roofline_tok_s
 
     @property
     def speedup(self) -> float:
@@ -57,14 +70,16 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-_EXACT = True  # the mode of the engines `run` builds
+MODES = {"exact": {}, "inexact": {"exact": False}, "eager": {"static_decode": False}}
+_MODE: dict = {}  # EngineConfig settings of the mode `run` is in
 
 
 def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None, prefix_cache: bool = False) -> Engine:
-    # The default per-step token budget, as users run it: a long prompt is prefilled in chunks.
+    # The device's default per-step token budget, as users run it: a long prompt is prefilled in
+    # chunks of it (2048 tokens on a CPU, 16384 on a GPU).
     kv = ModelRunner.bytes_per_block(loaded.module, 16) * seqs * (max_len // 16 + 2)
-    return Engine(loaded, EngineConfig(kv_cache_bytes=max(kv, 256 << 20), max_model_len=max_len,
-                                       enable_prefix_cache=prefix_cache, exact=_EXACT),
+    return Engine(loaded, EngineConfig(kv_cache_bytes=max(kv, 256 << 20), max_model_len=max_len, max_num_seqs=max(seqs, 8),
+                                       enable_prefix_cache=prefix_cache, **_MODE),
                   store=store, reuse=ReuseConfig(method="kv", lookahead=False) if store else None)
 
 
@@ -112,11 +127,37 @@ def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int
                  store: str | None = None, drain: bool = False) -> tuple[float, float]:
     """Decode tokens/s of `batch` sequences after `prompt_len`-token prompts: kvtier's engine (with
     `store`, saving every token's state; `drain`: the prompts' saves written before the timed
-    decode) and HF transformers' (None when hf is None)."""
+    decode) and HF transformers' (nan when hf is None)."""
+    ours = batch * new / _engine_decode(loaded, batch, prompt_len, new, repeats, store, drain)
+    if hf is None:
+        return ours, float("nan")
+    prompts = [_prompt(prompt_len, loaded.config.vocab_size, 1000 + i) for i in range(batch)]
+
+    def hf_decode() -> float:
+        with torch.inference_mode():
+            ids = torch.tensor(prompts, device=hf.lm_head.weight.device)
+            out = hf(ids, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            past = out.past_key_values
+            _sync()
+            t = time.perf_counter()
+            for _ in range(new):
+                out = hf(nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync()
+            return time.perf_counter() - t
+
+    hf_decode()
+    return ours, batch * new / statistics.median(hf_decode() for _ in range(repeats))
+
+
+def _engine_decode(loaded, batch: int, prompt_len: int, new: int, repeats: int, store: str | None,
+                   drain: bool) -> float:
+    """Median seconds of kvtier decoding `new` tokens for `batch` sequences. Its own function, so
+    the engine's pool is freed before HF allocates a cache as large (an 8B model at 32 x 8K: 32 GB)."""
     prompts = [_prompt(prompt_len, loaded.config.vocab_size, 1000 + i) for i in range(batch)]
     engine = _engine(loaded, prompt_len + new + 16, batch, store)
     params = SamplingParams(max_tokens=new + 1, temperature=0, ignore_eos=True)
-
     calls = [0]
 
     def ours_decode() -> float:
@@ -134,83 +175,115 @@ def bench_decode(loaded, hf, batch: int, prompt_len: int, new: int, repeats: int
             engine.step()
         return time.perf_counter() - t
 
-    def hf_decode() -> float:
+    try:
+        ours_decode()  # warm-up
+        return statistics.median(ours_decode() for _ in range(repeats))
+    finally:
+        engine.close()
+
+
+def hf_compiled_decode(hf, batch: int, prompt_len: int, new: int, repeats: int) -> float:
+    """Decode tokens/s of HF with a static cache and its forward under torch.compile
+    (reduce-overhead: a CUDA graph per step), the gpt-fast recipe; prefill is eager and untimed."""
+    from transformers import StaticCache
+
+    dev = hf.lm_head.weight.device
+    vocab = hf.config.vocab_size
+    ids = torch.tensor([_prompt(prompt_len, vocab, 1000 + i) for i in range(batch)], device=dev)
+    try:  # transformers 5: sized on first use
+        cache = StaticCache(config=hf.config, max_cache_len=prompt_len + new + 1)
+    except TypeError:  # transformers 4
+        cache = StaticCache(config=hf.config, max_batch_size=batch, max_cache_len=prompt_len + new + 1,
+                            device=dev, dtype=hf.dtype)
+
+    def forward(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return hf(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    step = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+
+    def timed() -> float:
         with torch.inference_mode():
-            ids = torch.tensor(prompts, device=hf.lm_head.weight.device)
-            out = hf(ids, use_cache=True, logits_to_keep=1)
+            cache.reset()
+            out = hf(ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=dev), use_cache=True,
+                     logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            past = out.past_key_values
+            positions = torch.arange(prompt_len, prompt_len + new, device=dev)
             _sync()
             t = time.perf_counter()
-            for _ in range(new):
-                out = hf(nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            for i in range(new):
+                nxt = step(nxt, positions[i : i + 1])[:, -1].argmax(-1, keepdim=True)
             _sync()
             return time.perf_counter() - t
 
-    try:
-        ours_decode()  # warm-up
-        ours = statistics.median(ours_decode() for _ in range(repeats))
-        if store is not None:
-            engine.flush()
-    finally:
-        engine.close()
-    if hf is None:
-        return batch * new / ours, float("nan")
-    hf_decode()
-    theirs = statistics.median(hf_decode() for _ in range(repeats))
-    return batch * new / ours, batch * new / theirs
+    timed()  # compiles and captures
+    timed()
+    return batch * new / statistics.median(timed() for _ in range(repeats))
 
 
 def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int,
         device: str = "auto", prompt_len: int = 128, saving: bool = False, modes: tuple[str, ...] = ("exact",),
-        continuations: list[int] | None = None, history: int = 2048) -> list[Row]:
+        continuations: list[int] | None = None, history: int = 2048, hf_compiled: bool | None = None) -> list[Row]:
     from kvtier.bench.hf import build_hf
 
-    global _EXACT
+    global _MODE
     rows = []
     for dt in dtypes:
         loaded = load_model(model, dtype=dt, device=device, tokenizer=False)
         hf = build_hf(loaded)
         name = name_of(loaded.dtype)
+        dev = loaded.module.lm_head.weight.device
+        compiled = dev.type == "cuda" if hf_compiled is None else hf_compiled
+        rates = roofline.measure(dev, loaded.dtype)
+        shape = roofline.shape_of(loaded.module)
+        print(f"  {name} on {dev}: copy {rates.bandwidth / 1e9:.1f} GB/s, matmul {rates.flops / 1e12:.2f} TFLOP/s",
+              flush=True)
         for mode in modes:
-            _EXACT = mode == "exact"
+            _MODE = MODES[mode]
             for n in lengths:
                 o, h = bench_prefill(loaded, hf, n, repeats)
-                rows.append(Row(model, name, "prefill", n, o, h, repeats, mode))
-                print(f"  prefill {name} {mode} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s",
-                      flush=True)
+                rows.append(Row(model, name, "prefill", n, o, h, repeats, mode, roofline.prefill_tok_s(shape, rates, n)))
+                print(f"  prefill {name} {mode} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s "
+                      f"({rows[-1].of_roofline:.0%} of the roofline)", flush=True)
             for n in continuations or []:
                 o, h = bench_continuation(loaded, hf, history, n, repeats)
-                rows.append(Row(model, name, "continuation", n, o, h, repeats, mode))
+                rows.append(Row(model, name, "continuation", n, o, h, repeats, mode,
+                                roofline.prefill_tok_s(shape, rates, n, history)))
                 print(f"  continuation {name} {mode} {n} after {history}: kvtier {o:8.1f} tok/s  "
                       f"transformers {h:8.1f} tok/s", flush=True)
             for b in batches:
                 o, h = bench_decode(loaded, hf, b, prompt_len, new_tokens, repeats)
-                rows.append(Row(model, name, "decode", b, o, h, repeats, mode))
+                c = hf_compiled_decode(hf, b, prompt_len, new_tokens, repeats) if compiled and mode == modes[0] \
+                    else float("nan")
+                roof = roofline.decode_tok_s(shape, rates, b, prompt_len + new_tokens // 2)
+                rows.append(Row(model, name, "decode", b, o, h, repeats, mode, roof, c))
                 print(f"  decode  {name} {mode} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  "
-                      f"transformers {h:8.1f} tok/s", flush=True)
+                      f"transformers {h:8.1f} tok/s  compiled {c:8.1f} tok/s ({o / roof:.0%} of the roofline)",
+                      flush=True)
                 # The same decode saving every token's state; compared with the row above.
                 for phase, drain in (("decode+save", True), ("decode+save+backlog", False)) if saving else ():
                     s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, "memory:16GB", drain)
-                    rows.append(Row(model, name, phase, b, s, o, repeats, mode))
+                    rows.append(Row(model, name, phase, b, s, o, repeats, mode, roof))
                     print(f"  {phase} {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)", flush=True)
-    _EXACT = True
+        del hf, loaded
+    _MODE = {}
     return rows
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| dtype | mode | phase | tokens / batch | kvtier tok/s | transformers tok/s | kvtier / HF |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | mode | phase | tokens / batch | kvtier tok/s | transformers tok/s | kvtier / HF "
+             "| HF compiled tok/s | roofline tok/s | kvtier / roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        c = f"{r.hf_compiled_tok_s:.1f}" if r.hf_compiled_tok_s == r.hf_compiled_tok_s else "-"
         lines.append(f"| {r.dtype} | {r.mode} | {r.phase} | {r.tokens} | {r.kvtier_tok_s:.1f} | {r.hf_tok_s:.1f} "
-                     f"| {r.speedup:.2f}x |")
-    inexact = {(r.dtype, r.phase, r.tokens): r.kvtier_tok_s for r in rows if r.mode == "inexact"}
-    costs = [(r, inexact[r.dtype, r.phase, r.tokens]) for r in rows
-             if r.mode == "exact" and (r.dtype, r.phase, r.tokens) in inexact]
-    if costs:
-        lines += ["", "| dtype | phase | tokens / batch | exact / inexact throughput |", "|---|---|---|---|"]
-        lines += [f"| {r.dtype} | {r.phase} | {r.tokens} | {r.kvtier_tok_s / fast:.2f}x |" for r, fast in costs]
+                     f"| {r.speedup:.2f}x | {c} | {r.roofline_tok_s:.0f} | {r.of_roofline:.0%} |")
+    for other in ("inexact", "eager"):
+        by = {(r.dtype, r.phase, r.tokens): r.kvtier_tok_s for r in rows if r.mode == other}
+        pairs = [(r, by[r.dtype, r.phase, r.tokens]) for r in rows
+                 if r.mode == "exact" and (r.dtype, r.phase, r.tokens) in by]
+        if pairs:
+            lines += ["", f"| dtype | phase | tokens / batch | exact / {other} throughput |", "|---|---|---|---|"]
+            lines += [f"| {r.dtype} | {r.phase} | {r.tokens} | {r.kvtier_tok_s / x:.2f}x |" for r, x in pairs]
     for dt in dict.fromkeys(r.dtype for r in rows):
         dec = {r.tokens: r.kvtier_tok_s for r in rows if r.dtype == dt and r.phase == "decode" and r.mode == "exact"}
         if 1 in dec and len(dec) > 1:
@@ -222,13 +295,18 @@ def markdown(rows: list[Row]) -> str:
 def cmd(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     print(f"bench forward: {args.model}, threads={torch.get_num_threads()}, repeats={args.repeats}")
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {', '.join(bad)} (use {', '.join(MODES)})")
     rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats, args.device,
-               args.prompt_len, args.saving, tuple(args.modes), args.continuation, args.history)
+               args.prompt_len, args.saving, tuple(args.modes), args.continuation, args.history,
+               {"auto": None, "on": True, "off": False}[args.hf_compiled])
     table = markdown(rows)
     print(table)
     if args.json:
         from kvtier.bench.common import machine_info
 
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "machine": machine_info(),
-                                               "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}, indent=2))
+                                               "rows": [asdict(r) | {"speedup": r.speedup, "of_roofline": r.of_roofline}
+                                                        for r in rows]}, indent=2))
     return 0

@@ -17,11 +17,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new-token chunks timed after a --history prefix held in the prefix cache (comma list)")
     p.add_argument("--history", type=int, default=2048, help="history before each continuation chunk (default: 2048)")
     p.add_argument("--modes", type=split_commas, default=["exact"],
-                   help="exact (the default engine) and/or inexact (--fast-inexact), comma list (default: exact)")
+                   help="exact (the default engine), inexact (--fast-inexact) and/or eager (exact, decode steps "
+                   "without static buffers or CUDA graphs), comma list (default: exact)")
     p.add_argument("--batch", type=int_list, default=[1, 8], help="decode batch sizes (comma list)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
     p.add_argument("--prompt-len", type=int, default=128, help="context of each decoding sequence (default: 128)")
     p.add_argument("--saving", action="store_true", help="also decode with every token saved to a memory tier")
+    p.add_argument("--hf-compiled", choices=["auto", "on", "off"], default="auto",
+                   help="also time HF decode with a static cache under torch.compile (the gpt-fast recipe); "
+                   "auto: on a GPU only (default: auto)")
     add_device_argument(p)
     p.add_argument("--repeats", type=int, default=3, help="timed runs; medians are reported (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
