@@ -186,12 +186,15 @@ def test_the_memory_tier_pins_an_arena_within_its_capacity(gqa_cuda):
 def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
     """Chunked prefill over a history and batched decode through varlen_attn (packed, no masks)
     give the tokens the SDPA paths (masked, padded) give."""
+    from kvtier.engine.runner import model_runner
     from kvtier.models import varlen
 
     model = load_model("tiny-gqa", dtype="bf16", device="cuda", tokenizer=False)
-    cfg = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_batched_tokens=48)
+    # Dynamic decode steps (no static buffers), so the packed decode path is the one under test.
+    cfg = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_batched_tokens=48, static_decode=False)
     ids = _ids(model)
     prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33]]
+    monkeypatch.setattr(model_runner, "PACK_DECODES", True)
     on = Engine(model, cfg)
     if not on.runner.packed_decode:
         pytest.skip(f"varlen_attn is not usable on this device/torch (paged={varlen.paged})")
@@ -267,7 +270,7 @@ def test_graph_captured_decode_equals_eager_decode(dtype):
     ids = _ids(model)
     prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33], ids[40:57]]
     graphed, g_ids, sd = _decode_logits(model, None, prompts)
-    assert sd is not None and sd.graphs_on and sd.replays > 0 and sd.paged
+    assert sd is not None and sd.graphs_on and sd.replays > 0 and not sd.paged
     eager, e_ids, _ = _decode_logits(model, True, prompts, graphs=False)
     assert g_ids == e_ids
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
@@ -275,6 +278,22 @@ def test_graph_captured_decode_equals_eager_decode(dtype):
     assert none is None
     for a, b in zip(g_ids, d_ids):
         assert a == b if dtype == "fp32" else sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)
+
+
+def test_graph_captured_paged_decode_decodes_the_same_tokens(gqa_cuda):
+    """The FlexAttention backend (the pool read in place, compiled through Triton) captured in the
+    graphs: the tokens of the gathering backend."""
+    ids = _ids(gqa_cuda)
+    prompts = [ids[:150], ids[20:90], ids[5:200]]
+    _, want, _ = _decode_logits(gqa_cuda, None, prompts)
+    engine = Engine(gqa_cuda, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=8))
+    assert engine.runner.decoder is not None
+    engine.runner.decoder.paged = True
+    try:
+        got = [o.output_ids for o in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.close()
+    assert engine.runner.decoder.replays > 0 and got == want
 
 
 def test_paged_attention_compiled_equals_gathered_sdpa():

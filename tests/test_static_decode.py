@@ -12,7 +12,8 @@ from kvtier.engine import budget
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner.static_decode import StaticDecode, buckets
+from kvtier.engine.runner.static_decode import StaticDecode, buckets, widths
+from kvtier.models import invariant
 from kvtier.models.loading import load_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -42,8 +43,9 @@ def _record(engine: Engine, prompts: list[list[int]]) -> tuple[list[torch.Tensor
     return steps, [o.output_ids for o in outs]
 
 
-def _engine(m, static: bool) -> Engine:
-    return Engine(m, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, static_decode=static))
+def _engine(m, static: bool, exact: bool = True) -> Engine:
+    return Engine(m, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, static_decode=static,
+                                  exact=exact))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -83,7 +85,26 @@ def test_paged_backend_decodes_the_same_tokens():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_bucketed_gather_decodes_the_same_tokens():
+    """The gathering backend CUDA captures (contexts to a bucketed width, one masked SDPA call),
+    run here under --fast-inexact where the CPU takes it too: the dynamic decode's tokens."""
+    m = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    prompts = _prompts(m.config.vocab_size)
+    try:
+        want, want_ids = _record(_engine(m, static=False, exact=False), prompts)
+        e = _engine(m, static=True, exact=False)
+        assert e.runner.decoder is not None and not e.runner.decoder.exact
+        got, got_ids = _record(e, prompts)
+    finally:
+        invariant.set_exact(True)  # process-wide: the next test's kernels are the exact ones
+    assert got_ids == want_ids
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_buckets():
+    assert widths(4096) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    assert widths(1000) == (256, 384, 512, 768, 1000)
     assert buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert buckets(5) == (1, 2, 4, 5)
     assert buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)

@@ -29,6 +29,8 @@ from kvtier.store.tiers.base import PoolTarget
 if TYPE_CHECKING:
     from kvtier.engine.runner.static_decode import StaticDecode
 
+PACK_DECODES = False  # decodes through varlen_attn over packed contexts where usable (see ModelRunner)
+
 # capture(layer, offsets, h [tokens, hidden], k [tokens, kv_heads, hd] rotated, v [tokens, kv_heads, hd]):
 # once per layer for the whole step; run i is rows offsets[i]:offsets[i+1].
 CaptureFn = Callable[[int, tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -183,7 +185,11 @@ class ModelRunner:
 
         self.k_cache = pool()  # [layers, slots, kv_heads, hd]
         self.v_cache = pool()
-        self.packed_decode = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        # Batched decodes gather their contexts to the longest and make one masked SDPA call with
+        # grouped K/V heads; packing them for varlen_attn instead measured 2-7.5x slower on an
+        # H200 (torch 2.11's has no grouped heads: K/V repeated per query head; docs/benchmarks.md).
+        self.packed_decode = PACK_DECODES and varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads,
+                                                            cfg.head_dim)
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
         # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
         self.decoder: StaticDecode | None = None

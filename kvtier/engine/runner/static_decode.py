@@ -1,18 +1,23 @@
 """The decode step over static buffers: the code CUDA graphs capture.
 
 A step in which every run decodes one token (no restore placing layers, no partial caching, no
-hidden states captured for saving) has shapes set by its batch size alone once its inputs sit in
-buffers allocated up front: token ids, positions, the pool slot each token's K/V goes to, the
-context lengths and the block table. The batch is padded up to a bucket (1, 2, 4, 8, then steps of
-8 up to 32 and of 16 beyond, as nano-vllm buckets); a padding row decodes token 0 at position 0
-into the pool's sink with a context of one, so it writes nowhere a request owns.
+hidden states captured for saving) has shapes set by its batch size and its longest context
+alone once its inputs sit in buffers allocated up front: token ids, positions, the pool slot each
+token's K/V goes to, the context lengths and the block table. The batch is padded up to a bucket
+(1, 2, 4, 8, then steps of 8 up to 32 and of 16 beyond, as nano-vllm buckets); a padding row
+decodes token 0 at position 0 into the pool's sink with a context of one, so it writes nowhere a
+request owns.
 
-On CUDA each bucket's step is captured into a CUDA graph on first use and replayed after: a step
-is one host-to-device copy of its inputs and one replay, and the sampled ids are its one host
-sync. Attention there reads the pool in place through the block table (`models.paged`, compiled
-FlexAttention). Elsewhere the same step runs eagerly, and on the CPU its attention gathers each
-context and runs the exact decode kernel (`models.attention.decode_attention`), so a static step
-is the same bits as the engine's dynamic one (tests/test_static_decode.py).
+Attention gathers each context through the block table to a common width and makes one SDPA call
+with grouped K/V heads and a length mask: on an H200 that beat FlexAttention reading the pool in
+place by 3.5-6x and the packed varlen path by 6-7.5x (docs/benchmarks.md, "Paged decode attention
+candidates"). On CUDA the width is bucketed too (256 tokens, then steps of x1.5 and x4/3 alternately:
+256, 384, 512, 768, ...), so a step reads at most 1.5x its longest context, and each (batch, width)
+bucket's step is captured into a CUDA graph on first use and replayed after: one host-to-device
+copy of the inputs and one replay per step; the sampled ids are its one host sync. On the CPU the
+step runs eagerly at the exact kernel's width (`models.attention.decode_attention`), so a static
+step is the same bits as the engine's dynamic one (tests/test_static_decode.py). `paged = True`
+swaps in FlexAttention over the pool in place (`models.paged`), kept for measurement.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ log = logging.getLogger(__name__)
 _IDS, _POS, _SLOT, _LEN, _TABLE = 0, 1, 2, 3, 4  # columns of the input buffer; the table is the rest
 
 
+def widths(max_tokens: int) -> tuple[int, ...]:
+    """Context widths a CUDA step gathers to: 256, 384, 512, 768, 1024, ... then `max_tokens`."""
+    sizes, w = [], 256
+    while w < max_tokens:
+        sizes += [w, w * 3 // 2]
+        w *= 2
+    return tuple(x for x in sizes if x < max_tokens) + (max_tokens,)
+
+
 def buckets(max_seqs: int) -> tuple[int, ...]:
     """Batch sizes a step is padded up to: 1, 2, 4, 8, then every 8 to 32, every 16 after."""
     sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_seqs + 16, 16))
@@ -53,13 +67,15 @@ class StaticDecode:
         self.graphs_on = dev.type == "cuda" if graphs is None else graphs
         if self.graphs_on and dev.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {dev}")
-        self.paged = dev.type == "cuda"  # the CPU keeps its exact kernel (see the module doc)
+        self.paged = False  # FlexAttention over the pool in place instead of gathering (measured slower)
+        self.exact = exact_cpu(dev)  # the CPU's exact kernel: widths are whole key blocks, not buckets
+        self.widths = widths(self.pages * bs)
         cols, size = _TABLE + self.pages, self.buckets[-1]
         # Every input in one buffer [max bucket, 4 + pages] (one upload per step), and its host twin.
         self.inputs = torch.zeros(size, cols, dtype=torch.long, device=dev)
         self.host = torch.zeros(size, cols, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.logits = torch.empty(size, runner.model.cfg.vocab_size, dtype=torch.float32, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch, width) bucket
         self._mempool: Any = None  # one memory pool shared by every bucket's graph
         self._lengths: list[int] = []  # the step's context lengths on the host (the CPU kernel's widths)
         self.replays = 0
@@ -75,14 +91,20 @@ class StaticDecode:
         """One decode step of `items` -> fp32 logits [len(items), vocab] (a fresh tensor)."""
         n = len(items)
         size = self.buckets[bisect.bisect_left(self.buckets, n)]
+        longest = max(it.start for it in items) + 1
+        if self.exact:
+            width = -(-longest // KEY_BLOCK) * KEY_BLOCK
+        else:
+            width = self.widths[bisect.bisect_left(self.widths, longest)]
         self._fill(items, size)
         self.inputs[:size].copy_(self.host[:size], non_blocking=True)
-        graph = (self._graphs.get(size) or self._capture(size)) if self.graphs_on else None
+        key = (size, width)
+        graph = (self._graphs.get(key) or self._capture(key)) if self.graphs_on else None
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
-            self.step(size)
+            self.step(size, width)
         return self.logits[:n].clone()  # the buffer is the next step's too
 
     def _fill(self, items: Sequence[RunItem], size: int) -> None:
@@ -102,42 +124,37 @@ class StaticDecode:
             h[r, _TABLE : _TABLE + len(blocks)] = torch.as_tensor(blocks)
         self._lengths = [it.start + 1 for it in items] + [1] * (size - len(items))
 
-    def step(self, size: int) -> None:
-        """The captured function: reads inputs[:size], writes the pool and logits[:size]."""
+    def step(self, size: int, width: int) -> None:
+        """The captured function: reads inputs[:size], writes the pool and logits[:size]; contexts
+        are gathered to `width` tokens."""
         model, inp = self.runner.model, self.inputs[:size]
         pages = PageTable(inp[:, _TABLE:], inp[:, _POS], inp[:, _LEN], self.pad_block)
-        h = model.run_layers(model.embed(inp[:, _IDS]), _StaticAttention(self, pages, inp[:, _SLOT]))
+        attention = _StaticAttention(self, pages, inp[:, _SLOT], width)
+        h = model.run_layers(model.embed(inp[:, _IDS]), attention)
         self.logits[:size].copy_(model.logits(h))
 
-    def _capture(self, size: int) -> torch.cuda.CUDAGraph | None:
-        """Warm the step up on a side stream (compiles the attention kernel, settles the
-        allocator), then capture it. The warm-up writes the current inputs' K/V: the same values
+    def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
+        """Warm the step up on a side stream (settles the allocator; compiles a kernel where one
+        is compiled), then capture it. The warm-up writes the current inputs' K/V: the same values
         the replay writes. None (and eager decoding from then on) where this torch cannot capture
-        the step; paged attention that fails to build gives way to gathered contexts."""
+        the step."""
         dev = self.runner.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            try:
-                self.step(size)
-            except Exception as e:  # noqa: BLE001 - a kernel this torch or Triton cannot build
-                if not self.paged:
-                    raise
-                log.warning("paged decode attention failed (%s); decoding over gathered contexts", e)
-                self.paged = False
-                self.step(size)
-            self.step(size)
+            for _ in range(2):
+                self.step(*key)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._mempool):
-                self.step(size)
+                self.step(*key)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay correct, eagerly
             log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", e)
             self.graphs_on = False
             return None
         self._mempool = graph.pool()
-        self._graphs[size] = graph
+        self._graphs[key] = graph
         return graph
 
 
@@ -145,9 +162,15 @@ class _StaticAttention(LayerAttention):
     """Every layer of a static decode step: write the tokens' K/V at their slots, attend over the
     block table."""
 
-    def __init__(self, sd: StaticDecode, pages: PageTable, slots: torch.Tensor) -> None:
+    def __init__(self, sd: StaticDecode, pages: PageTable, slots: torch.Tensor, width: int) -> None:
         self.sd, self.pages, self.slots = sd, pages, slots
         self.cos, self.sin = sd.runner.rope.halves(pages.starts)  # [size, 1, hd/2]: a decode sits at its start
+        if not sd.paged:  # the gather's slots and mask: the same for every layer
+            bs, dev = sd.bs, slots.device
+            n_pages = -(-width // bs)
+            table = F.pad(pages.table[:, :n_pages], (0, max(0, n_pages - pages.table.shape[1])), value=sd.pad_block)
+            self.gather = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :width]  # [size, width]
+            self.valid = torch.arange(width, device=dev)[None, :] < pages.lengths[:, None]  # [size, width]
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,23 +183,12 @@ class _StaticAttention(LayerAttention):
         vc.index_copy_(0, self.slots, v)
         if self.sd.paged:
             return paged_attention(q[:, None], kc, vc, self.pages, self.sd.bs, compiled=q.is_cuda)[:, 0]
-        return self._gathered(q, kc, vc)
-
-    def _gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        """Each context gathered through the table to the whole key blocks the exact kernel reads
-        (zero past its length: a stale slot may hold NaN), then one attention call. q [size, heads, hd]."""
-        lengths, bs = self.sd._lengths, self.sd.bs
-        # The exact kernel's width: whole key blocks up to the longest context. A captured step's
-        # shapes are fixed, so it gathers the whole table.
-        width = self.sd.pages * bs if self.sd.graphs_on else -(-max(lengths) // KEY_BLOCK) * KEY_BLOCK
-        table = self.pages.table[:, : -(-width // bs)]
-        table = F.pad(table, (0, -(-width // bs) - table.shape[1]), value=self.sd.pad_block)
-        slots = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).flatten(1)[:, :width]  # [size, width]
-        valid = torch.arange(width, device=table.device)[None, :] < self.pages.lengths[:, None]  # [size, width]
-        ks, vs = (c.index_select(0, slots.flatten()).view(*slots.shape, *c.shape[1:]) for c in (kc, vc))
-        ks, vs = (x.masked_fill_(~valid[:, :, None, None], 0) for x in (ks, vs))  # [size, width, kvh, hd]
-        if exact_cpu(q.device):
-            return decode_attention(q, ks, vs, lengths)
+        # Each context gathered to the step's width, zero past its length (a stale slot may hold
+        # NaN, which a 0 weight would not cancel): [size, width, kv_heads, hd].
+        ks, vs = (c.index_select(0, self.gather.flatten()).view(*self.gather.shape, *c.shape[1:]) for c in (kc, vc))
+        ks, vs = (x.masked_fill_(~self.valid[:, :, None, None], 0) for x in (ks, vs))
+        if self.sd.exact:
+            return decode_attention(q, ks, vs, self.sd._lengths)
         out = F.scaled_dot_product_attention(q[:, :, None], ks.transpose(1, 2), vs.transpose(1, 2),
-                                             attn_mask=valid[:, None, None, :], enable_gqa=q.shape[1] != kc.shape[1])
+                                             attn_mask=self.valid[:, None, None, :], enable_gqa=q.shape[1] != kc.shape[1])
         return out[:, :, 0]  # [size, heads, hd]
