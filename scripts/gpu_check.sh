@@ -6,14 +6,15 @@
 # kvtier runs from this checkout with the machine's torch (nothing is installed over it). Python
 # packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c, blake3, llguidance: see
 # docs/benchmarks.md for the download line); they are unpacked into a private directory.
-# Environment knobs: MODELS, CONTEXTS, TIERS, MHA_MODEL, MHA_CONTEXTS, BANDWIDTHS, REPEATS, FORWARD_MODEL,
-# FORWARD_PREFILL, FORWARD_BATCH, FORWARD_CONTEXT, SKIP_TESTS=1, PROBES=1 (exactness and the copy and
-# attention candidates, about 60 s), SKIP_BENCH=1, SKIP_MHA=1, COPY_AB=1 (the kv restore again with
-# KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1.
-# The defaults take about 500 s on an H200 (2026-11-26: 26 s of tests, 155 s for llama3-8b at 8K and
-# 16K, 70 s for llama2-7b at 8K, 250 s of forward with its three decode rows per batch): one
-# 10-minute call. Under a shorter limit, split them with the knobs (a 420 s run did not reach the
-# batch-32 saving rows).
+# Environment knobs: MODELS, CONTEXTS, TIERS, MHA_MODEL, MHA_CONTEXTS, BANDWIDTHS, REPEATS, FORWARD_MODELS,
+# FORWARD_MODES, FORWARD_PREFILL, FORWARD_CONTINUATION, FORWARD_BATCH, FORWARD_CONTEXT, FORWARD_SAVING_ALL=1,
+# SKIP_TESTS=1, PROBES=1 (exactness and the copy and attention candidates, about 60 s), SKIP_BENCH=1,
+# SKIP_MHA=1, COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1.
+# The tests and restores took about 250 s on an H200 (2026-11-26: 26 s of tests, 155 s for llama3-8b at
+# 8K and 16K, 70 s for llama2-7b at 8K); the forward benchmark (issue 28: three shapes, two modes,
+# HF eager and compiled) has not been timed on a GPU yet; give it a call of its own:
+#   SKIP_FORWARD=1 scripts/gpu_check.sh                               # tests + restores
+#   SKIP_TESTS=1 SKIP_BENCH=1 SKIP_MHA=1 scripts/gpu_check.sh          # forward (FORWARD_MODELS=... to split)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/gpu}
@@ -61,10 +62,18 @@ if [ -n "${COPY_AB:-}" ]; then  # the staging DMA as plain copies instead of one
   KVTIER_BATCHED_COPY=0 restore restore_unbatched --model "${MODELS:-llama3-8b}" --context 8192 --methods kv --no-baselines
 fi
 if [ -z "${SKIP_FORWARD:-}" ]; then
-  # Prefill beside HF; batched decode at long context (packed flash decode vs HF), with saving on and off.
-  $PY -m kvtier bench forward --device cuda --dtype bf16 --model "${FORWARD_MODEL:-smollm2-shape}" \
-      --prefill "${FORWARD_PREFILL:-4096,16384}" --batch "${FORWARD_BATCH:-1,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" \
-      --new-tokens 32 --repeats "${REPEATS:-3}" --saving --json "$OUT/forward_gpu.json" 2>&1 | tee "$OUT/forward_gpu.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # Issue 28: per shape, prefill beside HF; decode at batch 1, 8 and 32 with 8K contexts beside HF
+  # eager and HF with a static cache under torch.compile; every row against the roofline measured in
+  # the same run; mode eager = the same engine without static buffers and CUDA graphs. Saving rows
+  # (issue 27) on the first shape only.
+  saving=--saving
+  for model in ${FORWARD_MODELS:-smollm2-shape llama3-8b llama2-7b}; do
+    $PY -m kvtier bench forward --device cuda --dtype bf16 --model "$model" --modes "${FORWARD_MODES:-exact,eager}" \
+        --prefill "${FORWARD_PREFILL:-4096,16384}" --continuation "${FORWARD_CONTINUATION:-512}" \
+        --batch "${FORWARD_BATCH:-1,8,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" --new-tokens 32 \
+        --repeats "${REPEATS:-3}" $saving --json "$OUT/forward_$model.json" 2>&1 | tee "$OUT/forward_$model.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    saving=${FORWARD_SAVING_ALL:+--saving}
+  done
 fi
 exit $status
