@@ -65,15 +65,15 @@ if [ -z "${SKIP_FORWARD:-}" ]; then
   # Issue 28: per shape, prefill beside HF; decode at batch 1, 8 and 32 with 8K contexts beside HF
   # eager and HF with a static cache under torch.compile; every row against the roofline measured in
   # the same run; mode eager = the same engine without static buffers and CUDA graphs. Saving rows
-  # (issue 27) on the first shape only.
-  saving=--saving
+  # and the TBT while contexts restore (issues 27 and 28) on the first shape only.
+  saving="--saving --restoring"
   for model in ${FORWARD_MODELS:-smollm2-shape llama3-8b llama2-7b}; do
     $PY -m kvtier bench forward --device cuda --dtype bf16 --model "$model" --modes "${FORWARD_MODES:-exact,eager}" \
         --prefill "${FORWARD_PREFILL:-4096,16384}" --continuation "${FORWARD_CONTINUATION:-512}" \
         --batch "${FORWARD_BATCH:-1,8,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" --new-tokens 32 \
         --repeats "${REPEATS:-3}" $saving --json "$OUT/forward_$model.json" 2>&1 | tee "$OUT/forward_$model.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    saving=${FORWARD_SAVING_ALL:+--saving}
+    saving=${FORWARD_SAVING_ALL:+--saving --restoring}
   done
 fi
 exit $status

@@ -48,7 +48,10 @@ from kvtier.models.loading import load_model
 class Row:
     model: str
     dtype: str
-    phase: str  # "prefill", "continuation", "decode", "decode+save" or "decode+save+backlog" (hf_tok_s: the same decode without saving)
+    # "prefill", "continuation", "decode", "decode+save", "decode+save+backlog" (hf_tok_s: the same
+    # decode without saving) or "decode+restore" (kvtier_tok_s: batch / median TBT while contexts
+    # restore; hf_tok_s: the same decode alone, just before)
+    phase: str
     tokens: int  # prompt length (prefill), new tokens (continuation) or batch size (decode)
     kvtier_tok_s: float
     hf_tok_s: float
@@ -182,6 +185,52 @@ def _engine_decode(loaded, batch: int, prompt_len: int, new: int, repeats: int, 
         engine.close()
 
 
+def bench_decode_restoring(loaded, batch: int, prompt_len: int, new: int, repeats: int,
+                           returning: int = 2) -> tuple[float, float, float, float]:
+    """Time between tokens of `batch` decoding sequences (`prompt_len` contexts) with nothing else
+    to do, then while `returning` contexts of the same length restore from a memory tier (saved
+    earlier, then dropped from the device) until each has its first token: -> (median TBT
+    alone, median TBT while restoring, p90 of the latter, restores seen), over `repeats` rounds
+    with fresh returning contexts."""
+    vocab = loaded.config.vocab_size
+    engine = _engine(loaded, prompt_len + 64 + new * (repeats + 2) * 4, batch + returning, "memory:16GB")
+    alone: list[float] = []
+    during: list[float] = []
+    restored = 0
+    try:
+        decoding = SamplingParams(max_tokens=new * (repeats + 1) * 4, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(_prompt(prompt_len, vocab, 4000 + i), decoding)
+        started: set[str] = set()
+        while len(started) < batch:
+            started |= {o.request_id for o in engine.step()}
+        for rnd in range(repeats):
+            saved = [_prompt(prompt_len, vocab, 5000 + 97 * rnd + i) for i in range(returning)]
+            # Saved through the engine's own saver (the batch decoding beside them), then written.
+            pending = {engine.add_request(p, SamplingParams(max_tokens=1, temperature=0)) for p in saved}
+            while pending:
+                pending -= {o.request_id for o in engine.step() if o.finished}
+            engine.flush()
+            for _ in range(new):  # decode alone
+                t = time.perf_counter()
+                engine.step()
+                alone.append(time.perf_counter() - t)
+            waiting = {engine.add_request(p + _prompt(64, vocab, 6000 + 97 * rnd + i),
+                                          SamplingParams(max_tokens=2, temperature=0)) for i, p in enumerate(saved)}
+            while waiting:  # until every returning context has its first token
+                t = time.perf_counter()
+                outs = engine.step()
+                during.append(time.perf_counter() - t)
+                for o in outs:
+                    if o.request_id in waiting and o.output_ids:
+                        waiting.discard(o.request_id)
+                        restored += o.prompt_tokens_reused > 0
+    finally:
+        engine.close()
+    during.sort()
+    return (statistics.median(alone), statistics.median(during), during[int(0.9 * (len(during) - 1))], restored)
+
+
 def hf_compiled_decode(hf, batch: int, prompt_len: int, new: int, repeats: int) -> float:
     """Decode tokens/s of HF with a static cache and its forward under torch.compile
     (reduce-overhead: a CUDA graph per step), the gpt-fast recipe; prefill is eager and untimed."""
@@ -222,7 +271,8 @@ def hf_compiled_decode(hf, batch: int, prompt_len: int, new: int, repeats: int) 
 
 def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int,
         device: str = "auto", prompt_len: int = 128, saving: bool = False, modes: tuple[str, ...] = ("exact",),
-        continuations: list[int] | None = None, history: int = 2048, hf_compiled: bool | None = None) -> list[Row]:
+        continuations: list[int] | None = None, history: int = 2048, hf_compiled: bool | None = None,
+        restoring: bool = False) -> list[Row]:
     from kvtier.bench.hf import build_hf
 
     global _MODE
@@ -259,6 +309,11 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
                 print(f"  decode  {name} {mode} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  "
                       f"transformers {h:8.1f} tok/s  compiled {c:8.1f} tok/s ({o / roof:.0%} of the roofline)",
                       flush=True)
+                if restoring and mode == modes[0]:  # TBT while returning contexts restore from memory
+                    tbt, tbt_r, p90, seen = bench_decode_restoring(loaded, b, prompt_len, new_tokens, repeats)
+                    rows.append(Row(model, name, "decode+restore", b, b / tbt_r, b / tbt, repeats, mode, roof))
+                    print(f"  decode+restore {name} batch {b}: TBT {tbt * 1e3:.1f} ms alone, {tbt_r * 1e3:.1f} ms "
+                          f"(p90 {p90 * 1e3:.1f}) while restoring ({tbt_r / tbt:.2f}x; {seen} restores)", flush=True)
                 # The same decode saving every token's state; compared with the row above.
                 for phase, drain in (("decode+save", True), ("decode+save+backlog", False)) if saving else ():
                     s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, "memory:16GB", drain)
@@ -300,7 +355,7 @@ def cmd(args: argparse.Namespace) -> int:
         raise SystemExit(f"--modes: unknown {', '.join(bad)} (use {', '.join(MODES)})")
     rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats, args.device,
                args.prompt_len, args.saving, tuple(args.modes), args.continuation, args.history,
-               {"auto": None, "on": True, "off": False}[args.hf_compiled])
+               {"auto": None, "on": True, "off": False}[args.hf_compiled], args.restoring)
     table = markdown(rows)
     print(table)
     if args.json:

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
     p.add_argument("--prompt-len", type=int, default=128, help="context of each decoding sequence (default: 128)")
     p.add_argument("--saving", action="store_true", help="also decode with every token saved to a memory tier")
+    p.add_argument("--restoring", action="store_true",
+                   help="also time the decode batch's steps while two returning contexts restore from a memory tier")
     p.add_argument("--hf-compiled", choices=["auto", "on", "off"], default="auto",
                    help="also time HF decode with a static cache under torch.compile (the gpt-fast recipe); "
                    "auto: on a GPU only (default: auto)")
