@@ -21,6 +21,9 @@ paged pool, by
   packed_varlen   gather into packed rows, varlen_attn (today's decode path)
   flex_pageP      FlexAttention over the pool in place, a block mask over the page table (page P)
 each against gather_sdpa's output (max abs difference) and timed (median of CUDA-event times).
+
+A prefill chunk continuing a history (issue 28, build item 3): gathered for varlen_attn (today),
+gathered for SDPA with a bottom-right causal mask, or FlexAttention over the pool in place.
 """
 
 from __future__ import annotations
@@ -255,6 +258,58 @@ def _flex_paged(q, pool_k, pool_v, table, lens, page: int):
     return lambda: run(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
 
 
+# ----- a prefill chunk continuing a history -----------------------------------------------------
+def continuation(history: int, chunk: int, heads: int, kvh: int, hd: int, page: int = 16) -> list[dict]:
+    """One layer's attention of a `chunk`-token prefill chunk after `history` tokens whose K/V sit in
+    scattered pool pages, by
+      gather_varlen   gather the context out of the pool, varlen_attn (today's path for scattered blocks)
+      gather_sdpa     gather it, SDPA with a bottom-right causal mask (grouped heads)
+      flex_paged      FlexAttention over the pool in place (kvtier.models.paged, compiled)
+    each against gather_sdpa's output in fp32."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kvtier.models import varlen
+    from kvtier.models.paged import PageTable, paged_attention
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    ctx = history + chunk
+    n_pages = -(-ctx // page)
+    pool_blocks = 2 * n_pages + 1
+    k_pool = torch.randn(pool_blocks * page, kvh, hd, dtype=BF16, device=DEV, generator=g)
+    v_pool = torch.randn_like(k_pool)
+    table = torch.randperm(pool_blocks - 1, device=DEV, generator=g)[:n_pages]  # [pages]
+    slots = (table[:, None] * page + torch.arange(page, device=DEV)).flatten()[:ctx]
+    q = torch.randn(chunk, heads, hd, dtype=BF16, device=DEV, generator=g)
+
+    def gather_sdpa():
+        k, v = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]  # [1, kvh, ctx, hd]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=causal_lower_right(chunk, ctx),
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)  # [chunk, heads, hd]
+
+    def gather_varlen():
+        return varlen.attend(q, k_pool[slots], v_pool[slots], *varlen.spans(chunk, ctx, DEV), chunk, ctx)
+
+    pt = PageTable(table[None], torch.tensor([history], device=DEV), torch.tensor([ctx], device=DEV), pool_blocks - 1)
+
+    def flex_paged():
+        return paged_attention(q[None], k_pool, v_pool, pt, page, compiled=True)[0]
+
+    ref = gather_sdpa().float()
+    rows = []
+    for name, fn in (("gather_sdpa", gather_sdpa), ("gather_varlen", gather_varlen), ("flex_paged", flex_paged)):
+        try:
+            diff = (fn().float() - ref).abs().max().item()
+            rows.append(dict(candidate=f"continuation_{name}", diff=diff, **_timed(fn)))
+        except Exception as e:
+            traceback.print_exc()
+            rows.append(dict(candidate=f"continuation_{name}", error=f"{type(e).__name__}: {e}"[:300]))
+    for r in rows:
+        r.update(history=history, chunk=chunk, heads=heads, kv_heads=kvh, head_dim=hd, page=page)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -280,7 +335,12 @@ def main() -> None:
     for b, t, h, kvh, hd, pages in shapes:
         res["attention"] += attention(b, t, h, kvh, hd, pages)
         save()
-    for r in res["copies"] + res["attention"]:
+    res["continuation"] = []
+    for hist, chunk, h, kvh, hd in ([(1024, 256, 9, 3, 64)] if args.quick else
+                                   [(8192, 2048, 9, 3, 64), (8192, 2048, 32, 8, 128), (16384, 512, 32, 8, 128)]):
+        res["continuation"] += continuation(hist, chunk, h, kvh, hd)
+        save()
+    for r in res["copies"] + res["attention"] + res["continuation"]:
         print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
 
 

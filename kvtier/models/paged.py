@@ -76,7 +76,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     k = k_pool.transpose(0, 1)[None].expand(runs, kv_heads, slots, -1)  # [runs, kv_heads, slots, hd], no copy
     v = v_pool.transpose(0, 1)[None].expand(runs, kv_heads, slots, -1)
     attend = cast("Callable[..., Any]", _compiled() if compiled else flex_attention)
-    out = attend(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=heads != kv_heads)  # [runs, heads, queries, hd]
+    # The Triton kernel's KV tile must divide the page: small pages need a small tile.
+    opts = {"BLOCK_N": block_size} if q.is_cuda and block_size < 64 else None
+    out = attend(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=heads != kv_heads,
+                 kernel_options=opts)  # [runs, heads, queries, hd]
     return out.transpose(1, 2)
 
 
