@@ -302,8 +302,12 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
                       f"transformers {h:8.1f} tok/s", flush=True)
             for b in batches:
                 o, h = bench_decode(loaded, hf, b, prompt_len, new_tokens, repeats)
-                c = hf_compiled_decode(hf, b, prompt_len, new_tokens, repeats) if compiled and mode == modes[0] \
-                    else float("nan")
+                c = float("nan")
+                if compiled and mode == modes[0]:
+                    try:
+                        c = hf_compiled_decode(hf, b, prompt_len, new_tokens, repeats)
+                    except Exception as e:  # noqa: BLE001 - a transformers or torch that cannot compile it: say so
+                        print(f"  HF compiled decode failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 roof = roofline.decode_tok_s(shape, rates, b, prompt_len + new_tokens // 2)
                 rows.append(Row(model, name, "decode", b, o, h, repeats, mode, roof, c))
                 print(f"  decode  {name} {mode} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  "

@@ -62,7 +62,6 @@ class StaticDecode:
         self.pages = -(-max_positions // bs)
         self.buckets = buckets(max_seqs)
         self.pad_block = runner.sink // bs  # the sink's first block: no request owns it
-        self.pool_blocks = runner.k_cache.shape[1] // bs  # the blocks and the sink's whole pages
         dev = runner.device
         self.graphs_on = dev.type == "cuda" if graphs is None else graphs
         if self.graphs_on and dev.type != "cuda":
@@ -96,8 +95,11 @@ class StaticDecode:
             width = -(-longest // KEY_BLOCK) * KEY_BLOCK
         else:
             width = self.widths[bisect.bisect_left(self.widths, longest)]
-        self._fill(items, size)
-        self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+        # The table's columns this step reads: the pages of its width (all of them for the paged
+        # kernel, whose block mask maps the whole table).
+        cols = _TABLE + (self.pages if self.paged else min(self.pages, -(-width // self.bs)))
+        self._fill(items, size, cols)
+        self.inputs[:size, :cols].copy_(self.host[:size, :cols], non_blocking=True)
         key = (size, width)
         graph = (self._graphs.get(key) or self._capture(key)) if self.graphs_on else None
         if graph is not None:
@@ -107,21 +109,16 @@ class StaticDecode:
             self.step(size, width)
         return self.logits[:n].clone()  # the buffer is the next step's too
 
-    def _fill(self, items: Sequence[RunItem], size: int) -> None:
-        h, bs = self.host[:size], self.bs
+    def _fill(self, items: Sequence[RunItem], size: int, cols: int) -> None:
+        """The step's inputs into the host buffer (numpy: a few operations per row, not a tensor op
+        per field). Padding rows decode token 0 at position 0 into the sink."""
+        h, bs = self.host[:size, :cols].numpy(), self.bs  # a view of the (pinned) host buffer
         h[:, _TABLE:] = self.pad_block
-        h[:, _IDS] = 0
-        h[:, _POS] = 0
-        h[:, _SLOT] = self.pad_block * bs  # padding rows: token 0 at position 0, into the sink
-        h[:, _LEN] = 1
+        h[:, :_TABLE] = (0, 0, self.pad_block * bs, 1)  # ids, positions, slots, lengths
         for r, it in enumerate(items):
-            p = it.start
-            blocks = it.block_ids[: p // bs + 1]
-            h[r, _IDS] = it.token_ids[0]
-            h[r, _POS] = p
-            h[r, _SLOT] = blocks[-1] * bs + p % bs
-            h[r, _LEN] = p + 1
-            h[r, _TABLE : _TABLE + len(blocks)] = torch.as_tensor(blocks)
+            p, pages = it.start, it.start // bs + 1
+            h[r, _TABLE : _TABLE + pages] = it.block_ids[:pages]
+            h[r, :_TABLE] = (it.token_ids[0], p, it.block_ids[pages - 1] * bs + p % bs, p + 1)
         self._lengths = [it.start + 1 for it in items] + [1] * (size - len(items))
 
     def step(self, size: int, width: int) -> None:
