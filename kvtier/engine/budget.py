@@ -38,7 +38,7 @@ class DeviceBudget:
     max_batched_tokens: int
     kv_cache_bytes: int
     static_decode: bool  # plain decode steps through static buffers (captured in CUDA graphs on CUDA)
-    source: str  # how the pool was sized, for the log and `kvtier info`
+    source: str  # how the pool was sized (the engine logs it)
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:

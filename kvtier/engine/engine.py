@@ -153,6 +153,11 @@ class Engine:
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
         if self.budget.static_decode:
             self.runner.decoder = StaticDecode(self.runner, config.max_num_seqs, self.max_model_len)
+        decoder = self.runner.decoder
+        log.info("KV pool %.2f GiB (%s): %d blocks of %d tokens; %d tokens per step; decode %s",
+                 self.budget.kv_cache_bytes / (1 << 30), self.budget.source, num_blocks, config.block_size,
+                 self.budget.max_batched_tokens, "dynamic" if decoder is None
+                 else "through CUDA graphs" if decoder.graphs_on else "through static buffers")
         self.link: StateLink = NullStateLink()
         if store:
             self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(),
