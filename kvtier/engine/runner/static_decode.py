@@ -10,7 +10,7 @@ request owns.
 
 Attention gathers each context through the block table to a common width and makes one SDPA call
 with grouped K/V heads and a length mask: on an H200 that beat FlexAttention reading the pool in
-place by 3.5-6x and the packed varlen path by 6-7.5x (docs/benchmarks.md, "Paged decode attention
+place by 3-6x and the packed varlen path by 2-7.5x (docs/benchmarks.md, "Paged decode attention
 candidates"). On CUDA the width is bucketed too (256 tokens, then steps of x1.5 and x4/3 alternately:
 256, 384, 512, 768, ...), so a step reads at most 1.5x its longest context, and each (batch, width)
 bucket's step is captured into a CUDA graph on first use and replayed after: one host-to-device
