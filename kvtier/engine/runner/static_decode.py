@@ -168,6 +168,7 @@ class _StaticAttention(LayerAttention):
             table = F.pad(pages.table[:, :n_pages], (0, max(0, n_pages - pages.table.shape[1])), value=sd.pad_block)
             self.gather = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :width]  # [size, width]
             self.valid = torch.arange(width, device=dev)[None, :] < pages.lengths[:, None]  # [size, width]
+            self.hide = ~self.valid[:, :, None, None]  # [size, width, 1, 1]
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +184,7 @@ class _StaticAttention(LayerAttention):
         # Each context gathered to the step's width, zero past its length (a stale slot may hold
         # NaN, which a 0 weight would not cancel): [size, width, kv_heads, hd].
         ks, vs = (c.index_select(0, self.gather.flatten()).view(*self.gather.shape, *c.shape[1:]) for c in (kc, vc))
-        ks, vs = (x.masked_fill_(~self.valid[:, :, None, None], 0) for x in (ks, vs))
+        ks, vs = (x.masked_fill_(self.hide, 0) for x in (ks, vs))
         if self.sd.exact:
             return decode_attention(q, ks, vs, self.sd._lengths)
         out = F.scaled_dot_product_attention(q[:, :, None], ks.transpose(1, 2), vs.transpose(1, 2),
