@@ -102,6 +102,42 @@ def test_bucketed_gather_decodes_the_same_tokens():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_nan_in_a_slot_no_decode_owns_never_reaches_their_logits(static: bool, exact: bool):
+    """Padding in a batched decode reads slots other requests (or the sink) own; whatever is there,
+    even NaN, must not reach a decoding request's logits. Both decode paths, exact and not (the
+    latter is the path CUDA takes)."""
+    from kvtier.engine.runner.model_runner import RunItem
+
+    m = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, m.config.vocab_size, (n,), generator=g).tolist() for n in (40, 9)]
+    tables = [[4, 5, 6], [8]]  # block 0, the sink and everything else owned by no one
+    try:
+        e = _engine(m, static=static, exact=exact)
+        r = e.runner
+        for p, t in zip(ids, tables):
+            r.execute([RunItem(p, 0, t, want_logits=True)])
+        decode = [RunItem([7], len(p), t, want_logits=True) for p, t in zip(ids, tables)]
+
+        def step() -> torch.Tensor:
+            return r.execute(decode)
+
+        clean = step()
+        for cache in (r.k_cache, r.v_cache):  # every slot the two requests do not own
+            owned = torch.zeros(cache.shape[1], dtype=torch.bool)
+            for t in tables:
+                for b in t:
+                    owned[b * 16 : (b + 1) * 16] = True
+            cache[:, ~owned] = float("nan")
+        poisoned = step()
+        e.close()
+    finally:
+        invariant.set_exact(True)
+    assert torch.isfinite(clean).all() and torch.equal(clean, poisoned)
+
+
 def test_buckets():
     assert widths(4096) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     assert widths(1000) == (256, 384, 512, 768, 1000)

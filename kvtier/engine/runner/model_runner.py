@@ -109,8 +109,9 @@ class StepBatch:
     decode_cu: torch.Tensor | None = None
     decode_width: int = 0  # the longest decoding context
     decode_lengths: tuple[int, ...] = ()  # each decode's context length (its token included)
-    # Exact attention: the padding rows of the decodes' gathered contexts (flat rows of the padded
-    # [decodes * width] layout), zeroed after the gather (a stale slot may hold NaN).
+    # The padding rows of the decodes' gathered contexts (flat rows of the padded [decodes * width]
+    # layout), zeroed after the gather: they read slot 0, which any request may own, and a NaN
+    # there would survive the mask's 0 weight.
     decode_padding: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None  # [rows wanting logits]: each run's last token, every token of all_logits runs
     # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
@@ -373,8 +374,8 @@ class ModelRunner:
             out = cache.index_select(0, slots)  # [contexts' slots, kv_heads, hd]
             if front is not None and b.front_dst is not None:
                 out.index_copy_(0, b.front_dst, front[part])
-            if b.decode_padding is not None and exact_cpu(q.device):
-                out.index_fill_(0, b.decode_padding, 0)
+            if b.decode_padding is not None:  # padding reads another request's slot: masked, but
+                out.index_fill_(0, b.decode_padding, 0)  # a NaN there would survive its 0 weight
             return out
 
         if b.decode_pack is not None and b.decode_cu is not None and b.decode_q is not None:
