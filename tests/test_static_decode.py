@@ -148,22 +148,25 @@ def test_buckets():
 
 def test_budgets_per_device():
     cfg = load_model("tiny-gqa", dtype="fp32", tokenizer=False).config
-    cpu = budget.choose(EngineConfig(), cfg, torch.float32, torch.device("cpu"))
-    assert (cpu.max_batched_tokens, cpu.kv_cache_bytes, cpu.static_decode) == (2048, 4 << 30, False)
+    cpu = budget.choose(EngineConfig(), cfg, torch.float32, torch.device("cpu"), 4096)
+    assert (cpu.max_batched_tokens, cpu.kv_cache_bytes, cpu.static_decode, cpu.staging_bytes) == (2048, 4 << 30, False, 0)
     gib = 1 << 30
     mem = budget.DeviceMemory(total=80 * gib, free=70 * gib)  # 10 GiB of weights loaded
-    gpu = budget.choose(EngineConfig(), cfg, torch.bfloat16, torch.device("cuda"), memory=mem)
+    gpu = budget.choose(EngineConfig(), cfg, torch.bfloat16, torch.device("cuda"), 4096, memory=mem)
     act = budget.step_activation_bytes(cfg, 2, 16384, 64)
-    assert gpu.max_batched_tokens == 16384 and gpu.static_decode
-    assert gpu.kv_cache_bytes == int(0.9 * 80 * gib) - 10 * gib - act - budget.GPU_SLACK_BYTES
-    half = budget.choose(EngineConfig(memory_utilization=0.5), cfg, torch.bfloat16, torch.device("cuda"), memory=mem)
-    assert half.kv_cache_bytes == 40 * gib - 10 * gib - act - budget.GPU_SLACK_BYTES
+    # Two ring slots of a whole 4096-token context: groups of max(4, layers / 8) layers, K and V.
+    staging = 2 * max(4, -(-cfg.num_layers // 8)) * 2 * cfg.kv_dim * 2 * 4096
+    assert gpu.max_batched_tokens == 16384 and gpu.static_decode and gpu.staging_bytes == staging
+    assert gpu.kv_cache_bytes == int(0.9 * 80 * gib) - 10 * gib - act - staging - budget.GPU_SLACK_BYTES
+    half = budget.choose(EngineConfig(memory_utilization=0.5), cfg, torch.bfloat16, torch.device("cuda"), 4096,
+                         memory=mem)
+    assert half.kv_cache_bytes == 40 * gib - 10 * gib - act - staging - budget.GPU_SLACK_BYTES
     # What the config sets wins, on either device.
     fixed = budget.choose(EngineConfig(kv_cache_bytes=gib, max_batched_tokens=512, static_decode=False), cfg,
-                          torch.bfloat16, torch.device("cuda"), memory=mem)
+                          torch.bfloat16, torch.device("cuda"), 4096, memory=mem)
     assert (fixed.kv_cache_bytes, fixed.max_batched_tokens, fixed.static_decode) == (gib, 512, False)
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
-        budget.choose(EngineConfig(memory_utilization=0.1), cfg, torch.bfloat16, torch.device("cuda"), memory=mem)
+        budget.choose(EngineConfig(memory_utilization=0.1), cfg, torch.bfloat16, torch.device("cuda"), 4096, memory=mem)
     with pytest.raises(ValueError, match="memory_utilization"):
         EngineConfig(memory_utilization=1.5)
     with pytest.raises(ValueError, match="CUDA graphs"):

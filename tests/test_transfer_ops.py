@@ -83,6 +83,34 @@ def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
     assert sum(runs) == 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim * 4  # every byte once
 
 
+@pytest.mark.parametrize("cap", [False, True])
+def test_the_staging_ring_stays_within_the_budget(deep, rec, cap):
+    """The device memory the engine's budget sets aside for a restore's staging bounds its ring
+    (two slots here), and the restore still equals recompute."""
+    config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
+    ids = _ids(HIST + 5, 1)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    fresh = Engine(deep, config)
+    try:
+        ref = fresh.generate([ids], once)[0].output_ids
+    finally:
+        fresh.close()
+    engine = Engine(deep, config, store="memory:1GB", profile=fake_profile(deep.fingerprint),
+                    reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK))
+    cfg = deep.config
+    slot = (WHOLE + 1) * CHUNK * 4 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # every chunk, a group of 4, K and V
+    engine.runner.staging_bytes = 2 * slot + slot // 2 if cap else 0
+    try:
+        engine.generate([ids[:HIST]], once)
+        assert engine.flush(60)
+        rec.stages.clear()
+        out = engine.generate([ids], once)[0]
+    finally:
+        engine.close()
+    assert out.prompt_tokens_reused == HIST and out.output_ids == ref
+    assert len(rec.stages) == 2 if cap else len(rec.stages) > 2
+
+
 def test_saving_copies_each_filled_block_once_and_never_waits_on_the_step(tiny_gqa, rec):
     """64 decode steps at batch 32: at most one device-to-host copy per filled pool block (and the
     partial last one), none waited on by the step thread (the recording back end raises), and the

@@ -147,10 +147,11 @@ class Engine:
             raise ValueError(f"EngineConfig.device is {config.device} but the model is on {self.device}; "
                              f"load it with load_model(..., device={config.device!r})")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.budget = budget.choose(config, cfg, model.module.dtype, self.device)
+        self.budget = budget.choose(config, cfg, model.module.dtype, self.device, self.max_model_len)
         num_blocks = self._num_blocks()
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
+        self.runner.staging_bytes = self.budget.staging_bytes
         if self.budget.static_decode:
             self.runner.decoder = StaticDecode(self.runner, config.max_num_seqs, self.max_model_len)
         decoder = self.runner.decoder

@@ -32,6 +32,7 @@ class RecordingTransfer(LazyTransfer):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[Op] = []
+        self.stages: set[int] = set()  # every staging buffer (ring slot) a restore copied into
         self.step_thread = threading.current_thread()
         self._saves: dict[int, Handle] = {}  # id -> handle of every device-to-host copy
 
@@ -41,6 +42,7 @@ class RecordingTransfer(LazyTransfer):
     def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
         if runs:
             self.ops.append(Op("h2d", tuple(r.numel() for _, r in runs)))
+            self.stages.add(stage.data_ptr())
         return super().to_stage(stage, runs)
 
     def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:

@@ -405,9 +405,16 @@ class Restore:
 
     def _ring_slots(self) -> int:
         """Staging slots: the read buffer's layers (CachedAttention's formula, in the plan) in
-        groups, at least two (one copying while one is placed)."""
-        size = len(self.reader.groups[0]) if self.reader is not None and self.reader.groups else 1
-        return max(2, -(-self.plan.read_buffer_layers // size))
+        groups, at least two (one copying while one is placed), and no more than the device
+        memory the engine's budget set aside for staging holds."""
+        groups = self.reader.groups if self.reader is not None and self.reader.groups else [()]
+        slots = max(2, -(-self.plan.read_buffer_layers // max(1, len(groups[0]))))
+        cap, grid = self.runner.staging_bytes, self._grid
+        if cap and grid is not None:
+            pool = self.runner.k_cache  # [layers, slots, kv_heads, hd]
+            slot_bytes = grid.numel() * max(len(g) for g in groups) * 2 * pool[0, 0].nbytes
+            slots = min(slots, max(2, cap // max(1, slot_bytes)))
+        return slots
 
     @torch.inference_mode()
     def _copy(self, layers: tuple[int, ...], group: LayerGroup, gi: int) -> tuple[Handle, dict[str, list[torch.Tensor]]]:

@@ -194,6 +194,8 @@ class ModelRunner:
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
         # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
         self.decoder: StaticDecode | None = None
+        # Device memory a restore's staging ring may take (0: no limit): set by the engine's budget.
+        self.staging_bytes = 0
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
