@@ -196,12 +196,12 @@ def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
     prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33]]
     monkeypatch.setattr(model_runner, "PACK_DECODES", True)
     on = Engine(model, cfg)
-    if not on.runner.packed_decode:
+    if not on.runner.can_pack:
         pytest.skip(f"varlen_attn is not usable on this device/torch (paged={varlen.paged})")
     got = [o.output_ids for o in on.generate(prompts, GREEDY)]
     monkeypatch.setattr(varlen, "usable", lambda *a: False)
     off = Engine(model, cfg)
-    assert not off.runner.packed_decode
+    assert not off.runner.can_pack
     want = [o.output_ids for o in off.generate(prompts, GREEDY)]
     for a, b in zip(got, want):
         assert sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)

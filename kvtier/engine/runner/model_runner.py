@@ -29,7 +29,17 @@ from kvtier.store.tiers.base import PoolTarget
 if TYPE_CHECKING:
     from kvtier.engine.runner.static_decode import StaticDecode
 
-PACK_DECODES = False  # decodes through varlen_attn over packed contexts where usable (see ModelRunner)
+PACK_DECODES = False  # always pack decodes for varlen_attn where usable, not only ragged batches (see ModelRunner)
+# A decode batch whose padding would read more than this many times its contexts' slots is packed
+# instead, where varlen_attn is usable (one long context among short ones).
+RAGGED = 4
+
+
+def pack_decodes(can_pack: bool, padded_rows: int, context_rows: int) -> bool:
+    """Whether a decode batch goes packed to varlen_attn rather than padded to its longest context
+    for SDPA: padding is 2-7.5x faster per byte on an H200, so it wins unless it reads RAGGED times
+    the contexts' slots."""
+    return can_pack and (PACK_DECODES or padded_rows > RAGGED * context_rows)
 
 # capture(layer, offsets, h [tokens, hidden], k [tokens, kv_heads, hd] rotated, v [tokens, kv_heads, hd]):
 # once per layer for the whole step; run i is rows offsets[i]:offsets[i+1].
@@ -133,6 +143,7 @@ class _DecodeLayout:
     ctx_at: list[int]  # where each decode's context starts in `slots`
     fronted: bool  # some decode has an uncached front
     padding: torch.Tensor  # [rows] flat rows of `slots` past each context (padded layout)
+    packed: bool  # contexts back to back for varlen_attn, else padded to the longest
 
 
 @dataclass(frozen=True)
@@ -188,9 +199,9 @@ class ModelRunner:
         self.v_cache = pool()
         # Batched decodes gather their contexts to the longest and make one masked SDPA call with
         # grouped K/V heads; packing them for varlen_attn instead measured 2-7.5x slower on an
-        # H200 (torch 2.11's has no grouped heads: K/V repeated per query head; docs/benchmarks.md).
-        self.packed_decode = PACK_DECODES and varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads,
-                                                            cfg.head_dim)
+        # H200 (torch 2.11's has no grouped heads: K/V repeated per query head; docs/benchmarks.md),
+        # so only a ragged batch is packed (`pack_decodes`).
+        self.can_pack = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
         # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
         self.decoder: StaticDecode | None = None
@@ -263,7 +274,8 @@ class ModelRunner:
         if exact_cpu(self.device):  # exact attention reads whole key blocks: gather them at once
             width = -(-width // KEY_BLOCK) * KEY_BLOCK
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
-        if self.packed_decode:  # each context's slots, back to back
+        packed = pack_decodes(self.can_pack, len(rows) * width, sum(ctx_len))
+        if packed:  # each context's slots, back to back
             slots = torch.cat([F.pad(c, (items[i].front, 0)) for i, c in zip(rows, cached)]) \
                 if rows else torch.zeros(0, dtype=torch.long)  # [sum ctx_len]
             ctx_at = [sum(ctx_len[:r]) for r in range(len(rows))]
@@ -273,8 +285,8 @@ class ModelRunner:
                 slots[r, items[i].front : ctx_len[r]] = c
             ctx_at = [r * width for r in range(len(rows))]
         padding = torch.cat([torch.arange(at + n, at + width) for at, n in zip(ctx_at, ctx_len)]) \
-            if rows and not self.packed_decode else torch.zeros(0, dtype=torch.long)
-        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted, padding)
+            if rows and not packed else torch.zeros(0, dtype=torch.long)
+        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted, padding, packed)
 
     def _upload(self, items: Sequence[RunItem], lens: Sequence[int], offsets: list[int], dec: _DecodeLayout,
                 front: _FrontLayout, ctx: tuple[range | torch.Tensor | None, ...]) -> StepBatch:
@@ -302,7 +314,7 @@ class ModelRunner:
         cos, sin = self.rope.halves(positions)
         rows, width = dec.rows, dec.width
         dec_mask = dec_cu = None
-        if rows and self.packed_decode:
+        if rows and dec.packed:
             dec_cu = F.pad(dec_len.cumsum(0), (1, 0)).to(torch.int32)  # [decodes + 1], on the device
         elif rows:
             dec_mask = (torch.arange(width, device=self.device)[None, :] < dec_len[:, None])[:, None, None, :]
@@ -315,13 +327,13 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             decode_rows=rows,
-            decode_slots=dec_flat.view(len(rows), width) if rows and not self.packed_decode else None,
+            decode_slots=dec_flat.view(len(rows), width) if rows and not dec.packed else None,
             decode_mask=dec_mask,
-            decode_pack=dec_flat if rows and self.packed_decode else None,
+            decode_pack=dec_flat if rows and dec.packed else None,
             decode_cu=dec_cu,
             decode_width=width,
             decode_lengths=tuple(dec.ctx_len),
-            decode_padding=dec_pad if rows and not self.packed_decode else None,
+            decode_padding=dec_pad if rows and not dec.packed else None,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
             front_dst=f_dst if dec.fronted else None,

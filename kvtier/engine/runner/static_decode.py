@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem, pack_decodes
 from kvtier.models.attention import KEY_BLOCK, decode_attention, exact_cpu
 from kvtier.models.llama import LayerAttention
 from kvtier.models.paged import PageTable, paged_attention
@@ -80,21 +80,28 @@ class StaticDecode:
         self.replays = 0
 
     def accepts(self, items: Sequence[RunItem]) -> bool:
-        """Whether this step is plain decoding this buffer can hold."""
-        return 0 < len(items) <= self.buckets[-1] and all(
-            len(it.token_ids) == 1 and it.start > 0 and it.want_logits and not it.all_logits and not it.dropped
-            and not it.front and it.front_of is None and it.start < self.pages * self.bs for it in items)
+        """Whether this step is plain decoding this buffer can hold, and not so ragged that the
+        runner's packed path (where it has one) reads less."""
+        if not 0 < len(items) <= self.buckets[-1] or not all(
+                len(it.token_ids) == 1 and it.start > 0 and it.want_logits and not it.all_logits and not it.dropped
+                and not it.front and it.front_of is None and it.start < self.pages * self.bs for it in items):
+            return False
+        size, width = self._shape(items)  # (the paged kernel gathers nothing: no padding to weigh)
+        return self.paged or not pack_decodes(self.runner.can_pack, size * width, sum(it.start + 1 for it in items))
+
+    def _shape(self, items: Sequence[RunItem]) -> tuple[int, int]:
+        """The (batch, width) bucket of a step: the exact kernel's whole key blocks on the CPU."""
+        size = self.buckets[bisect.bisect_left(self.buckets, len(items))]
+        longest = max(it.start for it in items) + 1
+        if self.exact:
+            return size, -(-longest // KEY_BLOCK) * KEY_BLOCK
+        return size, self.widths[bisect.bisect_left(self.widths, longest)]
 
     @torch.inference_mode()
     def run(self, items: Sequence[RunItem]) -> torch.Tensor:
         """One decode step of `items` -> fp32 logits [len(items), vocab] (a fresh tensor)."""
         n = len(items)
-        size = self.buckets[bisect.bisect_left(self.buckets, n)]
-        longest = max(it.start for it in items) + 1
-        if self.exact:
-            width = -(-longest // KEY_BLOCK) * KEY_BLOCK
-        else:
-            width = self.widths[bisect.bisect_left(self.widths, longest)]
+        size, width = self._shape(items)
         # The table's columns this step reads: the pages of its width (all of them for the paged
         # kernel, whose block mask maps the whole table).
         cols = _TABLE + (self.pages if self.paged else min(self.pages, -(-width // self.bs)))
