@@ -47,25 +47,33 @@ def _ids(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
+def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0) -> None:
+    """Save HIST tokens, then restore them by kv for HIST + 5 (the recording cleared in between):
+    the restore must reuse all of them and give recompute's token."""
     config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
-    ids = _ids(HIST + 5, 0)
+    ids = _ids(HIST + 5, seed)
     once = SamplingParams(max_tokens=1, temperature=0.0)
-    fresh = Engine(deep, config)
+    fresh = Engine(model, config)
     try:
         ref = fresh.generate([ids], once)[0].output_ids  # recomputed: the oracle
     finally:
         fresh.close()
-    engine = Engine(deep, config, store="memory:1GB", profile=fake_profile(deep.fingerprint),
+    engine = Engine(model, config, store="memory:1GB", profile=fake_profile(model.fingerprint),
                     reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK))
+    engine.runner.staging_bytes = staging_bytes
     try:
         engine.generate([ids[:HIST]], once)
         assert engine.flush(60)
         rec.ops.clear()
+        rec.stages.clear()
         out = engine.generate([ids], once)[0]
     finally:
         engine.close()
     assert out.prompt_tokens_reused == HIST and out.output_ids == ref
+
+
+def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
+    _restore(deep, rec, 0)
     cfg = deep.config
     h2d, scatters = rec.of("h2d"), rec.of("scatter")
     chunks = WHOLE + 1
@@ -87,27 +95,9 @@ def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
 def test_the_staging_ring_stays_within_the_budget(deep, rec, cap):
     """The device memory the engine's budget sets aside for a restore's staging bounds its ring
     (two slots here), and the restore still equals recompute."""
-    config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
-    ids = _ids(HIST + 5, 1)
-    once = SamplingParams(max_tokens=1, temperature=0.0)
-    fresh = Engine(deep, config)
-    try:
-        ref = fresh.generate([ids], once)[0].output_ids
-    finally:
-        fresh.close()
-    engine = Engine(deep, config, store="memory:1GB", profile=fake_profile(deep.fingerprint),
-                    reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK))
     cfg = deep.config
     slot = (WHOLE + 1) * CHUNK * 4 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # every chunk, a group of 4, K and V
-    engine.runner.staging_bytes = 2 * slot + slot // 2 if cap else 0
-    try:
-        engine.generate([ids[:HIST]], once)
-        assert engine.flush(60)
-        rec.stages.clear()
-        out = engine.generate([ids], once)[0]
-    finally:
-        engine.close()
-    assert out.prompt_tokens_reused == HIST and out.output_ids == ref
+    _restore(deep, rec, 1, 2 * slot + slot // 2 if cap else 0)
     assert len(rec.stages) == 2 if cap else len(rec.stages) > 2
 
 
