@@ -397,6 +397,18 @@ def strided_run(header: ChunkHeader, blob: torch.Tensor, layers: Sequence[int], 
                            base.storage_offset() + first.offset // width)
 
 
+def layer_runs(header: ChunkHeader, blob: torch.Tensor) -> dict[str, tuple[torch.Tensor, int] | None]:
+    """Each part's layers of a whole stored value `blob` as one strided view, with the first layer
+    it holds (`strided_run` over every layer storing the part): part -> (view, first layer), or
+    None where the part's layers are not consecutive or the bytes not one even run."""
+    runs: dict[str, tuple[torch.Tensor, int] | None] = {}
+    for part in dict.fromkeys(p for _, p in header.by_part):
+        stored = sorted(li for li, p in header.by_part if p == part)
+        run = strided_run(header, blob, stored, part) if stored == list(range(stored[0], stored[-1] + 1)) else None
+        runs[part] = None if run is None else (run, stored[0])
+    return runs
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):

@@ -151,17 +151,14 @@ class PlannedReads:
 def _run(oc: OpenChunk, blob: torch.Tensor, layers: tuple[int, ...], part: str) -> torch.Tensor | None:
     """`part` of consecutive `layers` of a chunk held in memory: a slice of the chunk's all-layer
     view (a restore asks for every group of every chunk: one header walk per chunk, not per group).
-    The view is kept with the tier's entry (`runs`: part -> (view, first layer) or None), so a chunk
-    restored again costs a slice per group."""
+    The views are the tier entry's (`runs`: part -> (view, first layer) or None, built when the
+    chunk came in), so a group costs one slice per chunk."""
     runs: dict | None = getattr(oc.reader, "runs", None)
     if runs is None:
         return fmt.strided_run(oc.header, blob, layers, part)
-    if part not in runs:
-        stored = sorted(li for li, p in oc.header.by_part if p == part)
-        whole = stored == list(range(stored[0], stored[-1] + 1)) if stored else False
-        run = fmt.strided_run(oc.header, blob, stored, part) if whole else None
-        runs[part] = None if run is None else (run, stored[0])
-    got = runs[part]
+    if not runs:  # built on first use where the tier did not build them on the way in
+        runs.update(fmt.layer_runs(oc.header, blob))
+    got = runs.get(part)
     if got is None:
         return fmt.strided_run(oc.header, blob, layers, part)
     run, first = got

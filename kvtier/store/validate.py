@@ -50,8 +50,10 @@ class Expect:
     span: tuple[int, int] | None = None  # tokens [start, end) the reader planned this chunk to hold
 
 
-def check(header: ChunkHeader, expect: Expect, size: int) -> None:
-    """Raise FormatError unless `header` (of a stored value of `size` bytes) is the chunk expected."""
+def check(header: ChunkHeader, expect: Expect, size: int, segments_checked: bool = False) -> None:
+    """Raise FormatError unless `header` (of a stored value of `size` bytes) is the chunk expected.
+    `segments_checked`: `check_segments` already passed for this header and size (a tier that
+    checks what it holds on the way in)."""
     if header.key != expect.key:
         raise FormatError(f"header names chunk {header.key!r:.40}")
     if not is_key(header.key) or not is_key(header.parent):
@@ -66,7 +68,8 @@ def check(header: ChunkHeader, expect: Expect, size: int) -> None:
             raise FormatError(f"chunk covers tokens [{header.start}, {header.start + header.tokens}), "
                               f"the reader planned [{start}, {end})")
     _check_place(header, expect.chunk_tokens)
-    _check_segments(header, size)
+    if not segments_checked:
+        check_segments(header, size)
     if expect.namespace is not None:
         _check_layout(header, expect.namespace)
 
@@ -80,7 +83,7 @@ def _check_place(header: ChunkHeader, chunk_tokens: int) -> None:
                           f"does not fit {chunk_tokens}-token chunks")
 
 
-def _check_segments(header: ChunkHeader, size: int) -> None:
+def check_segments(header: ChunkHeader, size: int) -> None:
     """The value exactly as long as its header says, every segment inside it and as large as its
     dtype and shape say."""
     if size != header.total_bytes:

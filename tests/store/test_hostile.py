@@ -302,3 +302,27 @@ def test_the_secret_is_the_same_from_every_source(monkeypatch, tmp_path):
     ids = {load_secret(path=str(tmp_path / "s")).key_id(), load_secret().key_id(),
            load_secret(SECRET.decode() + " ").key_id()}
     assert len(ids) == 1 and "" not in ids
+
+
+@pytest.mark.parametrize("bad", ["segment outside", "bytes short of the header"])
+def test_the_memory_tier_refuses_a_chunk_inconsistent_with_itself_at_put(ns, bad):
+    """The memory tier keeps headers parsed and checks reads only against what the reader expects,
+    so what a header says of its own bytes is checked on the way in: an inconsistent chunk is
+    refused (counted) and the chunk it would replace is a miss, not a read outside its bytes."""
+    import dataclasses
+
+    store = _store("memory:64MB", ns)
+    _, match = _saved(store)
+    ref = match.chunks[0]
+    good = fmt.pack(ns, store.root, ref.key, store.root, 0, 0, False, _layers(ns, C))
+    h = good.header
+    if bad == "segment outside":
+        seg = dataclasses.replace(h.segments[-1], offset=h.total_bytes)
+        packed = dataclasses.replace(good, header=dataclasses.replace(h, segments=h.segments[:-1] + (seg,)))
+    else:
+        packed = dataclasses.replace(good, buffers=good.buffers[:-1])
+    store.memory.delete(ref.key)
+    assert not store.memory.put(packed)
+    assert store.stats()["tiers"]["memory"]["put_errors"] == 1
+    assert store.memory.put(good)  # the consistent one goes in
+    store.close()

@@ -9,7 +9,7 @@ import torch
 
 from .. import validate
 from ..arena import PinnedArena
-from ..format import ChunkHeader, PackedChunk, sealed_by
+from ..format import ChunkHeader, FormatError, PackedChunk, layer_runs, sealed_by
 from ..policy import EvictionPolicy, LRUPolicy
 from ..throttle import Emulation
 from ..validate import Expect
@@ -21,7 +21,13 @@ class _Entry:
     blob: torch.Tensor  # uint8 [nbytes]
     header: ChunkHeader
     checked: Expect | None = None  # the last expectation the header passed
-    runs: dict = field(default_factory=dict)  # reads.PlannedReads' per-part views of the blob, kept across restores
+    runs: dict = field(default_factory=dict)  # each part's all-layer view of the blob (format.layer_runs)
+
+
+def _entry(blob: torch.Tensor, header: ChunkHeader) -> _Entry:
+    """An entry with its all-layer views built: on the way in (the writer's thread), not on the
+    first restore's critical path."""
+    return _Entry(blob, header, runs=layer_runs(header, blob))
 
 
 class _MemReader(Reader):
@@ -73,7 +79,7 @@ class MemoryTier(Tier):
         e = self._entries.get(expect.key)
         if e is not None and e.header is header and e.checked == expect:
             return
-        validate.check(header, expect, size)
+        validate.check(header, expect, size, segments_checked=e is not None and e.header is header)
         if e is not None and e.header is header:
             e.checked = expect
 
@@ -93,7 +99,7 @@ class MemoryTier(Tier):
     def put(self, packed: PackedChunk) -> bool:
         n = packed.nbytes
         key = packed.header.key
-        if not sealed_by(packed, self.seal):  # headers kept here are trusted on every read after
+        if not self._admissible(packed):
             self.counters["put_errors"] += 1
             return False
         with self.lock:
@@ -103,7 +109,7 @@ class MemoryTier(Tier):
             if n > self.capacity or not self._evict_for(self.policy, lambda: self.used, self.capacity, n,
                                                         frozenset({key})):
                 return False
-            self._entries[key] = _Entry(self._blob_of(packed), packed.header)
+            self._entries[key] = _entry(self._blob_of(packed), packed.header)
             if packed.header.partial:
                 self._partials.setdefault(packed.header.parent, {})[key] = packed.header.tokens
             self.used += n
@@ -116,17 +122,29 @@ class MemoryTier(Tier):
         """The entry swapped for a new blob (a reader holding the old one keeps reading it); its
         place in the eviction policy is kept."""
         key, n = packed.header.key, packed.nbytes
-        if not sealed_by(packed, self.seal):
+        if not self._admissible(packed):
             return False
         with self.lock:
             old = self._entries.get(key)
             if old is None or not self._evict_for(self.policy, lambda: self.used + n - old.blob.numel(),
                                                   self.capacity, 0, frozenset({key})):
                 return False
-            self._entries[key] = _Entry(self._blob_of(packed), packed.header)
+            self._entries[key] = _entry(self._blob_of(packed), packed.header)
             self.used += n - old.blob.numel()
             self.counters["bytes_written"] += n
             return True
+
+    def _admissible(self, packed: PackedChunk) -> bool:
+        """Sealed with this store's secret (headers kept here are trusted on every read after), as
+        long as its header says, and its segments inside those bytes (so reads check only what they
+        expect of the chunk)."""
+        if not sealed_by(packed, self.seal) or sum(memoryview(b).nbytes for b in packed.buffers) != packed.nbytes:
+            return False
+        try:
+            validate.check_segments(packed.header, packed.nbytes)
+        except FormatError:
+            return False
+        return True
 
     def _blob_of(self, packed: PackedChunk) -> torch.Tensor:
         n = packed.nbytes
