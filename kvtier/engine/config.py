@@ -117,7 +117,8 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be >= 1")
         if not 0.0 < self.memory_utilization <= 1.0:
-            raise ValueError(f"memory_utilization is a share of the device's memory in (0, 1], got {self.memory_utilization}")
+            raise ValueError(f"memory_utilization (--gpu-memory-utilization) is a share of the device's memory in (0, 1], "
+                             f"got {self.memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
