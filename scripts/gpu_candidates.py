@@ -207,7 +207,7 @@ def attention(batch: int, context: int, heads: int, kvh: int, hd: int, pages: tu
                 rows.append(dict(candidate="packed_varlen", error=f"{type(e).__name__}: {e}"[:300]))
         try:
             flex = _flex_paged(q, pool_k, pool_v, table, lens, page)
-            out = flex()
+            out = flex().transpose(1, 2)  # [B, H, 1, hd]
             rows.append(dict(candidate=f"flex_page{page}", diff=(out - ref).abs().max().item(), **_timed(flex)))
         except Exception as e:
             traceback.print_exc()
@@ -220,42 +220,17 @@ def attention(batch: int, context: int, heads: int, kvh: int, hd: int, pages: tu
     return rows
 
 
-_compiled = None
-
-
 def _flex_paged(q, pool_k, pool_v, table, lens, page: int):
-    """Decode attention over the pool in place: K/V are the whole pool as one sequence
-    [1, kvh, pages x P, hd]; sequence b's block mask lists its pages (the page table), and the mask
-    function maps a physical slot back to its logical position to cut the ragged end."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    """Decode attention over the pool in place, as the engine's paged option runs it
+    (kvtier.models.paged: a block mask over each sequence's pages, compiled on CUDA)."""
+    from kvtier.models.paged import PageTable, paged_attention
 
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention)
-    batch, per = table.shape
-    k = pool_k.view(1, -1, *pool_k.shape[2:]).transpose(1, 2)  # [1, kvh, pages x P, hd]
-    v = pool_v.view(1, -1, *pool_v.shape[2:]).transpose(1, 2)
-    logical = torch.full((batch, pool_k.shape[0]), -1, dtype=torch.int32, device=DEV)  # [B, pages]: page's index
-    logical.scatter_(1, table.long(), torch.arange(per, device=DEV, dtype=torch.int32).expand(batch, per).contiguous())
-
-    def mask_mod(b, h, q_idx, kv_idx):  # the page is b's (the eager path visits every block) and in range
-        at = logical[b, kv_idx // page]
-        return (at >= 0) & (at * page + kv_idx % page < lens[b])
-
-    num = torch.full((batch, 1, 1), per, dtype=torch.int32, device=DEV)
-    idx = torch.zeros(batch, 1, 1, pool_k.shape[0], dtype=torch.int32, device=DEV)  # [B, 1, 1, pool pages]
-    idx[:, 0, 0, :per] = table  # the first num entries are read: sequence b's pages
-    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(128, page), mask_mod=mask_mod,
-                                    seq_lengths=(1, k.shape[2]))
-    # The kernel's KV tile must divide the page; small pages need a small tile.
-    opts = {"BLOCK_N": page} if page < 64 else None
-    run = _compiled if DEV.type == "cuda" else flex_attention
-    try:  # one pool for every sequence: K/V broadcast over the batch
-        run(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
-    except Exception as e:
-        print(f"flex page {page}: broadcast K/V refused ({type(e).__name__}: {str(e)[:200]}); expanding")
-        k, v = k.expand(batch, *k.shape[1:]), v.expand(batch, *v.shape[1:])
-    return lambda: run(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
+    used = set(table.flatten().tolist())
+    pad = next(b for b in range(pool_k.shape[0]) if b not in used)  # a page no sequence owns
+    pages = PageTable(table.long(), (lens - 1).long(), lens.long(), pad)
+    k, v = pool_k.view(-1, *pool_k.shape[2:]), pool_v.view(-1, *pool_v.shape[2:])  # [pages x P, kvh, hd]
+    qs = q.transpose(1, 2)  # [B, 1, H, hd]
+    return lambda: paged_attention(qs, k, v, pages, page, compiled=DEV.type == "cuda")  # [B, 1, H, hd]
 
 
 # ----- a prefill chunk continuing a history -----------------------------------------------------

@@ -242,23 +242,13 @@ def test_a_restore_copies_through_one_batched_driver_call_per_group(gqa_cuda, mo
 
 def _decode_logits(model, static: bool | None, prompts, graphs: bool | None = None):
     """Every step's logits and the ids of a greedy batch; `graphs` overrides the static step's."""
+    import test_static_decode
+
     engine = Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=8,
                                         static_decode=static))
     if graphs is not None and engine.runner.decoder is not None:
         engine.runner.decoder.graphs_on = graphs
-    steps = []
-    execute = engine.runner.execute
-
-    def recording(*a, **kw):
-        out = execute(*a, **kw)
-        steps.append(out.clone())
-        return out
-
-    engine.runner.execute = recording
-    try:
-        ids = [o.output_ids for o in engine.generate(prompts, GREEDY)]
-    finally:
-        engine.close()
+    steps, ids = test_static_decode._record(engine, prompts)  # closes the engine
     return steps, ids, engine.runner.decoder
 
 

@@ -153,11 +153,7 @@ def _run(oc: OpenChunk, blob: torch.Tensor, layers: tuple[int, ...], part: str) 
     view (a restore asks for every group of every chunk: one header walk per chunk, not per group).
     The views are the tier entry's (`runs`: part -> (view, first layer) or None, built when the
     chunk came in), so a group costs one slice per chunk."""
-    runs: dict | None = getattr(oc.reader, "runs", None)
-    if runs is None:
-        return fmt.strided_run(oc.header, blob, layers, part)
-    if not runs:  # built on first use where the tier did not build them on the way in
-        runs.update(fmt.layer_runs(oc.header, blob))
+    runs: dict = getattr(oc.reader, "runs", {})
     got = runs.get(part)
     if got is None:
         return fmt.strided_run(oc.header, blob, layers, part)

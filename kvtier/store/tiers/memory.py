@@ -31,10 +31,10 @@ def _entry(blob: torch.Tensor, header: ChunkHeader) -> _Entry:
 
 
 class _MemReader(Reader):
-    def __init__(self, blob: torch.Tensor, runs: dict | None = None) -> None:
+    def __init__(self, blob: torch.Tensor, runs: dict) -> None:
         self.blob = blob
         self.size = blob.numel()
-        self.runs = runs if runs is not None else {}
+        self.runs = runs  # the entry's all-layer views (format.layer_runs)
 
     def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         view = self.blob[offset:offset + nbytes]  # zero-copy: the blob is never written again
