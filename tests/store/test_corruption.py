@@ -116,3 +116,50 @@ def test_verify_reports_and_removes(tmp_path, ns):
     rep = store.verify()
     assert len(rep.corrupt) == 1 and not path.exists()
     store.close()
+
+
+def test_opening_many_disk_chunks_at_once_keeps_order_and_leaks_nothing(tmp_path, ns, monkeypatch):
+    """The disk tier opens a restore's chunks on its IO threads (open + first pages) and parses
+    them on the caller's: a truncated file, a vanished one, a directory planted in a file's place
+    and a device error after the open, among good chunks, are misses in their places, the rest
+    open in order, and no file descriptor is left behind."""
+    import os
+
+    from kvtier.store.tiers import disk as disk_module
+
+    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)
+    t = tokens(16 * 6)
+    k, v, _ = make_state(16 * 6)
+    store.save(t, 0, k, v, None)
+    assert store.flush()
+    refs = store.lookup(t).chunks
+    disk = store.tier("disk")
+    paths = [disk.path_of(r.key) for r in refs]
+    with open(paths[1], "r+b") as fh:
+        fh.truncate(100)  # a torn file: its header cut short
+    os.unlink(paths[3])  # removed behind the tier's back
+    os.unlink(paths[4])
+    os.mkdir(paths[4])  # a directory where the file was
+    opens, reads = disk_module._FileReader.__init__, disk_module._FileReader.read
+
+    def remember_path(self, path, align):
+        opens(self, path, align)
+        self.path = path
+
+    def failing_read(self, offset, nbytes, out=None):
+        if self.path == paths[2]:
+            raise OSError(5, "Input/output error")  # the device fails after the file opened
+        return reads(self, offset, nbytes, out)
+
+    monkeypatch.setattr(disk_module._FileReader, "__init__", remember_path)
+    monkeypatch.setattr(disk_module._FileReader, "read", failing_read)
+    fds = len(os.listdir("/proc/self/fd"))
+    opened = disk.open_chunks([store._expect(r.key) for r in refs])
+    assert [oc is not None for oc in opened] == [True, False, False, False, False, True]
+    assert [oc.header.key for oc in opened if oc is not None] == [refs[i].key for i in (0, 5)]
+    for oc in opened:
+        if oc is not None:
+            oc.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert disk.counters["corrupt"] == 1 and disk.counters["misses"] >= 2
+    store.close()

@@ -317,7 +317,7 @@ def test_the_memory_tier_refuses_a_chunk_inconsistent_with_itself_at_put(ns, bad
     good = fmt.pack(ns, store.root, ref.key, store.root, 0, 0, False, _layers(ns, C))
     h = good.header
     if bad == "segment outside":
-        seg = dataclasses.replace(h.segments[-1], offset=h.total_bytes)
+        seg = h.segments[-1]._replace(offset=h.total_bytes)
         packed = dataclasses.replace(good, header=dataclasses.replace(h, segments=h.segments[:-1] + (seg,)))
     else:
         packed = dataclasses.replace(good, buffers=good.buffers[:-1])

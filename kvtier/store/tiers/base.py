@@ -44,7 +44,8 @@ W = TypeVar("W", bound=EvictionPolicy)  # a wrapper an engine puts around a tier
 
 log = logging.getLogger(__name__)
 
-Segments = dict[tuple[int, str], torch.Tensor]  # (layer, part) -> uint8 bytes of that segment
+Segments = dict[tuple[int, str], torch.Tensor]
+HEAD_BYTES = 16384  # what a header's first read fetches: a header fits, so one read, not two  # (layer, part) -> uint8 bytes of that segment
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class ChunkData:
 class Reader(ABC):
     """Ranged reads of one stored value, all from the same version of it."""
     size: int
+    # The value's first bytes, read ahead by a tier that opens many chunks at once (disk): the
+    # header is parsed from them without another read.
+    head: torch.Tensor | None = None
 
     @abstractmethod
     def read(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,13 +296,17 @@ class Tier(ABC):
         return None
 
     # --- shared reads -------------------------------------------------------------------------
-    def open_chunk(self, expect: Expect, verify: bool | None = None) -> OpenChunk | None:
-        """Open a chunk for ranged reads: None if missing or corrupt (then removed)."""
+    def open_chunk(self, expect: Expect, verify: bool | None = None,
+                   opened: Reader | Exception | None = None) -> OpenChunk | None:
+        """Open a chunk for ranged reads: None if missing or corrupt (then removed). `opened`: what
+        a `_open` of the key already gave (a reader, or the error it raised), used by the first try."""
         verify = self.verify_reads if verify is None else verify
         err: Exception | None = None
-        for _attempt in range(2):  # a concurrent overwrite can change the value between reads
+        for attempt in range(2):  # a concurrent overwrite can change the value between reads
             try:
-                reader = self._open(expect.key)
+                reader = opened if attempt == 0 and opened is not None else self._open(expect.key)
+                if isinstance(reader, Exception):
+                    raise reader
             except Exception as e:  # noqa: BLE001 - any tier failure is a miss (see the module doc)
                 self.refused("open", e)
                 return None
@@ -453,7 +461,7 @@ class Tier(ABC):
             log.warning("could not remove corrupt chunk %s: %s", key, e)
 
     def _header(self, reader: Reader) -> ChunkHeader:
-        first = reader.read(0, min(reader.size, 16384))  # a header fits: one read, not two
+        first = reader.head if reader.head is not None else reader.read(0, min(reader.size, HEAD_BYTES))
         n = header_length(bytes(first[:PREAMBLE.size].numpy()))  # raises on bad magic/version
         if n > first.numel():
             first = reader.read(0, n)

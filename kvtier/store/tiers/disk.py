@@ -35,7 +35,7 @@ from ..policy import EvictionPolicy
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
 from ..validate import is_key, partial_entry
-from .base import Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
+from .base import HEAD_BYTES, Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
 
 # Reads in flight at once: a device serves several requests faster than one at a time (queue
 # depth), and the threads wait in the kernel without the GIL.
@@ -339,7 +339,24 @@ class DiskTier(Tier):
             return None
 
     def open_chunks(self, expects: Sequence[Expect]) -> list[OpenChunk | None]:
-        return _in_batches(self._io, lambda i: self.open_chunk(expects[i]), len(expects))
+        """The I/O threads open the files and read their first pages (system calls: the GIL is
+        free); this thread parses and checks each header as its bytes arrive, in order. Parsing
+        on the I/O threads as well made them queue behind each other for the GIL: 64 chunks
+        opened in 31 ms on four threads against 19 ms on one."""
+        heads = list(self._io.map(self._open_head, [e.key for e in expects]))
+        return [self.open_chunk(e, opened=h) for e, h in zip(expects, heads)]
+
+    def _open_head(self, key: str) -> Reader | Exception | None:
+        reader = None
+        try:
+            reader = self._open(key)
+            if reader is not None:
+                reader.head = reader.read(0, min(reader.size, HEAD_BYTES))
+            return reader
+        except Exception as e:  # noqa: BLE001 - open_chunk counts it as the miss it is
+            if reader is not None:
+                reader.close()
+            return e
 
     def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
                   out: Sequence[torch.Tensor | None], into: Sequence[PoolTarget | None] | None = None) -> list[Segments] | None:
