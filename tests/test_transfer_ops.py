@@ -168,3 +168,47 @@ def test_staged_restore_and_pool_saving_are_bit_identical_in_bf16(rec):
         out = engine.generate([ids], params)[0]
     assert out.prompt_tokens_reused == 200 and rec.of("scatter")  # restored through the staged path
     assert ref is not None and out.first_logits is not None and torch.equal(out.first_logits, ref)
+
+
+def _lossy_restore(model, storage: str, seed: int, rec: RecordingTransfer | None = None) -> list:
+    """Save HIST tokens stored as `storage`, restore them by kv for HIST + 5 in a second request
+    of the same engine (the recording cleared in between): -> the restored request's logprobs
+    (the sampled token's and the top 5)."""
+    config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
+    ids = _ids(HIST + 5, seed)
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=5)
+    engine = Engine(model, config, store="memory:1GB", profile=fake_profile(model.fingerprint),
+                    reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK, storage_dtype=storage))
+    try:
+        engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
+        assert engine.flush(60)
+        if rec is not None:
+            rec.ops.clear()
+        out = engine.generate([ids], params)[0]
+    finally:
+        engine.close()
+    assert out.prompt_tokens_reused == HIST
+    return [(lp.token, lp.logprob, lp.top) for lp in out.logprobs]
+
+
+@pytest.mark.parametrize("storage", ["int8", "float16"])
+def test_lossy_chunks_go_over_as_stored_and_decode_on_the_device(deep, monkeypatch, storage):
+    """K/V stored in another dtype cross to the device as stored (int8 values and their float32
+    row scales, or float16) and are decoded there: the bytes copied are the stored ones, well
+    under the compute dtype's, one scatter per layer and part decodes them into the staging ring,
+    and the restore's logprobs are the host-decoding CPU path's, bit for bit."""
+    on_host = _lossy_restore(deep, storage, 2)  # the synchronous back end: decoded by the reads
+    rec = RecordingTransfer()
+    monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
+    assert _lossy_restore(deep, storage, 2, rec) == on_host
+    cfg = deep.config
+    values = 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim  # every restored K and V element
+    stored = values * {"int8": 1, "float16": 2}[storage] + (values // cfg.head_dim * 4 if storage == "int8" else 0)
+    copied = sum(r for op in rec.of("h2d") for r in op.runs)
+    assert stored <= copied <= values * 2  # the stored bytes (with their alignment): at most half of fp32
+    # One DMA per chunk and layer group (the span of its stored group); per layer, one decode
+    # scatter and one placement per part; and the copy's own device-side scatter per stored part.
+    chunks, parts = WHOLE + 1, 4 if storage == "int8" else 2
+    groups = len(rec.of("h2d")) // chunks
+    assert len(rec.of("h2d")) == chunks * groups and LAYERS % groups == 0
+    assert len(rec.of("scatter")) == chunks * parts * groups + 4 * LAYERS

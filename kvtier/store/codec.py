@@ -51,6 +51,16 @@ def decode(data: torch.Tensor, storage: str, shape: tuple[int, ...], compute: st
         return torch.empty(shape, dtype=out_dtype).copy_(t)
     if scale is None:
         raise ValueError("int8 part without its scales")
-    q = data.view(torch.int8).reshape(shape)
-    s = scale.view(torch.float32).reshape(*shape[:-1], 1)
-    return (q.to(torch.float32) * s).to(out_dtype)
+    return to_compute(data.view(torch.int8).reshape(shape), scale.view(torch.float32).reshape(shape[:-1]), out_dtype)
+
+
+def to_compute(stored: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Stored values (any shape [..., d], in their storage dtype) in the compute dtype: a cast, or
+    for int8 a dequantisation by the per-row `scale` ([...], float32). Runs on whatever device the
+    tensors are on: the host decoding a read, or the GPU decoding what a restore copied over in the
+    storage dtype. One expression for both, so the two give the same values."""
+    if stored.dtype != torch.int8:
+        return stored.to(out_dtype)
+    if scale is None:
+        raise ValueError("int8 part without its scales")
+    return (stored.to(torch.float32) * scale[..., None]).to(out_dtype)

@@ -431,16 +431,26 @@ def decode_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor]
     stride in one buffer (the layer-major layout makes them so), this is a strided view of those
     bytes: no copy. Otherwise the layers are decoded and stacked (a copy). Rows as stored, as
     `strided_run`."""
+    if header.storage_dtype == header.compute_dtype:
+        return stored_run(header, data, layers, part)
+    return torch.stack([_decode_stored(header, data, li, part, copy=False) for li in layers])
+
+
+def stored_run(header: ChunkHeader, data: Mapping[tuple[int, str], torch.Tensor], layers: Sequence[int],
+               part: str) -> torch.Tensor:
+    """`part` of consecutive `layers` as stored: [len(layers), *segment shape] in the segment's own
+    dtype (int8 values, their float32 ".scale" rows, a cast storage dtype), undecoded: what a
+    restore copies to a GPU to decode there (codec.to_compute). A strided view of the read bytes
+    where the segments lie at an even stride in one buffer, else a stack (a copy)."""
     segs = [header.by_part[(li, part)] for li in layers]
     bufs = [data[(li, part)] for li in layers]
     first = segs[0]
-    if header.storage_dtype == header.compute_dtype:
-        dtype = codec.torch_dtype(first.dtype)
-        base = bufs[0].view(dtype)
-        step = bufs[1].data_ptr() - bufs[0].data_ptr() if len(bufs) > 1 else first.nbytes
-        even = all(b.untyped_storage().data_ptr() == bufs[0].untyped_storage().data_ptr() and
-                   b.data_ptr() - bufs[0].data_ptr() == i * step for i, b in enumerate(bufs))
-        if even and step > 0 and step % base.element_size() == 0 and all(s.shape == first.shape for s in segs):
-            return base.as_strided((len(layers), *first.shape),
-                                   (step // base.element_size(), *_contiguous_strides(first.shape)), base.storage_offset())
-    return torch.stack([_decode_stored(header, data, li, part, copy=False) for li in layers])
+    dtype = codec.torch_dtype(first.dtype)
+    base = bufs[0].view(dtype)
+    step = bufs[1].data_ptr() - bufs[0].data_ptr() if len(bufs) > 1 else first.nbytes
+    even = all(b.untyped_storage().data_ptr() == bufs[0].untyped_storage().data_ptr() and
+               b.data_ptr() - bufs[0].data_ptr() == i * step for i, b in enumerate(bufs))
+    if even and step > 0 and step % base.element_size() == 0 and all(s.shape == first.shape for s in segs):
+        return base.as_strided((len(layers), *first.shape),
+                               (step // base.element_size(), *_contiguous_strides(first.shape)), base.storage_offset())
+    return torch.stack([b.view(dtype).reshape(s.shape) for b, s in zip(bufs, segs)])

@@ -24,7 +24,8 @@ from .tiers.base import Expect, OpenChunk, PoolTarget, Tier
 class LayerGroup:
     """Consecutive layers read for every chunk: parts[p][c] is part p ("k", "v" or "h") of those
     layers of chunk c, shaped [len(layers), tokens, ...] (a strided view of the read bytes where
-    they allow it), or None where the read put it straight into its pool slots."""
+    they allow it), or None where the read put it straight into its pool slots. Read `raw`, a
+    chunk stored in another dtype has its parts as stored, and int8 ones "<part>.scale" too."""
 
     layers: tuple[int, ...]
     parts: dict[str, list[torch.Tensor | None]]
@@ -58,13 +59,17 @@ class PlannedReads:
         return True
 
     def read(self, layers: Sequence[int], parts: Sequence[str], only: Sequence[int] | None = None,
-             into: Sequence[PoolTarget | None] | None = None) -> LayerGroup | None:
+             into: Sequence[PoolTarget | None] | None = None, raw: bool = False) -> LayerGroup | None:
         """`parts` of consecutive `layers` (each stored with every one of `parts`) of every chunk,
         or of the chunks at indices `only`, in the compute dtype. None if any read fails (the
         chunk is then removed from its tier as corrupt).
 
         `into[c]` may offer chunk c's pool slots: a tier that can read K/V straight there does
-        (direct I/O), and that part of the group is then None."""
+        (direct I/O), and that part of the group is then None.
+
+        `raw`: a chunk stored in another dtype (lossy storage) in token order comes as stored
+        (`fmt.stored_run`: int8 values with their "<part>.scale" rows, or the storage dtype), for
+        the caller to decode on its device after copying the smaller bytes over."""
         layers = tuple(layers)
         wanted = range(len(self.opened)) if only is None else only
         decoded: dict[int, dict[str, torch.Tensor | None]] = {}
@@ -92,9 +97,15 @@ class PlannedReads:
                 return None
             for i, oc, segs, r in zip(idx, opened, got, runs):
                 group.nbytes += sum(s.nbytes for run in r for s in run)
-                decoded[i] = {p: fmt.in_token_order(oc.header, layers, p, fmt.decode_run(oc.header, segs, layers, p))
+                h = oc.header
+                if raw and h.storage_dtype != h.compute_dtype and h.order is None:
+                    decoded[i] = {q: fmt.stored_run(h, segs, layers, q)
+                                  for q in (p + s for p in parts for s in ("", ".scale")) if (layers[0], q) in segs}
+                    continue
+                decoded[i] = {p: fmt.in_token_order(h, layers, p, fmt.decode_run(h, segs, layers, p))
                               if (layers[0], p) in segs else None for p in parts}
-        group.parts = {p: [decoded[i][p] for i in wanted] for p in parts}
+        names = list(parts) + sorted({q for d in decoded.values() for q in d} - set(parts))  # + raw chunks' scales
+        group.parts = {p: [decoded[i].get(p) for i in wanted] for p in names}
         return group
 
     def _views(self, tier: Tier, idx: list[int], layers: tuple[int, ...], parts: Sequence[str],

@@ -37,9 +37,10 @@ import torch
 
 from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer, byte_view, storage_bytes
+from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer, byte_view, joined, storage_bytes
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Method, Plan
+from kvtier.store import codec
 from kvtier.store.layout import Repr
 from kvtier.store.reads import LayerGroup, PlannedReads
 from kvtier.store.tiered import TieredStore
@@ -104,8 +105,10 @@ class LayerReader:
 
     def __init__(self, reads: PlannedReads, layout: Sequence[Repr], first: int, depth: int, threaded: bool,
                  into: Callable[[tuple[int, ...]], list[PoolTarget | None] | None] | None = None,
-                 transfer: Transfer | None = None) -> None:
-        self.reads, self.layout, self.into = reads, tuple(layout), into
+                 transfer: Transfer | None = None, raw: bool = False) -> None:
+        """`raw`: K/V groups of chunks stored in another dtype come undecoded (PlannedReads.read),
+        for the device to decode."""
+        self.reads, self.layout, self.into, self.raw = reads, tuple(layout), into, raw
         self.transfer = transfer or Transfer()
         # Groups of layers: on an asynchronous device each group is one batch of copies with its
         # event, so compute starts on layer 0 while later groups are in flight; memory it holds
@@ -145,7 +148,8 @@ class LayerReader:
                     return
             parts = tuple(dict.fromkeys(p for li in layers for p in self.layout[li].parts()))
             try:
-                group = self.reads.read(layers, parts, into=self.into(layers) if self.into else None)
+                group = self.reads.read(layers, parts, into=self.into(layers) if self.into else None,
+                                        raw=self.raw and self.layout[layers[0]] is Repr.KV)
             except Exception as e:  # any failure is a miss for this restore, never a dead thread
                 group, why = None, f"{type(e).__name__}: {e}"
             else:
@@ -332,7 +336,8 @@ class Restore:
             lead = self.plan.recompute_layers
             zero_copy = all(t.zero_copy for t in self.reads.tiers)
             self.reader = LayerReader(self.reads, self.plan.layer_reprs, lead, self.plan.read_buffer_layers,
-                                      threaded=not zero_copy, into=self._into, transfer=self.transfer)
+                                      threaded=not zero_copy, into=self._into, transfer=self.transfer,
+                                      raw=self._grid is not None)
             self.reader.start()
             if lead:  # bubble-free with recompute: the first layers from tokens while IO streams
                 self._compute(0, self.plan.history_tokens, layers=range(lead))
@@ -425,7 +430,7 @@ class Restore:
             if any((k is None) != (v is None) for k, v in zip(ks, vs)):
                 raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
             if self._grid is not None:
-                return self._stage_kv(len(layers), ks, vs, gi)
+                return self._stage_kv(len(layers), ks, vs, gi, group.parts)
             ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
             # Only ps's chunks are indexed: they were read (not None). Each slice is [layers, n, kv_heads, hd].
             kr, vr = cast("list[torch.Tensor]", ks), cast("list[torch.Tensor]", vs)
@@ -441,11 +446,12 @@ class Restore:
         return handle, {n: list(staged[i * per:(i + 1) * per]) for i, n in enumerate(names)}
 
     def _stage_kv(self, n_layers: int, ks: Sequence[torch.Tensor | None], vs: Sequence[torch.Tensor | None],
-                  gi: int) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
+                  gi: int, parts: dict[str, list[torch.Tensor | None]]) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
         """K/V of a layer group of every chunk into a staging ring slot laid out
         [chunks, layers, 2 (K, V), T, kv_heads, hd]: one DMA run per chunk where its stored bytes
         have that layout (every whole chunk), one per layer and part otherwise (a partial tail, a
-        decoded or reordered chunk), all in one batched submission."""
+        reordered chunk), all in one batched submission. Chunks stored in another dtype go over as
+        stored (`_stage_stored`) and are decoded on the device."""
         grid = self._grid
         assert grid is not None
         chunks, width = grid.shape
@@ -460,8 +466,9 @@ class Restore:
             self._ring.append(torch.empty(chunks * largest * 2 * part_bytes, dtype=torch.uint8, device=pool.device))
         stage = self._ring[slot]
         runs: list[tuple[int, torch.Tensor]] = []
+        lossy = [c for c, k in enumerate(ks) if k is not None and k.dtype != dtype]  # as stored: decoded on the device
         for c, (k, v) in enumerate(zip(ks, vs)):
-            if k is None or v is None:  # read straight into its pool slots (a CPU direct read)
+            if k is None or v is None or k.dtype != dtype:  # in the pool already (a CPU direct read), or lossy
                 continue
             base = c * chunk_bytes
             run = self._whole_run(k, v, n_layers, width, row, part_bytes)
@@ -470,15 +477,39 @@ class Restore:
                 continue
             for i in range(n_layers):
                 for p, t in enumerate((k[i], v[i])):  # [n, kvh, hd]
-                    if t.dtype != dtype or not t.is_contiguous():  # rare: kept until finish(), the copy reads it
-                        t = t.to(dtype).contiguous()
+                    if not t.is_contiguous():  # rare: kept until finish(), the copy reads it
+                        t = t.contiguous()
                         self._keep.append(t)
                     runs.append((base + (2 * i + p) * part_bytes, byte_view(t)))
-        handle = self.transfer.to_stage(stage, runs)
+        raw_handle, staged = self._stage_stored(lossy, parts, n_layers, width) if lossy else (DONE, {})
+        handle = joined(raw_handle, self.transfer.to_stage(stage, runs))
         view = stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, 2, width, kvh, hd)
         skipped = [c for c, k in enumerate(ks) if k is None]
         grid = grid if not skipped else grid.index_fill(0, self.runner.upload(torch.tensor(skipped)), self.runner.sink)
-        return handle, {"kv": [view], "grid": [grid]}
+        return handle, {"kv": [view], "grid": [grid], **staged}
+
+    def _stage_stored(self, lossy: list[int], parts: dict[str, list[torch.Tensor | None]], n_layers: int,
+                      width: int) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
+        """Chunks `lossy` (stored in another dtype) go over as stored, int8 values and their scales
+        or the storage dtype, into device buffers [lossy chunks, layers, T, ...]: half the bytes of
+        bf16 for int8 (CachedAttention's bandwidth, spent on what is stored), one DMA per host
+        buffer. `_place` decodes them on the device, a layer at a time."""
+        dev = self.runner.k_cache.device
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        out: dict[str, list[torch.Tensor]] = {"lossy": [self.runner.upload(torch.tensor(lossy))]}
+        for name in ("k", "v", "k.scale", "v.scale"):
+            xs = parts.get(name)
+            if xs is None:
+                continue  # no scales: a cast storage dtype
+            first = cast(torch.Tensor, xs[lossy[0]])  # [layers, n, ...] as stored
+            buf = torch.empty((len(lossy), n_layers, width, *first.shape[2:]), dtype=first.dtype, device=dev)
+            for j, c in enumerate(lossy):
+                x = cast(torch.Tensor, xs[c])
+                dst.append(buf[j, :, :x.shape[1]])  # a partial tail fills the first rows; the rest go to the sink
+                src.append(x)
+            out[name] = [buf]
+        return self.transfer.to_device(dst, src), out
 
     def _whole_run(self, k: torch.Tensor, v: torch.Tensor, n_layers: int, width: int, row: int,
                    part_bytes: int) -> torch.Tensor | None:
@@ -502,6 +533,12 @@ class Restore:
         rep = self.plan.layer_reprs[layer]
         if "kv" in staged:  # [chunks, layers, 2, T, kvh, hd] in the staging ring
             kv, grid = staged["kv"][0], staged["grid"][0]
+            if "lossy" in staged:  # decode the chunks copied as stored into their rows of the ring slot
+                lossy = staged["lossy"][0]
+                for p, part in enumerate(("k", "v")):
+                    scale = staged.get(part + ".scale")
+                    x = codec.to_compute(staged[part][0][:, i], None if scale is None else scale[0][:, i], kv.dtype)
+                    self.transfer.scatter(kv[:, i, p], lossy, x)  # [lossy, T, kvh, hd] into [chunks, T, kvh, hd]
             self.runner.place_staged(layer, grid, kv[:, i, 0], kv[:, i, 1])
         elif self.source is not None:
             self._place_remapped(layer, rep, staged, i)

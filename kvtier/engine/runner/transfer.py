@@ -46,6 +46,14 @@ class Handle:
 DONE = Handle()
 
 
+def joined(first: Handle, then: Handle) -> Handle:
+    """Two batches of copies enqueued one after the other on the same copy stream, as one handle:
+    the later batch's event covers both; a lazy back end's pending copies are both batches'."""
+    if first is DONE or then is DONE:
+        return then if first is DONE else first
+    return Handle(event=then.event if then.event is not None else first.event, pending=first.pending + then.pending)
+
+
 class Transfer:
     """The synchronous back end (the CPU's): every copy happens when it is asked for. On another
     device it is correct but serial (what tests run a fake device with)."""
