@@ -194,21 +194,24 @@ def _lossy_restore(model, storage: str, seed: int, rec: RecordingTransfer | None
 @pytest.mark.parametrize("storage", ["int8", "float16"])
 def test_lossy_chunks_go_over_as_stored_and_decode_on_the_device(deep, monkeypatch, storage):
     """K/V stored in another dtype cross to the device as stored (int8 values and their float32
-    row scales, or float16) and are decoded there: the bytes copied are the stored ones, well
-    under the compute dtype's, one scatter per layer and part decodes them into the staging ring,
-    and the restore's logprobs are the host-decoding CPU path's, bit for bit."""
+    row scales, or float16) and are decoded there: the bytes copied are the stored ones, at most
+    half of the compute dtype's, in O(chunks + layers) host operations, and the restore's
+    logprobs are the host-decoding CPU path's, bit for bit."""
     on_host = _lossy_restore(deep, storage, 2)  # the synchronous back end: decoded by the reads
     rec = RecordingTransfer()
     monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
     assert _lossy_restore(deep, storage, 2, rec) == on_host
+    # Per layer group: one batched submission of the whole chunks as stored (one DMA run each,
+    # the span of its stored group) and one of the partial tail, decoded on the host, layer by
+    # layer. Per layer and part: one scatter decodes every whole chunk, one places all chunks.
+    h2d = rec.of("h2d")
+    groups = len(h2d) // 2
+    assert len(h2d) == 2 * groups and LAYERS % groups == 0
+    assert [len(op.runs) for op in h2d] == [WHOLE, 2 * LAYERS // groups] * groups
     cfg = deep.config
-    values = 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim  # every restored K and V element
+    values = 2 * LAYERS * WHOLE * CHUNK * cfg.num_kv_heads * cfg.head_dim  # the whole chunks' K and V elements
     stored = values * {"int8": 1, "float16": 2}[storage] + (values // cfg.head_dim * 4 if storage == "int8" else 0)
-    copied = sum(r for op in rec.of("h2d") for r in op.runs)
-    assert stored <= copied <= values * 2  # the stored bytes (with their alignment): at most half of fp32
-    # One DMA per chunk and layer group (the span of its stored group); per layer, one decode
-    # scatter and one placement per part; and the copy's own device-side scatter per stored part.
-    chunks, parts = WHOLE + 1, 4 if storage == "int8" else 2
-    groups = len(rec.of("h2d")) // chunks
-    assert len(rec.of("h2d")) == chunks * groups and LAYERS % groups == 0
-    assert len(rec.of("scatter")) == chunks * parts * groups + 4 * LAYERS
+    copied = sum(r for op in h2d[::2] for r in op.runs)
+    assert stored <= copied <= values * 2  # what is stored (with its alignment): at most half of fp32
+    assert sum(r for op in h2d[1::2] for r in op.runs) == 2 * LAYERS * TAIL * cfg.num_kv_heads * cfg.head_dim * 4
+    assert len(rec.of("scatter")) == 2 * 2 * LAYERS

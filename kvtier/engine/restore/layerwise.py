@@ -37,7 +37,16 @@ import torch
 
 from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.runner.transfer import DONE, Handle, Timeline, Transfer, byte_view, joined, storage_bytes
+from kvtier.engine.runner.transfer import (
+    DONE,
+    Handle,
+    Timeline,
+    Transfer,
+    byte_range,
+    byte_view,
+    joined,
+    storage_bytes,
+)
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Method, Plan
 from kvtier.store import codec
@@ -466,9 +475,11 @@ class Restore:
             self._ring.append(torch.empty(chunks * largest * 2 * part_bytes, dtype=torch.uint8, device=pool.device))
         stage = self._ring[slot]
         runs: list[tuple[int, torch.Tensor]] = []
-        lossy = [c for c, k in enumerate(ks) if k is not None and k.dtype != dtype]  # as stored: decoded on the device
+        lossy = [c for c, k in enumerate(ks) if k is not None and k.dtype != dtype]  # as stored
+        raw_handle, staged, ks, vs = self._stage_stored(lossy, parts, list(ks), list(vs)) if lossy else \
+            (DONE, {}, ks, vs)
         for c, (k, v) in enumerate(zip(ks, vs)):
-            if k is None or v is None or k.dtype != dtype:  # in the pool already (a CPU direct read), or lossy
+            if k is None or v is None or k.dtype != dtype:  # in the pool already (a CPU direct read), or staged as stored
                 continue
             base = c * chunk_bytes
             run = self._whole_run(k, v, n_layers, width, row, part_bytes)
@@ -481,35 +492,51 @@ class Restore:
                         t = t.contiguous()
                         self._keep.append(t)
                     runs.append((base + (2 * i + p) * part_bytes, byte_view(t)))
-        raw_handle, staged = self._stage_stored(lossy, parts, n_layers, width) if lossy else (DONE, {})
         handle = joined(raw_handle, self.transfer.to_stage(stage, runs))
         view = stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, 2, width, kvh, hd)
         skipped = [c for c, k in enumerate(ks) if k is None]
         grid = grid if not skipped else grid.index_fill(0, self.runner.upload(torch.tensor(skipped)), self.runner.sink)
         return handle, {"kv": [view], "grid": [grid], **staged}
 
-    def _stage_stored(self, lossy: list[int], parts: dict[str, list[torch.Tensor | None]], n_layers: int,
-                      width: int) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
-        """Chunks `lossy` (stored in another dtype) go over as stored, int8 values and their scales
-        or the storage dtype, into device buffers [lossy chunks, layers, T, ...]: half the bytes of
-        bf16 for int8 (CachedAttention's bandwidth, spent on what is stored), one DMA per host
-        buffer. `_place` decodes them on the device, a layer at a time."""
-        dev = self.runner.k_cache.device
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        out: dict[str, list[torch.Tensor]] = {"lossy": [self.runner.upload(torch.tensor(lossy))]}
-        for name in ("k", "v", "k.scale", "v.scale"):
-            xs = parts.get(name)
-            if xs is None:
-                continue  # no scales: a cast storage dtype
-            first = cast(torch.Tensor, xs[lossy[0]])  # [layers, n, ...] as stored
-            buf = torch.empty((len(lossy), n_layers, width, *first.shape[2:]), dtype=first.dtype, device=dev)
-            for j, c in enumerate(lossy):
-                x = cast(torch.Tensor, xs[c])
-                dst.append(buf[j, :, :x.shape[1]])  # a partial tail fills the first rows; the rest go to the sink
-                src.append(x)
-            out[name] = [buf]
-        return self.transfer.to_device(dst, src), out
+    def _stage_stored(self, lossy: list[int], parts: dict[str, list[torch.Tensor | None]],
+                      ks: list[torch.Tensor | None], vs: list[torch.Tensor | None]
+                      ) -> tuple[Handle, dict[str, list[torch.Tensor]], list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Chunks `lossy` (stored in another dtype, read as stored) go over undecoded: int8 values
+        and their scales, or the storage dtype (int8 is half of bf16's bytes). Each chunk's stored
+        layer group is one contiguous span of its read buffer: one DMA run per chunk, all in one
+        batched submission, at a fixed stride in a device buffer, so each part of every chunk laid
+        out alike (every whole chunk) is one strided device view [chunks, layers, T, ...] that
+        `_place` decodes a layer at a time. A chunk laid out otherwise (a partial tail) is decoded
+        on the host and staged like a lossless one. -> (handle, staged views, ks, vs with those
+        decoded chunks in place)."""
+        names = [n for n in ("k", "v", "k.scale", "v.scale") if n in parts]
+        ts = {c: [cast(torch.Tensor, parts[n][c]) for n in names] for c in lossy}  # [layers, T, ...] each
+        spans = {c: (min(byte_range(t)[0] for t in x), max(byte_range(t)[1] for t in x)) for c, x in ts.items()}
+
+        # Where each part lies in its chunk's span, and whether the span holds them all (one buffer).
+        layouts = {c: tuple((byte_range(t)[0] - spans[c][0], tuple(t.shape), t.stride(), t.dtype,
+                             t.untyped_storage().data_ptr() == x[0].untyped_storage().data_ptr()) for t in x)
+                   for c, x in ts.items()}
+        common = layouts[lossy[0]]
+        alike = [c for c in lossy if layouts[c] == common and all(one for *_, one in common)]
+        for c in lossy:
+            if c not in alike:
+                stored: dict[str, torch.Tensor] = dict(zip(names, ts[c]))
+                k, v = (codec.to_compute(stored[p], stored.get(p + ".scale"), self.runner.k_cache.dtype) for p in ("k", "v"))
+                ks[c], vs[c] = k, v
+                self._keep += [k, v]  # the copy reads them: kept until finish()
+        if not alike:
+            return DONE, {}, ks, vs
+        stride = -(-max(hi - lo for lo, hi in spans.values()) // 512) * 512  # bytes per chunk, aligned for every dtype
+        raw = torch.empty(len(alike) * stride, dtype=torch.uint8, device=self.runner.k_cache.device)
+        handle = self.transfer.to_stage(raw, [(j * stride, storage_bytes(ts[c][0])[spans[c][0]:spans[c][1]])
+                                              for j, c in enumerate(alike)])
+        staged = {"lossy": [self.runner.upload(torch.tensor(alike))]}
+        for name, (offset, shape, strides, dt, _) in zip(names, common):
+            base = raw.view(dt)  # offsets and the stride are multiples of every dtype's width
+            staged[name] = [base.as_strided((len(alike), *shape), (stride // dt.itemsize, *strides),
+                                            offset // dt.itemsize)]
+        return handle, staged, ks, vs
 
     def _whole_run(self, k: torch.Tensor, v: torch.Tensor, n_layers: int, width: int, row: int,
                    part_bytes: int) -> torch.Tensor | None:

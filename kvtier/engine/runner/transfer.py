@@ -157,7 +157,7 @@ class CudaTransfer(Transfer):
                 dma_dst.append(stage[pos:pos + hi - lo])
                 dma_src.append(storage_bytes(first)[lo:hi])
                 for i in idx:
-                    a, b = _byte_range(src[i])
+                    a, b = byte_range(src[i])
                     views.append(stage[pos + a - lo:pos + b - lo].view(src[i].dtype).as_strided(src[i].shape,
                                                                                                 src[i].stride()))
                     targets.append(dst[i])
@@ -281,7 +281,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 _ALIGN = 512  # staging offsets stay aligned for every dtype view
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
     """[first, end) bytes of its storage that a (strided) view reads."""
     size = t.element_size()
     lo = int(t.storage_offset()) * size  # int outside tracing; typed int | SymInt
@@ -294,7 +294,7 @@ def _spans(src: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, li
     """Sources grouped by the host buffer they view: (one of them, first byte, end byte, indices)."""
     groups: dict[int, list] = {}
     for i, t in enumerate(src):
-        lo, hi = _byte_range(t)
+        lo, hi = byte_range(t)
         g = groups.get(t.untyped_storage().data_ptr())
         if g is None:
             groups[t.untyped_storage().data_ptr()] = [t, lo, hi, [i]]
