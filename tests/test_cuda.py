@@ -300,3 +300,18 @@ def test_paged_attention_compiled_equals_gathered_sdpa():
     got = paged_attention(q, k_pool, v_pool, pt, 16, compiled=True)
     for r, want in enumerate(test_paged._reference(q.float(), k_pool.float(), v_pool.float(), pt, 16, queries)):
         torch.testing.assert_close(got[r, :1].float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("storage", ["int8", "float16"])
+def test_lossy_chunks_decoded_on_the_gpu_equal_the_hosts_decoding(gqa_cuda, monkeypatch, storage):
+    """Chunks stored in another dtype cross as stored and the GPU decodes them; the host decoding
+    the same chunks before the copy (the reads' decoding, forced) gives the same logprobs, bit for
+    bit: one expression (codec.to_compute) on either side."""
+    from test_transfer_ops import _lossy_restore
+
+    from kvtier.store.reads import PlannedReads
+
+    on_gpu = _lossy_restore(gqa_cuda, storage, 3)
+    read = PlannedReads.read
+    monkeypatch.setattr(PlannedReads, "read", lambda self, *a, raw=False, **k: read(self, *a, **k))
+    assert _lossy_restore(gqa_cuda, storage, 3) == on_gpu
