@@ -27,9 +27,12 @@ def _present(t: torch.Tensor) -> list[bool]:
 
 
 def test_the_first_requests_slots_are_mapped_at_start_and_the_rest_is_not(tiny_gqa):
-    block, max_len = 16, 1024
-    blocks = 4096  # far more slots than one context: the budget's tail must stay unmapped
-    runner = ModelRunner(tiny_gqa.module, blocks, block, max_len)
+    block, max_len, cfg = 16, 1024, tiny_gqa.config
+    # Far more slots than one context (the budget's tail must stay unmapped), and over glibc's
+    # largest mmap threshold (32 MiB), so the pool is a fresh mapping, not reused heap pages
+    # another test already touched.
+    slot_bytes = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    runner = ModelRunner(tiny_gqa.module, -(-(96 << 20) // (block * slot_bytes)), block, max_len)
     for cache in (runner.k_cache, runner.v_cache):  # [layers, slots, kv_heads, hd]
         for layer in cache:
             assert all(_present(layer[:max_len]))

@@ -527,7 +527,7 @@ class Restore:
                 self._keep += [k, v]  # the copy reads them: kept until finish()
         if not alike:
             return DONE, {}, ks, vs
-        stride = -(-max(hi - lo for lo, hi in spans.values()) // 512) * 512  # bytes per chunk, aligned for every dtype
+        stride = -(-(spans[alike[0]][1] - spans[alike[0]][0]) // 512) * 512  # bytes per chunk (alike: one size), aligned for every dtype
         raw = torch.empty(len(alike) * stride, dtype=torch.uint8, device=self.runner.k_cache.device)
         handle = self.transfer.to_stage(raw, [(j * stride, storage_bytes(ts[c][0])[spans[c][0]:spans[c][1]])
                                               for j, c in enumerate(alike)])
