@@ -28,12 +28,16 @@ LAYERS, CHUNK, WHOLE, TAIL = 32, 16, 128, 8
 HIST = WHOLE * CHUNK + TAIL
 
 
-@pytest.fixture(scope="module")
-def deep():
+def _deep(dtype: torch.dtype = torch.float32):
     cfg = dataclasses.replace(PRESETS["tiny-gqa"], num_layers=LAYERS, vocab_size=512)
     module = CausalLM(cfg)
     module.load_state_dict(random_state_dict(cfg, 0))
-    return loaded(cfg, module.eval(), "deep-gqa")
+    return loaded(cfg, module.to(dtype).eval(), f"deep-gqa-{dtype}")
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return _deep()
 
 
 @pytest.fixture
@@ -191,12 +195,15 @@ def _lossy_restore(model, storage: str, seed: int, rec: RecordingTransfer | None
     return [(lp.token, lp.logprob, lp.top) for lp in out.logprobs]
 
 
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("storage", ["int8", "float16"])
-def test_lossy_chunks_go_over_as_stored_and_decode_on_the_device(deep, monkeypatch, storage):
+def test_lossy_chunks_go_over_as_stored_and_decode_on_the_device(deep, monkeypatch, storage, compute):
     """K/V stored in another dtype cross to the device as stored (int8 values and their float32
     row scales, or float16) and are decoded there: the bytes copied are the stored ones, at most
-    half of the compute dtype's, in O(chunks + layers) host operations, and the restore's
-    logprobs are the host-decoding CPU path's, bit for bit."""
+    half of fp32's, in O(chunks + layers) host operations, and the restore's logprobs are the
+    host-decoding CPU path's, bit for bit, in fp32 and in bf16."""
+    if compute is not torch.float32:
+        deep = _deep(compute)
     on_host = _lossy_restore(deep, storage, 2)  # the synchronous back end: decoded by the reads
     rec = RecordingTransfer()
     monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
@@ -213,5 +220,6 @@ def test_lossy_chunks_go_over_as_stored_and_decode_on_the_device(deep, monkeypat
     stored = values * {"int8": 1, "float16": 2}[storage] + (values // cfg.head_dim * 4 if storage == "int8" else 0)
     copied = sum(r for op in h2d[::2] for r in op.runs)
     assert stored <= copied <= values * 2  # what is stored (with its alignment): at most half of fp32
-    assert sum(r for op in h2d[1::2] for r in op.runs) == 2 * LAYERS * TAIL * cfg.num_kv_heads * cfg.head_dim * 4
+    assert sum(r for op in h2d[1::2] for r in op.runs) == \
+        2 * LAYERS * TAIL * cfg.num_kv_heads * cfg.head_dim * compute.itemsize  # the tail, decoded on the host
     assert len(rec.of("scatter")) == 2 * 2 * LAYERS
