@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from profile_disk_restore import time_opening  # scripts/ is on the path of a script run from it
 
 from kvtier.bench.common import drop_page_cache
 from kvtier.engine.config import EngineConfig
@@ -31,7 +32,6 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
-from kvtier.store.reads import PlannedReads
 from kvtier.store.tiers import disk
 
 OPEN_NOW, FAULT_IN = disk.DiskTier.open_chunks, ModelRunner._fault_in
@@ -51,17 +51,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, default=12)
     ap.add_argument("--json")
     args = ap.parse_args()
-    opened: list[float] = []
-    plain_open = PlannedReads.open
-
-    def timed_open(self: PlannedReads) -> bool:
-        t = time.perf_counter()
-        try:
-            return plain_open(self)
-        finally:
-            opened.append(time.perf_counter() - t)
-
-    PlannedReads.open = timed_open  # type: ignore[method-assign]
+    opened = time_opening()
     model = load_model("smollm2-135m", dtype=args.dtype)
     once = SamplingParams(max_tokens=1, temperature=0.0)
     config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=8192, enable_prefix_cache=False)

@@ -24,12 +24,9 @@ from kvtier.models.loading import load_model
 from kvtier.store.reads import PlannedReads
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("history", type=int, nargs="?", default=4096)
-    ap.add_argument("--dtype", default="bf16")
-    args = ap.parse_args()
-    model = load_model("smollm2-135m", dtype=args.dtype)
+def time_opening() -> list[float]:
+    """From now on, every restore's opening of its chunks (`PlannedReads.open`) appends its
+    seconds to the list returned (cold_disk_ab.py uses it too)."""
     opening: list[float] = []
     plain_open = PlannedReads.open
 
@@ -41,6 +38,16 @@ def main() -> None:
             opening.append(time.perf_counter() - t)
 
     PlannedReads.open = timed_open  # type: ignore[method-assign]
+    return opening
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("history", type=int, nargs="?", default=4096)
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args()
+    model = load_model("smollm2-135m", dtype=args.dtype)
+    opening = time_opening()
     once = SamplingParams(max_tokens=1, temperature=0.0)
     config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=8192, enable_prefix_cache=False)
     with tempfile.TemporaryDirectory() as d:
