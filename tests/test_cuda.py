@@ -273,16 +273,15 @@ def test_graph_captured_decode_equals_eager_decode(dtype):
 def test_graph_captured_paged_decode_decodes_the_same_tokens(gqa_cuda):
     """The FlexAttention backend (the pool read in place, compiled through Triton) captured in the
     graphs: the tokens of the gathering backend."""
+    import test_static_decode
+
     ids = _ids(gqa_cuda)
     prompts = [ids[:150], ids[20:90], ids[5:200]]
     _, want, _ = _decode_logits(gqa_cuda, None, prompts)
     engine = Engine(gqa_cuda, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=8))
     assert engine.runner.decoder is not None
     engine.runner.decoder.paged = True
-    try:
-        got = [o.output_ids for o in engine.generate(prompts, GREEDY)]
-    finally:
-        engine.close()
+    _, got = test_static_decode._record(engine, prompts)  # the same sampling as `want`; closes the engine
     assert engine.runner.decoder.replays > 0 and got == want
 
 

@@ -36,10 +36,11 @@ def _reference(q, k_pool, v_pool, pt: PageTable, bs: int, queries: list[int]) ->
     outs = []
     for r, m in enumerate(queries):
         n = int(pt.lengths[r])
-        slots = (pt.table[r, :, None] * bs + torch.arange(bs)).flatten()[:n]
+        slots = (pt.table[r, :, None] * bs + torch.arange(bs, device=q.device)).flatten()[:n]
         k, v = (x.index_select(0, slots).transpose(0, 1)[None] for x in (k_pool, v_pool))  # [1, kvh, n, hd]
         qh = q[r, :m].transpose(0, 1)[None]  # [1, heads, m, hd]
-        mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]  # causal, bottom-right
+        at = torch.arange(n, device=q.device)
+        mask = at[None, :] <= (n - m + at[:m])[:, None]  # causal, bottom-right
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[1])
         outs.append(out[0].transpose(0, 1))  # [m, heads, hd]
     return outs
