@@ -9,6 +9,7 @@ ordering plus the `protected` set.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Iterable, Iterator, Protocol
 
 
@@ -52,13 +53,20 @@ class _Ordered:
     def __contains__(self, key: str) -> bool:
         return key in self._order
 
-    def _ranked(self) -> list[str]:
-        return list(self._order)
+    def _ranked(self) -> Iterator[str]:
+        """Keys in eviction order: the map's own, front first, read a few at a time. A full tier
+        evicts a key or two per write; copying every key per write made each one O(entries)."""
+        kept = 0  # keys at the front that were offered and are still held (protected)
+        while batch := list(islice(self._order, kept, kept + 64)):
+            for key in batch:
+                if key in self._order:
+                    yield key
+                    kept += key in self._order  # the caller removes what it evicts before asking again
 
     def victims(self, need_bytes: int, protected: Iterable[str] = ()) -> Iterator[str]:
         protected = set(protected)
         freed = 0
-        for key in self._ranked():  # snapshot: the caller removes keys while we iterate
+        for key in self._ranked():  # the caller removes keys while we iterate
             if freed >= need_bytes:
                 return
             if key in protected or key not in self._order:
@@ -99,9 +107,9 @@ class LFUPolicy(_Ordered):
         super().remove(key)
         self._count.pop(key, None)
 
-    def _ranked(self) -> list[str]:
+    def _ranked(self) -> Iterator[str]:
         recency = {k: i for i, k in enumerate(self._order)}
-        return sorted(self._order, key=lambda k: (self._count[k], recency[k]))
+        return iter(sorted(self._order, key=lambda k: (self._count[k], recency[k])))  # a snapshot
 
 
 class ScorePolicy(LFUPolicy):

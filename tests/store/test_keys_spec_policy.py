@@ -92,6 +92,23 @@ def test_victims_stop_at_needed_bytes():
     assert list(p.victims(10)) == ["a"]
 
 
+def test_victims_read_past_many_protected_keys_in_order():
+    """The front is read a batch at a time: protected keys and keys the caller keeps (a failed
+    delete) straddle batch boundaries, and each victim is still the next in LRU order."""
+    p = LRUPolicy()
+    keys = [f"k{i:03d}" for i in range(300)]
+    for k in keys:
+        p.insert(k, 1)
+    protected = set(keys[:150:2]) | set(keys[100:170])
+    got = []
+    for key in p.victims(60, protected):
+        got.append(key)
+        if key != "k171":  # the caller fails to delete one: it stays, and is not offered again
+            p.remove(key)
+    want = [k for k in keys if k not in protected][:60]
+    assert got == want and "k171" in want and "k171" in p
+
+
 def test_score_policy_reproduces_the_papers_figure_14():
     """A is read 1.5x as often as B; half of A's tokens are important, all of B's. With room for
     one chunk in the faster tier, frequency keeps A and moves B's important vectors on each of its
