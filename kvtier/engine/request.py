@@ -182,7 +182,7 @@ class RequestMetrics:
         return (self.last_token - self.first_token) / (num_output_tokens - 1)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's `req in running` must not compare prompts field by field
 class Request:
     request_id: str
     prompt_ids: list[int]
