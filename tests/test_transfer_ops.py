@@ -70,6 +70,7 @@ def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0) -
         assert engine.flush(60)
         rec.ops.clear()
         rec.stages.clear()
+        rec.equal_runs = 0
         out = engine.generate([ids], once)[0]
     finally:
         engine.close()
@@ -90,6 +91,9 @@ def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
     whole_run = 2 * group * CHUNK * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
     runs = [r for op in h2d for r in op.runs]
     assert sorted(set(runs))[-1] == whole_run and runs.count(whole_run) == WHOLE * len(h2d)
+    # The memory tier's whole chunks are handed over as address arrays, not a tensor view each: the
+    # host's work per group does not grow with the chunk count.
+    assert rec.equal_runs == WHOLE * len(h2d)
     tail_runs = [r for r in runs if r != whole_run]
     assert tail_runs == [TAIL * cfg.num_kv_heads * cfg.head_dim * 4] * (2 * LAYERS)
     assert sum(runs) == 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim * 4  # every byte once

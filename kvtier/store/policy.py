@@ -53,7 +53,7 @@ class _Ordered:
     def __contains__(self, key: str) -> bool:
         return key in self._order
 
-    def _ranked(self) -> Iterator[str]:
+    def _ranked(self) -> Iterable[str]:
         """Keys in eviction order: the map's own, front first, read a few at a time. A full tier
         evicts a key or two per write; copying every key per write made each one O(entries)."""
         kept = 0  # keys at the front that were offered and are still held (protected)
@@ -107,9 +107,9 @@ class LFUPolicy(_Ordered):
         super().remove(key)
         self._count.pop(key, None)
 
-    def _ranked(self) -> Iterator[str]:
+    def _ranked(self) -> Iterable[str]:
         recency = {k: i for i, k in enumerate(self._order)}
-        return iter(sorted(self._order, key=lambda k: (self._count[k], recency[k])))  # a snapshot
+        return sorted(self._order, key=lambda k: (self._count[k], recency[k]))  # a snapshot
 
 
 class ScorePolicy(LFUPolicy):
@@ -159,7 +159,7 @@ class ScorePolicy(LFUPolicy):
             return True
         return self.score(key) > min(self.score(k) for k in self._order)
 
-    def _ranked(self) -> list[str]:
+    def _ranked(self) -> Iterable[str]:
         recency = {k: i for i, k in enumerate(self._order)}
         return sorted(self._order, key=lambda k: (self.score(k), recency[k]))
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from . import format as fmt
@@ -20,17 +21,52 @@ from .staging import Staging
 from .tiers.base import Expect, OpenChunk, PoolTarget, Tier
 
 
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `t`, as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+@dataclass(frozen=True)
+class KVSpans:
+    """K/V of a layer group of chunks the tier holds in memory, as one byte span per chunk: the
+    chunk's layers lie [layers, 2 (K, V), T, kv_heads, hd] in it (every whole chunk stored in the
+    compute dtype and token order). Arrays, not a view per chunk: a group costs the host the same
+    few operations however many chunks a restore has (256 at 16K tokens, in each of 8 groups)."""
+
+    chunks: np.ndarray  # int64 [n]: indices (in the read's chunk order) of the chunks covered
+    buffers: list[torch.Tensor]  # uint8 host storages the spans lie in (the tier's; alive while open)
+    buffer: np.ndarray  # int64 [n]: index into `buffers` of each span
+    offsets: np.ndarray  # int64 [n]: byte offset of each span in its buffer
+    nbytes: int  # bytes of every span
+
+
 @dataclass
 class LayerGroup:
     """Consecutive layers read for every chunk: parts[p][c] is part p ("k", "v" or "h") of those
     layers of chunk c, shaped [len(layers), tokens, ...] (a strided view of the read bytes where
-    they allow it), or None where the read put it straight into its pool slots. Read `raw`, a
-    chunk stored in another dtype has its parts as stored, and int8 ones "<part>.scale" too."""
+    they allow it), or None where the read put it straight into its pool slots or `spans` has it.
+    Read `raw`, a chunk stored in another dtype has its parts as stored, and int8 ones
+    "<part>.scale" too."""
 
     layers: tuple[int, ...]
     parts: dict[str, list[torch.Tensor | None]]
     nbytes: int
     buffers: list[torch.Tensor] = field(default_factory=list)  # staging memory the parts view
+    spans: KVSpans | None = None  # read with `spans=T`: the K/V of the chunks lying whole in memory
+
+
+@dataclass(frozen=True)
+class _SpanTable:
+    """Per opened chunk, where its K/V of every stored layer lie as one [layers, 2, T, ...] run in
+    memory the tier holds (built once per restore; `ok` False where they do not)."""
+
+    ok: np.ndarray  # bool [chunks]
+    buffers: list[torch.Tensor]
+    buffer: np.ndarray  # int64 [chunks]
+    base: np.ndarray  # int64 [chunks]: byte offset of the first stored layer's K
+    first: np.ndarray  # int64 [chunks]: that layer
+    end: np.ndarray  # int64 [chunks]: one past the last stored layer
+    layer_bytes: int  # K and V of one layer of a chunk
 
 
 class PlannedReads:
@@ -45,6 +81,7 @@ class PlannedReads:
         self._expect = expect
         self.staging = staging
         self.opened: list[OpenChunk] = []
+        self._table: _SpanTable | None = None
 
     def open(self) -> bool:
         """Open every planned chunk on its planned tier; False (all closed) if any is missing."""
@@ -59,7 +96,7 @@ class PlannedReads:
         return True
 
     def read(self, layers: Sequence[int], parts: Sequence[str], only: Sequence[int] | None = None,
-             into: Sequence[PoolTarget | None] | None = None, raw: bool = False) -> LayerGroup | None:
+             into: Sequence[PoolTarget | None] | None = None, raw: bool = False, spans: int = 0) -> LayerGroup | None:
         """`parts` of consecutive `layers` (each stored with every one of `parts`) of every chunk,
         or of the chunks at indices `only`, in the compute dtype. None if any read fails (the
         chunk is then removed from its tier as corrupt).
@@ -69,13 +106,21 @@ class PlannedReads:
 
         `raw`: a chunk stored in another dtype (lossy storage) in token order comes as stored
         (`fmt.stored_run`: int8 values with their "<part>.scale" rows, or the storage dtype), for
-        the caller to decode on its device after copying the smaller bytes over."""
+        the caller to decode on its device after copying the smaller bytes over.
+
+        `spans=T`: K/V of the chunks whose layers lie whole ([layers, 2, T, ...]) in memory the
+        tier holds come as `group.spans` (their parts None) instead of views."""
         layers = tuple(layers)
         wanted = range(len(self.opened)) if only is None else only
         decoded: dict[int, dict[str, torch.Tensor | None]] = {}
         group = LayerGroup(layers, {}, 0)
-        for tier in dict.fromkeys(self.tiers[i] for i in wanted):
-            idx = [i for i in wanted if self.tiers[i] is tier]
+        rest: Sequence[int] = wanted
+        if spans and set(parts) == {"k", "v"} and self.opened:
+            group.spans, rest = self._spans(layers, wanted, spans)
+            for i in group.spans.chunks.tolist():
+                decoded[i] = {"k": None, "v": None}
+        for tier in dict.fromkeys(self.tiers[i] for i in rest):
+            idx = [i for i in rest if self.tiers[i] is tier]
             if self._views(tier, idx, layers, parts, decoded, group):
                 continue
             opened = [self.opened[i] for i in idx]
@@ -107,6 +152,50 @@ class PlannedReads:
         names = list(parts) + sorted({q for d in decoded.values() for q in d} - set(parts))  # + raw chunks' scales
         group.parts = {p: [decoded[i].get(p) for i in wanted] for p in names}
         return group
+
+    def _spans(self, layers: tuple[int, ...], wanted: Sequence[int], width: int) -> tuple[KVSpans, list[int]]:
+        """The chunks of `wanted` whose K/V of `layers` lie whole in memory, as spans; -> (spans,
+        the other chunks)."""
+        if self._table is None:
+            self._table = self._span_table(width)
+        t = self._table
+        want = np.asarray(wanted, dtype=np.int64)
+        ok = t.ok[want] & (t.first[want] <= layers[0]) & (t.end[want] >= layers[-1] + 1)
+        covered = want[ok]
+        n = len(layers) * t.layer_bytes
+        found = KVSpans(covered, t.buffers, t.buffer[covered], t.base[covered] + (layers[0] - t.first[covered]) * t.layer_bytes, n)
+        for tier in dict.fromkeys(self.tiers[i] for i in covered.tolist()):  # counted per tier, not per chunk
+            count = sum(1 for i in covered.tolist() if self.tiers[i] is tier)
+            tier._count_reads(count, count * n)
+        return found, want[~ok].tolist()
+
+    def _span_table(self, width: int) -> _SpanTable:
+        """Walk every opened chunk once (the restore's first group): where its K/V runs lie. A
+        chunk qualifies when its tier holds it in memory in the compute dtype and token order,
+        every stored layer's K then V back to back, `width` tokens each."""
+        n = len(self.opened)
+        ok, buffer, base, first, end = (np.zeros(n, dtype=t) for t in (bool, np.int64, np.int64, np.int64, np.int64))
+        buffers: dict[int, int] = {}
+        storages: list[torch.Tensor] = []
+        layer_bytes = 0
+        for i, oc in enumerate(self.opened):
+            runs = getattr(oc.reader, "runs", None) if oc.tier.zero_copy else None
+            got = _whole_kv(oc, runs, width) if runs else None
+            if got is None:
+                continue
+            k, lo = got
+            lb = 2 * k[0].nbytes
+            if layer_bytes and lb != layer_bytes:
+                continue
+            layer_bytes = lb
+            ptr = k.untyped_storage().data_ptr()
+            if ptr not in buffers:
+                buffers[ptr] = len(storages)
+                storages.append(storage_bytes(k))
+            ok[i], buffer[i], base[i] = True, buffers[ptr], k.storage_offset() * k.element_size()
+            first[i], end[i] = lo, lo + k.shape[0]
+            oc.tier.touch(oc.expect.key)
+        return _SpanTable(ok, storages, buffer, base, first, end, layer_bytes)
 
     def _views(self, tier: Tier, idx: list[int], layers: tuple[int, ...], parts: Sequence[str],
                decoded: dict, group: LayerGroup) -> bool:
@@ -157,6 +246,23 @@ class PlannedReads:
         for oc in self.opened:
             oc.close()
         self.opened = []
+
+
+def _whole_kv(oc: OpenChunk, runs: dict, width: int) -> tuple[torch.Tensor, int] | None:
+    """A chunk's K over every stored layer, [layers, width, kv_heads, hd], and its first layer,
+    where K and V of each layer lie back to back ([layers, 2, width, ...]) in the compute dtype and
+    token order; else None."""
+    k, v, h = runs.get("k"), runs.get("v"), oc.header
+    if k is None or v is None or k[1] != v[1] or h.row_of is not None or h.storage_dtype != h.compute_dtype:
+        return None
+    kr, vr = k[0], v[0]
+    row = kr[0, 0].numel()
+    if kr.shape != vr.shape or kr.shape[1] != width or kr.dtype != vr.dtype \
+            or kr.stride() != (2 * width * row, row, kr.shape[3], 1) or vr.stride() != kr.stride() \
+            or vr.untyped_storage().data_ptr() != kr.untyped_storage().data_ptr() \
+            or vr.storage_offset() - kr.storage_offset() != width * row:
+        return None
+    return kr, k[1]
 
 
 def _run(oc: OpenChunk, blob: torch.Tensor, layers: tuple[int, ...], part: str) -> torch.Tensor | None:

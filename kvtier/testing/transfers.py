@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.engine.runner.transfer import DONE, Handle, LazyTransfer, span_runs
+from kvtier.engine.runner.transfer import DONE, EqualRuns, Handle, LazyTransfer, span_runs
 
 
 @dataclass(frozen=True)
@@ -33,17 +33,21 @@ class RecordingTransfer(LazyTransfer):
         super().__init__()
         self.ops: list[Op] = []
         self.stages: set[int] = set()  # every staging buffer (ring slot) a restore copied into
+        self.equal_runs = 0  # runs handed over as arrays (EqualRuns), not a view each
         self.step_thread = threading.current_thread()
         self._saves: dict[int, Handle] = {}  # id -> handle of every device-to-host copy
 
     def of(self, kind: str) -> list[Op]:
         return [o for o in self.ops if o.kind == kind]
 
-    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
-        if runs:
-            self.ops.append(Op("h2d", tuple(r.numel() for _, r in runs)))
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
+                 equal: EqualRuns | None = None) -> Handle:
+        sizes = tuple(r.numel() for _, r in runs) + ((equal.nbytes,) * len(equal) if equal is not None else ())
+        if sizes:
+            self.ops.append(Op("h2d", sizes))
             self.stages.add(stage.data_ptr())
-        return super().to_stage(stage, runs)
+        self.equal_runs += len(equal) if equal is not None else 0
+        return super().to_stage(stage, runs, equal)
 
     def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
         # The CUDA back end's general path: one DMA per host buffer's span, one scatter per source.

@@ -39,6 +39,7 @@ from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.runner.transfer import (
     DONE,
+    EqualRuns,
     Handle,
     Timeline,
     Transfer,
@@ -114,10 +115,11 @@ class LayerReader:
 
     def __init__(self, reads: PlannedReads, layout: Sequence[Repr], first: int, depth: int, threaded: bool,
                  into: Callable[[tuple[int, ...]], list[PoolTarget | None] | None] | None = None,
-                 transfer: Transfer | None = None, raw: bool = False) -> None:
+                 transfer: Transfer | None = None, raw: bool = False, spans: int = 0) -> None:
         """`raw`: K/V groups of chunks stored in another dtype come undecoded (PlannedReads.read),
-        for the device to decode."""
-        self.reads, self.layout, self.into, self.raw = reads, tuple(layout), into, raw
+        for the device to decode; `spans=T`: K/V of chunks lying whole in memory come as byte
+        spans (PlannedReads.read), not a view per chunk."""
+        self.reads, self.layout, self.into, self.raw, self.spans = reads, tuple(layout), into, raw, spans
         self.transfer = transfer or Transfer()
         # Groups of layers: on an asynchronous device each group is one batch of copies with its
         # event, so compute starts on layer 0 while later groups are in flight; memory it holds
@@ -157,8 +159,9 @@ class LayerReader:
                     return
             parts = tuple(dict.fromkeys(p for li in layers for p in self.layout[li].parts()))
             try:
+                kv = self.layout[layers[0]] is Repr.KV
                 group = self.reads.read(layers, parts, into=self.into(layers) if self.into else None,
-                                        raw=self.raw and self.layout[layers[0]] is Repr.KV)
+                                        raw=self.raw and kv, spans=self.spans if kv else 0)
             except Exception as e:  # any failure is a miss for this restore, never a dead thread
                 group, why = None, f"{type(e).__name__}: {e}"
             else:
@@ -346,7 +349,8 @@ class Restore:
             zero_copy = all(t.zero_copy for t in self.reads.tiers)
             self.reader = LayerReader(self.reads, self.plan.layer_reprs, lead, self.plan.read_buffer_layers,
                                       threaded=not zero_copy, into=self._into, transfer=self.transfer,
-                                      raw=self._grid is not None)
+                                      raw=self._grid is not None,
+                                      spans=self._grid.shape[1] if self._grid is not None else 0)
             self.reader.start()
             if lead:  # bubble-free with recompute: the first layers from tokens while IO streams
                 self._compute(0, self.plan.history_tokens, layers=range(lead))
@@ -439,7 +443,7 @@ class Restore:
             if any((k is None) != (v is None) for k, v in zip(ks, vs)):
                 raise RestoreMiss("K and V of a chunk were read differently")  # never half-placed
             if self._grid is not None:
-                return self._stage_kv(len(layers), ks, vs, gi, group.parts)
+                return self._stage_kv(len(layers), ks, vs, gi, group)
             ps = [p for p in self.pieces if ks[p.chunk] is not None]  # the rest landed in the pool
             # Only ps's chunks are indexed: they were read (not None). Each slice is [layers, n, kv_heads, hd].
             kr, vr = cast("list[torch.Tensor]", ks), cast("list[torch.Tensor]", vs)
@@ -455,12 +459,14 @@ class Restore:
         return handle, {n: list(staged[i * per:(i + 1) * per]) for i, n in enumerate(names)}
 
     def _stage_kv(self, n_layers: int, ks: Sequence[torch.Tensor | None], vs: Sequence[torch.Tensor | None],
-                  gi: int, parts: dict[str, list[torch.Tensor | None]]) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
+                  gi: int, group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
         """K/V of a layer group of every chunk into a staging ring slot laid out
         [chunks, layers, 2 (K, V), T, kv_heads, hd]: one DMA run per chunk where its stored bytes
-        have that layout (every whole chunk), one per layer and part otherwise (a partial tail, a
-        reordered chunk), all in one batched submission. Chunks stored in another dtype go over as
-        stored (`_stage_stored`) and are decoded on the device."""
+        have that layout (every whole chunk; those the tier holds in memory come as `group.spans`,
+        arrays rather than views), one per layer and part otherwise (a partial tail, a reordered
+        chunk), all in one batched submission. Chunks stored in another dtype go over as stored
+        (`_stage_stored`) and are decoded on the device."""
+        parts = group.parts
         grid = self._grid
         assert grid is not None
         chunks, width = grid.shape
@@ -492,9 +498,16 @@ class Restore:
                         t = t.contiguous()
                         self._keep.append(t)
                     runs.append((base + (2 * i + p) * part_bytes, byte_view(t)))
-        handle = joined(raw_handle, self.transfer.to_stage(stage, runs))
+        sp = group.spans
+        equal = None
+        if sp is not None and len(sp.chunks):
+            if sp.nbytes != chunk_bytes:
+                raise RestoreMiss(f"stored K/V spans of {sp.nbytes} bytes where the ring holds {chunk_bytes} per chunk")
+            equal = EqualRuns(sp.buffers, sp.buffer, sp.offsets, sp.chunks * chunk_bytes, chunk_bytes)
+        handle = joined(raw_handle, self.transfer.to_stage(stage, runs, equal))
         view = stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, 2, width, kvh, hd)
-        skipped = [c for c, k in enumerate(ks) if k is None]
+        spanned = set(sp.chunks.tolist()) if sp is not None else set()
+        skipped = [c for c, k in enumerate(ks) if k is None and c not in spanned]
         grid = grid if not skipped else grid.index_fill(0, self.runner.upload(torch.tensor(skipped)), self.runner.sink)
         return handle, {"kv": [view], "grid": [grid], **staged}
 

@@ -29,7 +29,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from kvtier.store.reads import storage_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,36 @@ def joined(first: Handle, then: Handle) -> Handle:
     if first is DONE or then is DONE:
         return then if first is DONE else first
     return Handle(event=then.event if then.event is not None else first.event, pending=first.pending + then.pending)
+
+
+@dataclass(frozen=True)
+class EqualRuns:
+    """`to_stage` runs of one length, as arrays: run i copies `nbytes` bytes of host storage
+    buffers[buffer[i]] from byte src[i] to the stage at byte dst[i]. A restore's layer group of
+    every whole chunk is one of these, so the CUDA back end hands the driver their addresses
+    without a Python object per run."""
+
+    buffers: Sequence[torch.Tensor]  # uint8 host storages (kept alive by the caller until done)
+    buffer: np.ndarray  # int64 [runs]
+    src: np.ndarray  # int64 [runs]
+    dst: np.ndarray  # int64 [runs]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+    def pairs(self) -> list[tuple[int, torch.Tensor]]:
+        """As `to_stage`'s (offset, host bytes) runs."""
+        n = self.nbytes
+        return [(d, self.buffers[b][s:s + n]) for b, s, d in zip(self.buffer.tolist(), self.src.tolist(), self.dst.tolist())]
+
+    def addresses(self) -> np.ndarray:
+        """Host address of each run's first byte."""
+        return np.array([b.data_ptr() for b in self.buffers], dtype=np.int64)[self.buffer] + self.src
+
+
+def all_runs(runs: Sequence[tuple[int, torch.Tensor]], equal: EqualRuns | None) -> Sequence[tuple[int, torch.Tensor]]:
+    return [*runs, *equal.pairs()] if equal is not None and len(equal) else runs
 
 
 class Transfer:
@@ -78,10 +111,12 @@ class Transfer:
         out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
         return out, self.to_device(out, src)
 
-    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
+                 equal: EqualRuns | None = None) -> Handle:
         """Host byte runs into the device byte buffer `stage` (uint8): runs[i] = (byte offset in
-        `stage`, a contiguous host uint8 tensor). The sources must stay untouched until the handle
-        is done."""
+        `stage`, a contiguous host uint8 tensor), and the runs of `equal`. The sources must stay
+        untouched until the handle is done."""
+        runs = all_runs(runs, equal)
         return self.to_device([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs])
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
@@ -169,17 +204,19 @@ class CudaTransfer(Transfer):
             ev.record(self.h2d)
         return Handle(event=ev)
 
-    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
+                 equal: EqualRuns | None = None) -> Handle:
         """One driver call for every run where the `cuda-bindings` package offers the batched copy
         (CUDA 12.8+), else one C++ loop of DMA copies: either way plain copy-engine transfers,
         none of them staged through pageable memory."""
-        if not runs:
+        if not runs and (equal is None or not len(equal)):
             return DONE
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         stage.record_stream(self.h2d)  # freed early (a failed restore), it is not reused under the copy
         with torch.cuda.stream(self.h2d):
-            if not _batched_copy(stage, runs, self.h2d):
-                torch._foreach_copy_([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs],
+            if not _batched_copy(stage, runs, equal, self.h2d):
+                every = all_runs(runs, equal)
+                torch._foreach_copy_([stage[o:o + r.numel()] for o, r in every], [r for _, r in every],
                                      non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.h2d)
@@ -247,7 +284,9 @@ class LazyTransfer(Transfer):
     def to_device(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Handle:
         return self._later(dst, src) if dst else DONE
 
-    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+    def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
+                 equal: EqualRuns | None = None) -> Handle:
+        runs = all_runs(runs, equal)
         return self._later([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs]) if runs else DONE
 
     def to_host(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
@@ -265,11 +304,6 @@ class LazyTransfer(Transfer):
 
     def done(self, handle: Handle) -> bool:
         return not handle.pending
-
-
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The whole storage under `t`, as a flat uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -307,7 +341,8 @@ def _spans(src: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, li
 _BATCH: list = []  # [the cuda-bindings driver module] once it worked, [None] once it did not
 
 
-def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]], stream: torch.cuda.Stream) -> bool:
+def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]], equal: EqualRuns | None,
+                  stream: torch.cuda.Stream) -> bool:
     """The runs as one cuMemcpyBatchAsync call on `stream` (the driver walks the list: one host
     call however many runs). False where the package or the driver lacks it (then never tried
     again in this process); KVTIER_BATCHED_COPY=0 turns it off (to compare the two)."""
@@ -324,10 +359,13 @@ def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
         attr = driver.CUmemcpyAttributes()
         attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
         attr.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-        n = len(runs)
-        out = driver.cuMemcpyBatchAsync([driver.CUdeviceptr(base + o) for o, _ in runs],
-                                        [driver.CUdeviceptr(r.data_ptr()) for _, r in runs],
-                                        [r.numel() for _, r in runs], n, [attr], [0], 1,
+        dst, src, size = [base + o for o, _ in runs], [r.data_ptr() for _, r in runs], [r.numel() for _, r in runs]
+        if equal is not None and len(equal):  # addresses by array arithmetic, not a view per run
+            dst += (base + equal.dst).tolist()
+            src += equal.addresses().tolist()
+            size += [equal.nbytes] * len(equal)
+        ptr = driver.CUdeviceptr
+        out = driver.cuMemcpyBatchAsync([ptr(a) for a in dst], [ptr(a) for a in src], size, len(size), [attr], [0], 1,
                                         driver.CUstream(stream.cuda_stream))
         err = out[0] if isinstance(out, tuple) else out  # CUDA 12.8's binding also returns a failing index
         if err != driver.CUresult.CUDA_SUCCESS:

@@ -355,10 +355,15 @@ class Tier(ABC):
         return got
 
     def _count_read(self, key: str, nbytes: int) -> None:
-        self.throttle.read(nbytes)
-        self.counters["hits"] += 1
-        self.counters["bytes_read"] += nbytes
+        self._count_reads(1, nbytes)
         self.touch(key)
+
+    def _count_reads(self, chunks: int, nbytes: int) -> None:
+        """`chunks` reads of `nbytes` in all, at once (a restore's layer group of in-memory spans;
+        the reader touched each chunk once when it opened them)."""
+        self.throttle.read(nbytes)
+        self.counters["hits"] += chunks
+        self.counters["bytes_read"] += nbytes
 
     def read(self, expect: Expect, layers: Iterable[int] | None = None,
              parts: Iterable[str] = ("k", "v", "h"), verify: bool | None = None) -> ChunkData | None:
