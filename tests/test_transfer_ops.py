@@ -110,9 +110,10 @@ def test_the_staging_ring_stays_within_the_budget(deep, rec, cap):
 
 
 def test_saving_copies_each_filled_block_once_and_never_waits_on_the_step(tiny_gqa, rec):
-    """64 decode steps at batch 32: at most one device-to-host copy per filled pool block (and the
-    partial last one), none waited on by the step thread (the recording back end raises), and the
-    saved state restores to the same continuation."""
+    """64 decode steps at batch 32: one device-to-host copy per step that filled blocks (every
+    request's together), plus each request's partial last block; every token's state copied
+    once; none waited on by the step thread (the recording back end raises); and the saved state
+    restores to the same continuation."""
     prompt, steps, bs = 20, 64, 16
     reuse = ReuseConfig(method="kv", chunk_tokens=64)
     config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512, max_num_seqs=32, enable_prefix_cache=False)
@@ -124,7 +125,7 @@ def test_saving_copies_each_filled_block_once_and_never_waits_on_the_step(tiny_g
         assert engine.flush(60)
         d2h = rec.of("d2h")
         per_request = prompt + steps  # tokens computed (the last sampled one never is)
-        assert len(d2h) <= 32 * math.ceil(per_request / bs), len(d2h)
+        assert len(d2h) <= math.ceil(per_request / bs) + 32, len(d2h)  # not one per request and block
         assert sum(r for op in d2h for r in op.runs) == 32 * 2 * per_request * tiny_gqa.config.num_layers * \
             tiny_gqa.config.kv_dim * 4  # every computed token's K and V, once
         rec.ops.clear()

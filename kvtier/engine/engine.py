@@ -330,6 +330,7 @@ class Engine:
         draws = [(rid, rows[rid]) for rid in picked]
         for rid in picked:
             draws += [(child, rows[rid]) for child in self._fork(self._live[rid])]
+        self.link.step_side.before_sample([self._live[c.request_id].req for c in out.chunks if c.request_id not in void])
         drawn = self._sample(logits, draws)
         now = time.perf_counter()  # after the step's one device sync: the tokens exist now
         for c in out.chunks:

@@ -1,11 +1,13 @@
 """Saving: every computed token's state goes to the store, chunk by chunk, off the step's path.
 
 K (rotated) and V of every computed token are in the device pool already, so saving reads them from
-there: after a step, each request's newly filled pool blocks (and, at its end, the partial last
-one) are gathered on the compute stream into one fresh device buffer [2, kv layers, tokens,
-kv_heads, hd] and copied to pinned host memory on the transfer's device-to-host stream: one copy
-per request and step that filled a block, never one per layer or per token, and the pool block may
-be reused at once (the snapshot is a copy, ordered before any later write). Hidden states (HCache
+there: once a step's forward is enqueued, and before the host waits for its tokens (the step's one
+device sync), the pool blocks every request of the step filled are gathered on the compute stream
+into one fresh device buffer [2, kv layers, tokens, kv_heads, hd] and copied to pinned host memory
+on the transfer's device-to-host stream: one gather per part and one copy per step that filled a
+block, never one per request, layer or token; that host work runs while the device computes, and
+the pool block may be reused at once (the snapshot is a copy, ordered before any later write). A
+request's partial last block is snapshotted when it finishes. Hidden states (HCache
 layers) are not in the pool: the runner's capture callback gathers them per step into one device
 buffer [hidden layers, tokens, hidden], copied out once at the step's last layer.
 
@@ -91,16 +93,33 @@ class Saver:
 
         return capture
 
+    def before_sample(self, reqs: Sequence[Request]) -> None:
+        """The step's requests (their positions advanced, the forward enqueued, the tokens not yet
+        waited for): snapshot the blocks they filled, all in one gather and one copy."""
+        if not self.kv_layers:
+            return
+        bs, ct = self.runner.block_size, self.chunk_tokens
+        spans = []
+        for req in reqs:
+            b = self.buffers.get(req.request_id)
+            end = req.num_computed
+            snap = max(end // bs * bs, end // ct * ct)
+            if b is not None and snap > b.snapped:
+                spans.append((b, req.block_ids, b.snapped, snap))
+        for (b, *_, snap), piece in zip(spans, self._snapshot([s[1:] for s in spans])):
+            b.kv.append(piece)
+            b.snapped = snap
+
     def after_step(self, req: Request, finished: bool) -> None:
-        """Snapshot the request's filled blocks; hand full chunks (or, at the end, everything) to
-        the writer."""
+        """Snapshot a finished request's last partial block (`before_sample` took the filled
+        ones); hand full chunks (or, at the end, everything) to the writer."""
         b = self.buffers.get(req.request_id)
         if b is not None:
             end = b.upto = req.num_computed
             bs, ct = self.runner.block_size, self.chunk_tokens
             snap = end if finished else max(end // bs * bs, end // ct * ct)
             if self.kv_layers and snap > b.snapped:
-                b.kv.append(self._snapshot(req.block_ids, b.snapped, snap))
+                b.kv += self._snapshot([(req.block_ids, b.snapped, snap)])
                 b.snapped = snap
             cut = end if finished else end // ct * ct
             if cut > b.start:
@@ -113,21 +132,27 @@ class Saver:
         self.buffers.pop(request_id, None)
 
     @torch.inference_mode()
-    def _snapshot(self, block_ids: Sequence[int], a: int, b: int) -> Piece:
-        """K/V of positions [a, b) out of the pool: one gather per part into one device buffer, one
-        device-to-host copy."""
+    def _snapshot(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> list[Piece]:
+        """K/V of positions [a, b) of each (block ids, a, b) out of the pool: one gather per part
+        into one device buffer, one device-to-host copy; each piece a view of its tokens."""
+        if not spans:
+            return []
         r = self.runner
-        slots = r.upload(r.slots(block_ids, a, b))
+        slots = r.upload(torch.cat([r.slots(ids, a, b) for ids, a, b in spans]))
         pools = (r.k_cache, r.v_cache)  # [layers, slots, kv_heads, hd]
         if self._kv_index is not None:
             out = torch.stack([p.index_select(1, slots).index_select(0, self._kv_index) for p in pools])
         else:
-            out = torch.empty((2, pools[0].shape[0], b - a, *pools[0].shape[2:]), dtype=pools[0].dtype,
+            out = torch.empty((2, pools[0].shape[0], len(slots), *pools[0].shape[2:]), dtype=pools[0].dtype,
                               device=pools[0].device)
             for p, dst in zip(pools, out):
                 torch.index_select(p, 1, slots, out=dst)
-        (host,), handle = self.transfer.to_host([out])
-        return a, b, host, handle
+        (host,), handle = self.transfer.to_host([out])  # [2, kv layers, tokens of every span, kvh, hd]
+        pieces, at = [], 0
+        for _, a, b in spans:
+            pieces.append((a, b, host.narrow(2, at, b - a), handle))
+            at += b - a
+        return pieces
 
     def _save(self, req: Request, b: _Buffer, cut: int) -> None:
         """Tokens [b.start, cut) to the writer, as views of the snapshots (nothing copied here)."""

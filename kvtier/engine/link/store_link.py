@@ -55,6 +55,11 @@ class StepSide(Protocol):
         result is void (not sampled, not saved)."""
         ...
 
+    def before_sample(self, reqs: Sequence[Request]) -> None:
+        """The step's forward is enqueued and these requests' positions advanced; the host is about
+        to wait for their tokens (work done here runs while the device computes)."""
+        ...
+
     def after_step(self, req: Request, finished: bool) -> None: ...
 
 
@@ -91,6 +96,9 @@ class NoStoreStep:
 
     def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
         return {}
+
+    def before_sample(self, reqs: Sequence[Request]) -> None:
+        pass
 
     def after_step(self, req: Request, finished: bool) -> None:
         pass
@@ -233,6 +241,10 @@ class StoreStepping:
         for rid in failed:
             self.saver.drop(rid)
         return failed
+
+    def before_sample(self, reqs: Sequence[Request]) -> None:
+        if self.save:
+            self.saver.before_sample(reqs)
 
     def after_step(self, req: Request, finished: bool) -> None:
         if self.save:
