@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kvtier.engine.config import EngineConfig, ReuseConfig
-from kvtier.engine.engine import Engine
+from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
@@ -133,7 +133,7 @@ def restore(out: Path, new: int = 64) -> dict:
             engine.generate([ids[:ctx]], one)
             engine.flush()
 
-            def run() -> object:
+            def run() -> RequestOutput:
                 if tier == "disk":
                     drop_page_cache(disk)
                 out_ = engine.generate([ids], one)[0]
@@ -145,9 +145,10 @@ def restore(out: Path, new: int = 64) -> dict:
             for _ in range(4):
                 o = run()
                 r = o.restore
+                assert r is not None, "the history was not restored"
                 rows.append(dict(ttft_s=o.ttft, host_s=r.host_s, copy_s=r.copy_s, seconds=r.seconds,
                                  bytes=r.bytes_read))
-            result[tier] = dict(runs=rows[1:], ttft_s=statistics.median(r["ttft_s"] for r in rows[1:]),
+            result[tier] = dict(runs=rows[1:], ttft_s=statistics.median(float(r["ttft_s"] or 0) for r in rows[1:]),
                                 host_s=statistics.median(r["host_s"] or 0 for r in rows[1:]))
             print(f"  restore kv {ctx} from {tier}: {json.dumps(result[tier])}", flush=True)
             profiled(out, f"restore_{tier}", run)
