@@ -51,7 +51,7 @@ def _ids(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0) -> None:
+def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0):
     """Save HIST tokens, then restore them by kv for HIST + 5 (the recording cleared in between):
     the restore must reuse all of them and give recompute's token."""
     config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
@@ -75,10 +75,11 @@ def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0) -
     finally:
         engine.close()
     assert out.prompt_tokens_reused == HIST and out.output_ids == ref
+    return out
 
 
 def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
-    _restore(deep, rec, 0)
+    out = _restore(deep, rec, 0)
     cfg = deep.config
     h2d, scatters = rec.of("h2d"), rec.of("scatter")
     chunks = WHOLE + 1
@@ -97,6 +98,7 @@ def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
     tail_runs = [r for r in runs if r != whole_run]
     assert tail_runs == [TAIL * cfg.num_kv_heads * cfg.head_dim * 4] * (2 * LAYERS)
     assert sum(runs) == 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim * 4  # every byte once
+    assert out.restore.bytes_read == sum(runs)  # the spans' bytes are counted as read too
 
 
 @pytest.mark.parametrize("cap", [False, True])

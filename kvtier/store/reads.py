@@ -117,6 +117,7 @@ class PlannedReads:
         rest: Sequence[int] = wanted
         if spans and set(parts) == {"k", "v"} and self.opened:
             group.spans, rest = self._spans(layers, wanted, spans)
+            group.nbytes += len(group.spans.chunks) * group.spans.nbytes
             for i in group.spans.chunks.tolist():
                 decoded[i] = {"k": None, "v": None}
         for tier in dict.fromkeys(self.tiers[i] for i in rest):
