@@ -44,6 +44,9 @@ class BackgroundWriter:
             if self._closed or nbytes > self.max_bytes:
                 self.dropped += 1
                 self.dropped_bytes += nbytes
+                if not self._closed:  # never silently: a lost save is a later recompute
+                    log.warning("kvtier store: a save of %d bytes exceeds the writer queue (%d bytes): dropped",
+                                nbytes, self.max_bytes)
                 return False
             while self._q and self._pending_bytes + nbytes > self.max_bytes:
                 old = self._q.popleft()

@@ -75,6 +75,32 @@ def test_memory_eviction_keeps_durable_copy(tmp_path, ns):
         assert store.stats()["tiers"]["memory"]["evictions"] == 2
 
 
+def test_a_save_larger_than_the_queue_is_dropped_with_a_warning(caplog):
+    w = BackgroundWriter(lambda x: None, max_bytes=100)
+    with caplog.at_level("WARNING", logger="kvtier.store"):
+        assert not w.submit("huge", 101)
+    assert w.stats()["dropped_saves"] == 1 and "exceeds the writer queue" in caplog.text
+    w.close()
+
+
+def test_an_engines_writer_queue_holds_a_whole_context_twice(tiny_gqa, monkeypatch):
+    """A prompt prefilled in one step is saved as one snapshot of every layer: the queue the
+    engine gives its store takes two full-length contexts (else saves over the default bound,
+    1 GiB, are dropped: an 8K llama3-8b context)."""
+    from kvtier.engine.config import EngineConfig, ReuseConfig
+    from kvtier.engine.engine import Engine
+    monkeypatch.setattr("kvtier.engine.link.store_link.DEFAULT_QUEUE_BYTES", 4096)  # under one context here
+    engine = Engine(tiny_gqa, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024), store="memory:64MB",
+                    reuse=ReuseConfig(method="kv"))
+    try:
+        store = engine.link.store
+        assert store is not None
+        full = 1024 * store.namespace.bytes_per_token()
+        assert full > 4096 and store.writer.max_bytes == 2 * full
+    finally:
+        engine.close()
+
+
 def test_writer_drops_oldest_pending_never_blocks():
     gate = threading.Event()
     started = threading.Event()

@@ -243,7 +243,7 @@ class Restorer:
         try:
             stats = job.restore.finish()
         except RestoreMiss as e:
-            if ok:  # (a restore failed before its step was reported when it failed)
+            if not job.aborted:  # a silent fallback to recompute hid a GPU-only failure once: say why
                 log.warning("restore of %s failed (%s); recomputing", job.req.request_id, e)
             stats, ok = None, False
         if not ok:

@@ -37,7 +37,7 @@ from kvtier.store import lookahead
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.lookahead import LookAheadPolicy
 from kvtier.store.spec import parse_spec
-from kvtier.store.tiered import TieredStore
+from kvtier.store.tiered import DEFAULT_QUEUE_BYTES, TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -330,8 +330,13 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
         # An importance restore needs K/V in every layer: with lossy allowed, auto stores K/V too.
         layout = planner.choose_layout(Method.IMPRESS if importance else reuse.fixed_method, tiers[-1][0],
                                        reuse.chunk_tokens)
-    store = TieredStore.open(spec, namespace(layout), chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy.value,
-                             pin=runner.device.type == "cuda", seal=reuse.seal)
+    # One request's save can hold its whole context (a long prompt prefilled in one step is one
+    # snapshot): the writer's queue must take two of those, or it drops them (an 8K llama3-8b
+    # context is 1 GiB, the default bound; at 16K nothing was saved on a GPU).
+    ns = namespace(layout)
+    queue = max(DEFAULT_QUEUE_BYTES, 2 * runner.max_positions * ns.bytes_per_token())
+    store = TieredStore.open(spec, ns, chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy.value,
+                             pin=runner.device.type == "cuda", seal=reuse.seal, writer_queue_bytes=queue)
     if importance and ImpressPolicy.of(reuse.impress).unit == 1:  # whole granules need no reordering
         store.reorder_every(reuse.impress.reorder_s)
     return StoreLink(store, layout, runner, planner, reuse)

@@ -174,6 +174,7 @@ class ModelRunner:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
+        self.max_positions = max_positions
         # The pool, the RoPE tables and every index tensor of a step live where the weights are.
         self.device = device = model.lm_head.weight.device
         self.transfer = transfer if transfer is not None else make_transfer(device)
