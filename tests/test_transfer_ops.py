@@ -51,9 +51,9 @@ def _ids(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0):
-    """Save HIST tokens, then restore them by kv for HIST + 5 (the recording cleared in between):
-    the restore must reuse all of them and give recompute's token."""
+def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0, method: str = "kv"):
+    """Save HIST tokens, then restore them by `method` for HIST + 5 (the recording cleared in
+    between): the restore must reuse all of them and give recompute's token."""
     config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, enable_prefix_cache=False)
     ids = _ids(HIST + 5, seed)
     once = SamplingParams(max_tokens=1, temperature=0.0)
@@ -63,7 +63,7 @@ def _restore(model, rec: RecordingTransfer, seed: int, staging_bytes: int = 0):
     finally:
         fresh.close()
     engine = Engine(model, config, store="memory:1GB", profile=fake_profile(model.fingerprint),
-                    reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK))
+                    reuse=ReuseConfig(method=method, chunk_tokens=CHUNK))
     engine.runner.staging_bytes = staging_bytes
     try:
         engine.generate([ids[:HIST]], once)
@@ -99,6 +99,35 @@ def test_a_kv_restore_is_whole_chunk_runs_and_two_scatters_per_layer(deep, rec):
     assert tail_runs == [TAIL * cfg.num_kv_heads * cfg.head_dim * 4] * (2 * LAYERS)
     assert sum(runs) == 2 * LAYERS * HIST * cfg.num_kv_heads * cfg.head_dim * 4  # every byte once
     assert out.restore.bytes_read == sum(runs)  # the spans' bytes are counted as read too
+
+
+def test_a_hidden_state_restore_is_whole_chunk_runs_and_no_per_chunk_copies(deep, rec):
+    """HCache's restore moves hidden states as K/V go: one run per whole chunk and layer group
+    (handed over as address arrays), per-layer runs for the partial tail only, and no device copy
+    or concatenation per chunk (one projection per layer reads a view of the staging slot)."""
+    out = _restore(deep, rec, 2, method="hidden")
+    assert out.restore.method == "hidden"
+    cfg = deep.config
+    h2d = rec.of("h2d")
+    assert not rec.of("scatter")  # before: a device copy per chunk and group (129 x groups)
+    group = LAYERS // len(h2d)
+    whole_run = group * CHUNK * cfg.hidden_size * 4  # fp32
+    runs = [r for op in h2d for r in op.runs]
+    assert runs.count(whole_run) == WHOLE * len(h2d) and rec.equal_runs == WHOLE * len(h2d)
+    assert sorted(r for r in runs if r != whole_run) == [TAIL * cfg.hidden_size * 4] * LAYERS
+    assert sum(runs) == out.restore.bytes_read == LAYERS * HIST * cfg.hidden_size * 4  # every byte once
+
+
+def test_the_calibration_times_the_restores_own_copies(tiny_gqa, rec, monkeypatch):
+    """Where copies are asynchronous, the hardware profile times a memory tier's layer groups as a
+    restore moves them: whole chunks handed over as address arrays, one submission per group."""
+    from kvtier.engine.calibrate.hardware import measure_tiers
+    from kvtier.planning.costs import READ_GROUP_LAYERS
+
+    rates = measure_tiers(tiny_gqa, "memory:64MB", chunk_tokens=16, chunks=8)["memory"]
+    groups = -(-tiny_gqa.config.num_layers // READ_GROUP_LAYERS)
+    assert rates.layer_bps > 0 and rates.chunk_bps > 0
+    assert rec.equal_runs >= 8 * groups and len(rec.of("h2d")) >= groups
 
 
 @pytest.mark.parametrize("cap", [False, True])

@@ -26,12 +26,13 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-@dataclass(frozen=True)
-class KVSpans:
-    """K/V of a layer group of chunks the tier holds in memory, as one byte span per chunk: the
-    chunk's layers lie [layers, 2 (K, V), T, kv_heads, hd] in it (every whole chunk stored in the
-    compute dtype and token order). Arrays, not a view per chunk: a group costs the host the same
-    few operations however many chunks a restore has (256 at 16K tokens, in each of 8 groups)."""
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
+class Spans:
+    """K/V (or hidden states) of a layer group of chunks the tier holds in memory, as one byte span
+    per chunk: the chunk's layers lie [layers, 2 (K, V), T, kv_heads, hd] (or [layers, T, hidden])
+    in it (every whole chunk stored in the compute dtype and token order). Arrays, not a view per
+    chunk: a group costs the host the same few operations however many chunks a restore has (256
+    at 16K tokens, in each of 8 groups)."""
 
     chunks: np.ndarray  # int64 [n]: indices (in the read's chunk order) of the chunks covered
     buffers: list[torch.Tensor]  # uint8 host storages the spans lie in (the tier's; alive while open)
@@ -52,13 +53,14 @@ class LayerGroup:
     parts: dict[str, list[torch.Tensor | None]]
     nbytes: int
     buffers: list[torch.Tensor] = field(default_factory=list)  # staging memory the parts view
-    spans: KVSpans | None = None  # read with `spans=T`: the K/V of the chunks lying whole in memory
+    spans: Spans | None = None  # read with `spans=T`: the K/V or h of the chunks lying whole in memory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _SpanTable:
-    """Per opened chunk, where its K/V of every stored layer lie as one [layers, 2, T, ...] run in
-    memory the tier holds (built once per restore; `ok` False where they do not)."""
+    """Per opened chunk, where its K/V (or h) of every stored layer lie as one [layers, 2, T, ...]
+    (or [layers, T, hidden]) run in memory the tier holds (built once per restore and part; `ok`
+    False where they do not)."""
 
     ok: np.ndarray  # bool [chunks]
     buffers: list[torch.Tensor]
@@ -66,7 +68,7 @@ class _SpanTable:
     base: np.ndarray  # int64 [chunks]: byte offset of the first stored layer's K
     first: np.ndarray  # int64 [chunks]: that layer
     end: np.ndarray  # int64 [chunks]: one past the last stored layer
-    layer_bytes: int  # K and V of one layer of a chunk
+    layer_bytes: int  # K and V (or h) of one layer of a chunk
 
 
 class PlannedReads:
@@ -81,7 +83,7 @@ class PlannedReads:
         self._expect = expect
         self.staging = staging
         self.opened: list[OpenChunk] = []
-        self._table: _SpanTable | None = None
+        self._tables: dict[tuple[str, ...], _SpanTable] = {}
 
     def open(self) -> bool:
         """Open every planned chunk on its planned tier; False (all closed) if any is missing."""
@@ -108,18 +110,20 @@ class PlannedReads:
         (`fmt.stored_run`: int8 values with their "<part>.scale" rows, or the storage dtype), for
         the caller to decode on its device after copying the smaller bytes over.
 
-        `spans=T`: K/V of the chunks whose layers lie whole ([layers, 2, T, ...]) in memory the
-        tier holds come as `group.spans` (their parts None) instead of views."""
+        `spans=T`: K/V (or h) of the chunks whose layers lie whole ([layers, 2, T, ...], or
+        [layers, T, hidden]) in memory the tier holds come as `group.spans` (their parts None)
+        instead of views."""
         layers = tuple(layers)
         wanted = range(len(self.opened)) if only is None else only
         decoded: dict[int, dict[str, torch.Tensor | None]] = {}
         group = LayerGroup(layers, {}, 0)
         rest: Sequence[int] = wanted
-        if spans and set(parts) == {"k", "v"} and self.opened:
-            group.spans, rest = self._spans(layers, wanted, spans)
+        kind = tuple(sorted(parts))
+        if spans and kind in SPAN_PARTS and self.opened:
+            group.spans, rest = self._spans(layers, wanted, spans, kind)
             group.nbytes += len(group.spans.chunks) * group.spans.nbytes
             for i in group.spans.chunks.tolist():
-                decoded[i] = {"k": None, "v": None}
+                decoded[i] = dict.fromkeys(parts)
         for tier in dict.fromkeys(self.tiers[i] for i in rest):
             idx = [i for i in rest if self.tiers[i] is tier]
             if self._views(tier, idx, layers, parts, decoded, group):
@@ -154,26 +158,28 @@ class PlannedReads:
         group.parts = {p: [decoded[i].get(p) for i in wanted] for p in names}
         return group
 
-    def _spans(self, layers: tuple[int, ...], wanted: Sequence[int], width: int) -> tuple[KVSpans, list[int]]:
-        """The chunks of `wanted` whose K/V of `layers` lie whole in memory, as spans; -> (spans,
-        the other chunks)."""
-        if self._table is None:
-            self._table = self._span_table(width)
-        t = self._table
+    def _spans(self, layers: tuple[int, ...], wanted: Sequence[int], width: int,
+               kind: tuple[str, ...]) -> tuple[Spans, list[int]]:
+        """The chunks of `wanted` whose `kind` parts of `layers` lie whole in memory, as spans;
+        -> (spans, the other chunks)."""
+        t = self._tables.get(kind)
+        if t is None:
+            t = self._tables[kind] = self._span_table(width, kind)
         want = np.asarray(wanted, dtype=np.int64)
         ok = t.ok[want] & (t.first[want] <= layers[0]) & (t.end[want] >= layers[-1] + 1)
         covered = want[ok]
         n = len(layers) * t.layer_bytes
-        found = KVSpans(covered, t.buffers, t.buffer[covered], t.base[covered] + (layers[0] - t.first[covered]) * t.layer_bytes, n)
+        found = Spans(covered, t.buffers, t.buffer[covered], t.base[covered] + (layers[0] - t.first[covered]) * t.layer_bytes, n)
         for tier in dict.fromkeys(self.tiers[i] for i in covered.tolist()):  # counted per tier, not per chunk
             count = sum(1 for i in covered.tolist() if self.tiers[i] is tier)
             tier._count_reads(count, count * n)
         return found, want[~ok].tolist()
 
-    def _span_table(self, width: int) -> _SpanTable:
-        """Walk every opened chunk once (the restore's first group): where its K/V runs lie. A
-        chunk qualifies when its tier holds it in memory in the compute dtype and token order,
-        every stored layer's K then V back to back, `width` tokens each."""
+    def _span_table(self, width: int, kind: tuple[str, ...]) -> _SpanTable:
+        """Walk every opened chunk once (the restore's first group of `kind`): where its runs lie.
+        A chunk qualifies when its tier holds it in memory in the compute dtype and token order,
+        every stored layer's K then V back to back (or its h layers back to back), `width` tokens
+        each."""
         n = len(self.opened)
         ok, buffer, base, first, end = (np.zeros(n, dtype=t) for t in (bool, np.int64, np.int64, np.int64, np.int64))
         buffers: dict[int, int] = {}
@@ -181,11 +187,11 @@ class PlannedReads:
         layer_bytes = 0
         for i, oc in enumerate(self.opened):
             runs = getattr(oc.reader, "runs", None) if oc.tier.zero_copy else None
-            got = _whole_kv(oc, runs, width) if runs else None
+            got = SPAN_PARTS[kind](oc, runs, width) if runs else None
             if got is None:
                 continue
-            k, lo = got
-            lb = 2 * k[0].nbytes
+            k, lo = got  # the first part over every stored layer, and the first of those layers
+            lb = len(kind) * k[0].nbytes
             if layer_bytes and lb != layer_bytes:
                 continue
             layer_bytes = lb
@@ -264,6 +270,23 @@ def _whole_kv(oc: OpenChunk, runs: dict, width: int) -> tuple[torch.Tensor, int]
             or vr.storage_offset() - kr.storage_offset() != width * row:
         return None
     return kr, k[1]
+
+
+def _whole_h(oc: OpenChunk, runs: dict, width: int) -> tuple[torch.Tensor, int] | None:
+    """A chunk's hidden states over every stored layer, [layers, width, hidden], and its first
+    layer, where the layers lie back to back in the compute dtype; else None."""
+    h, hd = runs.get("h"), oc.header
+    if h is None or hd.storage_dtype != hd.compute_dtype:
+        return None
+    hr = h[0]
+    if hr.shape[1] != width or not hr.is_contiguous():
+        return None
+    return hr, h[1]
+
+
+# The part sets a restore reads as spans, and how to find a chunk's all-layer run of them.
+SPAN_PARTS: dict[tuple[str, ...], Callable[[OpenChunk, dict, int], tuple[torch.Tensor, int] | None]] = {
+    ("k", "v"): _whole_kv, ("h",): _whole_h}
 
 
 def _run(oc: OpenChunk, blob: torch.Tensor, layers: tuple[int, ...], part: str) -> torch.Tensor | None:

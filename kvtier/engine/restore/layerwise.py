@@ -117,8 +117,8 @@ class LayerReader:
                  into: Callable[[tuple[int, ...]], list[PoolTarget | None] | None] | None = None,
                  transfer: Transfer | None = None, raw: bool = False, spans: int = 0) -> None:
         """`raw`: K/V groups of chunks stored in another dtype come undecoded (PlannedReads.read),
-        for the device to decode; `spans=T`: K/V of chunks lying whole in memory come as byte
-        spans (PlannedReads.read), not a view per chunk."""
+        for the device to decode; `spans=T`: K/V or hidden states of chunks lying whole in memory
+        come as byte spans (PlannedReads.read), not a view per chunk."""
         self.reads, self.layout, self.into, self.raw, self.spans = reads, tuple(layout), into, raw, spans
         self.transfer = transfer or Transfer()
         # Groups of layers: on an asynchronous device each group is one batch of copies with its
@@ -161,7 +161,7 @@ class LayerReader:
             try:
                 kv = self.layout[layers[0]] is Repr.KV
                 group = self.reads.read(layers, parts, into=self.into(layers) if self.into else None,
-                                        raw=self.raw and kv, spans=self.spans if kv else 0)
+                                        raw=self.raw and kv, spans=self.spans)
             except Exception as e:  # any failure is a miss for this restore, never a dead thread
                 group, why = None, f"{type(e).__name__}: {e}"
             else:
@@ -429,8 +429,7 @@ class Restore:
         slots = max(2, -(-self.plan.read_buffer_layers // max(1, len(groups[0]))))
         cap, grid = self.runner.staging_bytes, self._grid
         if cap and grid is not None:
-            pool = self.runner.k_cache  # [layers, slots, kv_heads, hd]
-            slot_bytes = grid.numel() * max(len(g) for g in groups) * 2 * pool[0, 0].nbytes
+            slot_bytes = max(len(g) for g in groups) * self._ring_bytes_per_layer()
             slots = min(slots, max(2, cap // max(1, slot_bytes)))
         return slots
 
@@ -451,6 +450,8 @@ class Restore:
                                          [kr[p.chunk][:, p.offset:p.offset + p.length] for p in ps],
                                          [vr[p.chunk][:, p.offset:p.offset + p.length] for p in ps])
             return handle, {}
+        if self.source is None and self._grid is not None and self.plan.layer_reprs[layers[0]] is Repr.HIDDEN:
+            return self._stage_h(len(layers), group.parts["h"], gi, group)
         names = list(group.parts)
         # No part is None: reads land in the pool only for plain K/V groups (see _into).
         flat = cast("list[torch.Tensor]", [x for n in names for x in group.parts[n]])  # [layers, tokens, ...] each
@@ -475,11 +476,7 @@ class Restore:
         row = kvh * hd  # elements of one token of one part
         part_bytes = width * row * dtype.itemsize  # [T, kvh, hd] of one layer and part
         chunk_bytes = n_layers * 2 * part_bytes
-        slot = gi % self._ring_slots()
-        while len(self._ring) <= slot:  # allocated once per restore, for the largest group
-            largest = max(len(g) for g in self.reader.groups) if self.reader is not None else n_layers
-            self._ring.append(torch.empty(chunks * largest * 2 * part_bytes, dtype=torch.uint8, device=pool.device))
-        stage = self._ring[slot]
+        stage = self._ring_slot(gi, n_layers)
         runs: list[tuple[int, torch.Tensor]] = []
         lossy = [c for c, k in enumerate(ks) if k is not None and k.dtype != dtype]  # as stored
         raw_handle, staged, ks, vs = self._stage_stored(lossy, parts, list(ks), list(vs)) if lossy else \
@@ -498,18 +495,72 @@ class Restore:
                         t = t.contiguous()
                         self._keep.append(t)
                     runs.append((base + (2 * i + p) * part_bytes, byte_view(t)))
-        sp = group.spans
-        equal = None
-        if sp is not None and len(sp.chunks):
-            if sp.nbytes != chunk_bytes:
-                raise RestoreMiss(f"stored K/V spans of {sp.nbytes} bytes where the ring holds {chunk_bytes} per chunk")
-            equal = EqualRuns(sp.buffers, sp.buffer, sp.offsets, sp.chunks * chunk_bytes, chunk_bytes)
-        handle = joined(raw_handle, self.transfer.to_stage(stage, runs, equal))
+        handle = joined(raw_handle, self.transfer.to_stage(stage, runs, self._equal_runs(group, chunk_bytes)))
         view = stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, 2, width, kvh, hd)
-        spanned = set(sp.chunks.tolist()) if sp is not None else set()
+        spanned = set(group.spans.chunks.tolist()) if group.spans is not None else set()
         skipped = [c for c, k in enumerate(ks) if k is None and c not in spanned]
         grid = grid if not skipped else grid.index_fill(0, self.runner.upload(torch.tensor(skipped)), self.runner.sink)
         return handle, {"kv": [view], "grid": [grid], **staged}
+
+    def _stage_h(self, n_layers: int, hs: Sequence[torch.Tensor | None], gi: int,
+                 group: LayerGroup) -> tuple[Handle, dict[str, list[torch.Tensor]]]:
+        """Hidden states of a layer group of every chunk into a staging ring slot laid out
+        [chunks, layers, T, hidden], as `_stage_kv` does K/V: one DMA run per chunk whose layers
+        lie back to back (the memory tier's whole chunks come as `group.spans`), one per layer
+        otherwise (a partial tail, a layout mixing K/V and hidden layers), all in one submission.
+        `_place` then projects a layer of every chunk from one view of the slot, with no
+        concatenation of per-chunk pieces."""
+        grid = self._grid
+        assert grid is not None
+        chunks, width = grid.shape
+        dtype = self.runner.k_cache.dtype
+        hidden = self.runner.model.cfg.hidden_size
+        part_bytes = width * hidden * dtype.itemsize  # [T, hidden] of one layer
+        chunk_bytes = n_layers * part_bytes
+        stage = self._ring_slot(gi, n_layers)
+        runs: list[tuple[int, torch.Tensor]] = []
+        for c, h in enumerate(hs):  # [layers, n, hidden] each, or None (in the spans)
+            if h is None:
+                continue
+            h = h.to(dtype)  # a lossy chunk came decoded to the compute dtype: a no-op
+            if h.shape[1] == width and h.is_contiguous():
+                runs.append((c * chunk_bytes, byte_view(h)))
+                continue
+            for i in range(n_layers):
+                t = h[i] if h[i].is_contiguous() else h[i].contiguous()  # [n, hidden]
+                if t is not h[i]:
+                    self._keep.append(t)  # the copy reads it: kept until finish()
+                runs.append((c * chunk_bytes + i * part_bytes, byte_view(t)))
+        handle = self.transfer.to_stage(stage, runs, self._equal_runs(group, chunk_bytes))
+        return handle, {"h_ring": [stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, width, hidden)]}
+
+    def _ring_slot(self, gi: int, n_layers: int) -> torch.Tensor:
+        """Group `gi`'s staging ring slot (the ring is allocated once per restore, for the largest
+        group of either kind)."""
+        slot = gi % self._ring_slots()
+        while len(self._ring) <= slot:
+            largest = max(len(g) for g in self.reader.groups) if self.reader is not None else n_layers
+            self._ring.append(torch.empty(largest * self._ring_bytes_per_layer(), dtype=torch.uint8,
+                                          device=self.runner.k_cache.device))
+        return self._ring[slot]
+
+    def _ring_bytes_per_layer(self) -> int:
+        """A ring slot's bytes per layer: every chunk's K and V, or its hidden states where the
+        plan restores any and they are larger."""
+        grid, pool = self._grid, self.runner.k_cache  # pool: [layers, slots, kv_heads, hd]
+        assert grid is not None
+        reprs = set(self.plan.layer_reprs[self.plan.recompute_layers:])
+        rows = {Repr.KV: 2 * pool[0, 0].numel(), Repr.HIDDEN: self.runner.model.cfg.hidden_size}
+        return grid.numel() * max((n for r, n in rows.items() if r in reprs), default=1) * pool.element_size()
+
+    def _equal_runs(self, group: LayerGroup, chunk_bytes: int) -> EqualRuns | None:
+        """The group's in-memory spans as runs into a ring slot of `chunk_bytes` per chunk."""
+        sp = group.spans
+        if sp is None or not len(sp.chunks):
+            return None
+        if sp.nbytes != chunk_bytes:
+            raise RestoreMiss(f"stored spans of {sp.nbytes} bytes where the ring holds {chunk_bytes} per chunk")
+        return EqualRuns(sp.buffers, sp.buffer, sp.offsets, sp.chunks * chunk_bytes, chunk_bytes)
 
     def _stage_stored(self, lossy: list[int], parts: dict[str, list[torch.Tensor | None]],
                       ks: list[torch.Tensor | None], vs: list[torch.Tensor | None]
@@ -580,6 +631,11 @@ class Restore:
                     x = codec.to_compute(staged[part][0][:, i], None if scale is None else scale[0][:, i], kv.dtype)
                     self.transfer.scatter(kv[:, i, p], lossy, x)  # [lossy, T, kvh, hd] into [chunks, T, kvh, hd]
             self.runner.place_staged(layer, grid, kv[:, i, 0], kv[:, i, 1])
+        elif "h_ring" in staged:  # [chunks, layers, T, hidden]: this layer of every chunk, one projection
+            x = staged["h_ring"][0][:, i]  # [chunks, T, hidden]
+            skip = self._lo - self.plan.chunks[0].start
+            h = x.reshape(-1, x.shape[-1])[skip:skip + self.plan.history_tokens - self._lo]  # [hist - lo, hidden]
+            self.runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
         elif self.source is not None:
             self._place_remapped(layer, rep, staged, i)
         elif rep is not Repr.KV:  # hidden: project this layer's inputs over every chunk in one matmul

@@ -57,7 +57,7 @@ def joined(first: Handle, then: Handle) -> Handle:
     return Handle(event=then.event if then.event is not None else first.event, pending=first.pending + then.pending)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class EqualRuns:
     """`to_stage` runs of one length, as arrays: run i copies `nbytes` bytes of host storage
     buffers[buffer[i]] from byte src[i] to the stage at byte dst[i]. A restore's layer group of
@@ -84,6 +84,7 @@ class EqualRuns:
 
 
 def all_runs(runs: Sequence[tuple[int, torch.Tensor]], equal: EqualRuns | None) -> Sequence[tuple[int, torch.Tensor]]:
+    """`runs` and `equal`'s runs as one list of (offset, host bytes): for back ends that copy run by run."""
     return [*runs, *equal.pairs()] if equal is not None and len(equal) else runs
 
 
