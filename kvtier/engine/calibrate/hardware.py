@@ -34,7 +34,7 @@ from kvtier.dtypes import name_of
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import cache
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.runner.transfer import byte_view, span_runs
+from kvtier.engine.runner.transfer import EqualRuns, byte_view, span_runs
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
 from kvtier.planning.plan import PlannedChunk
@@ -221,7 +221,9 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
     for single in _spec_parts(spec):
         # Each tier alone, so a disk read is never served by a memory tier above it.
         name = _tier_name(single)
-        store = TieredStore.open(single, ns, chunk_tokens=chunk_tokens)
+        # Pinned on CUDA, as the engine's store is: pageable chunks would time the driver's staging
+        # copies (3.4 GB/s on an H200, where a restore's DMA runs at 55).
+        store = TieredStore.open(single, ns, chunk_tokens=chunk_tokens, pin=runner.device.type == "cuda")
         try:
             store.save(ids, 0, k, k, None)
             store.flush()
@@ -236,16 +238,24 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                        if runner.k_cache.device.type == "cpu" else None)
 
             def read_groups() -> None:
-                """As a restore reads: layer groups of every chunk, on to the device where it is not the CPU."""
+                """As a restore reads: layer groups of every chunk, on to the device where copies
+                are asynchronous (the memory tier's whole chunks as address arrays, as a restore
+                hands them over)."""
+                copies = runner.transfer.is_async
                 reads = store.planned_reads(planned)
                 reads.open()
                 for layers in groups:
-                    group = _read_back(reads.read(layers, ("k", "v"), into=targets))
-                    if runner.device.type != "cpu":  # no targets there: every part is in a buffer
-                        # As a restore moves them: one DMA run per chunk (its layers' K and V lie back to back).
+                    group = _read_back(reads.read(layers, ("k", "v"), into=targets, spans=chunk_tokens if copies else 0))
+                    if copies:  # no targets there: every part is in a buffer or a span
+                        # One DMA run per chunk (its layers' K and V lie back to back).
                         runs, size = span_runs([x for p in group.parts.values() for x in p if x is not None])
+                        sp, equal = group.spans, None
+                        if sp is not None and len(sp.chunks):
+                            at = size + np.arange(len(sp.chunks), dtype=np.int64) * sp.nbytes
+                            equal = EqualRuns(sp.buffers, sp.buffer, sp.offsets, at, sp.nbytes)
+                            size += len(sp.chunks) * sp.nbytes
                         stage = torch.empty(size, dtype=torch.uint8, device=runner.device)
-                        runner.transfer.sync(runner.transfer.to_stage(stage, runs))
+                        runner.transfer.sync(runner.transfer.to_stage(stage, runs, equal))
                     reads.release(group)
                 reads.close()
 
