@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier.engine.block_pool import block_hashes
-from kvtier.engine.calibrate.hardware import COMPUTE_POINTS, fit_compute
+from kvtier.engine.calibrate.hardware import COMPUTE_POINTS, GPU_POINTS, compute_points, fit_compute
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -377,6 +377,18 @@ def test_compute_fit_recovers_the_step_model():
     assert fit_compute(points) == pytest.approx((a, b, g, c), rel=1e-6)
     linear = [(s, e, 1e-3 * (e - s) * (1 - 1e-5 * e)) for s, e in COMPUTE_POINTS]  # slightly sublinear
     assert all(c >= 0 for c in fit_compute(linear)) and fit_compute(linear)[0] > 0
+
+
+def test_a_gpu_fit_also_times_the_shapes_restores_are_planned_for():
+    """On a GPU the short calibration steps are mostly launches: the fit also times an 8K prefill
+    and 64 tokens on an 8K history, within the model's context; the CPU keeps its short steps."""
+    assert compute_points(torch.device("cpu"), 32768) == COMPUTE_POINTS
+    gpu = compute_points(torch.device("cuda"), 32768)
+    assert gpu == COMPUTE_POINTS + GPU_POINTS and (0, 8192) in gpu and (8192, 8256) in gpu
+    assert compute_points(torch.device("cuda"), 2048) == tuple(p for p in COMPUTE_POINTS if p[1] <= 2048)
+    true = dataclasses.replace(fake_profile("x"), prefill_a=5e-5, prefill_b=1e-10, prefill_g=1e-7, prefill_c=0.013)
+    assert fit_compute([(s, e, true.prefill_s(s, e)) for s, e in gpu]) == \
+        pytest.approx((5e-5, 1e-10, 1e-7, 0.013), rel=1e-6)
 
 
 def test_online_refinement_moves_prediction_toward_observation(tiny_gqa):

@@ -89,6 +89,17 @@ def _runner(model: LoadedModel, max_len: int) -> tuple[ModelRunner, list[int]]:
 # prefills from position 0, a chunk continuing a history as the engine's chunked prefill runs it,
 # and a few new tokens on a history, the shape of a restore's new tokens.
 COMPUTE_POINTS = ((0, 256), (0, 1024), (0, 2048), (2048, 4096), (1024, 1088), (2048, 2112))
+# On a GPU the points above are a few milliseconds each, mostly kernel launches, and a fit through
+# them overestimated an 8K prefill by 1.6x on an H200: there the fit also sees the shapes restores
+# are planned for (a long prefill, and 64 new tokens on an 8K history), which take a fraction of a
+# second.
+GPU_POINTS = ((0, 8192), (8192, 8256))
+
+
+def compute_points(device: torch.device, max_positions: int) -> tuple[tuple[int, int], ...]:
+    """The prefill steps the compute fit times on `device`, within the model's context."""
+    extra = GPU_POINTS if device.type == "cuda" else ()
+    return tuple(p for p in COMPUTE_POINTS + extra if p[1] <= max_positions)
 
 
 def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
@@ -110,10 +121,13 @@ def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float,
     return out[0], out[1], out[2], out[3]
 
 
-def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] = COMPUTE_POINTS,
+def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None = None,
                     tick: Callable[[], object] = lambda: None) -> dict:
-    """Prefill steps at `points` and the placements (`tick` after each: a progress bar)."""
+    """Prefill steps at `points` (default: `compute_points` for the model's device) and the
+    placements (`tick` after each: a progress bar)."""
     cfg = model.config
+    if points is None:
+        points = compute_points(model.module.lm_head.weight.device, cfg.max_position_embeddings)
     runner, blocks = _runner(model, max(e for _, e in points))
     timed = []
     for s, e in points:  # the history's K/V in the pool is whatever is there: timing does not care
@@ -314,10 +328,11 @@ def _measure_spec(model: LoadedModel, spec: str | None, tick: Callable[[], objec
 def measure(model: LoadedModel, spec: str | None = None, progress: bool = False) -> HardwareProfile:
     """Measure compute and every tier of `spec` (a memory and a scratch disk tier without one);
     `progress`: a bar on stderr (where it is a terminal)."""
-    steps = len(COMPUTE_POINTS) + 1 + (len(_spec_parts(spec)) if spec is not None else 2)
+    points = compute_points(model.module.lm_head.weight.device, model.config.max_position_embeddings)
+    steps = len(points) + 1 + (len(_spec_parts(spec)) if spec is not None else 2)
     with tqdm(total=steps, desc="measuring this machine for the planner (once)", unit="step", file=sys.stderr,
               disable=None if progress else True) as bar:
-        compute = measure_compute(model, tick=bar.update)
+        compute = measure_compute(model, points, tick=bar.update)
         return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(),
                                tiers=_measure_spec(model, spec, tick=bar.update), **compute)
 
