@@ -522,14 +522,17 @@ class Restore:
         for c, h in enumerate(hs):  # [layers, n, hidden] each, or None (in the spans)
             if h is None:
                 continue
-            h = h.to(dtype)  # a lossy chunk came decoded to the compute dtype: a no-op
+            if h.dtype != dtype:  # reads decode lossy chunks to the compute dtype: never in practice
+                h = h.to(dtype)
+                self._keep.append(h)  # the copy reads it: kept until finish()
             if h.shape[1] == width and h.is_contiguous():
                 runs.append((c * chunk_bytes, byte_view(h)))
                 continue
             for i in range(n_layers):
-                t = h[i] if h[i].is_contiguous() else h[i].contiguous()  # [n, hidden]
-                if t is not h[i]:
-                    self._keep.append(t)  # the copy reads it: kept until finish()
+                t = h[i]  # [n, hidden]
+                if not t.is_contiguous():  # rare (a layout mixing K/V and hidden layers keeps rows whole)
+                    t = t.contiguous()
+                    self._keep.append(t)
                 runs.append((c * chunk_bytes + i * part_bytes, byte_view(t)))
         handle = self.transfer.to_stage(stage, runs, self._equal_runs(group, chunk_bytes))
         return handle, {"h_ring": [stage[: chunks * chunk_bytes].view(dtype).view(chunks, n_layers, width, hidden)]}
