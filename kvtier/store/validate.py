@@ -68,8 +68,10 @@ def check(header: ChunkHeader, expect: Expect, size: int, segments_checked: bool
             raise FormatError(f"chunk covers tokens [{header.start}, {header.start + header.tokens}), "
                               f"the reader planned [{start}, {end})")
     _check_place(header, expect.chunk_tokens)
-    if not segments_checked:
+    if not (segments_checked or header.from_table):
         check_segments(header, size)
+    elif size != header.total_bytes:  # a table already checked: only this value's length is new
+        raise FormatError(f"the stored value has {size} bytes, its header accounts for {header.total_bytes}")
     if expect.namespace is not None:
         _check_layout(header, expect.namespace)
 

@@ -163,3 +163,51 @@ def test_opening_many_disk_chunks_at_once_keeps_order_and_leaks_nothing(tmp_path
     assert len(os.listdir("/proc/self/fd")) == fds
     assert disk.counters["corrupt"] == 1 and disk.counters["misses"] >= 2
     store.close()
+
+
+def test_a_learned_segment_table_serves_alike_headers_and_never_a_forged_one(tmp_path, ns):
+    """After one fully checked header, chunks of the same length take their segments from its
+    table (equal to a full parse); a header whose table differs (a moved segment, a float digest)
+    is parsed and checked in full, and is a miss."""
+    import json
+    from pathlib import Path
+
+    from kvtier.store import format as fmt
+
+    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)
+    t = tokens(16 * 4)
+    k, v, _ = make_state(16 * 4)
+    store.save(t, 0, k, v, None)
+    assert store.flush()
+    refs = store.lookup(t).chunks
+    store.close()
+
+    def rewrite(path, edit):  # the header's JSON edited in place, the preamble's length kept
+        path = Path(path)
+        data = bytearray(path.read_bytes())
+        n = fmt.header_length(bytes(data[:fmt.PREAMBLE.size]))
+        start = fmt.PREAMBLE.size
+        doc = json.loads(bytes(data[start:n]).rstrip(b" \x00"))
+        edit(doc)
+        raw = json.dumps(doc).encode()
+        assert len(raw) <= n - start
+        data[start:n] = raw.ljust(n - start, b" ")
+        path.write_bytes(bytes(data))
+
+    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)  # a restart: nothing learned
+    disk = store.tier("disk")
+    paths = [disk.path_of(r.key) for r in refs]
+    rewrite(paths[1], lambda d: None)  # the control: rewritten unchanged, still good
+    rewrite(paths[2], lambda d: d["segments"][3].__setitem__(2, d["segments"][3][2] + 512))  # moved
+    rewrite(paths[3], lambda d: d["segments"][0].__setitem__(4, 1.0))  # a float digest
+    opened = disk.open_chunks([store._expect_chunk(r) for r in refs])
+    assert [oc is not None for oc in opened] == [True, True, False, False]
+    first, second = opened[0], opened[1]
+    assert first is not None and second is not None
+    assert not first.header.from_table and second.header.from_table
+    full = fmt.parse_header(disk._open(refs[1].key).read(0, 16384).numpy().data, None)
+    assert second.header.segments == full.segments and second.header.total_bytes == full.total_bytes
+    assert store.read_chunk(refs[1]) is not None  # its bytes still check against its own digests
+    for oc in (first, second):
+        oc.close()
+    store.close()

@@ -29,6 +29,7 @@ from ..format import (
     FormatError,
     PackedChunk,
     Segment,
+    SegmentTable,
     check_segment,
     checksum,
     header_length,
@@ -220,6 +221,8 @@ class Tier(ABC):
         self.counters = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, evictions=0,
                              corrupt=0, puts=0, put_errors=0, errors=0)
         self._logged: set[str] = set()
+        # Segment tables learned from fully checked headers, per (store digest, chunk tokens).
+        self._tables: dict[tuple[str, int], SegmentTable] = {}
         # Called before an entry is evicted (the store demotes it to a lower tier). Tiers whose
         # capacity someone else manages (Redis: maxmemory) never call it.
         self.on_evict: Callable[[Tier, str], None] | None = None
@@ -314,8 +317,9 @@ class Tier(ABC):
                 self.counters["misses"] += 1
                 return None
             try:
-                header = self._known_header(expect.key) or self._header(reader)
+                header = self._known_header(expect.key) or self._header(reader, expect)
                 self._check_header(header, expect, reader.size)
+                self._learn(header, expect)
                 return OpenChunk(self, expect, reader, header, verify)
             except Exception as e:  # noqa: BLE001
                 reader.close()
@@ -403,8 +407,9 @@ class Tier(ABC):
             try:
                 # The header first: a value's size is trusted only once its header (checked, and
                 # sealed when the store has a secret) accounts for every byte of it.
-                header = self._header(reader)
+                header = self._header(reader, expect)
                 self._check_header(header, expect, reader.size)
+                self._learn(header, expect)
                 whole = reader.read(0, reader.size)
                 if whole.numel() != reader.size:
                     raise FormatError("truncated payload")
@@ -465,12 +470,28 @@ class Tier(ABC):
         except Exception as e:  # removal is best effort; the entry stays a miss for this read
             log.warning("could not remove corrupt chunk %s: %s", key, e)
 
-    def _header(self, reader: Reader) -> ChunkHeader:
+    def _header(self, reader: Reader, expect: Expect | None = None) -> ChunkHeader:
         first = reader.head if reader.head is not None else reader.read(0, min(reader.size, HEAD_BYTES))
         n = header_length(bytes(first[:PREAMBLE.size].numpy()))  # raises on bad magic/version
         if n > first.numel():
             first = reader.read(0, n)
-        return parse_header(first.numpy().data, reader.size, self.seal)
+        key = self._table_key(expect)
+        return parse_header(first.numpy().data, reader.size, self.seal, self._tables.get(key) if key else None)
+
+    @staticmethod
+    def _table_key(expect: Expect | None) -> tuple[str, int] | None:
+        """Where a segment table may be learned and used: a reader that checks the namespace's
+        layout and knows the chunk's length."""
+        if expect is None or expect.ns is None or expect.namespace is None or expect.span is None:
+            return None
+        return expect.ns, expect.span[1] - expect.span[0]
+
+    def _learn(self, header: ChunkHeader, expect: Expect) -> None:
+        """Keep the segment table of a header that passed every check (a few per store: whole
+        chunks and partial lengths)."""
+        key = self._table_key(expect)
+        if key is not None and key not in self._tables and len(self._tables) < 64 and SegmentTable.learnable(header):
+            self._tables[key] = SegmentTable(header)
 
     @staticmethod
     def _check_header(header: ChunkHeader, expect: Expect, size: int) -> None:
