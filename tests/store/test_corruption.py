@@ -18,6 +18,16 @@ def _one_chunk_store(spec, ns):
     return store, t, ref
 
 
+def _disk_chunks(tmp_path, ns, n):
+    """A disk store holding `n` whole 16-token chunks, and their references in order."""
+    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)
+    t = tokens(16 * n)
+    k, v, _ = make_state(16 * n)
+    store.save(t, 0, k, v, None)
+    assert store.flush()
+    return store, store.lookup(t).chunks
+
+
 def _chunk_file(tmp_path):
     (path,) = [p for p in tmp_path.rglob("*.kvc")]
     return path
@@ -127,12 +137,7 @@ def test_opening_many_disk_chunks_at_once_keeps_order_and_leaks_nothing(tmp_path
 
     from kvtier.store.tiers import disk as disk_module
 
-    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)
-    t = tokens(16 * 6)
-    k, v, _ = make_state(16 * 6)
-    store.save(t, 0, k, v, None)
-    assert store.flush()
-    refs = store.lookup(t).chunks
+    store, refs = _disk_chunks(tmp_path, ns, 6)
     disk = store.tier("disk")
     paths = [disk.path_of(r.key) for r in refs]
     with open(paths[1], "r+b") as fh:
@@ -174,12 +179,7 @@ def test_a_learned_segment_table_serves_alike_headers_and_never_a_forged_one(tmp
 
     from kvtier.store import format as fmt
 
-    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)
-    t = tokens(16 * 4)
-    k, v, _ = make_state(16 * 4)
-    store.save(t, 0, k, v, None)
-    assert store.flush()
-    refs = store.lookup(t).chunks
+    store, refs = _disk_chunks(tmp_path, ns, 4)
     store.close()
 
     def rewrite(path, edit):  # the header's JSON edited in place, the preamble's length kept
