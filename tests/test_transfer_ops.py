@@ -192,9 +192,11 @@ def test_span_runs_move_every_byte_under_the_views_once():
         assert torch.equal(stage[off:off + r.numel()].view(torch.float32).view(3, 2, 4, 3), c[1:4])
 
 
-def test_staged_restore_and_pool_saving_are_bit_identical_in_bf16(rec):
-    """bf16 through the staged path (the lazy back end's async placement) and the pool-snapshot
-    saver: the restored request's first logits equal a fresh engine's recompute bit for bit."""
+@pytest.mark.parametrize("method", ["kv", "hidden"])
+def test_staged_restore_and_pool_saving_are_bit_identical_in_bf16(rec, method):
+    """bf16 through the staged path (the lazy back end's async placement; hidden states through
+    their ring and one projection per layer) and the pool-snapshot saver: the restored request's
+    first logits equal a fresh engine's recompute bit for bit."""
     model = load_model("tiny-gqa", dtype="bf16", tokenizer=False)
     ids = _ids(200 + 7, 5, model.config.vocab_size)
     params = SamplingParams(max_tokens=1, temperature=0.0, first_logits=True)
@@ -202,11 +204,13 @@ def test_staged_restore_and_pool_saving_are_bit_identical_in_bf16(rec):
     with Engine(model, config) as fresh:
         ref = fresh.generate([ids], params)[0].first_logits
     with Engine(model, config, store="memory:256MB", profile=fake_profile(model.fingerprint),
-                reuse=ReuseConfig(method="kv", chunk_tokens=24)) as engine:
+                reuse=ReuseConfig(method=method, chunk_tokens=24)) as engine:
         engine.generate([ids[:200]], SamplingParams(max_tokens=1, temperature=0.0))
         assert engine.flush(60)
+        rec.equal_runs = 0
         out = engine.generate([ids], params)[0]
-    assert out.prompt_tokens_reused == 200 and rec.of("scatter")  # restored through the staged path
+    assert out.prompt_tokens_reused == 200 and out.restore.method == method
+    assert rec.equal_runs > 0 and (rec.of("scatter") or method == "hidden")  # restored through the staged path
     assert ref is not None and out.first_logits is not None and torch.equal(out.first_logits, ref)
 
 
