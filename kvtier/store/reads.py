@@ -255,21 +255,24 @@ class PlannedReads:
         self.opened = []
 
 
+def kv_back_to_back(k: torch.Tensor, v: torch.Tensor, width: int) -> bool:
+    """K and V views [layers, width, kv_heads, hd] of one buffer lying as [layers, 2 (K, V), width,
+    kv_heads, hd]: the layout a restore's staging slot has, so a chunk's layers go over in one run."""
+    row = k[0, 0].numel()
+    return k.shape == v.shape and k.shape[1] == width and k.dtype == v.dtype \
+        and k.stride() == (2 * width * row, row, k.shape[3], 1) and v.stride() == k.stride() \
+        and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() \
+        and v.storage_offset() - k.storage_offset() == width * row
+
+
 def _whole_kv(oc: OpenChunk, runs: dict, width: int) -> tuple[torch.Tensor, int] | None:
     """A chunk's K over every stored layer, [layers, width, kv_heads, hd], and its first layer,
-    where K and V of each layer lie back to back ([layers, 2, width, ...]) in the compute dtype and
-    token order; else None."""
+    where K and V of each layer lie back to back in the compute dtype and token order; else None."""
     k, v, h = runs.get("k"), runs.get("v"), oc.header
-    if k is None or v is None or k[1] != v[1] or h.row_of is not None or h.storage_dtype != h.compute_dtype:
+    if k is None or v is None or k[1] != v[1] or h.row_of is not None or h.storage_dtype != h.compute_dtype \
+            or not kv_back_to_back(k[0], v[0], width):
         return None
-    kr, vr = k[0], v[0]
-    row = kr[0, 0].numel()
-    if kr.shape != vr.shape or kr.shape[1] != width or kr.dtype != vr.dtype \
-            or kr.stride() != (2 * width * row, row, kr.shape[3], 1) or vr.stride() != kr.stride() \
-            or vr.untyped_storage().data_ptr() != kr.untyped_storage().data_ptr() \
-            or vr.storage_offset() - kr.storage_offset() != width * row:
-        return None
-    return kr, k[1]
+    return k[0], k[1]
 
 
 def _whole_h(oc: OpenChunk, runs: dict, width: int) -> tuple[torch.Tensor, int] | None:

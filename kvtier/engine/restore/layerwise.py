@@ -52,7 +52,7 @@ from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Method, Plan
 from kvtier.store import codec
 from kvtier.store.layout import Repr
-from kvtier.store.reads import LayerGroup, PlannedReads
+from kvtier.store.reads import LayerGroup, PlannedReads, kv_back_to_back
 from kvtier.store.tiered import TieredStore
 from kvtier.store.tiers.base import PoolTarget
 
@@ -485,7 +485,7 @@ class Restore:
             if k is None or v is None or k.dtype != dtype:  # in the pool already (a CPU direct read), or staged as stored
                 continue
             base = c * chunk_bytes
-            run = self._whole_run(k, v, n_layers, width, row, part_bytes)
+            run = self._whole_run(k, v, n_layers, width, part_bytes)
             if run is not None:
                 runs.append((base, run))  # the layers' K, V back to back: one run
                 continue
@@ -605,15 +605,13 @@ class Restore:
                                             offset // dt.itemsize)]
         return handle, staged, ks, vs
 
-    def _whole_run(self, k: torch.Tensor, v: torch.Tensor, n_layers: int, width: int, row: int,
+    def _whole_run(self, k: torch.Tensor, v: torch.Tensor, n_layers: int, width: int,
                    part_bytes: int) -> torch.Tensor | None:
         """The bytes of a chunk's K/V of a group's layers as one run, where they lie as the staging
         slot does ([layers, 2, T, kv_heads, hd]: whole chunks as stored, whatever the tier), else None."""
-        ptr = k.untyped_storage().data_ptr()
-        if k.shape[1] != width or k.stride() != (2 * width * row, row, k.shape[3], 1) or v.stride() != k.stride() \
-                or v.untyped_storage().data_ptr() != ptr or v.storage_offset() - k.storage_offset() != width * row \
-                or k.dtype != self.runner.k_cache.dtype:
+        if k.dtype != self.runner.k_cache.dtype or not kv_back_to_back(k, v, width):
             return None
+        ptr = k.untyped_storage().data_ptr()
         buf = self._buffers.get(ptr)
         if buf is None:  # one byte view per host buffer (a stored chunk, a staging buffer), not per group
             buf = self._buffers[ptr] = storage_bytes(k)
