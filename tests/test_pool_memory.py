@@ -5,6 +5,7 @@ budget stays unmapped until used. Checked on the page table itself (/proc/self/p
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
@@ -28,12 +29,19 @@ def _present(t: torch.Tensor) -> list[bool]:
 
 def test_the_first_requests_slots_are_mapped_at_start_and_the_rest_is_not(tiny_gqa):
     block, max_len, cfg = 16, 1024, tiny_gqa.config
-    # Far more slots than one context (the budget's tail must stay unmapped), and over glibc's
-    # largest mmap threshold (32 MiB), so the pool is a fresh mapping, not reused heap pages
-    # another test already touched.
     slot_bytes = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     runner = ModelRunner(tiny_gqa.module, -(-(96 << 20) // (block * slot_bytes)), block, max_len)
     for cache in (runner.k_cache, runner.v_cache):  # [layers, slots, kv_heads, hd]
+        for layer in cache:
+            assert all(_present(layer[:max_len]))
+    # Whether the tail stays unmapped depends on memory the runner was given untouched: the
+    # allocator may hand it heap pages an earlier test used (a CI run did). So the pool is swapped
+    # for fresh anonymous mappings, which have no page present, and faulted in as at start.
+    maps = [mmap.mmap(-1, c.nbytes) for c in (runner.k_cache, runner.v_cache)]
+    runner.k_cache, runner.v_cache = (torch.frombuffer(m, dtype=c.dtype).view(c.shape)
+                                      for m, c in zip(maps, (runner.k_cache, runner.v_cache)))
+    runner._fault_in(max_len)
+    for cache in (runner.k_cache, runner.v_cache):
         for layer in cache:
             assert all(_present(layer[:max_len]))
             assert not any(_present(layer[max_len + 2 * PAGE:]))  # past the page the last slot shares
