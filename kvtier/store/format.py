@@ -292,16 +292,14 @@ class SegmentTable:
         the table's segments (7 fields each) with integer digests."""
         if type(entries) is not list or len(entries) != len(self._rows):
             return None
-        try:
-            if [e[:4] + e[5:] for e in entries] != self._rows:
-                return None
-        except TypeError:  # an entry that is no list
+        try:  # `entries` is this parse's own: take the digests out, compare the rest in one go
+            digests = [e.pop(4) for e in entries]
+        except (AttributeError, IndexError, KeyError, TypeError):  # an entry that is no list, or too short
             return None
-        digests = [e[4] for e in entries]
-        if not all(type(d) is int for d in digests):
+        if entries != self._rows or set(map(type, digests)) != {int}:
             return None
-        return tuple(Segment(s.layer, s.part, s.offset, s.nbytes, d, s.dtype, s.shape, s.granules)
-                     for s, d in zip(self.segments, digests))
+        new = tuple.__new__  # a Segment from its fields without the generated __new__'s call
+        return tuple([new(Segment, (s[0], s[1], s[2], s[3], d, s[5], s[6], s[7])) for s, d in zip(self.segments, digests)])
 
 
 def parse_header(buf: bytes | memoryview, total_size: int | None = None, seal: Seal = Seal(),
@@ -316,6 +314,8 @@ def parse_header(buf: bytes | memoryview, total_size: int | None = None, seal: S
         if known is not None and table is not None:
             header = _header_from_doc(doc, table.total_bytes, known)
         else:
+            if table is not None:
+                doc = json.loads(raw)  # a failed match may have taken digests out of its entries
             segs_end = max(s[2] + s[3] for s in doc["segments"])
             header = _header_from_doc(doc, segs_end + _pad(segs_end))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:

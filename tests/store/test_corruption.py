@@ -179,7 +179,7 @@ def test_a_learned_segment_table_serves_alike_headers_and_never_a_forged_one(tmp
 
     from kvtier.store import format as fmt
 
-    store, refs = _disk_chunks(tmp_path, ns, 4)
+    store, refs = _disk_chunks(tmp_path, ns, 7)
     store.close()
 
     def rewrite(path, edit):  # the header's JSON edited in place, the preamble's length kept
@@ -200,8 +200,11 @@ def test_a_learned_segment_table_serves_alike_headers_and_never_a_forged_one(tmp
     rewrite(paths[1], lambda d: None)  # the control: rewritten unchanged, still good
     rewrite(paths[2], lambda d: d["segments"][3].__setitem__(2, d["segments"][3][2] + 512))  # moved
     rewrite(paths[3], lambda d: d["segments"][0].__setitem__(4, 1.0))  # a float digest
+    rewrite(paths[4], lambda d: d["segments"][5].__setitem__(4, True))  # JSON true, equal to 1
+    rewrite(paths[5], lambda d: d["segments"].__setitem__(2, d["segments"][2][:3]))  # an entry cut short
+    rewrite(paths[6], lambda d: d["segments"].__setitem__(1, {"4": 1}))  # an entry that is no list
     opened = disk.open_chunks([store._expect_chunk(r) for r in refs])
-    assert [oc is not None for oc in opened] == [True, True, False, False]
+    assert [oc is not None for oc in opened] == [True, True, False, False, False, False, False]
     first, second = opened[0], opened[1]
     assert first is not None and second is not None
     assert not first.header.from_table and second.header.from_table
