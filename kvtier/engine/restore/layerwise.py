@@ -95,12 +95,13 @@ def pieces(chunk_spans: Sequence[tuple[int, int]], runs: Sequence, start: int) -
     return out
 
 
-def layer_groups(layout: Sequence[Repr], first: int, size: int) -> list[tuple[int, ...]]:
-    """Consecutive layers from `first` on, cut every `size` layers and wherever the stored
-    representation changes (a group is read, and placed, as one strided block per chunk)."""
+def layer_groups(layout: Sequence[Repr], first: int, size: int, cuts: Sequence[int] = ()) -> list[tuple[int, ...]]:
+    """Consecutive layers from `first` on, cut every `size` layers, wherever the stored
+    representation changes (a group is read, and placed, as one strided block per chunk) and
+    before each layer in `cuts`."""
     groups: list[list[int]] = []
     for li in range(first, len(layout)):
-        if groups and len(groups[-1]) < size and layout[groups[-1][-1]] is layout[li]:
+        if groups and len(groups[-1]) < size and layout[groups[-1][-1]] is layout[li] and li not in cuts:
             groups[-1].append(li)
         else:
             groups.append([li])
@@ -131,7 +132,11 @@ class LayerReader:
             size = max(READ_GROUP_LAYERS, -(-len(layout) // 8)) if self.transfer.is_async else len(layout)
         self.ready_layers = depth  # what the new tokens wait for (at least the first group)
         self.depth = max(depth, 2 * size)  # how far reading may run ahead of placement
-        self.groups = layer_groups(self.layout, first, size)
+        # A read from a device (disk, Redis) is a wait: the new tokens start once the read buffer
+        # is in, so a group ends there, and the first layer is read alone (compute on it starts
+        # while the next group is read, not after a whole group).
+        cuts = (first + 1, first + depth) if threaded else ()
+        self.groups = layer_groups(self.layout, first, size, cuts)
         self._got: dict[int, LayerGroup] = {}  # group index -> data
         self._held: list[tuple[Handle, LayerGroup]] = []  # placed, but copies from it may be in flight
         self._read_layers = first  # layers read so far (leading recomputed layers count as read ...)
