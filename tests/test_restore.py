@@ -314,6 +314,25 @@ def test_bubble_free_partition_follows_hcache_formulas(tiny_mha):
     assert pl.partition(chunks) == (Repr.HIDDEN,) * l_h + (Repr.KV,) * (n - l_h)
 
 
+def test_the_read_buffer_is_the_shallowest_from_which_no_layer_waits():
+    """Ten layers, each read in 1 s and computed in 0.8 s: with compute at its own speed the
+    formula's 2 layers of buffer are kept (the pipeline would still stall a little there; the
+    formula is the upper bound). Reads that take the compute's cores (steal 0.5) slow each layer
+    computed beside them to 1.2 s, longer than its read: the new tokens start after one layer, and
+    no layer waits."""
+    io, comp = [1.0] * 10, [0.8] * 10
+    assert Planner._stalls(io, comp, 0.0, 1, 0.0) > 0
+    assert Planner._start_depth(io, comp, 0.0, 0.0, 2) == (2, pytest.approx(Planner._run(io, comp, 0.0, 2, 0.0)[0]))
+    assert Planner._stalls(io, comp, 0.0, 1, 0.5) == 0
+    depth, t = Planner._start_depth(io, comp, 0.0, 0.5, 2)
+    # Layers 0-6 take 1.2 s each from t = 1; layer 7 overlaps the reads' last 0.6 s (+0.3 s);
+    # layers 8 and 9 run alone.
+    assert depth == 1 and t == pytest.approx(1.0 + 7 * 1.2 + 1.1 + 2 * 0.8)
+    # A deeper formula buffer is cut to the stall-free depth, found by bisection: 3 layers here.
+    assert [Planner._stalls(io, comp, 0.0, d, 0.0) == 0 for d in (2, 3, 4)] == [False, True, True]
+    assert Planner._start_depth(io, comp, 0.0, 0.0, 10)[0] == 3
+
+
 def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):
     """overlap = 1: a layer's read goes on under compute; overlap = 0 (reads are memcpys on the
     compute cores): compute that runs while reads still go on is slowed by them, and reads done

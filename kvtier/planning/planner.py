@@ -13,6 +13,7 @@ refinement: after a restore, `observe` folds the measured/predicted ratio into a
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -120,25 +121,49 @@ class Planner:
         return (Repr.NONE,) * (n - l_h) + (Repr.HIDDEN,) * l_h
 
     # ----- predictions ----------------------------------------------------------------------
+    @classmethod
+    def _start_depth(cls, io: Sequence[float], comp: Sequence[float], lead: float, steal: float,
+                     buffer: int) -> tuple[int, float]:
+        """(depth, predicted seconds): the shallowest read buffer, at most CachedAttention's
+        `buffer` layers, from which the new tokens' layers never wait for a read (a wait inside
+        the step stalls every request batched with it). The formula sizes the buffer as if the
+        compute ran at its own speed; where reads take the compute's cores (`steal`), it slows
+        while they run, more of them hide, and a shallower buffer suffices. Stalls only get
+        fewer as the buffer grows, so the depth is found by bisection."""
+        buffer = max(buffer, 1)
+        if buffer == 1 or cls._stalls(io, comp, lead, 1, steal) == 0:
+            lo = 1
+        else:
+            lo, hi = 1, buffer  # stalls at lo; hi is the formula's (kept even if it still stalls)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if cls._stalls(io, comp, lead, mid, steal) == 0 else (mid, hi)
+            lo = hi
+        return lo, cls._run(io, comp, lead, lo, steal)[0]
+
+    @classmethod
+    def _stalls(cls, io: Sequence[float], comp: Sequence[float], lead: float, depth: int, steal: float) -> float:
+        """Seconds the new tokens' layers wait for reads once started, in `_run`'s model."""
+        return cls._run(io, comp, lead, depth, steal)[1]
+
     @staticmethod
-    def _pipeline(io: Sequence[float], comp: Sequence[float], lead: float, depth: int, steal: float) -> float:
+    def _run(io: Sequence[float], comp: Sequence[float], lead: float, depth: int, steal: float) -> tuple[float, float]:
         """The engine's restore: IO streams the stored layers in order from t=0 while `lead`
         (recomputed layers) computes; the new tokens start once `depth` stored layers are read
         (the read buffer) and the lead is done; then layer l computes once its IO is done. Compute
         that runs while reads are still going is slowed by `steal` seconds per second of it (the
-        reads' unhidden share of the same cores); reads already done steal nothing."""
-        done, acc = [], 0.0
-        for x in io:
-            acc += x
-            done.append(acc)
-        io_end = acc
+        reads' unhidden share of the same cores); reads already done steal nothing.
+        -> (seconds to the end of the new tokens' layers, seconds they waited for reads)."""
+        done = list(itertools.accumulate(io))
+        io_end = done[-1] if done else 0.0
         stored = [i for i, x in enumerate(io) if x > 0]
         ready = done[stored[min(depth, len(stored)) - 1]] if stored else 0.0
-        t = max(lead + steal * min(lead, io_end), ready)
+        t, waited = max(lead + steal * min(lead, io_end), ready), 0.0
         for d, c in zip(done, comp):
+            waited += max(0.0, d - t - 1e-12)
             start = max(t, d)
             t = start + c + steal * max(0.0, min(io_end, start + c) - start)
-        return t
+        return t, waited
 
     def predict(self, method: Method, chunks: Sequence[StoredChunk], new: int,
                 layout: Sequence[Repr]) -> tuple[float, float, float, float, int]:
@@ -170,9 +195,9 @@ class Planner:
                 io.append(c.io_h)
                 comp.append(c.c_h + new_s / n)
                 nbytes += hist * s.hidden_bytes_per_token_layer
-        depth = self._read_buffer(chunks, layout, new, c)
         stolen, io_total = sum(c.steal_kv if r is Repr.KV else c.steal_h for r in layout if r is not Repr.NONE), sum(io)
-        t = self._pipeline(io, comp, lead, depth, stolen / io_total if io_total > 0 else 0.0)
+        steal = stolen / io_total if io_total > 0 else 0.0
+        depth, t = self._start_depth(io, comp, lead, steal, self._read_buffer(chunks, layout, new, c))
         attach = sum(comp) - new_s
         return t, max(nbytes / bw, lead + sum(comp)), lead, attach, depth
 
