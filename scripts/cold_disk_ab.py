@@ -1,16 +1,19 @@
-"""A cold disk restore after a restart, today's code against the previous opening and pool mapping,
-interleaved per context so the VM's drift (the same command varies 10-30% between runs here) hits
-both alike.
+"""A cold disk restore after a restart, today's code against the previous read grouping and header
+matching, interleaved per context so the VM's drift (the same command varies 10-30% between runs
+here) hits both alike.
 
 For each of N+1 random contexts (the first a warm-up): engine A saves H tokens and closes; then, in
 alternating order, one fresh engine per variant drops the chunk files' page cache and restores them
 for H + 64 tokens (max_tokens=1). Prints the median TTFT and the median time spent opening the
 chunks (`PlannedReads.open`), with quartiles; `--json` writes the samples.
 
-    before  the chunks opened and parsed on the disk tier's four IO threads (they queue for the
-            GIL), the CPU pool's pages left to their first touch (the restore's direct reads fault them)
-    after   the IO threads open and read the first pages, the caller parses; the pool's first
-            max_model_len slots mapped when the engine starts
+    before  the read buffer of CachedAttention's formula as is; a device's reads in groups of
+            READ_GROUP_LAYERS from the first layer on (the new tokens wait for the whole group that
+            holds the buffer's last layer); a learned segment table matched by copying every entry
+    after   the shallowest buffer from which the planner's pipeline predicts no stall (reads that
+            take the compute's cores slow it, so more of them hide); layer 0 read alone and a
+            group ending where the buffer does; the digests taken out of the parsed entries and
+            the rest compared in one go
 
     python scripts/cold_disk_ab.py [--history 4096] [--dtype bf16] [--contexts 12] [--json out.json]
 """
@@ -30,18 +33,39 @@ from kvtier.bench.common import drop_page_cache
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner.model_runner import ModelRunner
+from kvtier.engine.restore import layerwise
 from kvtier.models.loading import load_model
-from kvtier.store.tiers import disk
+from kvtier.planning.planner import Planner
+from kvtier.store import format as fmt
 
-OPEN_NOW, FAULT_IN = disk.DiskTier.open_chunks, ModelRunner._fault_in
-
-
-def _open_on_io_threads(self: disk.DiskTier, expects):  # the previous opening, for the baseline
-    return disk._in_batches(self._io, lambda i: self.open_chunk(expects[i]), len(expects))
+GROUPS_NOW, MATCH_NOW, DEPTH_NOW = layerwise.layer_groups, fmt.SegmentTable.match, Planner._start_depth
 
 
-VARIANTS = {"before": (_open_on_io_threads, lambda self, slots: None), "after": (OPEN_NOW, FAULT_IN)}
+def _formula_depth(cls, io, comp, lead, steal, buffer):  # the previous read buffer, for the baseline
+    return max(buffer, 1), cls._run(io, comp, lead, max(buffer, 1), steal)[0]
+
+
+def _groups_uncut(layout, first, size, cuts=()):  # the previous grouping, for the baseline
+    return GROUPS_NOW(layout, first, size)
+
+
+def _match_by_copy(self: fmt.SegmentTable, entries):  # the previous matching, for the baseline
+    if type(entries) is not list or len(entries) != len(self._rows):
+        return None
+    try:
+        if [e[:4] + e[5:] for e in entries] != self._rows:
+            return None
+    except TypeError:
+        return None
+    digests = [e[4] for e in entries]
+    if not all(type(d) is int for d in digests):
+        return None
+    return tuple(fmt.Segment(s.layer, s.part, s.offset, s.nbytes, d, s.dtype, s.shape, s.granules)
+                 for s, d in zip(self.segments, digests))
+
+
+VARIANTS = {"before": (_groups_uncut, _match_by_copy, classmethod(_formula_depth)),
+            "after": (GROUPS_NOW, MATCH_NOW, classmethod(DEPTH_NOW.__func__))}
 
 
 def main() -> None:
@@ -54,7 +78,7 @@ def main() -> None:
     opened = time_opening()
     model = load_model("smollm2-135m", dtype=args.dtype)
     once = SamplingParams(max_tokens=1, temperature=0.0)
-    config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=8192, enable_prefix_cache=False)
+    config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max(8192, args.history + 64), enable_prefix_cache=False)
     ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
     opening: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as d:
@@ -65,7 +89,9 @@ def main() -> None:
                 a.generate([ids[:args.history]], once)
                 a.flush()
             for name in list(VARIANTS)[:: 1 if i % 2 else -1]:
-                disk.DiskTier.open_chunks, ModelRunner._fault_in = VARIANTS[name]  # type: ignore[method-assign]
+                groups, match, depth = VARIANTS[name]
+                layerwise.layer_groups, fmt.SegmentTable.match = groups, match  # type: ignore[method-assign]
+                Planner._start_depth = depth  # type: ignore[method-assign,assignment]
                 with Engine(model, config, store=spec) as b:
                     drop_page_cache(d)
                     t = time.perf_counter()
