@@ -331,6 +331,8 @@ def test_the_read_buffer_is_the_shallowest_from_which_no_layer_waits():
     # A deeper formula buffer is cut to the stall-free depth, found by bisection: 3 layers here.
     assert [Planner._stalls(io, comp, 0.0, d, 0.0) == 0 for d in (2, 3, 4)] == [False, True, True]
     assert Planner._start_depth(io, comp, 0.0, 0.0, 10)[0] == 3
+    # Bubble-free (leading layers recomputed): the reads stream through the lead, so the buffer stays.
+    assert Planner._start_depth(io, comp, 2.0, 0.5, 5)[0] == 5
 
 
 def test_reads_that_share_the_cores_are_not_hidden_under_compute(tiny_gqa):

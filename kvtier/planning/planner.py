@@ -129,17 +129,17 @@ class Planner:
         the step stalls every request batched with it). The formula sizes the buffer as if the
         compute ran at its own speed; where reads take the compute's cores (`steal`), it slows
         while they run, more of them hide, and a shallower buffer suffices. Stalls only get
-        fewer as the buffer grows, so the depth is found by bisection."""
+        fewer as the buffer grows, so the depth is found by bisection. A plan that recomputes
+        leading layers keeps its buffer: the reader reads only that far ahead of placement, and
+        nothing is placed during the lead, which the reads must stream through."""
         buffer = max(buffer, 1)
-        if buffer == 1 or cls._stalls(io, comp, lead, 1, steal) == 0:
-            lo = 1
-        else:
-            lo, hi = 1, buffer  # stalls at lo; hi is the formula's (kept even if it still stalls)
+        if lead == 0 and buffer > 1:
+            lo, hi = 0, buffer  # stalls at lo (0: none tried yet); hi is the formula's, kept even if it stalls
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if cls._stalls(io, comp, lead, mid, steal) == 0 else (mid, hi)
-            lo = hi
-        return lo, cls._run(io, comp, lead, lo, steal)[0]
+            buffer = hi
+        return buffer, cls._run(io, comp, lead, buffer, steal)[0]
 
     @classmethod
     def _stalls(cls, io: Sequence[float], comp: Sequence[float], lead: float, depth: int, steal: float) -> float:
