@@ -142,3 +142,23 @@ def test_smollm2_shape_bf16_3000_tokens():
     finally:
         e.close()
     assert hit.prompt_tokens_reused == 1232 and same(hit, fresh)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_what_lies_past_a_context_changes_no_bit(dtype: str):
+    """Exact attention reads a context as whole 512-key blocks, zero past its end. Whatever the pool
+    holds past it (here NaN in every slot no request wrote, which a 0 weight would not cancel) stays
+    out, whether the context is read in place or gathered (a prefix-cache hit's blocks)."""
+    m = model("tiny-gqa", dtype)
+    ids = ids_of(m, 700, seed=6)
+    fresh = run(engine(m, prefix_cache=False), [ids])[0]
+    e = engine(m, chunk=300)
+    try:
+        for cache in (e.runner.k_cache, e.runner.v_cache):
+            cache.fill_(float("nan"))
+        e.generate([ids[:333]], SamplingParams(max_tokens=1, temperature=0.0))
+        e.generate([ids_of(m, 40, seed=7)], SamplingParams(max_tokens=1, temperature=0.0))  # takes the next blocks
+        hit = e.generate([ids], GREEDY)[0]
+    finally:
+        e.close()
+    assert hit.prompt_tokens_reused == 320 and same(hit, fresh)

@@ -33,6 +33,11 @@ KEY_BLOCK = 512  # the CPU flash kernel's key split: every call's keys are a who
 _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take another GEMM path)
 
 
+def key_rows(ctx: int) -> int:
+    """The keys the exact kernel reads for a context of `ctx` positions: whole key blocks."""
+    return -(-ctx // KEY_BLOCK) * KEY_BLOCK
+
+
 def exact_cpu(device: torch.device) -> bool:
     return device.type == "cpu" and _FLASH_CPU is not None and invariant.exact()
 
@@ -70,7 +75,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     key blocks up to the longest context. q: [n, heads, hd] -> [n, heads, hd]."""
     n, width, kv_heads, hd = k.shape
     g = q.shape[1] // kv_heads
-    keys = -(-max(lengths) // KEY_BLOCK) * KEY_BLOCK  # whole key blocks up to the longest context
+    keys = key_rows(max(lengths))
     if width != keys:
         raise ValueError(f"decode contexts are {width} rows; exact attention reads {keys} (whole key blocks)")
     kz, vz = k.transpose(1, 2), v.transpose(1, 2)  # [n, kvh, keys, hd]
@@ -102,7 +107,8 @@ def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> t
 
 
 def _keys(x: torch.Tensor, keys: int) -> torch.Tensor:
-    """x [ctx, kv_heads, hd] as exactly `keys` rows: cut, or zero-padded past the history."""
+    """x [ctx, kv_heads, hd] as exactly `keys` rows: cut, or zero-padded past the history (a copy:
+    the engine passes contexts already padded to `key_rows`, see ModelRunner.attend)."""
     if x.shape[0] >= keys:
         return x[:keys]
     return F.pad(x, (0, 0, 0, 0, 0, keys - x.shape[0]))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
-from kvtier.models.attention import KEY_BLOCK, causal_attention, decode_attention, exact_cpu
+from kvtier.models.attention import causal_attention, decode_attention, exact_cpu, key_rows
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import PAGE, aligned_empty
@@ -33,6 +33,22 @@ PACK_DECODES = False  # always pack decodes for varlen_attn where usable, not on
 # A decode batch whose padding would read more than this many times its contexts' slots is packed
 # instead, where varlen_attn is usable (one long context among short ones).
 RAGGED = 4
+
+
+def _context(new: torch.Tensor, cache: torch.Tensor, ctx: range | torch.Tensor | None,
+             pad: torch.Tensor | None) -> torch.Tensor:
+    """A run's context K or V [rows, kv_heads, hd] for attention: this step's own rows (a fresh run),
+    a view of its consecutive pool slots, or its slots gathered; written into `pad` where given."""
+    if isinstance(ctx, torch.Tensor):
+        if pad is None:
+            return cache.index_select(0, ctx)
+        torch.index_select(cache, 0, ctx, out=pad[: ctx.numel()])
+        return pad
+    rows = new if ctx is None else cache[ctx.start : ctx.stop]
+    if pad is None:
+        return rows
+    pad[: rows.shape[0]].copy_(rows)
+    return pad
 
 
 def pack_decodes(can_pack: bool, padded_rows: int, context_rows: int) -> bool:
@@ -106,6 +122,10 @@ class StepBatch:
     # Per run, where its context [0, end) is read from: a slot range (consecutive blocks: a view of
     # the pool, no copy), a slot index tensor (gathered), or None (a fresh run attends to itself).
     ctx: tuple[range | torch.Tensor | None, ...]
+    # Per run, exact CPU attention only: K and V buffers [key_rows(context), kv_heads, hd], zero past
+    # the context, that each layer writes the run's context into (see `_key_blocks`); None where the
+    # context is read as it is.
+    pads: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     cos: torch.Tensor  # [tokens, 1, head_dim/2] RoPE half tables
     sin: torch.Tensor
     # Single-token runs with history (decodes) attend in one padded batch instead of one by one.
@@ -286,7 +306,7 @@ class ModelRunner:
         ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
         if exact_cpu(self.device):  # exact attention reads whole key blocks: gather them at once
-            width = -(-width // KEY_BLOCK) * KEY_BLOCK
+            width = key_rows(width)
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
         packed = pack_decodes(self.can_pack, len(rows) * width, sum(ctx_len))
         if packed:  # each context's slots, back to back
@@ -338,6 +358,9 @@ class ModelRunner:
             offsets=tuple(offsets),
             new_slots=new_slots,
             ctx=tuple(next(gathered) if isinstance(c, torch.Tensor) else c for c in ctx),
+            pads=tuple(None if i in rows else self._key_blocks(it.slot_start + n if c is not None else n,
+                                                               isinstance(c, torch.Tensor))
+                       for i, (it, n, c) in enumerate(zip(items, lens, ctx))),
             cos=cos,
             sin=sin,
             decode_rows=rows,
@@ -382,15 +405,26 @@ class ModelRunner:
             if outs[i] is not None:
                 continue
             lo, hi = b.offsets[i], b.offsets[i + 1]
-            ctx = b.ctx[i]
-            if ctx is None:  # fresh sequence: its K/V are exactly this run's
-                outs[i] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0)
-            elif isinstance(ctx, range):  # consecutive blocks: attend straight from the pool
-                outs[i] = causal_attention(q[lo:hi], kc[ctx.start : ctx.stop], vc[ctx.start : ctx.stop], it.slot_start)
-            else:
-                outs[i] = causal_attention(q[lo:hi], kc.index_select(0, ctx), vc.index_select(0, ctx), it.slot_start)
+            ctx, pad = b.ctx[i], b.pads[i] or (None, None)
+            kk, vv = (_context(new[lo:hi], cache, ctx, p) for new, cache, p in ((k, kc, pad[0]), (v, vc, pad[1])))
+            outs[i] = causal_attention(q[lo:hi], kk, vv, 0 if ctx is None else it.slot_start)
         done = cast("list[torch.Tensor]", outs)  # every run has its output by now
         return torch.cat(done) if len(done) > 1 else done[0]
+
+    def _key_blocks(self, rows: int, gathered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Exact CPU attention reads a context of `rows` positions as whole key blocks, zero past its
+        end. Where the context is not that as it lies (it ends inside a block, or is gathered), two
+        buffers [key_rows(rows), kv_heads, hd] for the step, their tail zeroed once: each layer then
+        writes the context into them, one copy, instead of allocating, zeroing and filling a padded
+        copy per layer (and, gathered, copying it twice)."""
+        keys = key_rows(rows)
+        if not exact_cpu(self.device) or (keys == rows and not gathered):
+            return None
+        k, v = (torch.empty((keys, *self.k_cache.shape[2:]), dtype=self.k_cache.dtype, device=self.device)
+                for _ in range(2))
+        k[rows:].zero_()
+        v[rows:].zero_()
+        return k, v
 
     def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: StepBatch,
                           front: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem, pack_decodes
-from kvtier.models.attention import KEY_BLOCK, decode_attention, exact_cpu
+from kvtier.models.attention import decode_attention, exact_cpu, key_rows
 from kvtier.models.llama import LayerAttention
 from kvtier.models.paged import PageTable, paged_attention
 
@@ -94,7 +94,7 @@ class StaticDecode:
         size = self.buckets[bisect.bisect_left(self.buckets, len(items))]
         longest = max(it.start for it in items) + 1
         if self.exact:
-            return size, -(-longest // KEY_BLOCK) * KEY_BLOCK
+            return size, key_rows(longest)
         return size, self.widths[bisect.bisect_left(self.widths, longest)]
 
     @torch.inference_mode()
