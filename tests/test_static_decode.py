@@ -105,8 +105,8 @@ def test_bucketed_gather_decodes_the_same_tokens():
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("exact", [True, False])
 def test_a_nan_in_a_slot_no_decode_owns_never_reaches_their_logits(static: bool, exact: bool):
-    """Padding in a batched decode reads slots other requests (or the sink) own; whatever is there,
-    even NaN, must not reach a decoding request's logits. Both decode paths, exact and not (the
+    """Whatever slots other requests (or the sink) own hold, even NaN, must not reach a decoding
+    request's logits: padding reads the runner's zero slot, or is masked and zeroed. Both decode paths, exact and not (the
     latter is the path CUDA takes)."""
     from kvtier.engine.runner.model_runner import RunItem
 
@@ -130,8 +130,11 @@ def test_a_nan_in_a_slot_no_decode_owns_never_reaches_their_logits(static: bool,
             for t in tables:
                 for b in t:
                     owned[b * 16 : (b + 1) * 16] = True
+            owned[r.zero_slot] = True  # the runner's own: zeros, written by no one (what padding reads)
             cache[:, ~owned] = float("nan")
         poisoned = step()
+        # The zero slot is no block's, not the sink block's (padding rows write there), and still zeros.
+        assert r.zero_slot >= r.sink + 16 and not (r.k_cache[:, r.zero_slot].any() or r.v_cache[:, r.zero_slot].any())
         e.close()
     finally:
         invariant.set_exact(True)

@@ -130,7 +130,7 @@ class StepBatch:
     sin: torch.Tensor
     # Single-token runs with history (decodes) attend in one padded batch instead of one by one.
     decode_rows: tuple[int, ...] = ()  # run indices
-    decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: slot 0)
+    decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: the zero slot)
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
     decode_q: torch.Tensor | None = None  # [decodes] row of each decoding run's token
     # On CUDA with flash varlen attention: the decodes' contexts packed, no padding (then
@@ -139,10 +139,6 @@ class StepBatch:
     decode_cu: torch.Tensor | None = None
     decode_width: int = 0  # the longest decoding context
     decode_lengths: tuple[int, ...] = ()  # each decode's context length (its token included)
-    # The padding rows of the decodes' gathered contexts (flat rows of the padded [decodes * width]
-    # layout), zeroed after the gather: they read slot 0, which any request may own, and a NaN
-    # there would survive the mask's 0 weight.
-    decode_padding: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None  # [rows wanting logits]: each run's last token, every token of all_logits runs
     # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
     # padded [decodes * width] or packed layout), from which step rows (front runs; None: a FrontFeed),
@@ -162,7 +158,6 @@ class _DecodeLayout:
     slots: torch.Tensor  # [sum ctx_len] packed or [decodes * width] padded, flat
     ctx_at: list[int]  # where each decode's context starts in `slots`
     fronted: bool  # some decode has an uncached front
-    padding: torch.Tensor  # [rows] flat rows of `slots` past each context (padded layout)
     packed: bool  # contexts back to back for varlen_attn, else padded to the longest
 
 
@@ -202,9 +197,13 @@ class ModelRunner:
         # Past the blocks' slots, a sink no block owns: a restore's placement writes there the staged
         # rows it must not place (one kernel over a regular [chunks, tokens] grid, not one per run).
         # Whole pages, so every layer's slots stay as aligned as the blocks' (direct-I/O reads).
+        # Its last slot holds zeros and nothing writes it: a batched decode's padding reads it (masked;
+        # a 0 weight cancels only a finite value, so not another request's slot, which may hold NaN).
         slot_bytes = cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
         self.sink = num_blocks * block_size
-        sink_slots = block_size * (4096 // math.gcd(4096, block_size * slot_bytes))
+        unit = block_size * (4096 // math.gcd(4096, block_size * slot_bytes))  # whole pages, whole blocks
+        sink_slots = unit * 2 if unit == block_size else unit  # the zero slot past the sink's first block
+        self.zero_slot = self.sink + sink_slots - 1
         shape = (cfg.num_layers, self.sink + sink_slots, cfg.num_kv_heads, cfg.head_dim)
         # On the CPU uninitialised, not zeros: zeros writes every page, while a slot is always written before
         # it is read, so an unused part of the budget never becomes resident memory. Page-aligned,
@@ -218,6 +217,8 @@ class ModelRunner:
 
         self.k_cache = pool()  # [layers, slots, kv_heads, hd]
         self.v_cache = pool()
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, self.zero_slot].zero_()
         if device.type == "cpu":
             self._fault_in(min(self.sink, -(-max_positions // block_size) * block_size))
         # Batched decodes gather their contexts to the longest and make one masked SDPA call with
@@ -297,7 +298,7 @@ class ModelRunner:
 
     def _decode_layout(self, items: Sequence[RunItem], lens: Sequence[int]) -> _DecodeLayout:
         """Which runs decode in one batch (single tokens with history), and their contexts' pool
-        slots: packed back to back (flash varlen) or padded to the longest (padding: slot 0, masked).
+        slots: packed back to back (flash varlen) or padded to the longest (padding: the zero slot, masked).
         A decode's context is its front (slot 0 here: filled after the gather), then its slots."""
         rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
         fronted = any(items[i].front for i in rows)
@@ -314,13 +315,11 @@ class ModelRunner:
                 if rows else torch.zeros(0, dtype=torch.long)  # [sum ctx_len]
             ctx_at = [sum(ctx_len[:r]) for r in range(len(rows))]
         else:  # padded to the longest
-            slots = torch.zeros(len(rows), width, dtype=torch.long)  # [decodes, width]
+            slots = torch.full((len(rows), width), self.zero_slot, dtype=torch.long)  # [decodes, width]
             for r, (i, c) in enumerate(zip(rows, cached)):
                 slots[r, items[i].front : ctx_len[r]] = c
             ctx_at = [r * width for r in range(len(rows))]
-        padding = torch.cat([torch.arange(at + n, at + width) for at, n in zip(ctx_at, ctx_len)]) \
-            if rows and not packed else torch.zeros(0, dtype=torch.long)
-        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted, padding, packed)
+        return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted, packed)
 
     def _upload(self, items: Sequence[RunItem], lens: Sequence[int], offsets: list[int], dec: _DecodeLayout,
                 front: _FrontLayout, ctx: tuple[range | torch.Tensor | None, ...]) -> StepBatch:
@@ -339,12 +338,11 @@ class ModelRunner:
             front.dst,
             front.src,
             front.writes,
-            dec.padding,
         ] + [c for c in ctx if isinstance(c, torch.Tensor)]
         sizes = [t.numel() for t in host]
         dev = self.upload(torch.cat(host)).split(sizes)
-        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows, f_dst, f_src, write_rows, dec_pad = dev[:11]
-        gathered = iter(dev[11:])
+        ids, positions, new_slots, dec_flat, dec_len, dec_q, last_rows, f_dst, f_src, write_rows = dev[:10]
+        gathered = iter(dev[10:])
         cos, sin = self.rope.halves(positions)
         rows, width = dec.rows, dec.width
         dec_mask = dec_cu = None
@@ -370,7 +368,6 @@ class ModelRunner:
             decode_cu=dec_cu,
             decode_width=width,
             decode_lengths=tuple(dec.ctx_len),
-            decode_padding=dec_pad if rows and not dec.packed else None,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
             front_dst=f_dst if dec.fronted else None,
@@ -436,8 +433,6 @@ class ModelRunner:
             out = cache.index_select(0, slots)  # [contexts' slots, kv_heads, hd]
             if front is not None and b.front_dst is not None:
                 out.index_copy_(0, b.front_dst, front[part])
-            if b.decode_padding is not None:  # padding reads another request's slot: masked, but
-                out.index_fill_(0, b.decode_padding, 0)  # a NaN there would survive its 0 weight
             return out
 
         if b.decode_pack is not None and b.decode_cu is not None and b.decode_q is not None:
