@@ -14,12 +14,17 @@ into calls of at most `chunk` rows and a short call is padded to `min_rows`, so 
 kernel configurations that agree. Where no candidate passes, every call is padded to exactly
 `FIXED.chunk` rows (one shape: invariant by construction, slower).
 
-CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`.
+Linears that read the same input (q, k and v; gate and up) run as one call over their weights
+concatenated (`Fused`): at a step's sizes a oneDNN call costs some 20 us beside its arithmetic on
+two cores, so three narrow GEMMs cost twice one GEMM of their combined width.
+
+CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`, one call per linear.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +83,9 @@ def _pack(weight: torch.Tensor, hint: int) -> torch.Tensor | None:
         return None
 
 
-def _call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
+def _call(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None, bias: torch.Tensor | None,
           plan: RowPlan) -> torch.Tensor:
-    """x [rows, in] -> [rows, out] in calls of plan.min_rows..plan.chunk rows."""
+    """x [rows, in] -> [rows, out] in calls of plan.min_rows..plan.chunk rows (on `packed`, else `weight`)."""
     outs = []
     for a in range(0, x.shape[0], plan.chunk):
         part = x[a : a + plan.chunk]
@@ -90,6 +95,7 @@ def _call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bi
         if packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [None], "")
         else:
+            assert weight is not None  # kept wherever there is no pack
             y = F.linear(part, weight, bias)
         outs.append(y[:m])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -142,3 +148,81 @@ class Linear(nn.Linear):
         shape = x.shape
         y = _call(x.reshape(-1, shape[-1]), w, self._packed, self.bias, self._plan)
         return y.view(*shape[:-1], y.shape[-1])
+
+
+class Fused:
+    """Linears over one input as one kernel call (exact CPU path): the parts' weights (and biases)
+    concatenated and packed once, repacked when any part's weight changes, the output split into
+    the parts' column views. The parameters stay the parts' own, so state dicts, loaders and the
+    plain path (CUDA, inexact: one call per part) are unchanged.
+
+    `tail(x, first)` computes only the parts from `first` on (HCache rebuilds K and V without Q).
+    It must give the bits the whole call gives those columns, or a restore would differ from the
+    forward it stands in for: it runs as its own call only where that was checked (once per
+    shape, dtype and thread count, on the row counts of both calls' plans); else the whole call
+    runs and the leading parts are dropped."""
+
+    def __init__(self, *parts: Linear) -> None:
+        self.parts = parts
+        self._packs: dict[int, tuple[tuple, _Packed]] = {}  # first part -> (weights' identity, pack)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., in] -> one output [..., out_i] per part (views of one buffer on the exact path)."""
+        return self.tail(x, 0)
+
+    def tail(self, x: torch.Tensor, first: int) -> list[torch.Tensor]:
+        parts = self.parts[first:]
+        w = parts[0].weight
+        if not _exact or w.device.type != "cpu" or len({p.bias is None for p in parts}) > 1:
+            return [p(x) for p in parts]
+        if first and not self._pack(first).agrees_with(self._pack(0), sum(p.out_features for p in self.parts[:first])):
+            return self.tail(x, 0)[first:]
+        pack = self._pack(first)
+        shape = x.shape
+        y = _call(x.reshape(-1, shape[-1]), pack.weight, pack.packed, pack.bias, pack.plan)  # [rows, sum out_i]
+        return [o.view(*shape[:-1], o.shape[-1]) for o in y.split([p.out_features for p in parts], dim=-1)]
+
+    def _pack(self, first: int) -> "_Packed":
+        parts = self.parts[first:]
+        ident = tuple((p.weight.data_ptr(), p.weight._version, p.weight.dtype) for p in parts)
+        held = self._packs.get(first)
+        if held is None or held[0] != ident:
+            held = ident, _Packed.of(parts)
+            self._packs[first] = held
+        return held[1]
+
+
+@dataclass
+class _Packed:
+    """A concatenated weight's oneDNN pack and row plan (the plain weight kept only where oneDNN
+    does not pack it)."""
+
+    weight: torch.Tensor | None
+    packed: torch.Tensor | None
+    bias: torch.Tensor | None
+    plan: RowPlan
+    in_features: int
+    dtype: torch.dtype
+    agrees: dict[int, bool]  # column offset into a wider pack -> whether its bits agree there
+
+    @staticmethod
+    def of(parts: Sequence[Linear]) -> "_Packed":
+        w = torch.cat([p.weight.detach() for p in parts])  # [sum out_i, in]
+        bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
+        plan = _plan_for(w, bias)
+        packed = _pack(w, plan.pack_hint)
+        return _Packed(w if packed is None else None, packed, bias, plan, w.shape[1], w.dtype, {})
+
+    def agrees_with(self, whole: "_Packed", offset: int) -> bool:
+        """Whether this pack's output equals columns [offset, offset + out) of `whole`'s, bit for bit."""
+        if offset not in self.agrees:
+            g = torch.Generator().manual_seed(1)
+            n = 2 * max(self.plan.chunk, whole.plan.chunk)
+            x = torch.randn(n, self.in_features, generator=g).to(self.dtype)  # [n, in]
+            mine = _call(x, self.weight, self.packed, self.bias, self.plan)
+            theirs = _call(x, whole.weight, whole.packed, whole.bias, whole.plan)[:, offset : offset + mine.shape[1]]
+            self.agrees[offset] = torch.equal(mine, theirs)
+            if not self.agrees[offset]:
+                log.info("linear %s %s: a part's own call rounds otherwise than the fused call; computing the "
+                         "whole", (mine.shape[1], self.in_features), self.dtype)
+        return self.agrees[offset]

@@ -24,7 +24,7 @@ from torch import nn
 
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
-from kvtier.models.invariant import Linear
+from kvtier.models.invariant import Fused, Linear
 from kvtier.models.rope import Rope, rotate, rotate_into
 
 
@@ -50,12 +50,19 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: one RMSNorm over each head of q (and of k), shared by the heads
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj = Fused(self.q_proj, self.k_proj, self.v_proj)  # not a module: no parameters of its own
 
-    def heads_k(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """x: [tokens, hidden] normed layer input -> pre-RoPE k [tokens, kv_heads, hd] (k-norm included,
-        so K rebuilt from a stored hidden state is the K the forward pass computed)."""
-        k = self.k_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        return self.k_norm(k) if cfg.qk_norm else k
+    def heads(self, x: torch.Tensor, cfg: ModelConfig, with_q: bool = True) -> list[torch.Tensor]:
+        """x: [tokens, hidden] normed layer input -> pre-RoPE [q [tokens, heads, hd],] k, v [tokens,
+        kv_heads, hd], q- and k-norm included (so K rebuilt from a stored hidden state, without q,
+        is the K the forward pass computed)."""
+        out = self.qkv_proj.tail(x, 0 if with_q else 1)
+        heads = ([cfg.num_heads] if with_q else []) + [cfg.num_kv_heads] * 2
+        out = [o.view(-1, n, cfg.head_dim) for o, n in zip(out, heads)]
+        if cfg.qk_norm:
+            norms = ([self.q_norm] if with_q else []) + [self.k_norm]
+            out[: len(norms)] = [norm(o) for norm, o in zip(norms, out)]
+        return out
 
 
 class MLP(nn.Module):
@@ -64,9 +71,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Fused(self.gate_proj, self.up_proj)  # not a module: no parameters of its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -80,19 +89,13 @@ class DecoderLayer(nn.Module):
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [tokens, hidden] layer input -> pre-RoPE q [tokens, heads, hd], k, v [tokens, kv_heads, hd]."""
-        x = self.input_layernorm(h)
-        a, c = self.self_attn, self.cfg
-        q = a.q_proj(x).view(-1, c.num_heads, c.head_dim)
-        if c.qk_norm:
-            q = a.q_norm(q)
-        v = a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        return q, a.heads_k(x, c), v
+        q, k, v = self.self_attn.heads(self.input_layernorm(h), self.cfg)
+        return q, k, v
 
     def kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rebuild pre-RoPE K/V from a stored layer input (HCache): norm -> W_k (-> k-norm), norm -> W_v."""
-        x = self.input_layernorm(h)
-        a, c = self.self_attn, self.cfg
-        return a.heads_k(x, c), a.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        k, v = self.self_attn.heads(self.input_layernorm(h), self.cfg, with_q=False)
+        return k, v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj + MLP. h: [tokens, hidden], attn: [tokens, heads, hd] -> next layer input."""

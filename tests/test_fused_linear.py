@@ -1,0 +1,73 @@
+"""`invariant.Fused`: linears over one input (q, k, v; gate, up) as one kernel call on the exact CPU
+path. What must hold: each part's rows come out the same however many rows share the call; K and
+V rebuilt without Q (HCache, `tail`) are bit for bit the columns the whole call gives them, whether
+the tail runs as its own call or falls back to the whole; a changed weight is repacked; the plain
+path (inexact, any other device) is the parts' own calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.models import invariant
+from kvtier.models.invariant import Fused, Linear
+
+
+def _parts(dtype: torch.dtype) -> tuple[Linear, Linear, Linear]:
+    torch.manual_seed(0)
+    parts = Linear(576, 576, bias=False), Linear(576, 192, bias=False), Linear(576, 192, bias=False)  # smollm2's q, k, v
+    for p in parts:
+        p.to(dtype)
+    return parts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rows_and_tail_are_the_whole_calls_bits(dtype: torch.dtype):
+    parts = _parts(dtype)
+    fused = Fused(*parts)
+    x = torch.randn(200, 576).to(dtype)
+    whole = torch.cat(fused(x), dim=-1)  # [200, 960]
+    plain = torch.cat([torch.nn.functional.linear(x, p.weight) for p in parts], dim=-1)
+    torch.testing.assert_close(whole, plain, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    for a, b in ((0, 1), (3, 70), (100, 200)):  # rows: a decode, a chunk, the tail of a long prompt
+        assert torch.equal(torch.cat(fused(x[a:b]), dim=-1), whole[a:b])
+        k, v = fused.tail(x[a:b], 1)
+        assert torch.equal(torch.cat([k, v], dim=-1), whole[a:b, 576:])
+
+
+def test_a_tail_that_rounds_otherwise_falls_back_to_the_whole_call(monkeypatch):
+    parts = _parts(torch.bfloat16)
+    fused = Fused(*parts)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    whole = torch.cat(fused(x), dim=-1)
+    fused._pack(1)  # the tail's own pack (and its row plan, checked here), built before counting calls
+    monkeypatch.setattr(invariant._Packed, "agrees_with", lambda self, other, offset: False)
+    calls = []
+    plain_call = invariant._call
+    monkeypatch.setattr(invariant, "_call", lambda x, w, p, b, plan: calls.append(x.shape) or plain_call(x, w, p, b, plan))
+    k, v = fused.tail(x, 1)
+    assert torch.equal(torch.cat([k, v], dim=-1), whole[:, 576:])
+    assert fused._packs[0][1].packed is not None and len(calls) == 1  # the whole call, once
+
+
+def test_a_changed_weight_is_repacked():
+    parts = _parts(torch.float32)
+    fused = Fused(*parts)
+    x = torch.randn(16, 576)
+    before = fused(x)[1]
+    with torch.no_grad():
+        parts[1].weight.mul_(2)  # in place: same storage, a new version
+    after = fused(x)[1]
+    assert torch.equal(after, parts[1](x))
+    assert not torch.equal(after, before)
+
+
+def test_the_plain_path_is_the_parts_own_calls():
+    parts = _parts(torch.float32)
+    x = torch.randn(8, 576)
+    invariant.set_exact(False)
+    try:
+        got = Fused(*parts)(x)
+    finally:
+        invariant.set_exact(True)
+    assert all(torch.equal(g, torch.nn.functional.linear(x, p.weight)) for g, p in zip(got, parts))
