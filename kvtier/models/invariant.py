@@ -158,9 +158,9 @@ class Fused:
 
     `tail(x, first)` computes only the parts from `first` on (HCache rebuilds K and V without Q).
     It must give the bits the whole call gives those columns, or a restore would differ from the
-    forward it stands in for: it runs as its own call only where that was checked (once per
-    shape, dtype and thread count, on the row counts of both calls' plans); else the whole call
-    runs and the leading parts are dropped."""
+    forward it stands in for: it runs as its own call only where that was checked (once per pair
+    of shapes, dtype and thread count, as the row plans are); else the whole call runs and the
+    leading parts are dropped."""
 
     def __init__(self, *parts: Linear) -> None:
         self.parts = parts
@@ -172,12 +172,11 @@ class Fused:
 
     def tail(self, x: torch.Tensor, first: int) -> list[torch.Tensor]:
         parts = self.parts[first:]
-        w = parts[0].weight
-        if not _exact or w.device.type != "cpu" or len({p.bias is None for p in parts}) > 1:
+        if not _exact or parts[0].weight.device.type != "cpu" or len({p.bias is None for p in parts}) > 1:
             return [p(x) for p in parts]
-        if first and not self._pack(first).agrees_with(self._pack(0), sum(p.out_features for p in self.parts[:first])):
-            return self.tail(x, 0)[first:]
         pack = self._pack(first)
+        if first and not pack.agrees_with(self._pack(0), sum(p.out_features for p in self.parts[:first])):
+            return self.tail(x, 0)[first:]
         shape = x.shape
         y = _call(x.reshape(-1, shape[-1]), pack.weight, pack.packed, pack.bias, pack.plan)  # [rows, sum out_i]
         return [o.view(*shape[:-1], o.shape[-1]) for o in y.split([p.out_features for p in parts], dim=-1)]
@@ -201,9 +200,9 @@ class _Packed:
     packed: torch.Tensor | None
     bias: torch.Tensor | None
     plan: RowPlan
+    out_features: int
     in_features: int
     dtype: torch.dtype
-    agrees: dict[int, bool]  # column offset into a wider pack -> whether its bits agree there
 
     @staticmethod
     def of(parts: Sequence[Linear]) -> "_Packed":
@@ -211,18 +210,25 @@ class _Packed:
         bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
         plan = _plan_for(w, bias)
         packed = _pack(w, plan.pack_hint)
-        return _Packed(w if packed is None else None, packed, bias, plan, w.shape[1], w.dtype, {})
+        return _Packed(w if packed is None else None, packed, bias, plan, w.shape[0], w.shape[1], w.dtype)
 
     def agrees_with(self, whole: "_Packed", offset: int) -> bool:
-        """Whether this pack's output equals columns [offset, offset + out) of `whole`'s, bit for bit."""
-        if offset not in self.agrees:
+        """Whether this pack's output equals columns [offset, offset + out) of `whole`'s, bit for
+        bit, on two full calls of random rows (what kernels the calls use depends on the shapes,
+        as the row plans do, so it is checked once per pair of shapes)."""
+        key = (self.out_features, whole.out_features, offset, self.in_features, self.dtype,
+               self.bias is not None, torch.get_num_threads())
+        if key not in _agree:
             g = torch.Generator().manual_seed(1)
             n = 2 * max(self.plan.chunk, whole.plan.chunk)
             x = torch.randn(n, self.in_features, generator=g).to(self.dtype)  # [n, in]
             mine = _call(x, self.weight, self.packed, self.bias, self.plan)
             theirs = _call(x, whole.weight, whole.packed, whole.bias, whole.plan)[:, offset : offset + mine.shape[1]]
-            self.agrees[offset] = torch.equal(mine, theirs)
-            if not self.agrees[offset]:
+            _agree[key] = torch.equal(mine, theirs)
+            if not _agree[key]:
                 log.info("linear %s %s: a part's own call rounds otherwise than the fused call; computing the "
                          "whole", (mine.shape[1], self.in_features), self.dtype)
-        return self.agrees[offset]
+        return _agree[key]
+
+
+_agree: dict[tuple, bool] = {}
