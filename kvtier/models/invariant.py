@@ -7,8 +7,9 @@ does so below 16 rows. So a prompt prefilled in one piece, the same prompt split
 cache hit that computes only the suffix and a decode batched with others would all compute the
 same token differently, and in bf16 that changes greedy answers.
 
-What is invariant here (measured, and checked again at first use for each weight shape, dtype and
-thread count, every row count up to the plan's chunk): oneDNN's matmul on a weight packed once
+What is invariant here (measured, and checked at first use for each weight shape, dtype and
+thread count, every row count up to the plan's chunk; what a check found is kept under
+KVTIER_HOME per machine and build): oneDNN's matmul on a weight packed once
 (`mkldnn._reorder_linear_weight`) in calls of `min_rows` to `chunk` rows. A step's rows are cut
 into calls of at most `chunk` rows and a short call is padded to `min_rows`, so every row meets
 kernel configurations that agree. Where no candidate passes, every call is padded to exactly
@@ -23,9 +24,13 @@ CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`, one call pe
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -107,12 +112,87 @@ def _plan_for(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
         if weight.numel() < _SMALL:
             _plans[key] = FIXED
             return FIXED
+        known = _checked(key)
+        if known is not None:
+            _plans[key] = known
+            return known
         tries = [p for p in CANDIDATES if (p.chunk > 64) == (weight.shape[0] < _WIDE)]
         _plans[key] = next((p for p in tries if _holds(p, weight, _pack(weight, p.pack_hint), bias)), FIXED)
         if _plans[key] is FIXED:
             log.warning("linear %s %s: rows not invariant in calls of up to %d rows here; every call padded to "
                         "%d rows (slower)", tuple(weight.shape), weight.dtype, tries[-1].chunk, FIXED.chunk)
+        _remember(key, _plans[key])
     return _plans[key]
+
+
+# What the checks found is kept under KVTIER_HOME, so a process does not pay them again (3-6 s of
+# every start with smollm2): keyed by the weight's shape, dtype, bias and threads, and by all that
+# decides which kernels oneDNN runs (torch's version, which bundles it; the CPU's model and flags;
+# an ISA cap in the environment), so another machine or build checks afresh. Only a plan that is
+# one of this module's candidates is taken from the file; anything else there is ignored.
+_CHECK_VERSION = 1  # bump when what a check proves changes
+
+
+@lru_cache(maxsize=1)
+def _machine() -> str:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
+        cpu = f"{cpu} {model} {' '.join(sorted(set(flags.split())))}"
+    except OSError:
+        pass
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return f"v{_CHECK_VERSION} torch {torch.__version__} isa-cap {isa} {cpu}"
+
+
+def _cache_path() -> str:
+    from kvtier import paths
+
+    return os.path.join(paths.home(), "linear_plans.json")
+
+
+def _entry(key: tuple) -> str:
+    shape, dtype, bias, threads = key
+    return f"{shape} {dtype} bias={bias} threads={threads}"
+
+
+def _load() -> dict:
+    try:
+        with open(_cache_path()) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc.get(_machine(), {}) if isinstance(doc, dict) and isinstance(doc.get(_machine(), {}), dict) else {}
+
+
+def _checked(key: tuple) -> RowPlan | None:
+    """The plan an earlier process's check found for `key` on this machine and build, if any."""
+    row = _load().get(_entry(key))
+    plans = {astuple(p): p for p in (*CANDIDATES, FIXED)}
+    return plans.get(tuple(row)) if isinstance(row, list) else None
+
+
+def _remember(key: tuple, plan: RowPlan) -> None:
+    path = _cache_path()
+    try:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}
+        doc = doc if isinstance(doc, dict) else {}
+        mine = doc.get(_machine())
+        doc[_machine()] = {**(mine if isinstance(mine, dict) else {}), _entry(key): list(astuple(plan))}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)  # readers see the old file or the new one, never a torn one
+    except OSError as e:  # a read-only home: the next process checks again
+        log.info("could not keep the linear plans in %s: %s", path, e)
 
 
 def _holds(plan: RowPlan, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> bool:

@@ -1,0 +1,69 @@
+"""Row plans (`models/invariant.py`) are checked once per machine and build, then kept under
+KVTIER_HOME: a later process takes the plan from the file instead of checking again; another thread
+count, another machine or a value that is not one of the candidates is checked afresh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtier.models import invariant
+
+
+@pytest.fixture
+def checks(tmp_path, monkeypatch):
+    """A fresh home and an empty in-process cache; returns the list of plans `_holds` was asked about."""
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
+    monkeypatch.setattr(invariant, "_plans", {})
+    asked: list[invariant.RowPlan] = []
+    plain = invariant._holds
+
+    def counted(plan, *a):
+        asked.append(plan)
+        return plain(plan, *a)
+
+    monkeypatch.setattr(invariant, "_holds", counted)
+    return asked
+
+
+def test_a_plan_checked_once_is_taken_from_the_file_by_the_next_process(tmp_path, monkeypatch, checks):
+    w = torch.randn(256, 512)  # above the size checked at all
+    plan = invariant._plan_for(w, None)
+    assert checks and (tmp_path / "linear_plans.json").exists()
+    checks.clear()
+    monkeypatch.setattr(invariant, "_plans", {})  # a new process
+    assert invariant._plan_for(w, None) == plan
+    assert checks == []
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)  # another thread count: other kernels, checked again
+        invariant._plan_for(w, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert checks
+
+
+def test_another_machine_or_a_foreign_value_is_checked_afresh(tmp_path, monkeypatch, checks):
+    w = torch.randn(256, 512)
+    invariant._plan_for(w, None)
+    path = tmp_path / "linear_plans.json"
+    doc = json.loads(path.read_text())
+    (machine, entries), = doc.items()
+    for forged in ([4096, 1, 1], "512", None):  # not a candidate plan: never trusted
+        path.write_text(json.dumps({machine: {k: forged for k in entries}}))
+        checks.clear()
+        monkeypatch.setattr(invariant, "_plans", {})
+        invariant._plan_for(w, None)
+        assert checks, forged
+    checks.clear()
+    monkeypatch.setattr(invariant, "_plans", {})
+    monkeypatch.setattr(invariant, "_machine", lambda: "another cpu")
+    invariant._plan_for(w, None)
+    assert checks
+    path.write_text("{not json")
+    monkeypatch.setattr(invariant, "_plans", {})
+    checks.clear()
+    invariant._plan_for(w, None)  # a torn or foreign file: checked, and the file rewritten whole
+    assert checks and "another cpu" in json.loads(path.read_text())
