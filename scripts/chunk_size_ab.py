@@ -1,0 +1,82 @@
+"""A returning context restored with the store's chunks of 64 tokens (the default) against 256,
+interleaved per context in one process.
+
+For each of N+1 random contexts (the first a warm-up), per chunk size: an engine saves H tokens to a
+disk tier of that size's own and closes; a fresh engine (a restart) drops the files' page cache and
+restores them for H + 64 tokens (the two sizes in alternating order); and a memory-only engine
+saves and restores the same context. Prints median TTFT (with quartiles) and the median time spent
+opening the chunks (`PlannedReads.open`).
+
+    python scripts/chunk_size_ab.py [--history 4096] [--dtype bf16] [--contexts 8] [--sizes 64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from profile_disk_restore import time_opening  # scripts/ is on the path of a script run from it
+
+from kvtier.bench.common import drop_page_cache
+from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.models.loading import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--history", type=int, default=4096)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--contexts", type=int, default=8)
+    ap.add_argument("--sizes", default="64,256", help="chunk sizes in tokens (comma list)")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    opened = time_opening()
+    model = load_model("smollm2-135m", dtype=args.dtype)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max(8192, args.history + 64), enable_prefix_cache=False)
+    cold: dict[int, list[float]] = {c: [] for c in sizes}
+    opening: dict[int, list[float]] = {c: [] for c in sizes}
+    memory: dict[int, list[float]] = {c: [] for c in sizes}
+
+    def reuse(c: int) -> ReuseConfig:
+        return ReuseConfig(chunk_tokens=c, method="kv")
+
+    with tempfile.TemporaryDirectory() as root:
+        for i in range(args.contexts + 1):
+            ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(i)).tolist()
+            for c in sizes:
+                with Engine(model, config, store=f"disk:{root}/{c}:20GB", reuse=reuse(c)) as a:
+                    a.generate([ids[: args.history]], once)
+                    a.flush()
+                with Engine(model, config, store="memory:4GB", reuse=reuse(c)) as m:
+                    m.generate([ids[: args.history]], once)
+                    m.flush()
+                    t = time.perf_counter()
+                    m.generate([ids], once)
+                    if i:
+                        memory[c].append(time.perf_counter() - t)
+            for c in sizes[:: 1 if i % 2 else -1]:
+                with Engine(model, config, store=f"disk:{root}/{c}:20GB", reuse=reuse(c)) as b:
+                    drop_page_cache(f"{root}/{c}")
+                    t = time.perf_counter()
+                    out = b.generate([ids], once)[0]
+                    wall = time.perf_counter() - t
+                if out.prompt_tokens_reused != args.history:
+                    raise SystemExit(f"chunks of {c}: reused {out.prompt_tokens_reused} of {args.history} tokens")
+                if i:
+                    cold[c].append(wall)
+                    opening[c].append(opened[-1])
+    for c in sizes:
+        q = statistics.quantiles(cold[c], n=4)
+        print(f"H={args.history} {args.dtype} chunks of {c}: cold disk TTFT median {statistics.median(cold[c]):.3f} s "
+              f"(q25 {q[0]:.3f}, q75 {q[2]:.3f}), opening {1e3 * statistics.median(opening[c]):.1f} ms; "
+              f"memory {statistics.median(memory[c]):.3f} s; n={len(cold[c])}")
+
+
+if __name__ == "__main__":
+    main()
