@@ -18,9 +18,8 @@ import tempfile
 import time
 
 import torch
-from profile_disk_restore import time_opening  # scripts/ is on the path of a script run from it
+from profile_disk_restore import cold_restore, time_opening  # scripts/ is on the path of a script run from it
 
-from kvtier.bench.common import drop_page_cache
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -61,13 +60,8 @@ def main() -> None:
                     if i:
                         memory[c].append(time.perf_counter() - t)
             for c in sizes[:: 1 if i % 2 else -1]:
-                with Engine(model, config, store=f"disk:{root}/{c}:20GB", reuse=reuse(c)) as b:
-                    drop_page_cache(f"{root}/{c}")
-                    t = time.perf_counter()
-                    out = b.generate([ids], once)[0]
-                    wall = time.perf_counter() - t
-                if out.prompt_tokens_reused != args.history:
-                    raise SystemExit(f"chunks of {c}: reused {out.prompt_tokens_reused} of {args.history} tokens")
+                wall = cold_restore(model, config, f"disk:{root}/{c}:20GB", f"{root}/{c}", ids, args.history, once,
+                                    f"chunks of {c}", reuse=reuse(c))
                 if i:
                     cold[c].append(wall)
                     opening[c].append(opened[-1])

@@ -24,12 +24,10 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
-from profile_disk_restore import time_opening  # scripts/ is on the path of a script run from it
+from profile_disk_restore import cold_restore, time_opening  # scripts/ is on the path of a script run from it
 
-from kvtier.bench.common import drop_page_cache
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -92,13 +90,7 @@ def main() -> None:
                 groups, match, depth = VARIANTS[name]
                 layerwise.layer_groups, fmt.SegmentTable.match = groups, match  # type: ignore[method-assign]
                 Planner._start_depth = depth  # type: ignore[method-assign,assignment]
-                with Engine(model, config, store=spec) as b:
-                    drop_page_cache(d)
-                    t = time.perf_counter()
-                    out = b.generate([ids], once)[0]
-                    wall = time.perf_counter() - t
-                if out.prompt_tokens_reused != args.history:
-                    raise SystemExit(f"{name}: reused {out.prompt_tokens_reused} of {args.history} tokens")
+                wall = cold_restore(model, config, spec, d, ids, args.history, once, name)
                 if i:  # context 0 is the warm-up
                     ttft[name].append(wall)
                     opening[name].append(opened[-1])

@@ -41,6 +41,20 @@ def time_opening() -> list[float]:
     return opening
 
 
+def cold_restore(model, config: EngineConfig, spec: str, directory: str, ids: list[int], history: int,
+                 once: SamplingParams, label: str, **engine_kw) -> float:
+    """A restart: a fresh engine over `spec` drops `directory`'s page cache and restores `history`
+    tokens of `ids` for the rest of them; -> the TTFT in seconds (exits unless all were reused)."""
+    with Engine(model, config, store=spec, **engine_kw) as engine:
+        drop_page_cache(directory)
+        t = time.perf_counter()
+        out = engine.generate([ids], once)[0]
+        wall = time.perf_counter() - t
+    if out.prompt_tokens_reused != history:
+        raise SystemExit(f"{label}: reused {out.prompt_tokens_reused} of {history} tokens")
+    return wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("history", type=int, nargs="?", default=4096)
