@@ -82,7 +82,8 @@ def markdown(rows: Sequence[dict], goals: Sequence[dict], meta: dict | None = No
     meta = meta or {}
     bf16 = meta.get("cpu_native_bf16")
     lines = [f"End-to-end returning context: median TTFT in seconds over {meta.get('contexts', '?')} contexts "
-             f"(+1 warm-up), {meta.get('new_tokens', '?')} new tokens, model {meta.get('model', '?')}.", "",
+             f"(+1 warm-up), {meta.get('new_tokens', '?')} new tokens, model {meta.get('model', '?')}, kvtier's "
+             f"stores in chunks of {meta.get('chunk_tokens', 64)} tokens.", "",
              f"Machine: {meta.get('cpu_model', '?')}, {meta.get('cpu_count', '?')} cores, torch "
              f"{meta.get('torch', '?')} ({meta.get('torch_threads', '?')} threads), load "
              f"{meta.get('loadavg_start', '?')} -> {meta.get('loadavg_end', '?')}, {meta.get('date', '?')}.",
@@ -185,7 +186,8 @@ class KvtierPeers:
         cfg = EngineConfig(kv_cache_bytes=self.bench.kv_bytes, enable_prefix_cache=prefix_cache,
                            max_model_len=min(self.hist + a.new_tokens, self.loaded.config.max_position_embeddings),
                            exact=not a.fast_inexact, **extra)
-        return Engine(self.loaded, cfg, store=store, reuse=ReuseConfig(method=a.method) if store else None,
+        reuse = ReuseConfig(method=a.method, chunk_tokens=a.chunk_tokens) if store else None
+        return Engine(self.loaded, cfg, store=store, reuse=reuse,
                       profile=self.bench.profile if store else None)
 
     def _timed(self, peer: str, i: int, engine, ids: list[int]) -> Sample:
@@ -264,6 +266,7 @@ class E2EBench:
         self.peers = [p for p in PEERS if p in args.peers and PEER_TIER.get(p, "any") in args.tiers + ["any"]]
         self.rows: list[dict] = []
         self.meta: dict = dict(machine_info(), model=args.model, contexts=args.contexts, new_tokens=args.new_tokens,
+                               chunk_tokens=args.chunk_tokens,
                                options={k: v for k, v in vars(args).items() if k != "func"})
         self.redis_url: str | None = args.redis_url
         self.redis_client: redis.Redis | None = None
@@ -441,7 +444,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown peer {p!r}: use {', '.join(PEERS)}")
     from kvtier.engine.config import ReuseConfig
 
-    ReuseConfig(method=args.method)  # a bad method fails now, not after the HF peers ran
+    ReuseConfig(method=args.method, chunk_tokens=args.chunk_tokens)  # a bad value fails now, not after the HF peers ran
     # SIGTERM unwinds through the finally blocks: engines closed, redis-server stopped, JSON kept.
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--peers", type=csv_arg, default=",".join(PEERS), help="subset of peers (default: %(default)s)")
     a("--method", default="auto", help="kvtier restore method, as ReuseConfig(method=...) takes it: auto, kv, "
                                        "hidden, bubblefree, cake, recompute (default: %(default)s)")
+    a("--chunk-tokens", type=int, default=64,
+      help="tokens per stored chunk of the kvtier peers' stores (larger: fewer, larger reads from disk; "
+           "see docs/benchmarks.md) (default: %(default)s)")
     a("--kv-cache", default="4GB", help="Engine KV budget (default: %(default)s)")
     a("--max-batched-tokens", type=int, default=None,
       help="Engine per-step token budget (default: the EngineConfig default)")
