@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh [OUT_DIR]          (default out/gpu)
 #
 # kvtier runs from this checkout with the machine's torch (nothing is installed over it). Python
-# packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c, blake3, llguidance: see
+# packages the machine lacks can be brought as wheel files in .whl/ (gguf, redis, crc32c, blake3, llguidance, liburing: see
 # docs/benchmarks.md for the download line); they are unpacked into a private directory.
 # Environment knobs: MODELS, CONTEXTS, TIERS, MHA_MODEL, MHA_CONTEXTS, BANDWIDTHS, REPEATS, FORWARD_MODELS,
 # FORWARD_MODES, FORWARD_PREFILL, FORWARD_CONTINUATION, FORWARD_BATCH, FORWARD_CONTEXT, FORWARD_SAVING_ALL=1,

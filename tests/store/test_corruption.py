@@ -128,36 +128,53 @@ def test_verify_reports_and_removes(tmp_path, ns):
     store.close()
 
 
-def test_opening_many_disk_chunks_at_once_keeps_order_and_leaks_nothing(tmp_path, ns, monkeypatch):
-    """The disk tier opens a restore's chunks on its IO threads (open + first pages) and parses
-    them on the caller's: a truncated file, a vanished one, a directory planted in a file's place
-    and a device error after the open, among good chunks, are misses in their places, the rest
-    open in order, and no file descriptor is left behind."""
+@pytest.mark.parametrize("ring", [False, True], ids=["threads", "io_uring"])
+def test_opening_many_disk_chunks_at_once_keeps_order_and_leaks_nothing(tmp_path, ns, monkeypatch, ring):
+    """The disk tier opens a restore's chunks (open + first pages: on its IO threads, or with one
+    io_uring submission) and parses them on the caller's: a truncated file, a vanished one, a
+    directory planted in a file's place and a device error after the open, among good chunks, are
+    misses in their places, the rest open in order, and no file descriptor is left behind."""
     import os
 
     from kvtier.store.tiers import disk as disk_module
+    from kvtier.store.tiers import uring
 
+    if ring and not uring.available():
+        pytest.skip("io_uring is not available on this system")
     store, refs = _disk_chunks(tmp_path, ns, 6)
     disk = store.tier("disk")
+    if not ring:
+        disk._rings = None
+    assert (disk._rings is not None) == ring
     paths = [disk.path_of(r.key) for r in refs]
     with open(paths[1], "r+b") as fh:
         fh.truncate(100)  # a torn file: its header cut short
     os.unlink(paths[3])  # removed behind the tier's back
     os.unlink(paths[4])
     os.mkdir(paths[4])  # a directory where the file was
-    opens, reads = disk_module._FileReader.__init__, disk_module._FileReader.read
+    opens, reads, ring_reads = disk_module._FileReader.__init__, disk_module._FileReader.read, uring.RingPool.read
+    failing_fds: set[int] = set()
 
     def remember_path(self, path, align):
         opens(self, path, align)
         self.path = path
+        if path == paths[2]:
+            failing_fds.add(self.fd)
 
     def failing_read(self, offset, nbytes, out=None):
         if self.path == paths[2]:
             raise OSError(5, "Input/output error")  # the device fails after the file opened
         return reads(self, offset, nbytes, out)
 
+    def failing_ring_read(self, jobs):
+        got = ring_reads(self, jobs)
+        return [-5 if job.fd in failing_fds else n for job, n in zip(jobs, got)]  # -EIO, as the kernel says it
+
     monkeypatch.setattr(disk_module._FileReader, "__init__", remember_path)
     monkeypatch.setattr(disk_module._FileReader, "read", failing_read)
+    monkeypatch.setattr(uring.RingPool, "read", failing_ring_read)
+    if ring:
+        disk._rings.read([])  # the ring (and its eventfd), kept for the next reads, exists before the count
     fds = len(os.listdir("/proc/self/fd"))
     opened = disk.open_chunks([store._expect(r.key) for r in refs])
     assert [oc is not None for oc in opened] == [True, False, False, False, False, True]

@@ -185,18 +185,29 @@ class OpenChunk:
 
     def _scatter(self, run: list[Segment], into: PoolTarget) -> bool:
         """One read of a gapless K/V run straight into the pool slots; verified there."""
+        dests = self.scatter_dests(run, into)
+        if dests is None:
+            return False
+        self.reader.scatter(run[0].offset, dests)
+        self.check_scattered(run, dests)
+        return True
+
+    def scatter_dests(self, run: list[Segment], into: PoolTarget) -> list[memoryview] | None:
+        """Where a gapless K/V run lands in its pool slots, one view per segment, if the reader can
+        read it straight there (direct I/O: aligned offsets, lengths and addresses); else None."""
         a = self.reader.direct_align
         want = self.header.tokens * into.slot_bytes  # what a chunk's K or V of one layer takes in the pool
         if not a or into.align % a or run[0].offset % a or any(s.nbytes != want for s in run) or \
                 any(s.part not in ("k", "v") or s.nbytes % a or into.offset(s.layer) % a for s in run) or \
                 any(x.offset + x.nbytes != y.offset for x, y in zip(run, run[1:])):
-            return False
-        dests = [into.dest(s.layer, s.part, s.nbytes) for s in run]
-        self.reader.scatter(run[0].offset, dests)
+            return None
+        return [into.dest(s.layer, s.part, s.nbytes) for s in run]
+
+    def check_scattered(self, run: list[Segment], dests: Sequence[memoryview]) -> None:
+        """Verify a run read into `dests` (raises FormatError)."""
         if self.verify:
             for s, d in zip(run, dests):
                 check_segment(s, d, self.header.digest)
-        return True
 
     def close(self) -> None:
         self.reader.close()

@@ -1,0 +1,146 @@
+"""The disk tier's io_uring reads (kvtier/store/tiers/uring.py): a cold kv restore's reads straight
+into the pool go through one ring per layer group and restore exactly what a recompute computes; a
+bad byte is still a miss; the ring itself returns every read's count, short reads and errors
+included, whatever the number of reads; and KVTIER_IO_URING=0 turns it off."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
+from kvtier.store.tiers import disk, uring
+
+pytestmark = pytest.mark.skipif(not uring.available(), reason="io_uring is not available on this system")
+
+CHUNK, HIST, NEW = 64, 320, 9  # 5 whole chunks: each layer's K or V of a chunk is whole 512-byte blocks
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model, spec: str | None) -> Engine:
+    return Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_cache=False),
+                  store=spec, reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK) if spec else None)
+
+
+def _ids(model) -> list[int]:
+    return torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def _first_logits(engine: Engine, ids: list[int]):
+    """(output, the logits of the request's first step) of a greedy run; the engine is closed."""
+    seen: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def spy(*a, **kw):
+        out = execute(*a, **kw)
+        if out.numel():
+            seen.append(out.clone())
+        return out
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    try:
+        return engine.generate([ids], GREEDY)[0], seen[0][-1]
+    finally:
+        engine.close()
+
+
+def _saved(model, spec: str, ids: list[int]) -> None:
+    with _engine(model, spec) as e:
+        e.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
+        assert e.flush(30)
+
+
+@pytest.fixture
+def ring_jobs(monkeypatch) -> list[int]:
+    """Reads submitted per ring call, and no read of a chunk on the threads."""
+    jobs: list[int] = []
+    read = uring.RingPool.read
+
+    def counted(self, js):
+        jobs.append(len(js))
+        return read(self, js)
+
+    def no_threads(*a, **kw):
+        raise AssertionError("a chunk was read on the threads")
+
+    monkeypatch.setattr(uring.RingPool, "read", counted)
+    monkeypatch.setattr(disk.DiskTier, "_try_read", staticmethod(no_threads))
+    return jobs
+
+
+def test_a_cold_kv_restore_reads_through_the_ring_and_equals_recompute(tiny_gqa, tmp_path, ring_jobs):
+    ids, spec = _ids(tiny_gqa), f"disk:{tmp_path}/d:1GB"
+    _saved(tiny_gqa, spec, ids)
+    engine = _engine(tiny_gqa, spec)
+    assert engine.link.store.tier("disk").usage()["io_uring"] is True
+    out, logits = _first_logits(engine, ids)
+    ref, ref_logits = _first_logits(_engine(tiny_gqa, None), ids)
+    assert out.reused_by_tier == {"disk": HIST} and out.restore_method == "kv"
+    assert torch.equal(logits, ref_logits) and out.output_ids == ref.output_ids
+    # Every layer group of every chunk went in one submission per group: 5 chunks per call.
+    assert ring_jobs and all(n == HIST // CHUNK for n in ring_jobs)
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+def test_a_flipped_byte_read_on_the_ring_is_a_miss(tiny_gqa, tmp_path, where):
+    ids, spec = _ids(tiny_gqa), f"disk:{tmp_path}/d:1GB"
+    _saved(tiny_gqa, spec, ids)
+    files = sorted((tmp_path / "d").rglob("*.kvc"), key=os.path.getmtime)
+    assert len(files) == HIST // CHUNK
+    victim = files[2]
+    data = bytearray(victim.read_bytes())
+    # The header's JSON (its own checksum fails at open), or the payload (the header checks, the
+    # segment's CRC does not, after the read landed in the pool)
+    data[{"header": 60, "payload": -600}[where]] ^= 0x10
+    victim.write_bytes(bytes(data))
+    engine = _engine(tiny_gqa, spec)
+    tier = engine.link.store.tier("disk")
+    out, _ = _first_logits(engine, ids)
+    ref, _ = _first_logits(_engine(tiny_gqa, None), ids)
+    assert out.output_ids == ref.output_ids
+    assert tier.counters["corrupt"] == 1  # removed, then saved again from the recompute, intact
+    assert victim.read_bytes() != bytes(data)
+
+
+def test_the_ring_returns_every_count_in_waves(tmp_path):
+    payload = os.urandom(64 << 10)
+    path = tmp_path / "f"
+    path.write_bytes(payload)
+    fd = os.open(path, os.O_RDONLY)
+    bad = os.open(tmp_path, os.O_RDONLY)  # a directory: its read fails, and -EISDIR comes back
+    bufs = [bytearray(4096) for _ in range(11)]
+    jobs = [uring.ReadJob(fd, i * 5000, [memoryview(b)]) for i, b in enumerate(bufs[:9])]
+    jobs.append(uring.ReadJob(fd, len(payload) - 100, [memoryview(bufs[9])]))  # past the end: short
+    jobs.append(uring.ReadJob(bad, 0, [memoryview(bufs[10])]))
+    ring = uring.Ring(4)  # fewer entries than reads: submitted in waves as reads complete
+    try:
+        got = ring.read(jobs)
+    finally:
+        ring.close()
+        os.close(fd)
+        os.close(bad)
+    assert got[:9] == [4096] * 9 and got[9] == 100 and got[10] == -errno.EISDIR
+    for i, b in enumerate(bufs[:9]):
+        assert bytes(b) == payload[i * 5000:i * 5000 + 4096]
+    assert bytes(bufs[9][:100]) == payload[-100:]
+
+
+def test_kvtier_io_uring_0_reads_on_the_threads(tiny_gqa, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_IO_URING", "0")
+    uring.available.cache_clear()
+    try:
+        ids, spec = _ids(tiny_gqa), f"disk:{tmp_path}/d:1GB"
+        _saved(tiny_gqa, spec, ids)
+        engine = _engine(tiny_gqa, spec)
+        assert engine.link.store.tier("disk").usage()["io_uring"] is False
+        out, logits = _first_logits(engine, ids)
+        _, ref_logits = _first_logits(_engine(tiny_gqa, None), ids)
+        assert out.reused_by_tier == {"disk": HIST} and torch.equal(logits, ref_logits)
+    finally:
+        monkeypatch.delenv("KVTIER_IO_URING")
+        uring.available.cache_clear()
