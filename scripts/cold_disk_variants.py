@@ -10,7 +10,8 @@ variant alike; the figure to read is the median of the per-round differences fro
               and for attention's reads to walk
     crc-gil   CRC-32C keeps the GIL for buffers under 1 MiB instead of releasing it per segment
     read-all  the new tokens start only once every layer is read (no overlap of reads and compute)
-    io-nice   the disk tier's read threads at nice 19 (reads yield the cores to the compute)
+    io-nice   `threads`, with the read threads at nice 19 (reads yield the cores to the compute):
+              compare it with `threads`
 
 Only io_uring is shipped (`threads` is what it replaced): docs/benchmarks.md has the figures.
 
@@ -81,7 +82,7 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "thp": lambda: setattr(model_runner, "aligned_empty", huge_empty),
     "crc-gil": lambda: setattr(seal, "digest", crc_keeping_gil),
     "read-all": lambda: setattr(Planner, "_start_depth", classmethod(read_all_first)),
-    "io-nice": lambda: setattr(disk, "ThreadPoolExecutor", NiceReaders),
+    "io-nice": lambda: (VARIANTS["threads"](), setattr(disk, "ThreadPoolExecutor", NiceReaders)),
 }
 
 
