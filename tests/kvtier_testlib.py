@@ -58,3 +58,18 @@ def fake_profile(fp: str, compute_scale: float = 1.0, io_bps: float = 1e9) -> Ha
     rates = TierRates(io_bps, io_bps, 1e-5)
     return HardwareProfile(fp, "float32", 2, 2e-5 * compute_scale, 1e-9 * compute_scale, 5e-7 * compute_scale,
                            1e-7 * compute_scale, {"memory": rates, "disk": rates, "redis": rates})
+
+
+def spy_logits(engine) -> list[torch.Tensor]:
+    """Record the logits every step of `engine` returns (the runner's own output)."""
+    seen: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def spy(*a, **kw):
+        out = execute(*a, **kw)
+        if out.numel():
+            seen.append(out.clone())
+        return out
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    return seen

@@ -16,6 +16,8 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.store.tiers import disk, uring
 
+from kvtier_testlib import spy_logits
+
 pytestmark = pytest.mark.skipif(not uring.available(), reason="io_uring is not available on this system")
 
 CHUNK, HIST, NEW = 64, 320, 9  # 5 whole chunks: each layer's K or V of a chunk is whole 512-byte blocks
@@ -33,16 +35,7 @@ def _ids(model) -> list[int]:
 
 def _first_logits(engine: Engine, ids: list[int]):
     """(output, the logits of the request's first step) of a greedy run; the engine is closed."""
-    seen: list[torch.Tensor] = []
-    execute = engine.runner.execute
-
-    def spy(*a, **kw):
-        out = execute(*a, **kw)
-        if out.numel():
-            seen.append(out.clone())
-        return out
-
-    engine.runner.execute = spy  # type: ignore[method-assign]
+    seen = spy_logits(engine)
     try:
         return engine.generate([ids], GREEDY)[0], seen[0][-1]
     finally:

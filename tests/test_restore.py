@@ -27,7 +27,7 @@ from kvtier.planning.planner import MAX_CORRECTION, Planner
 from kvtier.store import Repr, StoreNamespace, TieredStore
 from kvtier.testing.reference import context_state
 
-from kvtier_testlib import fake_profile
+from kvtier_testlib import fake_profile, spy_logits
 
 CHUNK = 24  # not a multiple of the 16-token pool block
 HIST, NEW = 200, 7  # 200 = 8 full chunks + a partial chunk of 8
@@ -63,21 +63,6 @@ def restore_after_saving(engine: Engine, ids: list[int]):
         engine.close()
 
 
-def _spy_logits(engine: Engine) -> list[torch.Tensor]:
-    """Record the logits every step of `engine` returns (the runner's own output)."""
-    seen: list[torch.Tensor] = []
-    execute = engine.runner.execute
-
-    def spy(*a, **kw):
-        out = execute(*a, **kw)
-        if out.numel():
-            seen.append(out.clone())
-        return out
-
-    engine.runner.execute = spy  # type: ignore[method-assign]
-    return seen
-
-
 def _ids(model, seed: int = 9) -> list[int]:
     return torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -98,7 +83,7 @@ def check_all_methods(model, spec: str, split_tiers: bool = False, greedy: Sampl
                 for c in match.chunks[::2]:
                     store.tier("memory").delete(c.key)
                 assert {c.tier for c in store.lookup(ids).chunks} == {"memory", "disk"}
-            seen = _spy_logits(engine)
+            seen = spy_logits(engine)
             out = engine.generate([ids], greedy)[0]
             diff = (seen[0][0] - ref_logits).abs().max().item()
             assert diff <= 1e-4, f"{name}: logit diff {diff}"
