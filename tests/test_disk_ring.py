@@ -137,3 +137,40 @@ def test_kvtier_io_uring_0_reads_on_the_threads(tiny_gqa, tmp_path, monkeypatch)
     finally:
         monkeypatch.delenv("KVTIER_IO_URING")
         uring.available.cache_clear()
+
+
+def test_concurrent_readers_each_get_a_ring(tmp_path):
+    """Restores read at once from their own threads: the pool hands each call a ring of its own
+    (a ring is not shared between threads), and every read lands where its job said."""
+    import threading
+
+    payload = os.urandom(1 << 20)
+    path = tmp_path / "f"
+    path.write_bytes(payload)
+    fd = os.open(path, os.O_RDONLY)
+    pool = uring.RingPool()
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def reader(seed: int) -> None:
+        try:
+            start.wait()
+            for round_ in range(20):
+                offs = [(seed * 7919 + round_ * 104729 + i * 65537) % (len(payload) - 4096) for i in range(8)]
+                bufs = [bytearray(4096) for _ in offs]
+                got = pool.read([uring.ReadJob(fd, o, [memoryview(b)]) for o, b in zip(offs, bufs)])
+                assert got == [4096] * len(offs)
+                assert all(bytes(b) == payload[o:o + 4096] for o, b in zip(offs, bufs))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kept = len(pool._free)  # one ring per reader that ran at the same time as another, kept for reuse
+    pool.close()
+    os.close(fd)
+    assert not errors, errors[0]
+    assert 1 <= kept <= 4
