@@ -66,15 +66,22 @@ def ring_jobs(monkeypatch) -> list[int]:
     return jobs
 
 
-def test_a_cold_kv_restore_reads_through_the_ring_and_equals_recompute(tiny_gqa, tmp_path, ring_jobs):
-    ids, spec = _ids(tiny_gqa), f"disk:{tmp_path}/d:1GB"
-    _saved(tiny_gqa, spec, ids)
-    engine = _engine(tiny_gqa, spec)
-    assert engine.link.store.tier("disk").usage()["io_uring"] is True
+def _restore_matches_recompute(model, tmp_path) -> dict:
+    """Save the history, restart, restore it from disk: the first step's logits and the tokens
+    equal a recompute's bit for bit. -> the restoring disk tier's usage()."""
+    ids, spec = _ids(model), f"disk:{tmp_path}/d:1GB"
+    _saved(model, spec, ids)
+    engine = _engine(model, spec)
+    usage = engine.link.store.tier("disk").usage()
     out, logits = _first_logits(engine, ids)
-    ref, ref_logits = _first_logits(_engine(tiny_gqa, None), ids)
+    ref, ref_logits = _first_logits(_engine(model, None), ids)
     assert out.reused_by_tier == {"disk": HIST} and out.restore_method == "kv"
     assert torch.equal(logits, ref_logits) and out.output_ids == ref.output_ids
+    return usage
+
+
+def test_a_cold_kv_restore_reads_through_the_ring_and_equals_recompute(tiny_gqa, tmp_path, ring_jobs):
+    assert _restore_matches_recompute(tiny_gqa, tmp_path)["io_uring"] is True
     # Every layer group of every chunk went in one submission per group: 5 chunks per call.
     assert ring_jobs and all(n == HIST // CHUNK for n in ring_jobs)
 
@@ -127,13 +134,7 @@ def test_kvtier_io_uring_0_reads_on_the_threads(tiny_gqa, tmp_path, monkeypatch)
     monkeypatch.setenv("KVTIER_IO_URING", "0")
     uring.available.cache_clear()
     try:
-        ids, spec = _ids(tiny_gqa), f"disk:{tmp_path}/d:1GB"
-        _saved(tiny_gqa, spec, ids)
-        engine = _engine(tiny_gqa, spec)
-        assert engine.link.store.tier("disk").usage()["io_uring"] is False
-        out, logits = _first_logits(engine, ids)
-        _, ref_logits = _first_logits(_engine(tiny_gqa, None), ids)
-        assert out.reused_by_tier == {"disk": HIST} and torch.equal(logits, ref_logits)
+        assert _restore_matches_recompute(tiny_gqa, tmp_path)["io_uring"] is False
     finally:
         monkeypatch.delenv("KVTIER_IO_URING")
         uring.available.cache_clear()
