@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
-from kvtier.models.attention import causal_attention, decode_attention, exact_cpu, key_rows
+from kvtier.models.attention import causal_attention, decode_attention, exact_cpu, key_rows, masked_decode_sdpa
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import PAGE, aligned_empty
@@ -466,6 +466,8 @@ class ModelRunner:
         if exact_cpu(q.device):
             return decode_attention(q.index_select(0, b.decode_q), ks, vs, list(b.decode_lengths))
         ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, kv_heads, width, hd]
+        if q.is_cuda:
+            return masked_decode_sdpa(qd.squeeze(2), ks, vs, b.decode_mask)  # [n, heads, hd]
         out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask,
                                              enable_gqa=q.shape[1] != kv_heads)  # [n, heads, 1, hd]
         return out.squeeze(2)
