@@ -105,6 +105,37 @@ def test_an_instant_restore_runs_its_new_tokens_in_the_same_step():
     assert a.metrics.reused_by_tier == {"memory": 192} and a.attach_tokens == 0
 
 
+def test_an_instant_restore_is_prepared_off_the_step_while_others_decode():
+    """With a request decoding, the same instant offer takes the RESTORING phase: the restore is
+    opened on the restore worker and the decode's step carries none of it."""
+
+    class Instant(ScriptedStore):
+        def offer(self, req: Request) -> StoreOffer:
+            if req.request_id != "a":
+                return StoreOffer(0, req.num_computed)
+            order = RestoreOrder(self.order.plan, tier_tokens={"memory": req.num_tokens - 8})
+            return StoreOffer(req.num_tokens - 8, req.num_computed, order, 0, instant=True, attach_tokens=30)
+
+    store = Instant(debt=0)
+    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=store)
+    dec = _req("d", 20)
+    sched.add(dec)
+    sched.schedule()
+    dec.num_computed, dec.status = 20, RequestStatus.DECODE
+    dec.append_output(7)
+    a = _req("a", 200)
+    sched.add(a)
+    out = sched.schedule()
+    assert _sizes(out) == {"d": 1} and store.started == ["a"]
+    assert [(t.request_id, t.start, t.target, t.instant, t.debt) for t in out.restores] == [("a", 0, 192, False, 0)]
+    assert a.status is RequestStatus.RESTORING and sched.restoring == [a] and len(a.block_ids) == 13
+    dec.num_computed += 1
+    dec.append_output(8)
+    sched.restored(a, 192, {"memory": 192}, attach_tokens=30)  # prepared: its new tokens run next
+    out = sched.schedule()
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("d", 21, 1), ("a", 192, 8)]
+
+
 def test_preemption_never_takes_a_request_already_in_the_step():
     """Running = [P (a long prefill, admitted first), D (decoding)]. Decodes go first, so D's chunk
     is in the step when P's blocks run out: the victim must be P itself, not D (whose chunk would

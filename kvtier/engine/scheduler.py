@@ -238,7 +238,11 @@ class Scheduler:
             req.make_exact()
             return None  # not enough blocks now: prefill normally instead
         start = req.num_computed
-        if probe.instant:  # the caller schedules its new tokens in this step, placement beside them
+        # An instant restore is opened and placed by this step's thread, inside the step. While
+        # others decode, that host work (about 20 ms for an 8K context) would stretch their time
+        # between tokens: it is prepared on the restore worker instead, like a read from a device.
+        decoding = any(r.status is RequestStatus.DECODE for r in self.running)
+        if probe.instant and not decoding:  # the caller schedules its new tokens in this step, placement beside them
             req.num_computed, req.attach_tokens = probe.target, probe.attach_tokens
             for tier, n in probe.order.tier_tokens.items():
                 req.metrics.note_reuse(tier, n)
