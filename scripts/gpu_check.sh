@@ -10,8 +10,9 @@
 # FORWARD_MODES, FORWARD_PREFILL, FORWARD_CONTINUATION, FORWARD_BATCH, FORWARD_CONTEXT, FORWARD_SAVING_ALL=1,
 # SKIP_TESTS=1, PROBES=1 (exactness and the copy and attention candidates, about 60 s), SKIP_BENCH=1,
 # SKIP_MHA=1, COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1,
-# PROFILE=1 (scripts/gpu_profile.py: where a kv restore's and a saving decode step's time goes, about
-# 130 s; py-spy is used where it is on PATH, e.g. from a py-spy wheel in .whl/).
+# PROFILE=1 (scripts/gpu_profile.py: where a kv restore's, a restoring step's and a saving decode step's
+# time goes, about 170 s; PROFILE_TARGETS picks some of "restore restoring saving"; py-spy is used where
+# it is on PATH, e.g. from a py-spy wheel in .whl/).
 # The tests and restores took about 250 s on an H200 (2026-11-26: 26 s of tests, 155 s for llama3-8b at
 # 8K and 16K, 70 s for llama2-7b at 8K); the forward benchmark (issue 28: three shapes, two modes,
 # HF eager and compiled) has not been timed on a GPU yet; give it a call of its own:
@@ -47,7 +48,7 @@ if [ -n "${PROBES:-}" ]; then
 fi
 
 if [ -n "${PROFILE:-}" ]; then
-  PATH=/tmp/kvtier-site/bin:$PATH $PY scripts/gpu_profile.py "$OUT" restore saving 2>&1 | tee "$OUT/profile.log"
+  PATH=/tmp/kvtier-site/bin:$PATH $PY scripts/gpu_profile.py "$OUT" ${PROFILE_TARGETS:-restore restoring saving} 2>&1 | tee "$OUT/profile.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -1,10 +1,14 @@
 """Where a GPU restore's and a saving decode's time goes (issue 27): host Python and device kernels.
 
-    python scripts/gpu_profile.py OUT_DIR [restore|saving ...]     (default: both)
+    python scripts/gpu_profile.py OUT_DIR [restore|restoring|saving ...]     (default: all)
 
 restore: llama3-8b-shaped bf16 (random weights), an 8K history + 64 new tokens restored with method
   kv from a memory tier (pinned). Three timed restores, then one under cProfile (the step thread's
   Python) and one under torch.profiler (host ops and device kernels, as a table and a trace).
+restoring: smollm2-shape bf16, RBATCH (default 1) sequences of 8K decoding while two returning 8K
+  contexts (saved to a memory tier, then dropped from the device) restore with method kv: each
+  step's time alone and until the returning contexts have a token, their restore reports, then the
+  returning steps under cProfile and torch.profiler (`kvtier bench forward --restoring`'s TBT row).
 saving: smollm2-shape bf16, 32 sequences of 8K decoding 32 tokens, with and without every token's
   state saved to a memory tier (the prompts' saves drained first): the time of every decode step,
   then the saving run again under cProfile and torch.profiler. Where `py-spy` is on PATH it also
@@ -161,6 +165,67 @@ def restore(out: Path, new: int = 64) -> dict:
     return result
 
 
+def restoring(out: Path, new: int = 64, returning: int = 2) -> dict:
+    """The decode steps of RBATCH sequences while `returning` contexts restore from memory."""
+    batch, prompt_len = int(os.environ.get("RBATCH", 1)), int(os.environ.get("CTX", 8192))
+    loaded = load_model(os.environ.get("SAVING_MODEL", "smollm2-shape"), dtype="bf16", device=DEVICE, tokenizer=False)
+    vocab = loaded.config.vocab_size
+    max_len = prompt_len + 256
+    seqs = batch + returning
+    kv = ModelRunner.bytes_per_block(loaded.module, 16) * seqs * (max_len // 16 + 2)
+    engine = Engine(loaded, EngineConfig(kv_cache_bytes=kv, max_model_len=max_len, max_num_seqs=max(seqs, 8),
+                                         enable_prefix_cache=False),
+                    store="memory:16GB", reuse=ReuseConfig(method="kv", lookahead=False))
+    rounds: list[dict] = []
+    saved: list[list[int]] = []
+
+    def before() -> None:  # fresh contexts saved through the engine and written, then steps alone
+        saved[:] = [_ids(prompt_len, vocab, 5000 + 97 * len(rounds) + i) for i in range(returning)]
+        pending = {engine.add_request(p, SamplingParams(max_tokens=1, temperature=0)) for p in saved}
+        while pending:
+            pending -= {o.request_id for o in engine.step() if o.finished}
+        engine.flush()
+        alone = []
+        for _ in range(4):
+            t = time.perf_counter()
+            engine.step()
+            alone.append(time.perf_counter() - t)
+        rounds.append(dict(alone_ms=[round(x * 1e3, 2) for x in alone]))
+
+    def back() -> None:  # the returning contexts, stepped until each has its first token
+        waiting = {engine.add_request(p + _ids(new, vocab, 6000 + i), SamplingParams(max_tokens=2, temperature=0))
+                   for i, p in enumerate(saved)}
+        steps, reports = [], []
+        while waiting:
+            t = time.perf_counter()
+            outs = engine.step()
+            steps.append(time.perf_counter() - t)
+            for o in outs:
+                if o.request_id in waiting and o.output_ids:
+                    waiting.discard(o.request_id)
+                    r = o.restore
+                    reports.append(None if r is None else dict(
+                        method=r.method, seconds=r.seconds, host_s=r.host_s, wait_s=r.wait_s, copy_s=r.copy_s,
+                        compute_s=r.compute_s, bytes=r.bytes_read, ttft_s=o.ttft))
+        rounds[-1].update(during_ms=[round(x * 1e3, 2) for x in steps], restores=reports)
+
+    try:
+        decoding = SamplingParams(max_tokens=max_len - prompt_len - 8, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(_ids(prompt_len, vocab, 4000 + i), decoding)
+        started: set[str] = set()
+        while len(started) < batch:
+            started |= {o.request_id for o in engine.step()}
+        for _ in range(4):
+            before()
+            back()
+            print(f"  restoring round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
+        profiled(out, "restoring", back, before)
+    finally:
+        engine.close()
+    return dict(rounds=rounds)
+
+
 def saving(out: Path, new: int = 32) -> dict:
     batch, prompt_len = int(os.environ.get("BATCH", 32)), int(os.environ.get("CTX", 8192))
     loaded = load_model(os.environ.get("SAVING_MODEL", "smollm2-shape"), dtype="bf16", device=DEVICE, tokenizer=False)
@@ -220,11 +285,11 @@ def saving(out: Path, new: int = 32) -> dict:
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "out/gpu")
     out.mkdir(parents=True, exist_ok=True)
-    which = sys.argv[2:] or ["restore", "saving"]
+    which = sys.argv[2:] or ["restore", "restoring", "saving"]
     results = {}
     for w in which:
         t = time.perf_counter()
-        results[w] = {"restore": restore, "saving": saving}[w](out)
+        results[w] = {"restore": restore, "restoring": restoring, "saving": saving}[w](out)
         print(f"{w}: {time.perf_counter() - t:.0f} s", flush=True)
     (out / "profile.json").write_text(json.dumps(results, indent=1))
     return 0

@@ -59,7 +59,7 @@ from kvtier.store.throttle import Emulation, Throttle
 
 ROW_KEYS = ("model", "dtype", "storage", "context_tokens", "new_tokens", "tier", "bandwidth", "method",
             "restore_s", "ttft_s", "bytes_read", "stored_bytes_per_token", "ideal_s", "predicted_s",
-            "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap", "host_s")
+            "max_logit_diff", "greedy_match", "repeats", "plan", "copy_s", "overlap", "host_s", "ttft_runs")
 
 
 # ----- small helpers ----------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class RestoreBench:
         rep = out.restore
         first_report = first_report or rep
         timed_runs = [o.restore for o, _ in runs if o.restore is not None and o.restore.copy_s is not None]
-        return dict(ttft_s=median([o.ttft for o, _ in runs]),
+        return dict(ttft_s=median([o.ttft for o, _ in runs]), ttft_runs=[round(o.ttft, 4) for o, _ in runs],
                     copy_s=median([r.copy_s for r in timed_runs]) if timed_runs else None,
                     overlap=median([r.overlap for r in timed_runs]) if timed_runs else None,
                     host_s=median(hosts) if (hosts := [o.restore.host_s for o, _ in runs
