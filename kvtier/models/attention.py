@@ -34,6 +34,12 @@ KEY_BLOCK = 512  # the CPU flash kernel's key split: every call's keys are a who
 _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take another GEMM path)
 
 
+# Backends for small attention calls outside a CUDA graph. Not cuDNN's: it builds or looks up a graph
+# on the host for every call (1.5-2 ms each on an H200, 45-65 ms of a 30-layer step, against ~10 us
+# of kernel), which a captured graph pays once but an eager step pays per layer.
+_EAGER_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
 def key_rows(ctx: int) -> int:
     """The keys the exact kernel reads for a context of `ctx` positions: whole key blocks."""
     return -(-ctx // KEY_BLOCK) * KEY_BLOCK
@@ -60,19 +66,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads | kv_heads, tokens, hd]
     # SDPA's fused CPU kernel (torch >= 2.5) handles grouped K/V heads itself: no repeat_interleave copy.
     gqa = q.shape[1] != k.shape[1]
-    if n == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
-    elif n == ctx:
+    if n == ctx:  # a whole prompt: one call whose kernel time dwarfs any backend's host cost
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
-    else:  # a chunk continuing a history: the causal mask aligned bottom-right
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, ctx), enable_gqa=gqa)
+    else:
+        with sdpa_kernel(_EAGER_BACKENDS):  # one decoding token, or a chunk continuing a history
+            mask = None if n == 1 else causal_lower_right(n, ctx)  # the causal mask aligned bottom-right
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [n, heads, hd]
-
-
-# Backends for a masked decode call outside a CUDA graph. Not cuDNN's: it builds or looks up a graph
-# on the host for every call (1.5-2 ms each on an H200, 45-65 ms of a 30-layer step, against ~10 us
-# of kernel), which a captured graph pays once but an eager step pays per layer.
-_MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     n, heads, hd = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(n, kv_heads, heads // kv_heads, hd)  # [n, kv_heads, group, hd]
-    with sdpa_kernel(_MASKED_BACKENDS):
+    with sdpa_kernel(_EAGER_BACKENDS):
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # the mask broadcasts over the group
     return out.reshape(n, heads, hd)
 
