@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -183,6 +184,13 @@ def _front_layout(items: Sequence[RunItem], offsets: Sequence[int], dec: _Decode
                         bool(src))
 
 
+def slot_array(block_ids: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """int64 pool slot of every position in [start, end) for a request owning `block_ids`."""
+    pos = np.arange(start, end, dtype=np.int64)
+    table = np.asarray(block_ids, dtype=np.int64)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_positions: int,
                  transfer: Transfer | None = None):
@@ -251,10 +259,10 @@ class ModelRunner:
 
     # ----- slots ------------------------------------------------------------------------------
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Pool slot of every position in [start, end) for a request owning `block_ids` (on the host)."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        """Pool slot of every position in [start, end) for a request owning `block_ids` (on the host).
+        In numpy: a few small torch CPU ops cost ~0.3-0.8 ms each beside a busy step thread (each
+        releases the GIL and queues to take it back), numpy's ~10 us."""
+        return torch.from_numpy(slot_array(block_ids, start, end, self.block_size))
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """A host index tensor on the pool's device (asynchronously; no host sync)."""
