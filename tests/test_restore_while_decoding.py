@@ -4,15 +4,18 @@ what a recompute gives, bit for bit, for both requests."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_restore import GREEDY, HIST, _engine, _ids
 
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.restore.layerwise import Restore
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_memory_restore_beside_a_decode_is_prepared_off_the_step_and_exact(dtype):
+def test_a_memory_restore_beside_a_decode_is_prepared_off_the_step_and_exact(dtype, monkeypatch):
     from kvtier.models.loading import load_model
 
     model = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
@@ -25,6 +28,14 @@ def test_a_memory_restore_beside_a_decode_is_prepared_off_the_step_and_exact(dty
     finally:
         ref.close()
 
+    laid_out: list[str] = []  # the threads that worked out where the restored rows go
+    lay_out = Restore._lay_out
+
+    def spy(self):
+        laid_out.append(threading.current_thread().name)
+        return lay_out(self)
+
+    monkeypatch.setattr(Restore, "_lay_out", spy)
     engine = _engine(model, "memory:256MB", "kv")
     try:
         engine.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))  # saves the history
@@ -39,6 +50,7 @@ def test_a_memory_restore_beside_a_decode_is_prepared_off_the_step_and_exact(dty
                 outs[o.request_id] = o
             phases.append({r.request_id for r in engine.scheduler.restoring})
         assert {b} in phases  # b spent a step in the RESTORING phase while "a" decoded
+        assert len(laid_out) == 1 and laid_out[0].startswith("kvtier-restore"), laid_out
         got = outs[b]
         assert got.prompt_tokens_reused == HIST and got.restore_method == "kv"
         assert torch.equal(got.first_logits, want_b.first_logits)

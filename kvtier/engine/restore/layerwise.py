@@ -33,10 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from kvtier.engine.restore.impress_policy import ImpressStats
-from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem, slot_array
 from kvtier.engine.runner.transfer import (
     DONE,
     EqualRuns,
@@ -295,32 +296,43 @@ class Restore:
         self._error: str | None = None
         self._stop = threading.Event()
         self._t0 = 0.0
-        hist = plan.history_tokens
-        spans = [(c.start, c.end) for c in plan.chunks]
         self.transfer = runner.transfer
-        # [hist - start] pool slots of the projected or remapped layers (on the device)
+        # Groups sent to the device: group index -> (the copies' handle, staged device tensors by part)
+        self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor]]]] = {}
+        # Asynchronous K/V placement (module docstring): the staging ring (the slot grid: _lay_out).
+        self._ring: list[torch.Tensor] = []
+        self._keep: list[torch.Tensor] = []  # host copies made for a staging run (rare)
+        self._buffers: dict[int, torch.Tensor] = {}  # host buffer address -> its bytes (staging runs slice them)
+        self._next_send = 0
+        self._marks: dict[str, torch.cuda.Event | None] = {}  # copy_start/copy_end/compute_start
+
+    # Where the restored rows go, worked out by _lay_out at the start of prepare(): on the restore
+    # worker where the restore has a RESTORING phase, so a decoding batch's step thread never pays it.
+    slots: torch.Tensor  # [hist - start] pool slots of the projected or remapped layers (on the device)
+    pieces: list[Piece]
+    rows: torch.Tensor  # truncation: the stored row each restored position takes
+    shift: torch.Tensor  # truncation: how far each position moved
+    # The pool slot of row t of planned chunk c as a [chunks, chunk tokens] grid on the device (the
+    # sink where none): asynchronous K/V placement's one scatter per layer.
+    _grid: torch.Tensor | None
+    _lo: int  # first position placed from chunks
+    _targets: list[PoolTarget | None]  # per chunk, its pool slots when a direct read may land there
+
+    def _lay_out(self) -> None:
+        runner, start, hist = self.runner, self.start, self.plan.history_tokens
+        spans = [(c.start, c.end) for c in self.plan.chunks]
         self.slots = runner.upload(runner.slots(self.block_ids, start, hist))
-        self.pieces: list[Piece] = []
+        self.pieces = []
         if self.source is None:
             self.pieces = pieces(spans, runner.slot_runs(self.block_ids, start, hist), start)
         else:  # truncation: stored rows source[i] (taken from the concatenated chunks) go to position i
             first = spans[0][0] if spans else 0
             self.rows = runner.upload(torch.tensor(self.source[start:hist]) - first)
             self.shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
-        # Groups sent to the device: group index -> (the copies' handle, staged device tensors by part)
-        self._sent: dict[int, tuple[Handle, dict[str, list[torch.Tensor]]]] = {}
-        # Asynchronous K/V placement (module docstring): the staging ring, and the pool slot of row t
-        # of planned chunk c as a [chunks, chunk tokens] grid on the device (the sink where none).
-        self._ring: list[torch.Tensor] = []
-        self._keep: list[torch.Tensor] = []  # host copies made for a staging run (rare)
-        self._buffers: dict[int, torch.Tensor] = {}  # host buffer address -> its bytes (staging runs slice them)
-        self._grid: torch.Tensor | None = None
+        self._grid = None
         if self.transfer.is_async and self.source is None and spans:
             self._grid = runner.upload(self._slot_grid(spans, start, hist))
-        self._next_send = 0
-        self._marks: dict[str, torch.cuda.Event | None] = {}  # copy_start/copy_end/compute_start
-        self._lo = max(spans[0][0], start) if spans else start  # first position placed from chunks
-        # Per chunk, where a direct read may put it: its pool slots when the whole chunk is one piece.
+        self._lo = max(spans[0][0], start) if spans else start
         whole = {p.chunk: p for p in self.pieces if p.offset == 0}
         direct = any(t.stages_reads for t in self.reads.tiers) and runner.k_cache.device.type == "cpu"
         self._targets = [runner.pool_target(whole[i].slot) if direct and i in whole and whole[i].length == b - a
@@ -330,12 +342,12 @@ class Restore:
         """[chunks, T] pool slots of the chunks' rows: position a + t of chunk [a, b), for
         start <= a + t < min(b, hist); every other cell the runner's sink (rows never placed)."""
         width = max(b - a for a, b in spans)
-        pos = torch.tensor([a for a, _ in spans])[:, None] + torch.arange(width)[None, :]  # [chunks, T]
-        ends = torch.tensor([min(b, hist) for _, b in spans])[:, None]
+        pos = np.array([a for a, _ in spans])[:, None] + np.arange(width)[None, :]  # [chunks, T]
+        ends = np.array([min(b, hist) for _, b in spans])[:, None]
         keep = (pos >= start) & (pos < ends)
-        grid = torch.full(pos.shape, self.runner.sink, dtype=torch.long)
-        grid[keep] = self.runner.slots(self.block_ids, start, hist)[pos[keep] - start]
-        return grid
+        grid = np.full(pos.shape, self.runner.sink, dtype=np.int64)
+        grid[keep] = slot_array(self.block_ids, 0, hist, self.runner.block_size)[pos[keep]]
+        return torch.from_numpy(grid)  # numpy, not torch CPU ops: see ModelRunner.slots
 
     # ----- background part --------------------------------------------------------------------
     def prepare(self) -> None:
@@ -344,6 +356,7 @@ class Restore:
         try:
             if self._stop.is_set():
                 raise RestoreMiss("aborted before it started")
+            self._lay_out()
             if not self.reads.open():
                 raise RestoreMiss("a planned chunk is missing or corrupt on its planned tier")
             self.stats.chunks_loaded = len(self.plan.chunks)
