@@ -13,9 +13,10 @@
 # PROFILE=1 (scripts/gpu_profile.py: where a kv restore's, a restoring step's and a saving decode step's
 # time goes, about 170 s; PROFILE_TARGETS picks some of "restore restoring saving"; py-spy is used where
 # it is on PATH, e.g. from a py-spy wheel in .whl/).
-# The tests and restores took about 250 s on an H200 (2026-11-26: 26 s of tests, 155 s for llama3-8b at
-# 8K and 16K, 70 s for llama2-7b at 8K); the forward benchmark (issue 28: three shapes, two modes,
-# HF eager and compiled) has not been timed on a GPU yet; give it a call of its own:
+# Timings on an H200 (2026-11-27): 32 s of tests, 135 s for llama3-8b at 8K and 16K (14 s of it the
+# one-time hardware profile), 80 s for llama2-7b at 8K; the forward benchmark's smollm2-shape rows at
+# batch 1 took about 50 s and did not finish batch 32 within 90 s more (issue 28: three shapes, two
+# modes, HF eager and compiled); give it a call of its own:
 #   SKIP_FORWARD=1 scripts/gpu_check.sh                               # tests + restores
 #   SKIP_TESTS=1 SKIP_BENCH=1 SKIP_MHA=1 scripts/gpu_check.sh          # forward (FORWARD_MODELS=... to split)
 set -uo pipefail
