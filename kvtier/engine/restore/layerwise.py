@@ -346,7 +346,7 @@ class Restore:
         ends = np.array([min(b, hist) for _, b in spans])[:, None]
         keep = (pos >= start) & (pos < ends)
         grid = np.full(pos.shape, self.runner.sink, dtype=np.int64)
-        grid[keep] = slot_array(self.block_ids, 0, hist, self.runner.block_size)[pos[keep]]
+        grid[keep] = slot_array(self.block_ids, start, hist, self.runner.block_size)[pos[keep] - start]
         return torch.from_numpy(grid)  # numpy, not torch CPU ops: see ModelRunner.slots
 
     # ----- background part --------------------------------------------------------------------
