@@ -3,6 +3,8 @@ hands each ticket to the store side: exact chunk sizes and tickets with a script
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
 from kvtier.engine.scheduler import Scheduler
@@ -83,18 +85,21 @@ def test_without_restores_in_flight_nothing_is_charged():
     assert _sizes(sched.schedule()) == {"bb": 40} and store.owed == 10**6
 
 
+class InstantStore(ScriptedStore):
+    """Offers request "a" from memory it holds (an instant restore): all but its last 8 tokens."""
+
+    def offer(self, req: Request) -> StoreOffer:
+        if req.request_id != "a":
+            return StoreOffer(0, req.num_computed)
+        order = RestoreOrder(self.order.plan, tier_tokens={"memory": req.num_tokens - 8})
+        return StoreOffer(req.num_tokens - 8, req.num_computed, order, 0, instant=True, attach_tokens=30)
+
+
 def test_an_instant_restore_runs_its_new_tokens_in_the_same_step():
     """Memory the store holds needs no RESTORING phase: the request's new tokens are a chunk of this
     very step, starting at the restored position and carrying the placement's cost."""
-
-    class Instant(ScriptedStore):
-        def offer(self, req: Request) -> StoreOffer:
-            if req.request_id != "a":
-                return StoreOffer(0, req.num_computed)
-            order = RestoreOrder(self.order.plan, tier_tokens={"memory": req.num_tokens - 8})
-            return StoreOffer(req.num_tokens - 8, req.num_computed, order, 0, instant=True, attach_tokens=30)
-
-    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=Instant(debt=0))
+    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=InstantStore(debt=0),
+                      defer_instant=True)  # nothing decodes: nothing to defer for
     a = _req("a", 200)
     sched.add(a)
     sched.add(_req("bb", 70))
@@ -105,19 +110,13 @@ def test_an_instant_restore_runs_its_new_tokens_in_the_same_step():
     assert a.metrics.reused_by_tier == {"memory": 192} and a.attach_tokens == 0
 
 
-def test_an_instant_restore_is_prepared_off_the_step_while_others_decode():
-    """With a request decoding, the same instant offer takes the RESTORING phase: the restore is
-    opened on the restore worker and the decode's step carries none of it."""
-
-    class Instant(ScriptedStore):
-        def offer(self, req: Request) -> StoreOffer:
-            if req.request_id != "a":
-                return StoreOffer(0, req.num_computed)
-            order = RestoreOrder(self.order.plan, tier_tokens={"memory": req.num_tokens - 8})
-            return StoreOffer(req.num_tokens - 8, req.num_computed, order, 0, instant=True, attach_tokens=30)
-
-    store = Instant(debt=0)
-    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=store)
+@pytest.mark.parametrize("defer", [True, False], ids=["async-device", "cpu"])
+def test_an_instant_restore_beside_a_decode(defer):
+    """With a request decoding on an asynchronous device, the same instant offer takes the
+    RESTORING phase: the restore is opened on the restore worker and the decode's step carries none
+    of it. On the CPU (a step far longer than the opening) it stays in the decode's step."""
+    store = InstantStore(debt=0)
+    sched = Scheduler(BlockPool(64, 16), max_batched_tokens=100, max_num_seqs=8, store=store, defer_instant=defer)
     dec = _req("d", 20)
     sched.add(dec)
     sched.schedule()
@@ -126,6 +125,10 @@ def test_an_instant_restore_is_prepared_off_the_step_while_others_decode():
     a = _req("a", 200)
     sched.add(a)
     out = sched.schedule()
+    if not defer:
+        assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("d", 20, 1), ("a", 192, 8)]
+        assert [t.instant for t in out.restores] == [True] and not sched.restoring
+        return
     assert _sizes(out) == {"d": 1} and store.started == ["a"]
     assert [(t.request_id, t.start, t.target, t.instant, t.debt) for t in out.restores] == [("a", 0, 192, False, 0)]
     assert a.status is RequestStatus.RESTORING and sched.restoring == [a] and len(a.block_ids) == 13

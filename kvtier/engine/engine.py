@@ -171,7 +171,8 @@ class Engine:
             cost = config.partial.cost or front_costs.cached_or_estimate(model)
             self.partial = PartialCaching(config.partial, self.runner, cost)
         self.scheduler = Scheduler(self.pool, self.budget.max_batched_tokens, config.max_num_seqs, self.link.scheduler_side,
-                                   prefix_cache=config.enable_prefix_cache, fronts=self.partial)
+                                   prefix_cache=config.enable_prefix_cache, fronts=self.partial,
+                                   defer_instant=self.runner.transfer.is_async)
         self.eos_ids = set(cfg.eos_token_ids)
         tok = model.tokenizer
         if tok is not None and tok.eos_token_id is not None:

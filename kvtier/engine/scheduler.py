@@ -63,8 +63,13 @@ class _Step:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreSide | None = None,
-                 prefix_cache: bool = True, fronts: FrontPolicy | None = None):
+                 prefix_cache: bool = True, fronts: FrontPolicy | None = None, defer_instant: bool = False):
+        """`defer_instant`: while requests decode, an instant restore is prepared on the restore
+        worker instead of in the step (see _try_restore); right where a decode step is short beside
+        a restore's host work (an asynchronous device: 3.5 ms against ~20 ms on an H200), wrong
+        where it is long (a CPU step of 60 ms and more would then delay the restore by a step)."""
         self.pool = pool
+        self.defer_instant = defer_instant
         self.fronts: FrontPolicy = fronts or NoFronts()
         self.store: StoreSide = store or NoStore()
         self.prefix_cache = prefix_cache
@@ -239,10 +244,11 @@ class Scheduler:
             return None  # not enough blocks now: prefill normally instead
         start = req.num_computed
         # An instant restore is opened and placed by this step's thread, inside the step. While
-        # others decode, that host work (about 20 ms for an 8K context) would stretch their time
-        # between tokens: it is prepared on the restore worker instead, like a read from a device.
-        decoding = any(r.status is RequestStatus.DECODE for r in self.running)
-        if probe.instant and not decoding:  # the caller schedules its new tokens in this step, placement beside them
+        # others decode on a device whose steps are short, that host work (about 20 ms for an 8K
+        # context) would stretch their time between tokens: it is prepared on the restore worker
+        # instead, like a read from a device.
+        deferred = self.defer_instant and any(r.status is RequestStatus.DECODE for r in self.running)
+        if probe.instant and not deferred:  # the caller schedules its new tokens in this step, placement beside them
             req.num_computed, req.attach_tokens = probe.target, probe.attach_tokens
             for tier, n in probe.order.tier_tokens.items():
                 req.metrics.note_reuse(tier, n)
