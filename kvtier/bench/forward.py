@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -272,11 +273,18 @@ def hf_compiled_decode(hf, batch: int, prompt_len: int, new: int, repeats: int) 
 def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], new_tokens: int, repeats: int,
         device: str = "auto", prompt_len: int = 128, saving: bool = False, modes: tuple[str, ...] = ("exact",),
         continuations: list[int] | None = None, history: int = 2048, hf_compiled: bool | None = None,
-        restoring: bool = False) -> list[Row]:
+        restoring: bool = False, on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """Every row; `on_row` gets the rows so far as each is measured, so a run stopped part-way (a
+    GPU lease's time limit) keeps what it measured."""
     from kvtier.bench.hf import build_hf
 
     global _MODE
-    rows = []
+    rows: list[Row] = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     for dt in dtypes:
         loaded = load_model(model, dtype=dt, device=device, tokenizer=False)
         hf = build_hf(loaded)
@@ -291,12 +299,12 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
             _MODE = MODES[mode]
             for n in lengths:
                 o, h = bench_prefill(loaded, hf, n, repeats)
-                rows.append(Row(model, name, "prefill", n, o, h, repeats, mode, roofline.prefill_tok_s(shape, rates, n)))
+                add(Row(model, name, "prefill", n, o, h, repeats, mode, roofline.prefill_tok_s(shape, rates, n)))
                 print(f"  prefill {name} {mode} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s "
                       f"({rows[-1].of_roofline:.0%} of the roofline)", flush=True)
             for n in continuations or []:
                 o, h = bench_continuation(loaded, hf, history, n, repeats)
-                rows.append(Row(model, name, "continuation", n, o, h, repeats, mode,
+                add(Row(model, name, "continuation", n, o, h, repeats, mode,
                                 roofline.prefill_tok_s(shape, rates, n, history)))
                 print(f"  continuation {name} {mode} {n} after {history}: kvtier {o:8.1f} tok/s  "
                       f"transformers {h:8.1f} tok/s", flush=True)
@@ -309,19 +317,19 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
                     except Exception as e:  # noqa: BLE001 - a transformers or torch that cannot compile it: say so
                         print(f"  HF compiled decode failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 roof = roofline.decode_tok_s(shape, rates, b, prompt_len + new_tokens // 2)
-                rows.append(Row(model, name, "decode", b, o, h, repeats, mode, roof, c))
+                add(Row(model, name, "decode", b, o, h, repeats, mode, roof, c))
                 print(f"  decode  {name} {mode} batch {b} x {prompt_len}: kvtier {o:8.1f} tok/s  "
                       f"transformers {h:8.1f} tok/s  compiled {c:8.1f} tok/s ({o / roof:.0%} of the roofline)",
                       flush=True)
                 if restoring and mode == modes[0]:  # TBT while returning contexts restore from memory
                     tbt, tbt_r, p90, seen = bench_decode_restoring(loaded, b, prompt_len, new_tokens, repeats)
-                    rows.append(Row(model, name, "decode+restore", b, b / tbt_r, b / tbt, repeats, mode, roof))
+                    add(Row(model, name, "decode+restore", b, b / tbt_r, b / tbt, repeats, mode, roof))
                     print(f"  decode+restore {name} batch {b}: TBT {tbt * 1e3:.1f} ms alone, {tbt_r * 1e3:.1f} ms "
                           f"(p90 {p90 * 1e3:.1f}) while restoring ({tbt_r / tbt:.2f}x; {seen} restores)", flush=True)
                 # The same decode saving every token's state; compared with the row above.
                 for phase, drain in (("decode+save", True), ("decode+save+backlog", False)) if saving else ():
                     s, _ = bench_decode(loaded, None, b, prompt_len, new_tokens, repeats, "memory:16GB", drain)
-                    rows.append(Row(model, name, phase, b, s, o, repeats, mode, roof))
+                    add(Row(model, name, phase, b, s, o, repeats, mode, roof))
                     print(f"  {phase} {name} batch {b}: {s:8.1f} tok/s ({s / o:.2f}x of without saving)", flush=True)
         del hf, loaded
     _MODE = {}
@@ -357,15 +365,18 @@ def cmd(args: argparse.Namespace) -> int:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {', '.join(bad)} (use {', '.join(MODES)})")
+    from kvtier.bench.common import machine_info
+
+    machine = machine_info()
+
+    def write(rows: list[Row]) -> None:  # after every row
+        if args.json:
+            Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "machine": machine,
+                                                   "rows": [asdict(r) | {"speedup": r.speedup, "of_roofline": r.of_roofline}
+                                                            for r in rows]}, indent=2))
+
     rows = run(args.model, args.dtype, args.prefill, args.batch, args.new_tokens, args.repeats, args.device,
                args.prompt_len, args.saving, tuple(args.modes), args.continuation, args.history,
-               {"auto": None, "on": True, "off": False}[args.hf_compiled], args.restoring)
-    table = markdown(rows)
-    print(table)
-    if args.json:
-        from kvtier.bench.common import machine_info
-
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "machine": machine_info(),
-                                               "rows": [asdict(r) | {"speedup": r.speedup, "of_roofline": r.of_roofline}
-                                                        for r in rows]}, indent=2))
+               {"auto": None, "on": True, "off": False}[args.hf_compiled], args.restoring, write)
+    print(markdown(rows))
     return 0

@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
     p.add_argument("--repeats", type=int, default=3, help="timed runs; medians are reported (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's default)")
-    p.add_argument("--json", default=None, help="write rows as JSON to this file")
+    p.add_argument("--json", default=None, help="write rows as JSON to this file, rewritten after every row (a run stopped part-way keeps what it measured)")
 
 
 run = Target("kvtier.bench.forward", "cmd")
