@@ -18,6 +18,7 @@ invariant on a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -38,6 +39,12 @@ _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take
 # on the host for every call (1.5-2 ms each on an H200, 45-65 ms of a 30-layer step, against ~10 us
 # of kernel), which a captured graph pays once but an eager step pays per layer.
 _EAGER_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def _eager_backends(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """SDPA restricted to _EAGER_BACKENDS on CUDA; elsewhere (no cuDNN) as it is: entering the
+    restriction costs ~15 us, a decode step's layers' worth of which is not worth paying for nothing."""
+    return sdpa_kernel(_EAGER_BACKENDS) if t.is_cuda else contextlib.nullcontext()
 
 
 def key_rows(ctx: int) -> int:
@@ -69,7 +76,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     if n == ctx:  # a whole prompt: one call whose kernel time dwarfs any backend's host cost
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
-        with sdpa_kernel(_EAGER_BACKENDS):  # one decoding token, or a chunk continuing a history
+        with _eager_backends(q):  # one decoding token, or a chunk continuing a history
             mask = None if n == 1 else causal_lower_right(n, ctx)  # the causal mask aligned bottom-right
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [n, heads, hd]
@@ -84,7 +91,7 @@ def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     n, heads, hd = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(n, kv_heads, heads // kv_heads, hd)  # [n, kv_heads, group, hd]
-    with sdpa_kernel(_EAGER_BACKENDS):
+    with _eager_backends(q):
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # the mask broadcasts over the group
     return out.reshape(n, heads, hd)
 
