@@ -92,8 +92,9 @@ class ChunkHeader:
     # order[l][r] of the chunk ([layers, tokens] int64), so the tokens a query keeps share
     # granules. None: token order. Probe keys and hidden states always stay in token order.
     order: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    # The segment table came from a `SegmentTable` learned from a fully checked header.
-    from_table: bool = field(default=False, compare=False)
+    # The `SegmentTable` (learned from a fully checked header) this header's segments came from:
+    # every chunk of a store and length shares one, and with it the plans of its reads.
+    table: SegmentTable | None = field(default=None, repr=False, compare=False)
     # (layer, part) -> segment, built once: headers are parsed once and read from many times.
     by_part: dict[tuple[int, str], Segment] = field(init=False, repr=False, compare=False)
     # row_of[l][t]: the stored row of token t (the inverse of `order`), or None.
@@ -102,6 +103,10 @@ class ChunkHeader:
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_part", {(s.layer, s.part): s for s in self.segments})
         object.__setattr__(self, "row_of", None if self.order is None else torch.argsort(self.order, dim=1))
+
+    @property
+    def from_table(self) -> bool:
+        return self.table is not None
 
     def segment(self, layer: int, part: str) -> Segment | None:
         return self.by_part.get((layer, part))
@@ -119,6 +124,15 @@ class ChunkHeader:
                         out.append(scale)
         out.sort(key=lambda s: s.offset)
         return out
+
+    def plan_read(self, layers: Sequence[int], parts: Iterable[str]) -> list[list[Segment]]:
+        """The segments of `parts` of `layers` as ranged reads (`coalesce`). A header that shares
+        its store's segment table takes the table's plan, kept per (layers, parts): a restore
+        plans the same reads for each of its chunks, one layer group at a time."""
+        if self.table is None:
+            return coalesce(self.segments_of(layers, parts))
+        segs = self.segments
+        return [[segs[i] for i in run] for run in self.table.runs(tuple(layers), tuple(parts))]
 
 
 @dataclass(frozen=True)
@@ -270,6 +284,17 @@ def header_length(preamble: bytes) -> int:
     return PREAMBLE.size + hlen
 
 
+def coalesce(segs: Sequence[Segment]) -> list[list[Segment]]:
+    """Adjacent segments (layer-major layout: a layer group is contiguous) as single ranged reads."""
+    runs: list[list[Segment]] = []
+    for s in segs:
+        if runs and s.offset - (runs[-1][-1].offset + runs[-1][-1].nbytes) < 64:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
 class SegmentTable:
     """The segment table that chunks of one store and length lay out, learned from a header that
     passed every check (`validate.check` against the reader's namespace). A later header listing
@@ -282,6 +307,19 @@ class SegmentTable:
         self.segments = header.segments
         self.total_bytes = header.total_bytes
         self._rows = [[s.layer, s.part, s.offset, s.nbytes, s.dtype, list(s.shape)] for s in header.segments]
+        self._learned = header
+        self._index = {s: i for i, s in enumerate(header.segments)}
+        self._runs: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[tuple[int, ...], ...]] = {}
+
+    def runs(self, layers: tuple[int, ...], parts: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """`ChunkHeader.plan_read` of any header with this table, as indices into its segments
+        (planned once per layers and parts; at most a few dozen distinct ones per store)."""
+        got = self._runs.get((layers, parts))
+        if got is None:  # the learned header has no table: it plans in full
+            got = tuple(tuple(self._index[s] for s in run) for run in self._learned.plan_read(layers, parts))
+            if len(self._runs) < 1024:
+                self._runs[(layers, parts)] = got
+        return got
 
     @staticmethod
     def learnable(header: ChunkHeader) -> bool:
@@ -312,7 +350,7 @@ def parse_header(buf: bytes | memoryview, total_size: int | None = None, seal: S
         doc = json.loads(raw)
         known = table.match(doc["segments"]) if table is not None else None
         if known is not None and table is not None:
-            header = _header_from_doc(doc, table.total_bytes, known)
+            header = _header_from_doc(doc, table.total_bytes, known, table)
         else:
             if table is not None:
                 doc = json.loads(raw)  # a failed match may have taken digests out of its entries
@@ -358,7 +396,8 @@ def _reprs(names: tuple) -> tuple[Repr, ...]:
     return tuple(Repr(r) for r in names)
 
 
-def _header_from_doc(doc: dict, total: int, segments: tuple[Segment, ...] | None = None) -> ChunkHeader:
+def _header_from_doc(doc: dict, total: int, segments: tuple[Segment, ...] | None = None,
+                     table: SegmentTable | None = None) -> ChunkHeader:
     # Every field's type is checked here (the header is untrusted input: a float count or a list
     # where a string belongs must be a FormatError, not a TypeError deep inside a restore); what
     # the values must be is checked against the reader's expectation in validate.py.
@@ -373,7 +412,7 @@ def _header_from_doc(doc: dict, total: int, segments: tuple[Segment, ...] | None
         compute_dtype=_str(doc["compute"]), storage_dtype=_str(doc["storage"]),
         layer_reprs=_reprs(tuple(doc["reprs"])),  # (a list of lists: TypeError, a malformed header)
         segments=segments if segments is not None else tuple(_segment(s) for s in doc["segments"]),
-        total_bytes=total, digest=alg, order=_order_from_doc(doc), from_table=segments is not None,
+        total_bytes=total, digest=alg, order=_order_from_doc(doc), table=table,
     )
 
 

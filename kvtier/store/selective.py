@@ -18,11 +18,11 @@ import torch
 
 from . import codec
 from . import format as fmt
-from .format import FormatError
+from .format import FormatError, coalesce
 from .index import StoredChunk
 from .layout import Repr
 from .tiered import TieredStore
-from .tiers.base import OpenChunk, coalesce
+from .tiers.base import OpenChunk
 
 READ_THREADS = 4  # concurrent ranged reads of one layer's chunks
 

@@ -231,3 +231,36 @@ def test_a_learned_segment_table_serves_alike_headers_and_never_a_forged_one(tmp
     for oc in (first, second):
         oc.close()
     store.close()
+
+
+@pytest.mark.parametrize("which", ["ns", "mixed_ns"])
+def test_headers_of_a_learned_table_plan_reads_as_a_full_parse_does(tmp_path, request, which):
+    """The chunks whose headers took a learned segment table share its read plans (made once per
+    layers and parts); each plan holds the chunk's own segments, digests included, exactly as
+    planning from a full parse of its header gives them."""
+    from kvtier.store import format as fmt
+
+    ns = request.getfixturevalue(which)
+    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)
+    t = tokens(64)
+    store.save(t, 0, *make_state(64))  # k, v and h: the mixed layout stores hidden states too
+    assert store.flush()
+    refs = store.lookup(t).chunks
+    store.close()
+    store = TieredStore.open(f"disk:{tmp_path}:64MB", ns, chunk_tokens=16)  # a restart: nothing learned
+    disk = store.tier("disk")
+    opened = [oc for oc in disk.open_chunks([store._expect_chunk(r) for r in refs]) if oc is not None]
+    assert len(opened) == 4 and opened[0].header.table is None
+    table = opened[1].header.table
+    assert table is not None and all(oc.header.table is table for oc in opened[1:])
+    n = len(opened[0].header.layer_reprs)
+    for oc in opened:
+        full = fmt.parse_header(disk._open(oc.expect.key).read(0, 16384).numpy().data, None)
+        for layers in ([0], [1, 2], list(range(1, n)), list(range(n))):
+            kinds = {p for li in layers for p in full.layer_reprs[li].parts()}
+            for parts in {tuple(sorted(kinds)), *((p,) for p in kinds)}:
+                assert oc.plan_read(layers, parts) == fmt.coalesce(full.segments_of(layers, parts)), (layers, parts)
+    assert len({oc.header.segments[0].digest for oc in opened}) == 4  # each its own digests, not the table's
+    for oc in opened:
+        oc.close()
+    store.close()

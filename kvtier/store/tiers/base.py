@@ -36,7 +36,7 @@ from ..format import (
     parse_header,
 )
 from ..policy import EvictionPolicy
-from ..seal import Seal
+from ..seal import Seal, digest
 from ..throttle import Emulation, Throttle
 from ..validate import Expect
 from .breaker import Outage, Refused
@@ -105,17 +105,6 @@ class Reader(ABC):
         pass
 
 
-def coalesce(segs: Sequence[Segment]) -> list[list[Segment]]:
-    """Adjacent segments (layer-major layout: a layer group is contiguous) as single ranged reads."""
-    runs: list[list[Segment]] = []
-    for s in segs:
-        if runs and s.offset - (runs[-1][-1].offset + runs[-1][-1].nbytes) < 64:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return runs
-
-
 class OpenChunk:
     """One chunk opened on one tier: its checked header and a reader of that version of it."""
 
@@ -126,7 +115,7 @@ class OpenChunk:
         layers = list(layers)
         if any(li < 0 or li >= len(self.header.layer_reprs) for li in layers):
             raise FormatError("layer out of range")  # a caller bug, but never return wrong data
-        return coalesce(self.header.segments_of(layers, parts))
+        return self.header.plan_read(layers, parts)
 
     def staging_bytes(self, runs: list[list[Segment]]) -> int:
         return sum(self.reader.span(r[0].offset, r[-1].offset + r[-1].nbytes - r[0].offset) for r in runs)
@@ -197,17 +186,30 @@ class OpenChunk:
         read it straight there (direct I/O: aligned offsets, lengths and addresses); else None."""
         a = self.reader.direct_align
         want = self.header.tokens * into.slot_bytes  # what a chunk's K or V of one layer takes in the pool
-        if not a or into.align % a or run[0].offset % a or any(s.nbytes != want for s in run) or \
-                any(s.part not in ("k", "v") or s.nbytes % a or into.offset(s.layer) % a for s in run) or \
-                any(x.offset + x.nbytes != y.offset for x, y in zip(run, run[1:])):
+        if not a or into.align % a or run[0].offset % a or want % a:
             return None
-        return [into.dest(s.layer, s.part, s.nbytes) for s in run]
+        # One pass over the run (a restore asks this per chunk per layer group).
+        dests, end = [], run[0].offset
+        for s in run:
+            off = s.layer * into.layer_bytes + into.slot * into.slot_bytes
+            if s.nbytes != want or s.offset != end or off % a:
+                return None
+            if s.part == "k":
+                dests.append(into.k[off:off + want])
+            elif s.part == "v":
+                dests.append(into.v[off:off + want])
+            else:
+                return None
+            end += want
+        return dests
 
     def check_scattered(self, run: list[Segment], dests: Sequence[memoryview]) -> None:
         """Verify a run read into `dests` (raises FormatError)."""
         if self.verify:
+            alg = self.header.digest
             for s, d in zip(run, dests):
-                check_segment(s, d, self.header.digest)
+                if digest(alg, d) != s.digest:  # (each dest is the segment's length: scatter_dests)
+                    raise FormatError(f"segment {s.layer}/{s.part}: checksum mismatch")
 
     def close(self) -> None:
         self.reader.close()
