@@ -15,6 +15,7 @@ from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
+from kvtier.store.staging import Staging
 from kvtier.store.tiers import disk, uring
 
 from kvtier_testlib import spy_logits
@@ -82,11 +83,16 @@ def _restore_matches_recompute(model, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_cold_kv_restore_reads_through_the_ring_and_equals_recompute(tiny_gqa, tmp_path, ring_jobs, dtype):
+def test_a_cold_kv_restore_reads_through_the_ring_and_equals_recompute(tiny_gqa, tmp_path, ring_jobs, dtype,
+                                                                       monkeypatch):
     model = tiny_gqa if dtype == "fp32" else load_model("tiny-gqa", dtype="bf16", tokenizer=False)
+    taken: list[int] = []
+    take = Staging.take
+    monkeypatch.setattr(Staging, "take", lambda self, n: taken.append(n) or take(self, n))
     assert _restore_matches_recompute(model, tmp_path)["io_uring"] is True
     # Every layer group of every chunk went in one submission per group: 5 chunks per call.
     assert ring_jobs and all(n == HIST // CHUNK for n in ring_jobs)
+    assert taken == []  # straight into the pool: no staging buffer was taken for any group
 
 
 @pytest.mark.parametrize("where", ["header", "payload"])

@@ -8,6 +8,7 @@ missing from its planned tier is a miss: nothing is read from another tier behin
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -228,19 +229,12 @@ class PlannedReads:
             tier._count_read(self.chunks[i].key, nbytes)
         return True
 
-    def _staging_for(self, tier: Tier, opened: list[OpenChunk], runs: list, group: LayerGroup) -> list[torch.Tensor | None]:
-        """One staging buffer for this tier's part of the group, cut per chunk at page multiples."""
+    def _staging_for(self, tier: Tier, opened: list[OpenChunk], runs: list, group: LayerGroup) -> Sequence[torch.Tensor | None]:
+        """Staging for this tier's part of the group, one page-multiple cut per chunk, taken only
+        if a chunk's read asks for its cut: reads that go straight into the pool need none."""
         if not tier.stages_reads:
             return [None] * len(opened)  # the read's own memory serves (views of RAM, or a reply's bytes)
-        sizes = [oc.staging_bytes(r) for oc, r in zip(opened, runs)]
-        buf = self.staging.take(sum(sizes))
-        group.buffers.append(buf)
-        outs: list[torch.Tensor | None] = []
-        pos = 0
-        for n in sizes:
-            outs.append(buf[pos:pos + n])
-            pos += n
-        return outs
+        return _StagingCuts(self.staging, [oc.staging_bytes(r) for oc, r in zip(opened, runs)], group)
 
     def release(self, group: LayerGroup) -> None:
         """The group's states are placed: its staging memory may be reused."""
@@ -253,6 +247,28 @@ class PlannedReads:
         for oc in self.opened:
             oc.close()
         self.opened = []
+
+
+class _StagingCuts(Sequence[torch.Tensor]):
+    """Per-chunk cuts of one staging buffer, taken (and held by the group) at the first cut asked
+    for; the tier's IO threads may ask at once."""
+
+    def __init__(self, staging: Staging, sizes: list[int], group: LayerGroup) -> None:
+        self.staging, self.sizes, self.group = staging, sizes, group
+        self._cuts: list[torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):  # ints only: read_runs indexes by chunk
+        with self._lock:
+            if self._cuts is None:
+                buf = self.staging.take(sum(self.sizes))
+                self.group.buffers.append(buf)
+                ends = np.cumsum(self.sizes).tolist()
+                self._cuts = [buf[e - n:e] for e, n in zip(ends, self.sizes)]
+            return self._cuts[i]
 
 
 def kv_back_to_back(k: torch.Tensor, v: torch.Tensor, width: int) -> bool:
