@@ -192,8 +192,8 @@ class OpenChunk:
         dests, end = [], run[0].offset
         for s in run:
             off = s.layer * into.layer_bytes + into.slot * into.slot_bytes
-            if s.nbytes != want or s.offset != end or off % a:
-                return None
+            if s.nbytes != want or s.offset != end or off % a or off + want > into.k.nbytes:
+                return None  # (K and V buffers are the same size: a slice past the end would be short)
             if s.part == "k":
                 dests.append(into.k[off:off + want])
             elif s.part == "v":
