@@ -5,7 +5,9 @@ name; OpenMP's workers are native threads ("omp workers"). Prints medians per re
 
 On two cores the compute (the step's thread and the OpenMP workers) fills both; whatever the reads
 cost (direct-I/O page pinning, CRC-32C, Python) comes out of the compute's time, and read threads
-that are runnable wait for a core. This shows the bound on a cold restore that overlap cannot hide.
+that are runnable wait for a core. This shows the bound on a cold restore that overlap cannot hide. The rows "(in opening)" and
+"(in reading)" are the thread CPU spent inside the restore's `PlannedReads.open` and `.read` calls,
+parts of the rows above them (thread CPU is steadier than wall time on a VM whose speed drifts).
 
     cd scripts && python restore_threads.py [--history 4096] [--dtype bf16] [--contexts 6] [--json out.json]
 """
@@ -28,8 +30,10 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
+from kvtier.store.reads import PlannedReads
 
 Snapshot = dict[int, tuple[str, int, int]]  # tid -> (thread name, run ns, run-queue wait ns)
+SPENT: dict[str, float] = {"opening": 0.0, "reading": 0.0}  # thread CPU seconds in the restore's calls
 
 
 def snapshot() -> Snapshot:
@@ -56,10 +60,28 @@ def per_name(before: Snapshot, after: Snapshot) -> dict[str, tuple[float, float]
     return {k: (v[0], v[1]) for k, v in acc.items() if v[0] or v[1]}
 
 
+def count_calls(spent: dict[str, float]) -> None:
+    """From now on, the CPU time of the thread running `PlannedReads.open` (the restore's worker:
+    opening the chunks, before the new tokens start) and `PlannedReads.read` (its reader: the
+    reads, beside the compute) is added to `spent` under "opening" and "reading"."""
+    for name, row in (("open", "opening"), ("read", "reading")):
+        plain = getattr(PlannedReads, name)
+
+        def counted(self, *a, _plain=plain, _row=row, **kw):
+            c = time.thread_time()
+            try:
+                return _plain(self, *a, **kw)
+            finally:
+                spent[_row] += time.thread_time() - c
+
+        setattr(PlannedReads, name, counted)
+
+
 def timed(engine: Engine, ids: list[int], once: SamplingParams, history: int) -> tuple[float, dict]:
     """(wall seconds, per thread name (CPU, run-queue wait)) of one restore. A thread that ended
     before the restore did (a restore's reader) is gone from /proc: its CPU is the process's CPU
     less the live threads', reported as "threads that ended" (its wait is unknown, 0)."""
+    SPENT.update(opening=0.0, reading=0.0)
     s0, c0, t = snapshot(), time.process_time(), time.perf_counter()
     out = engine.generate([ids], once)[0]
     wall, cpu = time.perf_counter() - t, time.process_time() - c0
@@ -67,7 +89,8 @@ def timed(engine: Engine, ids: list[int], once: SamplingParams, history: int) ->
         raise SystemExit(f"reused {out.prompt_tokens_reused} of {history} tokens")
     split = per_name(s0, snapshot())
     split["threads that ended"] = (max(0.0, cpu - sum(run for run, _ in split.values())), 0.0)
-    return wall, split
+    calls = {f"(in {k})": (v, 0.0) for k, v in SPENT.items() if v}  # parts of the rows above, not added to them
+    return wall, split | calls
 
 
 def main() -> None:
@@ -77,6 +100,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, default=6)
     ap.add_argument("--json")
     args = ap.parse_args()
+    count_calls(SPENT)
     model = load_model("smollm2-135m", dtype=args.dtype)
     once = SamplingParams(max_tokens=1, temperature=0.0)
     config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max(8192, args.history + 64), enable_prefix_cache=False)
@@ -102,7 +126,7 @@ def main() -> None:
         names = sorted({n for _, split in samples for n in split})
         rows = {n: tuple(statistics.median(s[1].get(n, (0.0, 0.0))[i] for s in samples) for i in (0, 1)) for n in names}
         wall = statistics.median(w for w, _ in samples)
-        cpu = statistics.median(sum(v[0] for v in s[1].values()) for s in samples)
+        cpu = statistics.median(sum(v[0] for n, v in s[1].items() if not n.startswith("(")) for s in samples)
         print(f"H={args.history} {args.dtype} {where}: wall {1e3 * wall:.1f} ms, CPU {1e3 * cpu:.1f} ms (medians of {len(samples)})")
         for n, (run, wait) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
             print(f"  {n:24s} CPU {1e3 * run:7.1f} ms   run-queue wait {1e3 * wait:7.1f} ms")
