@@ -65,10 +65,6 @@ class PoolTarget:
     def offset(self, layer: int) -> int:
         return layer * self.layer_bytes + self.slot * self.slot_bytes
 
-    def dest(self, layer: int, part: str, nbytes: int) -> memoryview:
-        off = self.offset(layer)
-        return (self.k if part == "k" else self.v)[off:off + nbytes]
-
 
 @dataclass(frozen=True)
 class ChunkData:
@@ -191,7 +187,7 @@ class OpenChunk:
         # One pass over the run (a restore asks this per chunk per layer group).
         dests, end = [], run[0].offset
         for s in run:
-            off = s.layer * into.layer_bytes + into.slot * into.slot_bytes
+            off = into.offset(s.layer)
             if s.nbytes != want or s.offset != end or off % a or off + want > into.k.nbytes:
                 return None  # (K and V buffers are the same size: a slice past the end would be short)
             if s.part == "k":
