@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvtier.engine.restore.impress_policy import ImpressStats
-from kvtier.engine.runner.model_runner import ModelRunner, RunItem, slot_array
+from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.runner.transfer import (
     DONE,
     EqualRuns,
@@ -321,7 +321,8 @@ class Restore:
     def _lay_out(self) -> None:
         runner, start, hist = self.runner, self.start, self.plan.history_tokens
         spans = [(c.start, c.end) for c in self.plan.chunks]
-        self.slots = runner.upload(runner.slots(self.block_ids, start, hist))
+        host_slots = runner.slots(self.block_ids, start, hist)  # [hist - start], on the host
+        self.slots = runner.upload(host_slots)
         self.pieces = []
         if self.source is None:
             self.pieces = pieces(spans, runner.slot_runs(self.block_ids, start, hist), start)
@@ -331,14 +332,14 @@ class Restore:
             self.shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
         self._grid = None
         if self.transfer.is_async and self.source is None and spans:
-            self._grid = runner.upload(self._slot_grid(spans, start, hist))
+            self._grid = runner.upload(self._slot_grid(spans, start, hist, host_slots.numpy()))
         self._lo = max(spans[0][0], start) if spans else start
         whole = {p.chunk: p for p in self.pieces if p.offset == 0}
         direct = any(t.stages_reads for t in self.reads.tiers) and runner.k_cache.device.type == "cpu"
         self._targets = [runner.pool_target(whole[i].slot) if direct and i in whole and whole[i].length == b - a
                          else None for i, (a, b) in enumerate(spans)]
 
-    def _slot_grid(self, spans: Sequence[tuple[int, int]], start: int, hist: int) -> torch.Tensor:
+    def _slot_grid(self, spans: Sequence[tuple[int, int]], start: int, hist: int, slots: np.ndarray) -> torch.Tensor:
         """[chunks, T] pool slots of the chunks' rows: position a + t of chunk [a, b), for
         start <= a + t < min(b, hist); every other cell the runner's sink (rows never placed)."""
         width = max(b - a for a, b in spans)
@@ -346,7 +347,7 @@ class Restore:
         ends = np.array([min(b, hist) for _, b in spans])[:, None]
         keep = (pos >= start) & (pos < ends)
         grid = np.full(pos.shape, self.runner.sink, dtype=np.int64)
-        grid[keep] = slot_array(self.block_ids, start, hist, self.runner.block_size)[pos[keep] - start]
+        grid[keep] = slots[pos[keep] - start]  # slots: [hist - start], the pool slot of each position
         return torch.from_numpy(grid)  # numpy, not torch CPU ops: see ModelRunner.slots
 
     # ----- background part --------------------------------------------------------------------
