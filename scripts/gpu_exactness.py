@@ -16,7 +16,8 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from test_restore import GREEDY, _engine, _ids, _spy_logits, cases, restore_after_saving  # noqa: E402
+from kvtier_testlib import spy_logits  # noqa: E402
+from test_restore import GREEDY, _engine, _ids, cases, restore_after_saving  # noqa: E402
 
 from kvtier.models.loading import load_model  # noqa: E402
 
@@ -27,12 +28,12 @@ def main() -> None:
         model = load_model("tiny-gqa", dtype=dtype, device="cuda", tokenizer=False)
         ids = _ids(model)
         plain = _engine(model, None)
-        ref = _spy_logits(plain)
+        ref = spy_logits(plain)
         ref_tokens = plain.generate([ids], GREEDY)[0].output_ids
         plain.close()
         for name, (method, layout) in cases(model.config.num_layers).items():
             engine = _engine(model, "memory:256MB", method, layout)
-            got = _spy_logits(engine)
+            got = spy_logits(engine)
             out = restore_after_saving(engine, ids)
             # The last len(ref) steps are the restored request's (the save's steps come first); each
             # step's last row is the newest token's logits.
