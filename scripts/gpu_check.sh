@@ -9,7 +9,7 @@
 # Environment knobs: MODELS, CONTEXTS, TIERS, MHA_MODEL, MHA_CONTEXTS, BANDWIDTHS, REPEATS, FORWARD_MODELS,
 # FORWARD_MODES, FORWARD_PREFILL, FORWARD_CONTINUATION, FORWARD_BATCH, FORWARD_CONTEXT, FORWARD_SAVING_ALL=1,
 # SKIP_TESTS=1, PROBES=1 (exactness and the copy and attention candidates, about 60 s), SKIP_BENCH=1,
-# SKIP_MHA=1, COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1,
+# SKIP_MHA=1, HF_COMPILED=off (skip HF's torch.compile decode peer, about a minute), COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1,
 # PROFILE=1 (scripts/gpu_profile.py: where a kv restore's, a restoring step's and a saving decode step's
 # time goes, about 170 s; PROFILE_TARGETS picks some of "restore restoring saving"; py-spy is used where
 # it is on PATH, e.g. from a py-spy wheel in .whl/).
@@ -80,7 +80,7 @@ if [ -z "${SKIP_FORWARD:-}" ]; then
     $PY -m kvtier bench forward --device cuda --dtype bf16 --model "$model" --modes "${FORWARD_MODES:-exact}" \
         --prefill "${FORWARD_PREFILL:-4096}" --continuation "${FORWARD_CONTINUATION:-512}" \
         --batch "${FORWARD_BATCH:-1,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" --new-tokens 32 \
-        --repeats "${REPEATS:-3}" $saving --json "$OUT/forward_$model.json" 2>&1 | tee "$OUT/forward_$model.log"
+        --repeats "${REPEATS:-3}" --hf-compiled "${HF_COMPILED:-auto}" $saving --json "$OUT/forward_$model.json" 2>&1 | tee "$OUT/forward_$model.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     saving=${FORWARD_SAVING_ALL:+--saving --restoring}
   done
