@@ -270,6 +270,37 @@ def test_graph_captured_decode_equals_eager_decode(dtype):
         assert a == b if dtype == "fp32" else sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)
 
 
+def test_a_capture_survives_another_thread_pinning_host_memory(gqa_cuda):
+    """The store's writer pins arena segments while the step thread captures a decode graph (an
+    H200 run, 2026-11-27: under the "global" capture mode the writer's allocation failed, its chunk
+    was lost, and the capture failed, leaving decoding eager). Both now go on."""
+    import threading
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def pin() -> None:
+        while not stop.is_set():
+            try:
+                torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+            except BaseException as e:  # noqa: BLE001 - what the writer would have logged
+                errors.append(e)
+
+    ids = _ids(gqa_cuda)
+    prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33], ids[40:57]]
+    t = threading.Thread(target=pin, daemon=True)
+    t.start()
+    try:
+        _, got, sd = _decode_logits(gqa_cuda, None, prompts)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors[:1]
+    assert sd is not None and sd.graphs_on and sd.replays > 0
+    _, want, _ = _decode_logits(gqa_cuda, True, prompts, graphs=False)
+    assert got == want
+
+
 def test_graph_captured_paged_decode_decodes_the_same_tokens(gqa_cuda):
     """The FlexAttention backend (the pool read in place, compiled through Triton) captured in the
     graphs: the tokens of the gathering backend."""

@@ -151,7 +151,11 @@ class StaticDecode:
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._mempool):
+            # thread_local: the store's writer and the restore worker keep working during a capture
+            # (pinning arena segments, copying on their own streams). Under the default ("global")
+            # mode such a call on any thread fails and invalidates the capture: on an H200 a save's
+            # pinned allocation failed (the chunk was lost) and decoding fell back to eager for good.
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 self.step(*key)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay correct, eagerly
             log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", e)
