@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier.engine.block_pool import block_hashes
-from kvtier.engine.calibrate.hardware import COMPUTE_POINTS, GPU_POINTS, compute_points, fit_compute
+from kvtier.engine.calibrate.hardware import COMPUTE_POINTS, GPU_LONG_POINTS, GPU_POINTS, compute_points, fit_compute
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -393,6 +393,12 @@ def test_a_gpu_fit_also_times_the_shapes_restores_are_planned_for():
     gpu = compute_points(torch.device("cuda"), 32768)
     assert gpu == COMPUTE_POINTS + GPU_POINTS and (0, 8192) in gpu and (8192, 8256) in gpu
     assert compute_points(torch.device("cuda"), 2048) == tuple(p for p in COMPUTE_POINTS if p[1] <= 2048)
+    # A 16K prefill too, where its pool fits a quarter of the free device memory (and the context).
+    per_token = 1 << 17  # llama3-8b's K/V per token in bf16: its 16K pool is 2 GiB
+    assert compute_points(torch.device("cuda"), 32768, per_token, 8 << 30) == gpu + GPU_LONG_POINTS
+    assert compute_points(torch.device("cuda"), 32768, per_token, (8 << 30) - 1) == gpu
+    assert compute_points(torch.device("cuda"), 8256, per_token, 80 << 30) == gpu
+    assert compute_points(torch.device("cpu"), 32768, per_token, 80 << 30) == COMPUTE_POINTS
     true = dataclasses.replace(fake_profile("x"), prefill_a=5e-5, prefill_b=1e-10, prefill_g=1e-7, prefill_c=0.013)
     assert fit_compute([(s, e, true.prefill_s(s, e)) for s, e in gpu]) == \
         pytest.approx((5e-5, 1e-10, 1e-7, 0.013), rel=1e-6)

@@ -70,12 +70,17 @@ def restore_staging_bytes(cfg: ModelConfig, itemsize: int, max_model_len: int) -
     return 2 * group * 2 * cfg.kv_dim * itemsize * max_model_len
 
 
+def step_tokens(config: EngineConfig, device: torch.device) -> int:
+    """Prompt tokens one engine step computes at most: what `config` sets, else the device's default."""
+    return config.max_batched_tokens or (GPU_STEP_TOKENS if device.type == "cuda" else CPU_STEP_TOKENS)
+
+
 def choose(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
            memory: DeviceMemory | None = None) -> DeviceBudget:
     """The budget for `device`: what `config` sets, the device's defaults for the rest. `memory`:
     the device's memory now (measured when None)."""
     gpu = device.type == "cuda"
-    tokens = config.max_batched_tokens or (GPU_STEP_TOKENS if gpu else CPU_STEP_TOKENS)
+    tokens = step_tokens(config, device)
     static = config.static_decode if config.static_decode is not None else gpu
     staging = restore_staging_bytes(cfg, dtype.itemsize, max_model_len) if gpu else 0
     if config.kv_cache_bytes is not None:

@@ -259,7 +259,8 @@ class RestoreBench:
         self._warm = True
 
     def run_cell(self, loaded, profile, hf, info: Context, storage: str, tier: str, bw_text: str) -> None:
-        from kvtier.engine.config import ReuseConfig
+        from kvtier.engine.budget import step_tokens
+        from kvtier.engine.config import EngineConfig, ReuseConfig
         from kvtier.planning.costs import ModelShape, links
         from kvtier.planning.plan import PlannedChunk
         from kvtier.planning.planner import Planner
@@ -274,7 +275,10 @@ class RestoreBench:
                             compute_dtype=dtypes.name_of(loaded.dtype), storage_dtype=sdt)
         shape = ModelShape(n, ns.layer_bytes_per_token(Repr.KV), ns.layer_bytes_per_token(Repr.HIDDEN))
         em = parse_spec(tier_spec(tier, bw, self.workdir, self.redis_url(), "x")).tiers()[0][1]
-        planner = Planner(profile, shape, links(profile, [(tier, em.bandwidth, em.latency)]))
+        # Recompute is predicted in the engine's own steps (16K tokens on a GPU: with the planner's
+        # default 2048 it was predicted at 1.46x its time on an H200, four steps' fixed cost too many).
+        steps = step_tokens(EngineConfig(), loaded.module.lm_head.weight.device)
+        planner = Planner(profile, shape, links(profile, [(tier, em.bandwidth, em.latency)]), prefill_chunk_tokens=steps)
         chunks = [PlannedChunk("", a, a + cfg.chunk_tokens, tier, 0) for a in range(0, info.hist, cfg.chunk_tokens)]
         partition = planner.partition(chunks)
         for method in cfg.methods:

@@ -34,7 +34,7 @@ from kvtier.dtypes import name_of
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import cache
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
-from kvtier.engine.runner.transfer import EqualRuns, byte_view, span_runs
+from kvtier.engine.runner.transfer import EqualRuns, span_runs
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
 from kvtier.planning.plan import PlannedChunk
@@ -94,12 +94,39 @@ COMPUTE_POINTS = ((0, 256), (0, 1024), (0, 2048), (2048, 4096), (1024, 1088), (2
 # are planned for (a long prefill, and 64 new tokens on an 8K history), which take a fraction of a
 # second.
 GPU_POINTS = ((0, 8192), (8192, 8256))
+# Beyond its points the fit's quadratic term grows too fast on a GPU: with points up to 8K it
+# predicted a 16K prefill on an H200 at 0.80 s against 0.56 measured (with this point: 0.62).
+# Timed only where the pool it needs fits a quarter of the device's free memory.
+GPU_LONG_POINTS = ((0, 16384),)
+# Placement and projection are timed at a restore's size on an asynchronous device: at 1024
+# tokens their per-token rates there are mostly launch overhead (scaled to 8K, 10x the device time).
+SYNC_PLACEMENT_TOKENS, ASYNC_PLACEMENT_TOKENS = 1024, 8192
 
 
-def compute_points(device: torch.device, max_positions: int) -> tuple[tuple[int, int], ...]:
-    """The prefill steps the compute fit times on `device`, within the model's context."""
-    extra = GPU_POINTS if device.type == "cuda" else ()
+def compute_points(device: torch.device, max_positions: int, kv_bytes_per_token: int = 0,
+                   free_bytes: int = 0) -> tuple[tuple[int, int], ...]:
+    """The prefill steps the compute fit times on `device`, within the model's context (and, for
+    the long point, within `free_bytes` of device memory given the pool's `kv_bytes_per_token`)."""
+    extra: tuple[tuple[int, int], ...] = ()
+    if device.type == "cuda":
+        extra = GPU_POINTS + tuple(p for p in GPU_LONG_POINTS if 0 < 4 * p[1] * kv_bytes_per_token <= free_bytes)
     return tuple(p for p in COMPUTE_POINTS + extra if p[1] <= max_positions)
+
+
+def _placement_tokens(model: LoadedModel, runner: ModelRunner, most: int) -> int:
+    """History tokens the placement is timed at (a multiple of 64, at most `most`): a restore's
+    size where copies are asynchronous and the staging and hidden states fit a quarter of the
+    free device memory, else SYNC_PLACEMENT_TOKENS."""
+    n = min(ASYNC_PLACEMENT_TOKENS, most) // 64 * 64
+    cfg, width = model.config, model.dtype.itemsize
+    need = n * cfg.num_layers * (2 * cfg.kv_dim + cfg.hidden_size) * width  # staging + hidden states
+    if runner.transfer.is_async and n > SYNC_PLACEMENT_TOKENS and 4 * need <= _free_bytes(runner.device):
+        return n
+    return SYNC_PLACEMENT_TOKENS
+
+
+def _free_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
 def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
@@ -121,13 +148,19 @@ def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float,
     return out[0], out[1], out[2], out[3]
 
 
+def _points(model: LoadedModel) -> tuple[tuple[int, int], ...]:
+    cfg, device = model.config, model.module.lm_head.weight.device
+    return compute_points(device, cfg.max_position_embeddings, 2 * cfg.num_layers * cfg.kv_dim * model.dtype.itemsize,
+                          _free_bytes(device))
+
+
 def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None = None,
                     tick: Callable[[], object] = lambda: None) -> dict:
     """Prefill steps at `points` (default: `compute_points` for the model's device) and the
     placements (`tick` after each: a progress bar)."""
     cfg = model.config
     if points is None:
-        points = compute_points(model.module.lm_head.weight.device, cfg.max_position_embeddings)
+        points = _points(model)
     runner, blocks = _runner(model, max(e for _, e in points))
     timed = []
     for s, e in points:  # the history's K/V in the pool is whatever is there: timing does not care
@@ -136,52 +169,52 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None
         timed.append((s, e, _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)))
         tick()
     a, b, g, c = fit_compute(timed)
-    place, project = _measure_placement(model, runner, blocks, 1024)
+    place, project = _measure_placement(model, runner, blocks, _placement_tokens(model, runner, max(e for _, e in points)))
     tick()
     return dict(prefill_a=a, prefill_b=b, prefill_g=g, prefill_c=c, project_s=project, place_s=place,
                 points=tuple(timed))
 
 
 def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int], n: int) -> tuple[float, float]:
-    """Seconds per token per layer to copy stored K/V into the pool (from 64-token chunk pieces, as
-    a restore does) and to project stored hidden states into it, at restore sizes: a separate
-    source per layer, so caches are as cold as in a real restore."""
+    """Seconds per token per layer to place stored K/V into the pool and to project stored hidden
+    states into it, as a restore of `n` history tokens does on this device."""
     cfg, layers = model.config, model.config.num_layers
-    runs = [(s, min(64, n - s)) for s in range(0, n, 64)]
-    # One layer-major buffer per 64-token chunk, as the store keeps them: [layers, K|V, tokens, kv_heads, hd].
-    # Host chunks (pinned on CUDA, as the memory tier's), so placement includes the host-to-device copy.
-    chunks = [_host(torch.randn(layers, 2, m, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype), runner) for _, m in runs]
     h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype).to(runner.device)  # projected where it lands
     slots = runner.upload(runner.slots(blocks, 0, n))
-
-    grid = runner.upload(torch.arange(len(runs) * 64).view(-1, 64))  # [chunks, 64]: slot of each row (n % 64 == 0)
-
-    def copy_all() -> None:
-        for g in range(0, layers, READ_GROUP_LAYERS):
-            group = range(g, min(layers, g + READ_GROUP_LAYERS))
-            if not runner.transfer.is_async:
-                runner.copy_in(group, runs, [c[g:group.stop, 0] for c in chunks], [c[g:group.stop, 1] for c in chunks])
-                continue
-            # As a restore places on an asynchronous device: one DMA run per chunk into a staging
-            # buffer [chunks, layers, 2, 64, kv_heads, hd], then one scatter per layer and part.
-            per = len(group) * 2 * 64 * cfg.kv_dim * model.dtype.itemsize
-            stage = torch.empty(len(chunks) * per, dtype=torch.uint8, device=runner.device)
-            parts = [(i * per, byte_view(c[g:group.stop].contiguous())) for i, c in enumerate(chunks)]
-            runner.transfer.wait(runner.transfer.to_stage(stage, parts))
-            view = stage.view(model.dtype).view(len(chunks), len(group), 2, 64, cfg.num_kv_heads, cfg.head_dim)
-            for i, li in enumerate(group):
-                runner.place_staged(li, grid, view[:, i, 0], view[:, i, 1])
-
-    place = _time(copy_all) / (n * layers)
     project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
-    return place, project
+    return _place_s(model, runner, n), project
 
 
-def _host(t: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
-    if runner.device.type == "cpu":
-        return t
-    out = runner.transfer.host_empty(t.nbytes).view(t.dtype).view(t.shape)
-    return out.copy_(t)
+def _place_s(model: LoadedModel, runner: ModelRunner, n: int) -> float:
+    """Where copies are synchronous (the CPU), placing is copying each 64-token chunk piece into
+    the pool, on the compute's cores: that is timed, from a separate source per chunk so caches are
+    as cold as in a restore. On an asynchronous device the host-to-device copies run on the copy
+    stream and are the reads' cost (the tier's rates carry them); what the compute stream pays is
+    one scatter per layer and part out of the staging buffer, and only that is timed. (Timing the
+    copies here too counted them twice, on the compute's critical path: on an H200 that made the
+    planner predict a kv restore at 1.8x its time.)"""
+    cfg, layers = model.config, model.config.num_layers
+    runs = [(s, min(64, n - s)) for s in range(0, n, 64)]
+    if not runner.transfer.is_async:
+        # One layer-major buffer per 64-token chunk, as the store keeps them: [layers, K|V, tokens, kv_heads, hd].
+        chunks = [torch.randn(layers, 2, m, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype) for _, m in runs]
+
+        def copy_all() -> None:
+            for g in range(0, layers, READ_GROUP_LAYERS):
+                group = range(g, min(layers, g + READ_GROUP_LAYERS))
+                runner.copy_in(group, runs, [c[g:group.stop, 0] for c in chunks], [c[g:group.stop, 1] for c in chunks])
+
+        return _time(copy_all) / (n * layers)
+    # A restore's staging, already landed: [chunks, layers, K|V, 64, kv_heads, hd] (n % 64 == 0).
+    stage = torch.randn(len(runs), layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+                        device=runner.device)
+    grid = runner.upload(torch.arange(len(runs) * 64).view(-1, 64))  # [chunks, 64]: slot of each row
+
+    def place_all() -> None:
+        for li in range(layers):
+            runner.place_staged(li, grid, stage[:, li, 0], stage[:, li, 1])
+
+    return _time(place_all) / (n * layers)
 
 
 def _overlap(read: Callable[[], object], compute: Callable[[], object]) -> float:
@@ -328,7 +361,7 @@ def _measure_spec(model: LoadedModel, spec: str | None, tick: Callable[[], objec
 def measure(model: LoadedModel, spec: str | None = None, progress: bool = False) -> HardwareProfile:
     """Measure compute and every tier of `spec` (a memory and a scratch disk tier without one);
     `progress`: a bar on stderr (where it is a terminal)."""
-    points = compute_points(model.module.lm_head.weight.device, model.config.max_position_embeddings)
+    points = _points(model)
     steps = len(points) + 1 + (len(_spec_parts(spec)) if spec is not None else 2)
     with tqdm(total=steps, desc="measuring this machine for the planner (once)", unit="step", file=sys.stderr,
               disable=None if progress else True) as bar:
