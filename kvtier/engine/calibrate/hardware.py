@@ -179,7 +179,9 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     """Seconds per token per layer to place stored K/V into the pool and to project stored hidden
     states into it, as a restore of `n` history tokens does on this device."""
     cfg, layers = model.config, model.config.num_layers
-    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype).to(runner.device)  # projected where it lands
+    # Made where it is projected: on a GPU 8K tokens of hidden states are a billion values, seconds
+    # of the host's random generator.
+    h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype, device=runner.device)
     slots = runner.upload(runner.slots(blocks, 0, n))
     project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
     return _place_s(model, runner, n), project
