@@ -4,6 +4,7 @@ scripts/gpu_check.sh runs these and the GPU benchmark on a GPU machine."""
 from __future__ import annotations
 
 import collections
+import time
 import traceback
 import warnings
 
@@ -270,24 +271,45 @@ def test_graph_captured_decode_equals_eager_decode(dtype):
         assert a == b if dtype == "fp32" else sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)
 
 
-def test_a_capture_survives_another_thread_pinning_host_memory(gqa_cuda):
+def test_a_capture_survives_another_thread_pinning_host_memory(gqa_cuda, monkeypatch):
     """The store's writer pins arena segments while the step thread captures a decode graph (an
     H200 run, 2026-11-27: under the "global" capture mode the writer's allocation failed, its chunk
-    was lost, and the capture failed, leaving decoding eager). Both now go on."""
+    was lost, and the capture failed, leaving decoding eager). Both now go on. The pinner keeps
+    what it takes, as the arena does, so each allocation is a new one (a freed block would come
+    back from PyTorch's host cache without a driver call); some land inside a capture."""
+    import sys
     import threading
 
     errors: list[BaseException] = []
-    stop = threading.Event()
+    kept: list[torch.Tensor] = []
+    capturing, stop = threading.Event(), threading.Event()
+    during = [0]
+    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
+
+    def capture_begin(self, *a, **kw):
+        begin(self, *a, **kw)
+        capturing.set()
+
+    def capture_end(self, *a, **kw):
+        capturing.clear()
+        end(self, *a, **kw)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", capture_end)
 
     def pin() -> None:
-        while not stop.is_set():
+        while not stop.is_set() and len(kept) < 4096:  # at most 256 MiB
             try:
-                torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+                kept.append(torch.empty(64 << 10, dtype=torch.uint8, pin_memory=True))
+                during[0] += capturing.is_set()
             except BaseException as e:  # noqa: BLE001 - what the writer would have logged
                 errors.append(e)
+            time.sleep(0.0005)
 
     ids = _ids(gqa_cuda)
     prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33], ids[40:57]]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)  # the pinner gets the GIL inside the captures' few milliseconds
     t = threading.Thread(target=pin, daemon=True)
     t.start()
     try:
@@ -295,7 +317,9 @@ def test_a_capture_survives_another_thread_pinning_host_memory(gqa_cuda):
     finally:
         stop.set()
         t.join()
+        sys.setswitchinterval(interval)
     assert not errors, errors[:1]
+    assert during[0] > 0, "no allocation landed inside a capture: the test proved nothing"
     assert sd is not None and sd.graphs_on and sd.replays > 0
     _, want, _ = _decode_logits(gqa_cuda, True, prompts, graphs=False)
     assert got == want

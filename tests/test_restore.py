@@ -270,6 +270,18 @@ def test_auto_stores_kv_where_cake_beats_the_bubble_free_partition(tiny_gqa):
     assert pl.choose_layout(None, "disk", 64) == (Repr.KV,) * n
 
 
+def test_cake_pays_the_device_copy_that_whole_chunk_reads_leave_out(tiny_gqa):
+    """On a GPU a whole-chunk read stays in host memory and Cake's loader copies it over before
+    placing it: its plan charges that copy (h2d_s), which placement, timed as the scatters a step
+    pays, no longer holds. Layer-wise loading's rate already includes its copies: unchanged."""
+    base = fake_profile("x", io_bps=1e10)
+    chunks = [PlannedChunk(str(a), a, a + 64, "memory", 0) for a in range(0, 4096, 64)]
+    plans = {h: _planner(tiny_gqa, dataclasses.replace(base, h2d_s=h)) for h in (0.0, 1e-6)}
+    cake = {h: pl.plan(Method.CAKE, chunks, 64).predicted_s for h, pl in plans.items()}
+    assert cake[1e-6] > cake[0.0]
+    assert plans[1e-6].plan(Method.KV, chunks, 64).predicted_s == plans[0.0].plan(Method.KV, chunks, 64).predicted_s
+
+
 def test_changed_profile_changes_the_plan(tiny_gqa):
     n = tiny_gqa.config.num_layers
     allowed = {Method.KV: (Repr.KV,) * n, Method.CAKE: (Repr.KV,) * n}

@@ -14,7 +14,7 @@ import torch
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner.transfer import LazyTransfer, span_runs
+from kvtier.engine.runner.transfer import LazyTransfer, Transfer, span_runs
 from kvtier.models.llama import CausalLM
 from kvtier.models.loading import load_model
 from kvtier.models.presets import PRESETS, random_state_dict
@@ -135,7 +135,8 @@ def test_the_calibration_times_only_the_placements_a_step_pays(tiny_gqa, rec):
     rates carry them, on the copy stream): placement is timed as the compute stream pays it, one
     scatter per layer and part out of a landed staging buffer, and no copy. (Timing both put a kv
     restore on an H200 at 1.8x its time.) The scatters land each staged row at its slot."""
-    from kvtier.engine.calibrate.hardware import _place_s, _runner
+    from kvtier.engine.calibrate.hardware import _h2d_s, _place_s, _runner
+    from kvtier.planning.costs import READ_GROUP_LAYERS
 
     runner, _ = _runner(tiny_gqa, 256)
     runner.k_cache.zero_()
@@ -145,6 +146,17 @@ def test_the_calibration_times_only_the_placements_a_step_pays(tiny_gqa, rec):
     assert not rec.of("h2d") and len(rec.of("scatter")) == 4 * 2 * layers  # a warm-up, three timed runs
     # Random rows were placed: every one of the 256 slots is no longer zeros.
     assert bool((runner.k_cache[layers - 1, :256].abs().flatten(1).sum(1) > 0).all())
+    # The copies are timed apart (Cake's loader and importance reads pay them beside whole-chunk
+    # reads): one batched submission per layer group of whole 64-token chunk runs, no scatter.
+    rec.ops.clear()
+    assert _h2d_s(tiny_gqa, runner, 256) > 0
+    groups = -(-layers // READ_GROUP_LAYERS)
+    assert not rec.of("scatter") and len(rec.of("h2d")) == 4 * groups
+    run = 2 * 64 * tiny_gqa.config.kv_dim * 4  # fp32 K|V of one layer of a chunk
+    assert sorted({r for op in rec.of("h2d") for r in op.runs}) == sorted({run * min(READ_GROUP_LAYERS, layers - g)
+                                                                            for g in range(0, layers, READ_GROUP_LAYERS)})
+    runner.transfer = Transfer(runner.device)  # synchronous copies: placing is the copy, timed as place_s
+    assert _h2d_s(tiny_gqa, runner, 256) == 0.0
 
 
 @pytest.mark.parametrize("cap", [False, True])

@@ -202,7 +202,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"prefill: {prof.prefill_a * 1e3:.3f} ms/token + {prof.prefill_b * 1e6:.4f} us/token^2 "
           f"+ {prof.prefill_g * 1e6:.3f} us per history token + {prof.prefill_c * 1e3:.1f} ms per step "
           f"({', '.join(f'{a}->{b} {t:.3f}s' for a, b, t in prof.points)})")
-    print(f"K/V copy into the pool: {prof.place_s * 1e9:.1f} ns/token/layer; hidden->K/V projection: "
+    copy = f", host-to-device copy {prof.h2d_s * 1e9:.1f} ns/token/layer" if prof.h2d_s else ""
+    print(f"K/V placement into the pool: {prof.place_s * 1e9:.1f} ns/token/layer{copy}; hidden->K/V projection: "
           f"{prof.project_s * 1e6:.2f} us/token/layer")
     for name, r in prof.tiers.items():
         print(f"tier {name}: whole-chunk {r.chunk_bps / 1e9:.2f} GB/s, layer groups {r.layer_bps / 1e9:.2f} GB/s, "

@@ -46,11 +46,17 @@ class HardwareProfile:
     prefill_a: float
     prefill_b: float
     project_s: float  # hidden -> K/V projection, RoPE and placement: seconds per token per layer
-    place_s: float  # copying stored K/V into the pool: seconds per token per layer
+    # Placing stored K/V into the pool as the compute side pays it, seconds per token per layer: the
+    # copy where copies are synchronous (the CPU), the scatters out of landed staging on a GPU.
+    place_s: float
     tiers: dict[str, TierRates] = field(default_factory=dict)
     points: tuple[tuple[int, int, float], ...] = ()  # measured (start, end, seconds) prefill steps
     prefill_g: float = 0.0
     prefill_c: float = 0.0
+    # Where copies are asynchronous (a GPU): copying host K/V to the device, seconds per token per
+    # layer. A layer-group read's rate already includes it; a whole-chunk read's does not. 0 on the
+    # CPU, where place_s is the copy.
+    h2d_s: float = 0.0
     version: int = PROFILE_VERSION
 
     def prefill_s(self, start: int, end: int) -> float:

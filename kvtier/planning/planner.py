@@ -244,7 +244,7 @@ class Planner:
         k = math.ceil(imp.ratio * hist)
         attention = max(0.0, p.prefill_s(hist, hist + new) - p.prefill_s(0, new))  # the new rows over the prefix
         identify = attention * (2 * imp.probe_share + (1 - passed))  # the probe heads; every head where they disagree
-        compute = p.prefill_s(k, k + new) + p.place_s * k * n
+        compute = p.prefill_s(k, k + new) + (p.place_s + p.h2d_s) * k * n  # whole-chunk reads: host side
         nbytes = hist * n * kv * (imp.probe_share + passed * kept + (1 - passed) * 0.5 * (1 + kept))
         t = probe + dep + identify + compute
         return t, max(nbytes / bw, compute), identify + compute, 0.0, 0
@@ -281,9 +281,10 @@ class Planner:
                 size = tokens * s.kv_bytes_per_token_layer * s.num_layers
                 link = self._link(ch.tier)
                 place = p.place_s * tokens * s.num_layers
-                tb += link.read_s(size, whole_chunk=True) + place
-                # The loader's placement is a copy on the cores the compute side runs on, as is
-                # the unhidden part of its read.
+                # A whole-chunk read stays on the host: on a GPU the loader copies it over first.
+                tb += link.read_s(size, whole_chunk=True) + p.h2d_s * tokens * s.num_layers + place
+                # The loader's placement runs on the cores (or the device) the compute side runs
+                # on, as does the unhidden part of its read.
                 tf += link.stolen_s(size, whole_chunk=True) + place
                 nbytes += size
                 back -= 1

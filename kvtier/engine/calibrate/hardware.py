@@ -122,11 +122,15 @@ def _placement_tokens(model: LoadedModel, runner: ModelRunner, most: int) -> int
     need = n * cfg.num_layers * (2 * cfg.kv_dim + cfg.hidden_size) * width  # staging + hidden states
     if runner.transfer.is_async and n > SYNC_PLACEMENT_TOKENS and 4 * need <= _free_bytes(runner.device):
         return n
-    return SYNC_PLACEMENT_TOKENS
+    return min(SYNC_PLACEMENT_TOKENS, most // 64 * 64)
 
 
 def _free_bytes(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    """Device memory free for the calibration's buffers (blocks the allocator caches count as free)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def fit_compute(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
@@ -169,10 +173,11 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None
         timed.append((s, e, _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)))
         tick()
     a, b, g, c = fit_compute(timed)
-    place, project = _measure_placement(model, runner, blocks, _placement_tokens(model, runner, max(e for _, e in points)))
+    n = _placement_tokens(model, runner, max(e for _, e in points))
+    place, project = _measure_placement(model, runner, blocks, n)
     tick()
     return dict(prefill_a=a, prefill_b=b, prefill_g=g, prefill_c=c, project_s=project, place_s=place,
-                points=tuple(timed))
+                h2d_s=_h2d_s(model, runner, n), points=tuple(timed))
 
 
 def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int], n: int) -> tuple[float, float]:
@@ -185,6 +190,30 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     slots = runner.upload(runner.slots(blocks, 0, n))
     project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
     return _place_s(model, runner, n), project
+
+
+def _h2d_s(model: LoadedModel, runner: ModelRunner, n: int) -> float:
+    """Where copies are asynchronous: seconds per token per layer to copy K/V from pinned host
+    chunks (64 tokens each, as the memory tier holds them) to the device, one batched submission
+    per layer group as a restore's staging does; a plain copy's rate, so `n` is capped at 2048
+    tokens of pinned host memory. 0 where copies are synchronous: placing is that copy (place_s)."""
+    if not runner.transfer.is_async:
+        return 0.0
+    cfg, layers, n = model.config, model.config.num_layers, min(n, 2048)
+    chunks = n // 64
+    per = READ_GROUP_LAYERS * 2 * 64 * cfg.kv_dim * model.dtype.itemsize  # one chunk's K|V of a full group
+    host = runner.transfer.host_empty(chunks * layers * 2 * 64 * cfg.kv_dim * model.dtype.itemsize)
+    host = host.view(chunks, -1)  # [chunks, layers * K|V * 64 * kv_dim] bytes: one chunk per row, layer-major
+    stage = torch.empty(chunks * per, dtype=torch.uint8, device=runner.device)
+
+    def copy_all() -> None:
+        for g in range(0, layers, READ_GROUP_LAYERS):
+            size = per * (min(layers, g + READ_GROUP_LAYERS) - g) // READ_GROUP_LAYERS
+            at = per * g // READ_GROUP_LAYERS
+            runner.transfer.wait(runner.transfer.to_stage(stage, [(i * size, host[i, at:at + size])
+                                                                  for i in range(chunks)]))
+
+    return _time(copy_all) / (chunks * 64 * layers)
 
 
 def _place_s(model: LoadedModel, runner: ModelRunner, n: int) -> float:
