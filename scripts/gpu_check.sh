@@ -9,7 +9,8 @@
 # Environment knobs: MODELS, CONTEXTS, TIERS, MHA_MODEL, MHA_CONTEXTS, BANDWIDTHS, REPEATS, FORWARD_MODELS,
 # FORWARD_MODES, FORWARD_PREFILL, FORWARD_CONTINUATION, FORWARD_BATCH, FORWARD_CONTEXT, FORWARD_SAVING_ALL=1,
 # SKIP_TESTS=1, PROBES=1 (exactness and the copy and attention candidates, about 60 s), SKIP_BENCH=1,
-# SKIP_MHA=1, HF_COMPILED=off (skip HF's torch.compile decode peer, about a minute),
+# SKIP_MHA=1, HF_COMPILED=auto (add HF's torch.compile decode peer to the forward rows: about a
+# minute more, issue 28's peer; off by default so the defaults fit one call),
 # COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1,
 # PROFILE=1 (scripts/gpu_profile.py: where a kv restore's, a restoring step's and a saving decode step's
 # time goes, about 170 s; PROFILE_TARGETS picks some of "restore restoring saving"; py-spy is used where
@@ -17,10 +18,10 @@
 # Timings on an H200 (2026-11-27): 32 s of tests, 135 s for llama3-8b at 8K and 16K (14 s of it the
 # one-time hardware profile), 80 s for llama2-7b at 8K, about 50 s for the forward rows at batch 1;
 # the defaults (smollm2-shape's forward with saving and restoring rows at batch 1 and 32, exact mode)
-# fit one 10-minute call: with HF_COMPILED=off they took 436 s there (37 s of tests, about 170 s of
+# fit one 10-minute call: they took 436 s there (37 s of tests, about 170 s of
 # forward rows, 220 s for the two models' restore tables). Issue 28's whole forward sweep wants a
 # call of its own:
-#   SKIP_TESTS=1 SKIP_BENCH=1 SKIP_MHA=1 FORWARD_MODELS="smollm2-shape llama3-8b llama2-7b" \
+#   SKIP_TESTS=1 SKIP_BENCH=1 SKIP_MHA=1 HF_COMPILED=auto FORWARD_MODELS="smollm2-shape llama3-8b llama2-7b" \
 #     FORWARD_MODES=exact,eager FORWARD_PREFILL=4096,16384 FORWARD_BATCH=1,8,32 scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,7 +84,7 @@ if [ -z "${SKIP_FORWARD:-}" ]; then
     $PY -m kvtier bench forward --device cuda --dtype bf16 --model "$model" --modes "${FORWARD_MODES:-exact}" \
         --prefill "${FORWARD_PREFILL:-4096}" --continuation "${FORWARD_CONTINUATION:-512}" \
         --batch "${FORWARD_BATCH:-1,32}" --prompt-len "${FORWARD_CONTEXT:-8192}" --new-tokens 32 \
-        --repeats "${REPEATS:-3}" --hf-compiled "${HF_COMPILED:-auto}" $saving --json "$OUT/forward_$model.json" 2>&1 | tee "$OUT/forward_$model.log"
+        --repeats "${REPEATS:-3}" --hf-compiled "${HF_COMPILED:-off}" $saving --json "$OUT/forward_$model.json" 2>&1 | tee "$OUT/forward_$model.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     saving=${FORWARD_SAVING_ALL:+--saving --restoring}
   done
