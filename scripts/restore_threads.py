@@ -5,9 +5,10 @@ name; OpenMP's workers are native threads ("omp workers"). Prints medians per re
 
 On two cores the compute (the step's thread and the OpenMP workers) fills both; whatever the reads
 cost (direct-I/O page pinning, CRC-32C, Python) comes out of the compute's time, and read threads
-that are runnable wait for a core. This shows the bound on a cold restore that overlap cannot hide. The rows "(in opening)" and
-"(in reading)" are the thread CPU spent inside the restore's `PlannedReads.open` and `.read` calls,
-parts of the rows above them (thread CPU is steadier than wall time on a VM whose speed drifts).
+that are runnable wait for a core. This shows the bound on a cold restore that overlap cannot hide.
+The rows "(in opening)" and "(in reading)" are the thread CPU spent inside the restore's
+`PlannedReads.open` and `.read` calls, parts of the rows above them (thread CPU is steadier than
+wall time on a VM whose speed drifts).
 
     cd scripts && python restore_threads.py [--history 4096] [--dtype bf16] [--contexts 6] [--json out.json]
 """
