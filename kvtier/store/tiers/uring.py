@@ -13,12 +13,22 @@ land straight in their destinations (the chunks' pool slots) as `preadv` would; 
 its caller while a read it submitted may still write. Where io_uring is missing (another OS, an
 older kernel, a container that filters the system call) or turned off with KVTIER_IO_URING=0, the
 tier keeps its threads.
+
+Whether rings work is first tried in a child process (`available`): the binding's x86-64 wheel
+(liburing 2026.3.30) is compiled with AVX-512 instructions, which kill a process on a CPU without
+them (SIGILL, e.g. AMD Zen 3) before any `except` could catch it. The child runs this file as a
+script and makes every call this module makes, on a real file; only if it exits cleanly does this
+process make rings of its own.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
@@ -37,15 +47,57 @@ class ReadJob(NamedTuple):
 
 @lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether rings work here (checked once: a ring is made and torn down)."""
+    """Whether rings work here: checked once per process, in a child (`probe`) and then here."""
     if os.environ.get("KVTIER_IO_URING", "1") == "0" or not hasattr(os, "eventfd"):
         return False
-    try:
-        Ring(2).close()
-    except Exception as e:  # noqa: BLE001 - ImportError, a kernel without it, a filtered system call
-        log.info("disk tier: io_uring is not available (%s: %s); reading on threads", type(e).__name__, e)
+    why = probe()
+    if why is None:
+        try:
+            Ring(2).close()
+        except Exception as e:  # noqa: BLE001 - the child passed; a failure here is still only a fallback
+            why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        log.info("disk tier: io_uring is not available (%s); reading on threads", why)
         return False
     return True
+
+
+def probe(argv: Sequence[str] | None = None, timeout_s: float = 60.0) -> str | None:
+    """Run this file's self-test (or `argv`) in a child; -> None if it passed, else why not."""
+    argv = list(argv) if argv is not None else [sys.executable, "-I", os.path.abspath(__file__)]
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the self-test did not run: {type(e).__name__}: {e}"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        sig = signal.Signals(-done.returncode).name
+        hint = " (the liburing binding uses instructions this CPU lacks)" if sig == "SIGILL" else ""
+        return f"the self-test was killed by {sig}{hint}"
+    last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    return f"the self-test failed: {last[0]}"
+
+
+def _self_test() -> None:
+    """Every binding call this module makes: a ring, an eventfd, reads (one failing) reaped."""
+    with tempfile.TemporaryFile() as f:
+        data = bytes(range(256)) * 32
+        f.write(data)
+        f.flush()
+        bad = os.open(os.devnull, os.O_WRONLY)  # reading a write-only fd fails: the error path
+        try:
+            dst = bytearray(len(data))
+            ring = Ring(2)
+            try:
+                res = ring.read([ReadJob(f.fileno(), 0, [memoryview(dst)[:4096], memoryview(dst)[4096:]]),
+                                 ReadJob(bad, 0, [memoryview(bytearray(16))]),
+                                 ReadJob(f.fileno(), 4096, [memoryview(bytearray(8))])])
+            finally:
+                ring.close()
+        finally:
+            os.close(bad)
+    assert res[0] == len(data) and bytes(dst) == data and res[1] < 0 and res[2] == 8, res
 
 
 class Ring:
@@ -140,3 +192,7 @@ class RingPool:
             rings, self._free = self._free, []
         for r in rings:
             r.close()
+
+
+if __name__ == "__main__":  # the child of `probe`: stdlib and the binding only, no kvtier imports
+    _self_test()
