@@ -44,10 +44,11 @@ def test_a_tail_that_rounds_otherwise_falls_back_to_the_whole_call(monkeypatch):
     monkeypatch.setattr(invariant._Packed, "agrees_with", lambda self, other, offset: False)
     calls = []
     plain_call = invariant._call
-    monkeypatch.setattr(invariant, "_call", lambda x, w, p, b, plan: calls.append(x.shape) or plain_call(x, w, p, b, plan))
+    monkeypatch.setattr(invariant, "_call", lambda x, w, p, b, plan: calls.append((w, p)) or plain_call(x, w, p, b, plan))
     k, v = fused.tail(x, 1)
     assert torch.equal(torch.cat([k, v], dim=-1), whole[:, 576:])
-    assert fused._packs[0][1].packed is not None and len(calls) == 1  # the whole call, once
+    pack = fused._packs[0][1]  # the whole weight's (packed for oneDNN only where this CPU packs bf16)
+    assert len(calls) == 1 and calls[0][0] is pack.weight and calls[0][1] is pack.packed  # the whole call, once
 
 
 def test_a_changed_weight_is_repacked():

@@ -53,14 +53,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn: Callable[[], object], repeats: int = 3) -> float:
+def _time(fn: Callable[[], object], repeats: int = 3, warm_up: bool = True) -> float:
     """Median seconds of `repeats` calls after one warm-up call (device work included)."""
 
     def run() -> None:
         fn()
         _sync()
 
-    run()
+    if warm_up:
+        run()
     ts = []
     for _ in range(repeats):
         _sync()
@@ -167,10 +168,18 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None
         points = _points(model)
     runner, blocks = _runner(model, max(e for _, e in points))
     timed = []
+    on_cpu = runner.device.type == "cpu"
     for s, e in points:  # the history's K/V in the pool is whatever is there: timing does not care
         item = RunItem(torch.randint(100, cfg.vocab_size, (e - s,)).tolist(), s, blocks, want_logits=False)
-        # medians: one slow run skews the fit; the long steps take seconds, two repeats suffice
-        timed.append((s, e, _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)))
+        if e - s <= 1024 or not on_cpu or not timed:  # medians: one slow run skews the fit
+            t = _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)
+        else:
+            # On a CPU a step over 1024 tokens takes seconds (fp32 SmolLM2 on 2 cores: 6-10 s), so one
+            # run times it well, and the points before it have run every kernel it runs (the linears
+            # in calls of at most 512 rows): no warm-up. Three runs each had been 55 of the
+            # 113 s that calibration took there.
+            t = _time(lambda: runner.execute([item]), repeats=1, warm_up=False)
+        timed.append((s, e, t))
         tick()
     a, b, g, c = fit_compute(timed)
     n = _placement_tokens(model, runner, max(e for _, e in points))
