@@ -167,7 +167,7 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None
     if points is None:
         points = _points(model)
     runner, blocks = _runner(model, max(e for _, e in points))
-    timed = []
+    timed: list[tuple[int, int, float]] = []
     on_cpu = runner.device.type == "cpu"
     for s, e in points:  # the history's K/V in the pool is whatever is there: timing does not care
         item = RunItem(torch.randint(100, cfg.vocab_size, (e - s,)).tolist(), s, blocks, want_logits=False)
