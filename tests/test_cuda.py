@@ -198,7 +198,7 @@ def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
     monkeypatch.setattr(model_runner, "PACK_DECODES", True)
     on = Engine(model, cfg)
     if not on.runner.can_pack:
-        pytest.skip(f"varlen_attn is not usable on this device/torch (paged={varlen.paged})")
+        pytest.skip(f"varlen_attn is not usable on this device/torch (paged={varlen.paged()})")
     got = [o.output_ids for o in on.generate(prompts, GREEDY)]
     monkeypatch.setattr(varlen, "usable", lambda *a: False)
     off = Engine(model, cfg)

@@ -14,12 +14,13 @@ import threading
 from typing import Any
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
-from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvtier.engine.request import GrammarSpec
+
+# llguidance's torch and transformers helpers are imported on first use, on the caller's thread
+# (`Grammars.tokenizer`): `llguidance.torch` defines a torch.compile'd function, which costs 1.5-4 s
+# of every process's start on a 2-core CPU, and most processes never constrain a request.
 
 # Compact JSON: what a schema-following model emits; a free-whitespace grammar lets a small model
 # pad with newlines until max_tokens.
@@ -38,6 +39,8 @@ class Constraint:
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """bitmask: [rows, ceil(vocab / 32)] int32 on the host; bit t of row `row` set = token t allowed."""
+        import llguidance.torch  # imported already by `Grammars.tokenizer`, which made this matcher
+
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
     def accept(self, token: int) -> None:
@@ -73,6 +76,9 @@ class Grammars:
             if self._tokenizer is None:
                 if self._hf is None:
                     raise GrammarError("structured output needs the model's tokenizer")
+                import llguidance.hf
+                import llguidance.torch  # noqa: F401 - for Constraint.fill_mask, here rather than on the step thread
+
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab)
             return self._tokenizer
 
@@ -109,6 +115,8 @@ def _compile(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> str:
 
 
 def _gbnf_to_lark(text: str) -> str:
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
     try:
         return gbnf_to_lark(text)
     except Exception as e:  # the converter raises a bare Exception for an unknown rule

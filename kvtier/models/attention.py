@@ -24,7 +24,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.models import invariant, varlen
 
@@ -77,6 +76,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
         with _eager_backends(q):  # one decoding token, or a chunk continuing a history
+            # torch.nn.attention.bias is imported here: it pulls in torch._dynamo (~2 s of a CPU
+            # process's start), and the exact CPU path never comes here
+            from torch.nn.attention.bias import causal_lower_right
+
             mask = None if n == 1 else causal_lower_right(n, ctx)  # the causal mask aligned bottom-right
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [n, heads, hd]

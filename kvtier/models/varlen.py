@@ -12,6 +12,7 @@ disagrees leaves the SDPA path in place.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -21,22 +22,29 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-
-# Typed loosely: its signature differs between torch releases (see _PARAMS and usable()).
-varlen_attn: Callable[..., Any] | None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch without it
-    varlen_attn = None
-
-_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
-paged = {"block_table", "seqused_k"} <= _PARAMS
 _checked: dict[tuple, bool] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> tuple[Callable[..., Any] | None, frozenset[str]]:
+    """torch's varlen_attn and its parameters (typed loosely: the signature differs between torch
+    releases), or None. Imported on first use on CUDA: the module pulls in torch._dynamo and
+    inductor, 1.5 s of every CPU process's start on a 2-core machine."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch without it
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def paged() -> bool:
+    """Whether this torch's varlen_attn reads a paged pool itself (a block table)."""
+    return {"block_table", "seqused_k"} <= _kernel()[1]
 
 
 def usable(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
     """varlen_attn runs and agrees with SDPA for these shapes here (checked once, cached)."""
-    if varlen_attn is None or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or _kernel()[0] is None:
         return False
     key = (device, dtype, heads, kv_heads, head_dim)
     if key not in _checked:
@@ -49,8 +57,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
     """Causal attention of packed runs: run i's queries are rows cu_q[i]:cu_q[i+1] of q [Tq, heads, hd]
     and sit at the end of its keys, rows cu_k[i]:cu_k[i+1] of k/v [Tk, kv_heads, hd] (the causal
     mask aligned bottom-right, as flash attention aligns it). cu_*: int32 on q's device."""
+    varlen_attn, params = _kernel()
     assert varlen_attn is not None  # callers check usable() first
-    kw = {"enable_gqa": True} if "enable_gqa" in _PARAMS and k.shape[1] != q.shape[1] else {}
+    kw = {"enable_gqa": True} if "enable_gqa" in params and k.shape[1] != q.shape[1] else {}
     if k.shape[1] != q.shape[1] and not kw:  # an older signature: grouped heads must be repeated
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)

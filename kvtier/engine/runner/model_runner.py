@@ -234,6 +234,8 @@ class ModelRunner:
         # H200 (torch 2.11's has no grouped heads: K/V repeated per query head; docs/benchmarks.md),
         # so only a ragged batch is packed (`pack_decodes`).
         self.can_pack = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if not exact_cpu(device):  # the plain path's masks: an import of seconds, here, not in a step
+            import torch.nn.attention.bias  # noqa: F401
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
         self._gathered: list[torch.Tensor | None] = [None, None]  # the decodes' gathered K and V (CPU)
         # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
