@@ -10,6 +10,7 @@ A step goes through the model's shared layer loop (`CausalLM.run_layers`) as a `
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -235,7 +236,7 @@ class ModelRunner:
         # so only a ragged batch is packed (`pack_decodes`).
         self.can_pack = varlen.usable(device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         if not exact_cpu(device):  # the plain path's masks: an import of seconds, here, not in a step
-            import torch.nn.attention.bias  # noqa: F401
+            importlib.import_module("torch.nn.attention.bias")
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
         self._gathered: list[torch.Tensor | None] = [None, None]  # the decodes' gathered K and V (CPU)
         # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
