@@ -54,7 +54,7 @@ def _sync() -> None:
 
 
 def _time(fn: Callable[[], object], repeats: int = 3, warm_up: bool = True) -> float:
-    """Median seconds of `repeats` calls after one warm-up call (device work included)."""
+    """Median seconds of `repeats` calls (device work included), after one warm-up call unless `warm_up` is False."""
 
     def run() -> None:
         fn()
