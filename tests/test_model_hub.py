@@ -11,7 +11,7 @@ import torch
 
 from kvtier.models import gguf, hub
 from kvtier.models.hub import HubId, HubSettings
-from kvtier.models.loading import LoadedModel, ModelLoadError, load_model, smollm2_gguf_path
+from kvtier.models.loading import SMOLLM2_ARCHITECTURE, LoadedModel, ModelLoadError, load_model, smollm2_gguf_path
 from kvtier.models.weights import INDEX, read_weights, weight_files
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a snapshot is named by its commit
@@ -177,6 +177,35 @@ def test_gguf_conversion_is_transformers_fp32_cast_to_the_dtype(smollm2_fp32: Lo
         assert sorted(got) == sorted(ref), out
         for k, v in got.items():
             assert v.dtype == dtype and torch.equal(v, ref[k].to(dtype)), (out, k)
+
+
+@pytest.mark.slow
+def test_the_tokenizer_read_once_is_autotokenizers(tmp_path: Path):
+    """The tokenizer a preset takes from SmolLM2's GGUF (without parsing its config) and the one the
+    conversion writes (parsing it once) are the one AutoTokenizer reads from the file: file for file,
+    and a chat encodes alike."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = smollm2_gguf_path()
+    assert path is not None
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).model_type == SMOLLM2_ARCHITECTURE
+    got_dir = gguf.tokenizer_dir(path, tmp_path / "home", SMOLLM2_ARCHITECTURE)
+    assert got_dir == gguf.GgufCache.of(path, tmp_path / "home").tokenizer
+    got = AutoTokenizer.from_pretrained(str(got_dir))
+    ref.save_pretrained(str(tmp_path / "ref"))
+    got.save_pretrained(str(tmp_path / "got"))
+    names = sorted(f.name for f in (tmp_path / "ref").iterdir())
+    assert names == sorted(f.name for f in (tmp_path / "got").iterdir()) and "tokenizer.json" in names
+    for name in names:
+        assert (tmp_path / "got" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    # The conversion's tokenizer comes from the same call, behind the model type its config names.
+    converted = gguf._tokenizer(path, SMOLLM2_ARCHITECTURE)
+    converted.save_pretrained(str(tmp_path / "converted"))
+    for name in names:
+        assert (tmp_path / "converted" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    chat = [{"role": "user", "content": "Héllo, wörld! 12345 <tags> \n\ttabs"}]
+    assert got.apply_chat_template(chat, tokenize=True) == ref.apply_chat_template(chat, tokenize=True)
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 PRESET_SEED = 0
 PRESET_GENERATOR = 2  # how presets draw their weights (part of their fingerprint: v2 = per-tensor seeds)
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ARCHITECTURE = "llama"  # its transformers model type: what picks the tokenizer's class
 
 
 @dataclass
@@ -172,7 +173,7 @@ def load_model(
         module = _build(cfg, random_state_dict(cfg, PRESET_SEED, torch_dtype), torch_dtype, dev)
         tok = None
         if tokenizer and (gguf_path := smollm2_gguf_path()) is not None:
-            tok = _load_tokenizer(gguf.metadata_dir(gguf_path, home))
+            tok = _load_tokenizer(gguf.tokenizer_dir(gguf_path, home, SMOLLM2_ARCHITECTURE))
         fp = _fingerprint(cfg, f"preset:{name}:seed={PRESET_SEED}:gen={PRESET_GENERATOR}")
         return LoadedModel(name, cfg, module, tok, fp, f"preset {name} (random weights, seed {PRESET_SEED})")
     assert path is not None
