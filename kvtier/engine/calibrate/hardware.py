@@ -257,11 +257,11 @@ def _place_s(model: LoadedModel, runner: ModelRunner, n: int) -> float:
     return _time(place_all) / (n * layers)
 
 
-def _overlap(read: Callable[[], object], compute: Callable[[], object]) -> float:
-    """Share of the read time hidden when reads run on a thread beside `compute`. The reads are
-    repeated to last about as long as the compute, so neither side's timing noise swamps the
-    difference; median of five trials (two cores shared with a VM's neighbours are noisy)."""
-    t_read, t_comp = _time(read), _time(compute)
+def _overlap(read: Callable[[], object], compute: Callable[[], object], t_comp: float) -> float:
+    """Share of the read time hidden when reads run on a thread beside `compute` (alone: `t_comp`
+    seconds). The reads are repeated to last about as long as the compute, so neither side's timing
+    noise swamps the difference; median of five trials (two cores shared with a VM's neighbours are noisy)."""
+    t_read = _time(read)
     reps = max(1, round(t_comp / max(t_read, 1e-6)))
 
     def reads() -> None:
@@ -305,6 +305,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
     groups = [range(g, min(g + READ_GROUP_LAYERS, cfg.num_layers)) for g in range(0, cfg.num_layers, READ_GROUP_LAYERS)]
     runner, blocks = _runner(model, n)
     out: dict[str, TierRates] = {}
+    t_comp = _time(compute) if compute else 0.0  # once for every tier: on a CPU a second each time
     for single in _spec_parts(spec):
         # Each tier alone, so a disk read is never served by a memory tier above it.
         name = _tier_name(single)
@@ -370,7 +371,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
             out[name] = TierRates(chunk_bps=total / t_whole,
                                   layer_bps=total / max(t_group - lat * calls, 0.25 * t_group),
                                   read_latency_s=lat,
-                                  overlap=_overlap(read_groups, compute) if compute else 1.0)
+                                  overlap=_overlap(read_groups, compute, t_comp) if compute else 1.0)
             store.discard(c.key for c in planned)  # only the scratch chunks: the tier may hold real state
         finally:
             store.close()
