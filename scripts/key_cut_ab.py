@@ -9,7 +9,8 @@ the shape of the call it ran in.
 
 `--timing`: HF's floor (a DynamicCache kept in RAM, then the 64 new tokens) against kvtier's memory
 tier restoring the history, whole blocks and cut, alternating in one process (SmolLM2-135M, H
-history tokens). Prints medians and their ratios to the floor.
+history tokens). Prints medians and their ratios to the floor, then where one more context's time
+goes in each (`torch.profiler`: the attention kernel's and the linears' self time).
 
     cd scripts && python key_cut_ab.py --exactness [--seeds 6]
     cd scripts && python key_cut_ab.py --timing [--history 1024] [--contexts 10] [--dtype fp32]
@@ -89,10 +90,31 @@ def timing(history: int, contexts: int, dtype: str) -> None:
                 if c:
                     times[name].append(time.perf_counter() - t)
             attention._flash = WHOLE
+        profile_one(engine, peers, ids, history, once)
     floor = statistics.median(times["floor"])
     for name, xs in times.items():
         print(f"H={history} {dtype} {name:5s}: median {1e3 * statistics.median(xs):6.1f} ms, "
               f"{statistics.median(xs) / floor:.3f}x the floor (n={len(xs)})")
+
+
+def profile_one(engine, peers, ids: list[int], history: int, once) -> None:  # type: ignore[no-untyped-def]
+    """The last context once more, each way under torch.profiler: attention and linear self time."""
+    from torch.profiler import profile
+
+    ops = {"attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+           "linears": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")}
+    for name in ("floor", "whole", "cut"):
+        if name != "floor":
+            engine.generate([ids[:history]], once)
+            engine.flush()
+            attention._flash = cut_flash if name == "cut" else WHOLE
+        with profile() as prof:
+            peers.hf_floor() if name == "floor" else engine.generate([ids], once)
+        attention._flash = WHOLE
+        rows = {e.key: e for e in prof.key_averages()}
+        print(f"{name:5s}: " + ", ".join(
+            f"{part} {sum(rows[k].self_cpu_time_total for k in keys if k in rows) / 1e3:.0f} ms "
+            f"({sum(rows[k].count for k in keys if k in rows)} calls)" for part, keys in ops.items()))
 
 
 def main() -> None:
