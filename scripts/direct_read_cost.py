@@ -3,7 +3,8 @@
 them, split four ways: one read per file; one read per file into 64 scattered buffers (the K/V
 segments going to their pool slots); 8 reads of 8 buffers each (a restore's layer groups); 64 reads
 per file. Prints medians of wall and process CPU time (user + system, all threads). Needs root
-(it drops the page cache through /proc/sys/vm/drop_caches) and a filesystem with direct I/O.
+(it drops the page cache through /proc/sys/vm/drop_caches) and a filesystem with direct I/O; the
+files (192 MB) stay in `--dir` for the next run.
 
     python scripts/direct_read_cost.py [--dir /var/tmp/kvtier-read-cost] [--files 64] [--repeats 3]
 """
