@@ -12,16 +12,18 @@ variant alike; the figure to read is the median of the per-round differences fro
     read-all  the new tokens start only once every layer is read (no overlap of reads and compute)
     io-nice   `threads`, with the read threads at nice 19 (reads yield the cores to the compute):
               compare it with `threads`
-    groups8   `threads`, reading 8 layers per call after the read buffer instead of 4 (half the
-              `preadv` calls; each costs the reader's core ~0.1 ms here beside its bytes)
+    groups8   `threads`, reading 8 layers per call instead of 4 (fewer `preadv` calls; each costs
+              the reader's core tens of us here beside its bytes). The planner's cost model still
+              assumes 4-layer groups when it picks the read buffer's depth
     doubling  `threads`, groups that double after the first layer ([0], [1-2], [3-6], [7-14], [15-29]),
-              read as far ahead as the reads go (direct reads need no staging): 5 reads per chunk, not 9
+              read as far ahead as the reads go (direct reads need no staging): 5 reads per chunk, not 9;
+              the plan's read-buffer cut is dropped, so the new tokens wait for [1-2] and [3-6] whole
 
 Only io_uring is shipped (`threads` is what it replaced, and what runs where the ring cannot):
 docs/benchmarks.md has the figures.
 
     cd scripts && python cold_disk_variants.py [--history 4096] [--dtype bf16] [--contexts 4]
-        [--rounds 4] [--variants plain,threads,thp,crc-gil,read-all,io-nice] [--json out.json]
+        [--rounds 4] [--variants plain,threads,thp,crc-gil,read-all,io-nice,groups8,doubling] [--json out.json]
 """
 
 from __future__ import annotations

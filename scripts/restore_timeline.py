@@ -2,9 +2,11 @@
 engine B (a restart) drops the page cache and restores them for H + 64 new tokens. For each restore
 it prints, from the `generate` call on, the opening of the chunks (`PlannedReads.open`), each layer
 group's read (start, end, MB/s) and each wait of the new tokens' compute for a group
-(`LayerReader.take`). A take that returns at once means the read was already in: the reads were
-hidden under the compute, and what the cold restore costs beyond the memory tier's is the opening
-and the reads' CPU on the compute's cores (`restore_threads.py` measures that).
+(`LayerReader.take`; the first take is when the compute starts, once the opening and the read
+buffer's reads are done). A take that returns at once means the read was already in: the reads
+were hidden under the compute, and what the cold restore costs beyond the memory tier's is what
+comes before the compute starts and the reads' CPU on the compute's cores (`restore_threads.py`
+measures that).
 
     cd scripts && python restore_timeline.py [--history 4096] [--dtype fp32] [--contexts 2]
 """
@@ -95,7 +97,9 @@ def main() -> None:
                 print(f"  {what:4s} {layers:10s} {1e3 * (start - t0):7.1f} -> {1e3 * (end - t0):7.1f} ms "
                       f"({1e3 * (end - start):5.1f}){rate}")
                 waited += (end - start) if what == "wait" else 0.0
-            print(f"  the compute waited {1e3 * waited:.1f} ms for reads in all")
+            start = min((e[2] for e in EVENTS if e[0] == "wait"), default=t0)
+            print(f"  the compute started at {1e3 * (start - t0):.1f} ms (after the opening and the read buffer's "
+                  f"reads), then waited {1e3 * waited:.1f} ms for reads in all")
 
 
 if __name__ == "__main__":
