@@ -18,12 +18,16 @@ variant alike; the figure to read is the median of the per-round differences fro
     doubling  `threads`, groups that double after the first layer ([0], [1-2], [3-6], [7-14], [15-29]),
               read as far ahead as the reads go (direct reads need no staging): 5 reads per chunk, not 9;
               the plan's read-buffer cut is dropped, so the new tokens wait for [1-2] and [3-6] whole
+    head-only the opening reads each chunk's header alone, and the first layer is read after it (as
+              before the opening read the first layer with the header)
+    parse-early  the threads' opening, each header parsed as soon as its read is in (the shipped
+              code parses once every read is in)
 
 Only io_uring is shipped (`threads` is what it replaced, and what runs where the ring cannot):
 docs/benchmarks.md has the figures.
 
     cd scripts && python cold_disk_variants.py [--history 4096] [--dtype bf16] [--contexts 4]
-        [--rounds 4] [--variants plain,threads,thp,crc-gil,read-all,io-nice,groups8,doubling] [--json out.json]
+        [--rounds 4] [--variants plain,threads,thp,crc-gil,read-all,io-nice,groups8,doubling,head-only,parse-early] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from kvtier.store.tiers import uring
 HUGE_PAGE = 2 << 20
 SHIPPED = dict(empty=staging.aligned_empty, digest=seal.digest, depth=Planner._start_depth, pool=disk.ThreadPoolExecutor,
                uring=uring.available, group=layerwise.READ_GROUP_LAYERS, groups=layerwise.layer_groups,
-               reader=layerwise.LayerReader.__init__)
+               reader=layerwise.LayerReader.__init__, head=disk.head_bytes, open=disk.DiskTier.open_chunks)
 
 
 def huge_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -79,6 +83,14 @@ def doubled(layout, first, size, cuts=()):
     if not cuts:  # not a threaded reader's groups
         return SHIPPED["groups"](layout, first, size, cuts)
     return SHIPPED["groups"](layout, first, len(layout), [first + (1 << k) - 1 for k in range(1, 8)])
+
+
+def parsing_as_read(self, expects):
+    """`DiskTier.open_chunks` parsing each header as soon as its read is in, while the threads read
+    the next ones (the shipped code waits for every read, then parses)."""
+    heads = self._io.map(disk.DiskTier._open_head, [self] * len(expects), [e.key for e in expects],
+                         [disk.head_bytes(e) for e in expects])
+    return [self.open_chunk(e, opened=h) for e, h in zip(expects, heads)]
 
 
 def reading_ahead(self, *args, **kwargs) -> None:
@@ -107,6 +119,8 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "groups8": lambda: (VARIANTS["threads"](), setattr(layerwise, "READ_GROUP_LAYERS", 8)),
     "doubling": lambda: (VARIANTS["threads"](), setattr(layerwise, "layer_groups", doubled),
                          setattr(layerwise.LayerReader, "__init__", reading_ahead)),
+    "head-only": lambda: setattr(disk, "head_bytes", lambda expect: disk.HEAD_BYTES),
+    "parse-early": lambda: setattr(disk.DiskTier, "open_chunks", parsing_as_read),
 }
 
 
@@ -116,6 +130,7 @@ def use(variant: str) -> None:
     uring.available = SHIPPED["uring"]  # type: ignore[assignment]
     layerwise.READ_GROUP_LAYERS, layerwise.layer_groups = SHIPPED["group"], SHIPPED["groups"]
     layerwise.LayerReader.__init__ = SHIPPED["reader"]  # type: ignore[method-assign]
+    disk.head_bytes, disk.DiskTier.open_chunks = SHIPPED["head"], SHIPPED["open"]  # type: ignore[assignment,method-assign]
     VARIANTS[variant]()
 
 

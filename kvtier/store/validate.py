@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from kvtier.dtypes import WIDTH
 
-from .format import ChunkHeader, FormatError
+from .format import ALIGN, ChunkHeader, FormatError
 from .layout import Repr, StoreNamespace
 
 KEY = re.compile(r"[0-9a-f]{32}\Z")  # chunk keys, parents and store roots: blake2b-128 in hex
@@ -125,3 +125,17 @@ def expected_segments(ns: StoreNamespace, tokens: int) -> dict[tuple[int, str], 
             if ns.storage_dtype == "int8" and part != "kp":
                 out[(layer, part + ".scale")] = ("float32", shape[:-1])
     return out
+
+
+def first_layer_bytes(expect: Expect) -> int:
+    """Bytes of the first stored layer's segments of the chunk `expect` plans (0 when it does not
+    say its layout): a header read that also fetches them saves a restore its first read of every
+    chunk (layer-major: they follow the header)."""
+    if expect.namespace is None or expect.span is None:
+        return 0
+    segs = expected_segments(expect.namespace, expect.span[1] - expect.span[0])
+    if not segs:
+        return 0
+    first = min(layer for layer, _ in segs)
+    sizes = [math.prod(shape) * WIDTH[dtype] for (layer, _), (dtype, shape) in segs.items() if layer == first]
+    return sum(n + (-n) % ALIGN for n in sizes)  # each segment starts on an ALIGN boundary

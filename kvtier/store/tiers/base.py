@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, TypeVar, cast
 
 import torch
 
@@ -126,6 +126,10 @@ class OpenChunk:
         nbytes = pos = 0
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
+            if self.in_head(run):
+                self._from_head(run, into, segments)
+                nbytes += hi - lo
+                continue
             if into is not None and self._scatter(run, into):
                 nbytes += hi - lo
                 continue
@@ -168,6 +172,28 @@ class OpenChunk:
         self.tier._count_read(self.expect.key, nbytes)
         return buf
 
+    def in_head(self, run: list[Segment]) -> bool:
+        """The run lies in the bytes the opening read ahead (`Reader.head`)."""
+        head = self.reader.head
+        return head is not None and run[-1].offset + run[-1].nbytes <= head.numel()
+
+    def _from_head(self, run: list[Segment], into: PoolTarget | None, segments: Segments) -> None:
+        """A run the opening read ahead: copied into its pool slots `into` where it goes straight
+        there, else views of the head in `segments`; verified either way."""
+        head = cast(torch.Tensor, self.reader.head)
+        dests = self._pool_dests(run, into, 1) if into is not None else None
+        if dests is None:
+            for s in run:
+                view = head[s.offset:s.offset + s.nbytes]
+                if self.verify:
+                    check_segment(s, view, self.header.digest)
+                segments[(s.layer, s.part)] = view
+            return
+        src = head.numpy().data
+        for s, d in zip(run, dests):
+            d[:] = src[s.offset:s.offset + s.nbytes]
+        self.check_scattered(run, dests)
+
     def _scatter(self, run: list[Segment], into: PoolTarget) -> bool:
         """One read of a gapless K/V run straight into the pool slots; verified there."""
         dests = self.scatter_dests(run, into)
@@ -181,8 +207,12 @@ class OpenChunk:
         """Where a gapless K/V run lands in its pool slots, one view per segment, if the reader can
         read it straight there (direct I/O: aligned offsets, lengths and addresses); else None."""
         a = self.reader.direct_align
+        return self._pool_dests(run, into, a) if a else None
+
+    def _pool_dests(self, run: list[Segment], into: PoolTarget, a: int) -> list[memoryview] | None:
+        """`scatter_dests` for a copy whose offsets, lengths and addresses must be multiples of `a`."""
         want = self.header.tokens * into.slot_bytes  # what a chunk's K or V of one layer takes in the pool
-        if not a or into.align % a or run[0].offset % a or want % a:
+        if into.align % a or run[0].offset % a or want % a:
             return None
         # One pass over the run (a restore asks this per chunk per layer group).
         dests, end = [], run[0].offset
