@@ -438,6 +438,7 @@ class TieredStore:
         self.writer.close()
         for t in self.tiers:
             t.close()
+            t.on_evict = None  # (a bound method of this store: see BackgroundWriter.close)
 
     def stats(self) -> dict:
         return dict(spec=redact(self.spec_text), chunk_tokens=self.chunk_tokens,

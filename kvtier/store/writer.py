@@ -102,6 +102,11 @@ class BackgroundWriter:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            # `process` is the owner's bound method: dropped, the owner is freed by reference
+            # counting when its last user lets go (with a memory tier's bytes), not at a later
+            # garbage collection whose freeing of them lands as a pause in someone's request.
+            self.process = _closed
 
     def stats(self) -> dict:
         with self._cv:
@@ -109,3 +114,7 @@ class BackgroundWriter:
                         queue_capacity_bytes=self.max_bytes, dropped_saves=self.dropped,
                         dropped_bytes=self.dropped_bytes, jobs_done=self.done,
                         jobs_failed=self.failed)
+
+
+def _closed(payload: Any) -> None:
+    raise RuntimeError("the writer is closed")

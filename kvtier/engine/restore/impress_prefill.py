@@ -51,6 +51,11 @@ class Choice:
     keys: torch.Tensor | None = None  # [m, kv_heads, hd] every prefix key, where choosing read them
 
 
+# Selection -> the ImportanceAttention method that chooses a layer's kept tokens.
+_CHOOSERS = {Selection.IMPRESS: "_impress", Selection.PROBES: "_probes", Selection.H2O: "_h2o",
+             Selection.FULL: "_full", Selection.RANDOM: "_blind", Selection.RECENT: "_blind"}
+
+
 class ImportanceAttention(LayerAttention):
     """The new rows (RoPE tables cos/sin) attend, per layer, to the kept prefix tokens' K/V then to
     their own; what each layer kept is collected in `k`/`v` (`CompactKV`) and `stats`."""
@@ -69,9 +74,9 @@ class ImportanceAttention(LayerAttention):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.threshold = similarity_threshold(policy.ratio, policy.alpha)
-        self._choose: dict[Selection, Callable[[int, torch.Tensor, torch.Tensor], Choice]] = {
-            Selection.IMPRESS: self._impress, Selection.PROBES: self._probes, Selection.H2O: self._h2o,
-            Selection.FULL: self._full, Selection.RANDOM: self._blind, Selection.RECENT: self._blind}
+        # By name, not a bound method: this object holding its own method would be a reference
+        # cycle, and the reads it holds (with their store) would wait for a garbage collection.
+        self._chooser = _CHOOSERS[policy.selection]
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +84,7 @@ class ImportanceAttention(LayerAttention):
 
     def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor) -> torch.Tensor:
         st = self.stats
-        choice = self._choose[self.policy.selection](li, q, kn)
+        choice: Choice = getattr(self, self._chooser)(li, q, kn)
         st.kept.append(choice.kept)
         k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, st.kept_tokens == st.prefix_tokens)
         kc = torch.cat([k_kept.to(kn.device, kn.dtype), kn])  # [k + n, kv_heads, hd]

@@ -244,6 +244,10 @@ class LayerReader:
             self.reads.release(g)
         self._got.clear()
         self.reads.close()
+        # The restore's callback (a bound method of the restore, which holds this reader): kept,
+        # the pair is a cycle, and the restore's runner and KV pool would wait for a garbage
+        # collection, whose freeing of them lands as a pause in some later request.
+        self.into = None
 
 
 @dataclass
