@@ -24,6 +24,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore import layerwise
+from kvtier.heap import freeze_startup_heap
 from kvtier.models.loading import load_model
 from kvtier.store.reads import PlannedReads
 
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, default=2)
     args = ap.parse_args()
     model = load_model("smollm2-135m", dtype=args.dtype)
+    freeze_startup_heap()  # as the server does: no full collection over torch's modules in a timing
     once = SamplingParams(max_tokens=1, temperature=0.0)
     config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=max(8192, args.history + 64), enable_prefix_cache=False)
     instrument()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from kvtier.cli.engine_args import (
     positive_int,
 )
 from kvtier.cli.options import add_options, from_args, option
+from kvtier.heap import freeze_startup_heap
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
 from kvtier.store.redact import redact
 
@@ -131,16 +131,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
-
-
-def freeze_startup_heap() -> None:
-    """Collect once, then leave every object start-up made (the model, torch's and transformers'
-    modules: some 440,000 for smollm2) out of later collections. A full collection over them took
-    ~190 ms on a 2-core CPU, and one falls due now and then in a long-running server: a step
-    stalled that long. vLLM's engine core does the same after its start-up. Only here, in the
-    server's own process: a library caller's objects are not ours to make immortal."""
-    gc.collect()
-    gc.freeze()
 
 
 def _auth_note(config: ServeConfig) -> str:

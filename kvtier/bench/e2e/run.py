@@ -16,7 +16,9 @@ the same token ids for every peer) come back, and each peer produces the first n
 
 TTFT = median over --contexts of the wall time of the timed call (kvtier: `generate` with
 max_tokens=1, so what a user waits for), after one untimed warm-up context per peer. Every peer's
-first token is checked against its family's recompute. Goals are judged from the rows only
+first token is checked against its family's recompute. Once the models are loaded the heap is
+frozen, as `kvtier serve` freezes it (kvtier/heap.py): a full collection over torch's modules
+(~190 ms on 2 cores) does not land inside one peer's timing. Goals are judged from the rows only
 (`evaluate_goals`), so `report` re-judges a saved JSON. bf16 rows only mean something on a CPU with
 native bf16 (avx512_bf16 / amx_bf16); `meta.cpu_native_bf16` says whether this one has it.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -49,6 +52,7 @@ from kvtier.bench.common import (
 from kvtier.bench.e2e.goals import RATIOS, cells_of, evaluate_goals, ratio, ttft_of
 from kvtier.bench.e2e.peers import HF_PEERS, KV_PEERS, PEER_TIER, PEERS, PLOT_STYLE
 from kvtier.bench.hf import HFPeers
+from kvtier.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     import redis
@@ -323,8 +327,12 @@ class E2EBench:
                              f"{window}-token window: use H <= {window - new}")
         self.profile = self.measure_profile(loaded)
         hf = build_hf(loaded) if any(p in HF_PEERS for p in self.peers) else None
-        for h in self.args.history:
-            self.run_cell(loaded, hf, dtype, h)
+        freeze_startup_heap()  # as `kvtier serve` does: no collection over the models inside a timing
+        try:
+            for h in self.args.history:
+                self.run_cell(loaded, hf, dtype, h)
+        finally:
+            gc.unfreeze()  # this dtype's models go when the next dtype's load
 
     def measure_profile(self, loaded):
         """This machine's profile for the model over every tier of the run (measured once, kept
