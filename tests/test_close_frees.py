@@ -31,20 +31,24 @@ def no_collector() -> Iterator[None]:
         gc.enable()
 
 
-def _engine(model, spec: str, method: str) -> Engine:
-    return Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_cache=False),
+def _engine(model, spec: str, method: str, static_decode: bool | None = None) -> Engine:
+    return Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_cache=False,
+                                      static_decode=static_decode),
                   store=spec, reuse=ReuseConfig(method=method, chunk_tokens=64))
 
 
-@pytest.mark.parametrize("method", ["kv", "hidden", "bubblefree", "cake", "impress"])
-def test_a_closed_engine_is_freed_without_the_garbage_collector(tiny_gqa, tmp_path, no_collector, method):
+@pytest.mark.parametrize("method,static_decode", [("kv", None), ("hidden", None), ("bubblefree", None),
+                                                  ("cake", None), ("impress", None), ("kv", True)])
+def test_a_closed_engine_is_freed_without_the_garbage_collector(tiny_gqa, tmp_path, no_collector, method,
+                                                                static_decode):
     ids = torch.randint(3, tiny_gqa.config.vocab_size, (HIST + 9,), generator=torch.Generator().manual_seed(1)).tolist()
     spec = f"memory:64MB,disk:{tmp_path}/d:1GB"
     with _engine(tiny_gqa, spec, method) as a:
         a.generate([ids[:HIST]], ONE)
         assert a.flush(30)
-    engine = _engine(tiny_gqa, f"disk:{tmp_path}/d:1GB", method)  # a restart: the history comes from disk
-    out = engine.generate([ids], ONE)[0]
+    # A restart: the history comes from disk (with the static decoder: GPU engines' default).
+    engine = _engine(tiny_gqa, f"disk:{tmp_path}/d:1GB", method, static_decode)
+    out = engine.generate([ids], SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert out.reused_by_tier == {"disk": HIST}  # a restore ran (its reader, its staging)
     store = engine.link.store
     alive = {"pool": weakref.ref(engine.runner.k_cache[0]), "runner": weakref.ref(engine.runner),

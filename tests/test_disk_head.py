@@ -1,7 +1,8 @@
 """A cold restore's opening reads each chunk's header and its first layer in one request
 (`disk.head_bytes`): the first layer group is then copied from that read, not read again. The
-restore still equals a recompute bit for bit (fp32 and bf16), a bad byte in what the opening read
-is still a miss, and a chunk whose first layer is too large for the head is read as before."""
+restore still equals a recompute bit for bit (fp32 and bf16, kv and hidden), a bad byte in what
+the opening read is still a miss, and where the opening does not read ahead (a first layer over the
+cap, heads over the total cap, a store feeding a GPU) the first layer is read as before."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import load_model
 from kvtier.store import format as fmt
+from kvtier.store.tiered import TieredStore
 from kvtier.store.tiers import disk, uring
 
 from kvtier_testlib import spy_logits
@@ -26,9 +28,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 Request = tuple[str, int, int]  # (file, offset, bytes)
 
 
-def _engine(model, spec: str | None) -> Engine:
+def _engine(model, spec: str | None, method: str = "kv") -> Engine:
     return Engine(model, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_cache=False),
-                  store=spec, reuse=ReuseConfig(method="kv", chunk_tokens=CHUNK) if spec else None)
+                  store=spec, reuse=ReuseConfig(method=method, chunk_tokens=CHUNK) if spec else None)
 
 
 def _run(engine: Engine, ids: list[int]):
@@ -64,10 +66,10 @@ def requests(monkeypatch) -> list[Request]:
     return seen
 
 
-def _saved(model, tmp_path: Path) -> tuple[str, list[int], list[Path]]:
+def _saved(model, tmp_path: Path, method: str = "kv") -> tuple[str, list[int], list[Path]]:
     ids = torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(3)).tolist()
     spec = f"disk:{tmp_path}/d:1GB"
-    with _engine(model, spec) as e:
+    with _engine(model, spec, method) as e:
         e.generate([ids[:HIST]], SamplingParams(max_tokens=1, temperature=0.0))
         assert e.flush(30)
     files = sorted((tmp_path / "d").rglob("*.kvc"))
@@ -82,15 +84,17 @@ def _first_layer(path: Path) -> tuple[int, int]:
     return min(s.offset for s in segs), max(s.offset + s.nbytes for s in segs)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,method", [("fp32", "kv"), ("bf16", "kv"), ("bf16", "hidden")])
 def test_the_first_layer_comes_with_the_header_and_the_restore_equals_recompute(tiny_gqa, tmp_path, requests,
-                                                                                dtype):
+                                                                                dtype, method):
+    """kv: the first layer's K/V are copied from the head into the pool; hidden: its hidden states
+    are projected from views of the head."""
     model = tiny_gqa if dtype == "fp32" else load_model("tiny-gqa", dtype="bf16", tokenizer=False)
-    spec, ids, files = _saved(model, tmp_path)
+    spec, ids, files = _saved(model, tmp_path, method)
     requests.clear()
-    out, logits = _run(_engine(model, spec), ids)
+    out, logits = _run(_engine(model, spec, method), ids)
     ref, ref_logits = _run(_engine(model, None), ids)
-    assert out.reused_by_tier == {"disk": HIST} and out.restore_method == "kv"
+    assert out.reused_by_tier == {"disk": HIST} and out.restore_method == method
     assert torch.equal(logits, ref_logits) and out.output_ids == ref.output_ids
     for f in files:
         start, end = _first_layer(f)
@@ -117,9 +121,26 @@ def test_a_flipped_byte_in_the_first_layer_is_a_miss(tiny_gqa, tmp_path, request
     assert victim.read_bytes() != bytes(data)
 
 
-def test_a_first_layer_too_large_for_the_head_is_read_after_it(tiny_gqa, tmp_path, requests, monkeypatch):
+@pytest.mark.parametrize("why", ["a chunk's first layer over the cap", "the heads' total over the cap",
+                                 "a store feeding a GPU"])
+def test_a_first_layer_not_read_ahead_is_read_after_the_header(tiny_gqa, tmp_path, requests, monkeypatch, why):
     spec, ids, files = _saved(tiny_gqa, tmp_path)
-    monkeypatch.setattr(disk, "MAX_HEAD_AHEAD", 1024)  # below any chunk's first layer here
+    if why == "a chunk's first layer over the cap":
+        monkeypatch.setattr(disk, "MAX_HEAD_AHEAD", 1024)  # below any chunk's first layer here
+    elif why == "the heads' total over the cap":
+        monkeypatch.setattr(disk, "MAX_HEADS_AHEAD", 4 * 16384)  # four chunks' first layers, not five
+    else:  # heads are pageable memory: a pinned store's first group goes through pinned staging
+        pinned = TieredStore.open(spec, None, chunk_tokens=CHUNK, pin=True)
+        assert pinned.tier("disk").read_ahead is False  # what the engine on a GPU opens
+        pinned.close()
+        opened = TieredStore.open
+
+        def as_pinned(*a, **kw):  # the CPU engine's store, with the disk tier as a pinned store has it
+            store = opened(*a, **kw)
+            store.tier("disk").read_ahead = False
+            return store
+
+        monkeypatch.setattr(TieredStore, "open", as_pinned)
     requests.clear()
     out, logits = _run(_engine(tiny_gqa, spec), ids)
     ref, ref_logits = _run(_engine(tiny_gqa, None), ids)

@@ -99,8 +99,10 @@ class TieredStore:
         if parsed.memory:
             tiers.append(MemoryTier(parsed.memory.capacity, make_policy(policy), parsed.memory.emulation, pin=pin))
         if parsed.disk:
-            tiers.append(DiskTier(list(parsed.disk.paths), list(parsed.disk.capacities), ns,
-                                  lambda: make_policy(policy), parsed.disk.emulation, fsync))
+            disk = DiskTier(list(parsed.disk.paths), list(parsed.disk.capacities), ns,
+                            lambda: make_policy(policy), parsed.disk.emulation, fsync)
+            disk.read_ahead = not pin
+            tiers.append(disk)
         if parsed.redis:
             from .tiers.redis_tier import RedisTier
             tiers.append(RedisTier(parsed.redis, ns))

@@ -131,9 +131,10 @@ def first_layer_bytes(expect: Expect) -> int:
     """Bytes of the first stored layer's segments of the chunk `expect` plans (0 when it does not
     say its layout): a header read that also fetches them saves a restore its first read of every
     chunk (layer-major: they follow the header)."""
-    if expect.namespace is None or expect.span is None:
-        return 0
-    segs = expected_segments(expect.namespace, expect.span[1] - expect.span[0])
+    ns = expect.namespace
+    if ns is None or expect.span is None or ns.probe_kv_heads or ns.granule_tokens:
+        return 0  # (the importance layout: probe keys come first, and its restores read rows)
+    segs = expected_segments(ns, expect.span[1] - expect.span[0])
     if not segs:
         return 0
     first = min(layer for layer, _ in segs)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,9 @@ def buckets(max_seqs: int) -> tuple[int, ...]:
 
 class StaticDecode:
     def __init__(self, runner: ModelRunner, max_seqs: int, max_positions: int, graphs: bool | None = None) -> None:
-        self.runner = runner
+        # A proxy: the runner holds this decoder, and a strong reference back would be a cycle
+        # that keeps a closed engine's pool (and graphs) until a garbage collection.
+        self.runner = cast(ModelRunner, weakref.proxy(runner))
         self.bs = bs = runner.block_size
         self.pages = -(-max_positions // bs)
         self.buckets = buckets(max_seqs)

@@ -45,8 +45,8 @@ W = TypeVar("W", bound=EvictionPolicy)  # a wrapper an engine puts around a tier
 
 log = logging.getLogger(__name__)
 
-Segments = dict[tuple[int, str], torch.Tensor]
-HEAD_BYTES = 16384  # what a header's first read fetches: a header fits, so one read, not two  # (layer, part) -> uint8 bytes of that segment
+Segments = dict[tuple[int, str], torch.Tensor]  # (layer, part) -> uint8 bytes of that segment
+HEAD_BYTES = 16384  # what a header's first read fetches at least: a header fits, so one read, not two
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Reader(ABC):
     """Ranged reads of one stored value, all from the same version of it."""
     size: int
     # The value's first bytes, read ahead by a tier that opens many chunks at once (disk): the
-    # header is parsed from them without another read.
+    # header is parsed from them without another read, and runs lying in them are served from
+    # them (`OpenChunk.read`: the disk tier reads the first layer with the header).
     head: torch.Tensor | None = None
 
     @abstractmethod
@@ -119,9 +120,9 @@ class OpenChunk:
     def read(self, runs: list[list[Segment]], out: torch.Tensor | None = None,
              into: PoolTarget | None = None) -> tuple[Segments, int]:
         """Read planned runs (into `out` if given), verify them; -> (segments, bytes read).
-        K/V runs the reader can put straight into their pool slots `into` (direct I/O) land
-        there and are left out of the segments returned. Raises FormatError/OSError: the caller
-        turns that into a miss."""
+        K/V runs the reader can put straight into their pool slots `into` (direct I/O, or a copy
+        of what the opening read ahead) land there and are left out of the segments returned.
+        Raises FormatError/OSError: the caller turns that into a miss."""
         segments: Segments = {}
         nbytes = pos = 0
         for run in runs:
@@ -175,7 +176,7 @@ class OpenChunk:
     def in_head(self, run: list[Segment]) -> bool:
         """The run lies in the bytes the opening read ahead (`Reader.head`)."""
         head = self.reader.head
-        return head is not None and run[-1].offset + run[-1].nbytes <= head.numel()
+        return head is not None and max(s.offset + s.nbytes for s in run) <= head.numel()
 
     def _from_head(self, run: list[Segment], into: PoolTarget | None, segments: Segments) -> None:
         """A run the opening read ahead: copied into its pool slots `into` where it goes straight
@@ -185,6 +186,8 @@ class OpenChunk:
         if dests is None:
             for s in run:
                 view = head[s.offset:s.offset + s.nbytes]
+                if view.numel() != s.nbytes:  # (a header's offsets are untrusted)
+                    raise FormatError("truncated payload")
                 if self.verify:
                     check_segment(s, view, self.header.digest)
                 segments[(s.layer, s.part)] = view

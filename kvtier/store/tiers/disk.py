@@ -11,9 +11,11 @@ the byte cap survive restarts; chunks written by other processes are adopted on 
 
 Reads use direct I/O (O_DIRECT) into page-aligned buffers where the filesystem allows it: the
 device's DMA fills the caller's buffer while the CPU computes, instead of a page-cache copy on a
-compute core (and a cold read is a device read, not a cache hit). A restore's reads of a layer group
-that land straight in their pool slots go to the kernel as one io_uring submission where the
-system has io_uring (uring.py); other reads, and every read elsewhere, run on IO_DEPTH threads.
+compute core (and a cold read is a device read, not a cache hit). Opening a restore's chunks reads
+each one's header and first layer in one request (`head_bytes`); the restore's first layer group
+is then copied from those bytes. A restore's reads of a later layer group that land straight in
+their pool slots go to the kernel as one io_uring submission where the system has io_uring
+(uring.py); other reads, and every read elsewhere, run on IO_DEPTH threads.
 
 Stored KV can be inverted back to the prompt's text, so the tier's directories are created 0700 and
 its files 0600 whatever the umask: only the server's user reads them. Paths are built only from
@@ -43,9 +45,11 @@ from .base import HEAD_BYTES, Expect, OpenChunk, PoolTarget, Reader, Segments, T
 # Reads in flight at once: a device serves several requests faster than one at a time (queue
 # depth), and the threads wait in the kernel without the GIL.
 IO_DEPTH = 4
-# The most of a chunk's first layer its opening reads with the header (a head stays in memory while
-# the restore reads the chunk: 128 chunks of llama3-8b's 64-token fp16 layer are 32 MiB).
+# The most of a chunk's first layer its opening reads with the header, and of all a restore's
+# chunks together: a head stays in memory until the restore ends (128 chunks of llama3-8b's 64-token
+# bf16 layer 0 are 32 MiB; beyond the total, as at 128K tokens, layer 0 goes through staging).
 MAX_HEAD_AHEAD = 1 << 20
+MAX_HEADS_AHEAD = 64 << 20
 T = TypeVar("T")
 
 SUFFIX = ".kvc"
@@ -205,6 +209,9 @@ class DiskTier(Tier):
                  fsync: bool = False) -> None:
         super().__init__(emulation)
         self.ns = ns  # None: admin mode over every namespace
+        # The opening reads each chunk's first layer with its header (`head_bytes`). Off for a
+        # store feeding a GPU: heads are pageable memory, the pinned staging serves copies better.
+        self.read_ahead = True
         self.fsync = fsync
         self.dirs = [_Dir(os.path.abspath(r), c, make_policy()) for r, c in zip(roots, capacities)]
         self._files: dict[str, _File] = {}
@@ -368,7 +375,9 @@ class DiskTier(Tier):
         against 21 ms here), and parsing here while they still read was slower (26 ms). With
         io_uring, this thread opens the files and the first pages come in one submission."""
         keys = [e.key for e in expects]
-        sizes = [head_bytes(e) for e in expects]
+        sizes = [head_bytes(e) for e in expects] if self.read_ahead else [HEAD_BYTES] * len(expects)
+        if sum(sizes) - HEAD_BYTES * len(sizes) > MAX_HEADS_AHEAD:  # a very long context: as before
+            sizes = [HEAD_BYTES] * len(expects)
         heads = self._open_heads_on_ring(keys, sizes) if self._rings is not None else \
             list(self._io.map(self._open_head, keys, sizes))
         return [self.open_chunk(e, opened=h) for e, h in zip(expects, heads)]
@@ -421,7 +430,7 @@ class DiskTier(Tier):
         results: list[tuple[Segments, int] | Exception | None] = [None] * len(opened)
         for i, (oc, chunk_runs) in enumerate(zip(opened, runs)):
             if chunk_runs and all(map(oc.in_head, chunk_runs)):  # read with the header: copied here
-                results[i] = _read_head(oc, chunk_runs, targets[i])
+                results[i] = _read_head(oc, chunk_runs, targets[i])  # (not _try_read: no I/O thread)
         if self._rings is not None:
             self._read_on_ring(opened, runs, targets, results)
         rest = [i for i, r in enumerate(results) if r is None]  # what neither the heads nor the ring served
