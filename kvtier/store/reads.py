@@ -105,7 +105,8 @@ class PlannedReads:
         chunk is then removed from its tier as corrupt).
 
         `into[c]` may offer chunk c's pool slots: a tier that can read K/V straight there does
-        (direct I/O), and that part of the group is then None.
+        (direct I/O, or a copy of what its opening read ahead), and that part of the group is then
+        None.
 
         `raw`: a chunk stored in another dtype (lossy storage) in token order comes as stored
         (`fmt.stored_run`: int8 values with their "<part>.scale" rows, or the storage dtype), for
