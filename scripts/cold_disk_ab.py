@@ -26,10 +26,13 @@ import statistics
 import tempfile
 
 import torch
-from profile_disk_restore import cold_restore, time_opening  # scripts/ is on the path of a script run from it
+from profile_disk_restore import (  # scripts/ is on the path of a script run from it
+    cold_restore,
+    save_context,
+    time_opening,
+)
 
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore import layerwise
 from kvtier.models.loading import load_model
@@ -83,9 +86,7 @@ def main() -> None:
         spec = f"disk:{d}:20GB"
         for i in range(args.contexts + 1):
             ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(i)).tolist()
-            with Engine(model, config, store=spec) as a:
-                a.generate([ids[:args.history]], once)
-                a.flush()
+            save_context(model, config, spec, ids, args.history, once)
             for name in list(VARIANTS)[:: 1 if i % 2 else -1]:
                 groups, match, depth = VARIANTS[name]
                 layerwise.layer_groups, fmt.SegmentTable.match = groups, match  # type: ignore[method-assign]

@@ -43,13 +43,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import torch
-from profile_disk_restore import cold_restore, time_opening  # scripts/ is on the path of a script run from it
+from profile_disk_restore import (  # scripts/ is on the path of a script run from it
+    cold_restore,
+    save_context,
+    time_opening,
+)
 
 import kvtier.engine.restore.layerwise as layerwise
 import kvtier.engine.runner.model_runner as model_runner
 import kvtier.store.tiers.disk as disk
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.heap import freeze_startup_heap
 from kvtier.models.loading import load_model
@@ -159,9 +162,7 @@ def main() -> None:
         for c in range(args.contexts):
             ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(c)).tolist()
             use("plain")
-            with Engine(model, config, store=spec) as a:
-                a.generate([ids[:args.history]], once)
-                a.flush()
+            save_context(model, config, spec, ids, args.history, once)
             for r in range(args.rounds + (c == 0)):  # one warm-up round first
                 k = c * args.rounds + r
                 for name in names[k % len(names):] + names[:k % len(names)]:

@@ -17,11 +17,10 @@ import tempfile
 
 import restore_timeline as rt  # scripts/ is on the path of a script run from it
 import torch
-from profile_disk_restore import cold_restore
+from profile_disk_restore import cold_restore, save_context
 
 import kvtier.store.tiers.disk as disk
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.heap import freeze_startup_heap
 from kvtier.models.loading import load_model
@@ -58,9 +57,7 @@ def main() -> None:
         spec = f"disk:{d}:20GB"
         for c in range(args.contexts):
             ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(c)).tolist()
-            with Engine(model, config, store=spec) as a:
-                a.generate([ids[:args.history]], once)
-                a.flush()
+            save_context(model, config, spec, ids, args.history, once)
             for r in range(args.rounds):
                 for name in list(variants)[::1 if (c + r) % 2 else -1]:
                     disk.head_bytes = variants[name]  # type: ignore[assignment]

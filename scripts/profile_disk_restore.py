@@ -42,6 +42,13 @@ def time_opening() -> list[float]:
     return opening
 
 
+def save_context(model, config: EngineConfig, spec: str, ids: list[int], history: int, once: SamplingParams) -> None:
+    """Engine A saves the first `history` tokens of `ids` to `spec` and closes (its saves drained)."""
+    with Engine(model, config, store=spec) as a:
+        a.generate([ids[:history]], once)
+        a.flush()
+
+
 def cold_restore(model, config: EngineConfig, spec: str, directory: str, ids: list[int], history: int,
                  once: SamplingParams, label: str, **engine_kw) -> float:
     """A restart: a fresh engine over `spec` drops `directory`'s page cache and restores `history`
@@ -70,8 +77,7 @@ def main() -> None:
         spec = f"memory:8GB,disk:{d}:20GB"
         for i in range(3):
             ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(i)).tolist()
-            with Engine(model, config, store=spec) as a:
-                a.generate([ids[:args.history]], once)
+            save_context(model, config, spec, ids, args.history, once)
             with Engine(model, config, store=spec) as b:
                 drop_page_cache(d)
                 prof = cProfile.Profile()

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import torch
-from profile_disk_restore import cold_restore  # scripts/ is on the path of a script run from it
+from profile_disk_restore import cold_restore, save_context  # scripts/ is on the path of a script run from it
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
@@ -84,9 +84,7 @@ def main() -> None:
         spec = f"disk:{d}:20GB"
         for c in range(args.contexts):
             ids = torch.randint(100, 40000, (args.history + 64,), generator=torch.Generator().manual_seed(c)).tolist()
-            with Engine(model, config, store=spec) as a:
-                a.generate([ids[: args.history]], once)
-                a.flush()
+            save_context(model, config, spec, ids, args.history, once)
             EVENTS.clear()
             wall = cold_restore(model, config, spec, d, ids, args.history, once, "timeline")
             t0 = next(e[2] for e in EVENTS if e[0] == "generate")

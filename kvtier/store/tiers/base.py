@@ -127,24 +127,24 @@ class OpenChunk:
         nbytes = pos = 0
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].nbytes
-            if self.in_head(run):
-                self._from_head(run, into, segments)
-                nbytes += hi - lo
+            nbytes += hi - lo
+            if self.in_head(run):  # read with the header: copied into the pool, or viewed there
+                if into is not None and self._copy_from_head(run, into):
+                    continue
+                buf, base = cast(torch.Tensor, self.reader.head), 0
+            elif into is not None and self._scatter(run, into):
                 continue
-            if into is not None and self._scatter(run, into):
-                nbytes += hi - lo
-                continue
-            dest = None
-            if out is not None:
-                need = self.reader.span(lo, hi - lo)
-                dest = out[pos:pos + need]
-                pos += need
-            buf = self.reader.read(lo, hi - lo, dest)
-            if buf.numel() != hi - lo:
-                raise FormatError("truncated payload")
-            nbytes += buf.numel()
+            else:
+                dest = None
+                if out is not None:
+                    need = self.reader.span(lo, hi - lo)
+                    dest = out[pos:pos + need]
+                    pos += need
+                buf, base = self.reader.read(lo, hi - lo, dest), lo
+                if buf.numel() != hi - lo:
+                    raise FormatError("truncated payload")
             for s in run:
-                view = buf[s.offset - lo:s.offset - lo + s.nbytes]
+                view = buf[s.offset - base:s.offset - base + s.nbytes]
                 if self.verify:
                     check_segment(s, view, self.header.digest)
                 segments[(s.layer, s.part)] = view
@@ -178,24 +178,17 @@ class OpenChunk:
         head = self.reader.head
         return head is not None and max(s.offset + s.nbytes for s in run) <= head.numel()
 
-    def _from_head(self, run: list[Segment], into: PoolTarget | None, segments: Segments) -> None:
-        """A run the opening read ahead: copied into its pool slots `into` where it goes straight
-        there, else views of the head in `segments`; verified either way."""
-        head = cast(torch.Tensor, self.reader.head)
-        dests = self._pool_dests(run, into, 1) if into is not None else None
+    def _copy_from_head(self, run: list[Segment], into: PoolTarget) -> bool:
+        """A K/V run the opening read ahead, copied into its pool slots and verified there; False
+        where it does not go straight there (then it is viewed in the head)."""
+        dests = self._pool_dests(run, into, 1)
         if dests is None:
-            for s in run:
-                view = head[s.offset:s.offset + s.nbytes]
-                if view.numel() != s.nbytes:  # (a header's offsets are untrusted)
-                    raise FormatError("truncated payload")
-                if self.verify:
-                    check_segment(s, view, self.header.digest)
-                segments[(s.layer, s.part)] = view
-            return
-        src = head.numpy().data
+            return False
+        src = cast(torch.Tensor, self.reader.head).numpy().data
         for s, d in zip(run, dests):
             d[:] = src[s.offset:s.offset + s.nbytes]
         self.check_scattered(run, dests)
+        return True
 
     def _scatter(self, run: list[Segment], into: PoolTarget) -> bool:
         """One read of a gapless K/V run straight into the pool slots; verified there."""
