@@ -21,7 +21,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore.layerwise import Restore, RestoreMiss
 from kvtier.engine.runner.model_runner import ModelRunner
-from kvtier.planning.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, links
+from kvtier.planning.costs import READ_GROUP_LAYERS, HardwareProfile, ModelShape, TierLink, TierRates, links
 from kvtier.planning.plan import Method, PlannedChunk
 from kvtier.planning.planner import MAX_CORRECTION, Planner
 from kvtier.store import Repr, StoreNamespace, TieredStore
@@ -268,6 +268,37 @@ def test_auto_stores_kv_where_cake_beats_the_bubble_free_partition(tiny_gqa):
     assert pl.plan(Method.CAKE, probe, 64).predicted_s < bf < pl.plan(Method.KV, probe, 64).predicted_s
     assert partition != (Repr.KV,) * n
     assert pl.choose_layout(None, "disk", 64) == (Repr.KV,) * n
+
+
+# What an H200 measured for llama2-7b in bf16 (docs/gpu/h200-2026-11-27-lease5/restore_mha.json),
+# its memory tier's reads hidden under compute (the calibration fixed since that lease).
+H200_LLAMA2 = HardwareProfile("llama2-7b", "bfloat16", 16, prefill_a=1.219e-05, prefill_b=1.325e-09,
+                              project_s=1.799e-07, place_s=4.195e-08, prefill_g=1.477e-06, prefill_c=0.01755,
+                              h2d_s=2.989e-07, tiers={"memory": TierRates(1.31e12, 4.89e10, 8.59e-06, overlap=1.0)})
+LLAMA2_SHAPE = ModelShape(32, 2 * 32 * 128 * 2, 4096 * 2)  # MHA: hidden states are half of K+V
+
+
+def test_auto_stores_what_wins_for_the_long_histories_the_engine_holds():
+    """On an MHA model hidden states (half the bytes) win from 4K tokens on, while a 1024-token
+    history is launch-bound and K/V wins there: the stored layout is chosen for the lengths the
+    engine holds, the longest weighing most, so auto stores hidden states where it holds 8K
+    tokens and K/V where it holds only 1024."""
+    pl = Planner(H200_LLAMA2, LLAMA2_SHAPE, links(H200_LLAMA2, [("memory", None, 0.0)]), prefill_chunk_tokens=16384)
+    n = LLAMA2_SHAPE.num_layers
+
+    def chunks(h: int) -> list[PlannedChunk]:
+        return [PlannedChunk(str(a), a, a + 64, "memory", 0) for a in range(0, h, 64)]
+
+    def best_kv(h: int) -> float:
+        return min(pl.plan(m, chunks(h), 64).predicted_s for m in (Method.KV, Method.CAKE))
+
+    hidden = (Repr.HIDDEN,) * n
+    assert pl.partition(chunks(8192)) == hidden
+    assert best_kv(1024) < pl.plan(Method.BUBBLEFREE, chunks(1024), 64, hidden).predicted_s
+    assert best_kv(8192) > pl.plan(Method.BUBBLEFREE, chunks(8192), 64, hidden).predicted_s
+    assert pl.choose_layout(None, "memory", 64, max_tokens=8256) == hidden
+    assert pl.choose_layout(None, "memory", 64, max_tokens=1024) == (Repr.KV,) * n
+    assert pl.choose_layout(Method.KV, "memory", 64, max_tokens=8256) == (Repr.KV,) * n
 
 
 def test_cake_pays_the_device_copy_that_whole_chunk_reads_leave_out(tiny_gqa):

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-PROFILE_VERSION = 8  # bump when what a profile measures changes: older files are measured again
+PROFILE_VERSION = 9  # bump when what a profile measures changes: older files are measured again
 
 # Layer-wise reads fetch this many layers of a chunk per call (layer-major chunks make them one
 # contiguous range): a few layers amortize the per-read cost without delaying the first layer.
