@@ -270,7 +270,7 @@ def test_auto_stores_kv_where_cake_beats_the_bubble_free_partition(tiny_gqa):
     assert pl.choose_layout(None, "disk", 64) == (Repr.KV,) * n
 
 
-# What an H200 measured for llama2-7b in bf16 (docs/gpu/h200-2026-11-27-lease5/restore_mha.json),
+# What an H200 measured for llama2-7b in bf16 (docs/gpu/h200-2026-11-27-lease5/call1_restore_mha.json),
 # its memory tier's reads hidden under compute (the calibration fixed since that lease).
 H200_LLAMA2 = HardwareProfile("llama2-7b", "bfloat16", 16, prefill_a=1.219e-05, prefill_b=1.325e-09,
                               project_s=1.799e-07, place_s=4.195e-08, prefill_g=1.477e-06, prefill_c=0.01755,
