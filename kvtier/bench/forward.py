@@ -36,13 +36,14 @@ from kvtier.bench import roofline
 from kvtier.dtypes import name_of
 
 # One warm-up call, then the median of `repeats` synchronized calls: the calibration's own timer.
-from kvtier.engine.calibrate.hardware import _sync
+from kvtier.engine.calibrate.hardware import _sync, load_or_measure
 from kvtier.engine.calibrate.hardware import _time as median_time
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
+from kvtier.paths import home
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,14 @@ _MODE: dict = {}  # EngineConfig settings of the mode `run` is in
 
 def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None, prefix_cache: bool = False) -> Engine:
     # The device's default per-step token budget, as users run it: a long prompt is prefilled in
-    # chunks of it (2048 tokens on a CPU, 16384 on a GPU).
+    # chunks of it (2048 tokens on a CPU, 16384 on a GPU). With a store, the engine plans with this
+    # machine's measured profile, as a server's does (built without one, it plans with a rough
+    # estimate: read buffers and the restore compute charged to step budgets would be a guess's).
     kv = ModelRunner.bytes_per_block(loaded.module, 16) * seqs * (max_len // 16 + 2)
     return Engine(loaded, EngineConfig(kv_cache_bytes=max(kv, 256 << 20), max_model_len=max_len, max_num_seqs=max(seqs, 8),
                                        enable_prefix_cache=prefix_cache, **_MODE),
-                  store=store, reuse=ReuseConfig(method="kv", lookahead=False) if store else None)
+                  store=store, reuse=ReuseConfig(method="kv", lookahead=False) if store else None,
+                  profile=load_or_measure(loaded, home(), store) if store else None)
 
 
 def bench_prefill(loaded, hf, length: int, repeats: int) -> tuple[float, float]:
