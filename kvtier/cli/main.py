@@ -207,7 +207,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"{prof.project_s * 1e6:.2f} us/token/layer")
     for name, r in prof.tiers.items():
         print(f"tier {name}: whole-chunk {r.chunk_bps / 1e9:.2f} GB/s, layer groups {r.layer_bps / 1e9:.2f} GB/s, "
-              f"{r.read_latency_s * 1e6:.0f} us/read, {r.overlap:.0%} of read time hidden under compute")
+              f"{r.read_latency_s * 1e6:.0f} us/read, {r.overlap:.0%} of read time hidden under compute"
+              + (" (planned as the reads' host work per call: a copy engine moves the bytes)" if r.copy_engine else ""))
     print(f"wrote {out}")
     return 0
 

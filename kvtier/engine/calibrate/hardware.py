@@ -383,7 +383,8 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
             out[name] = TierRates(chunk_bps=total / t_whole,
                                   layer_bps=total / max(t_group - lat * calls, 0.25 * t_group),
                                   read_latency_s=lat,
-                                  overlap=_overlap(read_groups, compute, t_comp, runner.device) if compute else 1.0)
+                                  overlap=_overlap(read_groups, compute, t_comp, runner.device) if compute else 1.0,
+                                  copy_engine=runner.transfer.is_async)
             store.discard(c.key for c in planned)  # only the scratch chunks: the tier may hold real state
         finally:
             store.close()
