@@ -122,8 +122,9 @@ def profiled(out: Path, name: str, fn: Callable[[], object], before: Callable[[]
 
 def _profile(loaded, spec: str) -> HardwareProfile:
     """This machine's profile, measured once (as `kvtier bench restore` and a server plan with).
-    An Engine built without one plans with a rough estimate: the fifth H200 lease's profiled kv
-    restores took 0.086-0.098 s against the bench's 0.045 with it."""
+    An Engine built without one plans with a saved profile or, with none saved yet, a rough
+    estimate: the fifth H200 lease's profiled kv restores (run first, nothing saved) took
+    0.086-0.098 s against the bench's 0.045, likely for that."""
     return load_or_measure(loaded, home(), spec)
 
 

@@ -280,11 +280,11 @@ H200_LLAMA2 = HardwareProfile("llama2-7b", "bfloat16", 16, prefill_a=1.219e-05, 
 LLAMA2_SHAPE = ModelShape(32, 2 * 32 * 128 * 2, 4096 * 2)  # MHA: hidden states are half of K+V
 
 
-def test_auto_stores_what_wins_for_the_long_histories_the_engine_holds():
+def test_auto_stores_what_wins_for_the_long_histories_the_model_holds():
     """On an MHA model hidden states (half the bytes) win from about 4K tokens on, while a 1024-token
     history is launch-bound and K/V wins there: the stored layout is chosen for the lengths the
-    engine holds, the longest weighing most, so auto stores HCache's partition (hidden states, and
-    K/V where projecting would outlast the reads) where it holds 8K tokens and K/V where it holds
+    model holds, the longest weighing most, so auto stores HCache's partition (hidden states, and
+    K/V where projecting would outlast the reads) for a model of 32K positions and K/V for one of
     only 1024."""
     pl = Planner(H200_LLAMA2, LLAMA2_SHAPE, links(H200_LLAMA2, [("memory", None, 0.0)]), prefill_chunk_tokens=16384)
     n = LLAMA2_SHAPE.num_layers
@@ -295,13 +295,13 @@ def test_auto_stores_what_wins_for_the_long_histories_the_engine_holds():
     def best_kv(h: int) -> float:
         return min(pl.plan(m, chunks(h), 64).predicted_s for m in (Method.KV, Method.CAKE))
 
-    part = pl.partition(chunks(8192))
+    part = pl.partition(chunks(16384))
     assert part[0] is Repr.HIDDEN and part.count(Repr.HIDDEN) > n // 2
     assert best_kv(1024) < pl.plan(Method.BUBBLEFREE, chunks(1024), 64, part).predicted_s
-    assert best_kv(8192) > pl.plan(Method.BUBBLEFREE, chunks(8192), 64, part).predicted_s
-    assert pl.choose_layout(None, "memory", 64, max_tokens=8256) == part
+    assert best_kv(16384) > pl.plan(Method.BUBBLEFREE, chunks(16384), 64, part).predicted_s
+    assert pl.choose_layout(None, "memory", 64, max_tokens=32768) == part  # the presets' context length
     assert pl.choose_layout(None, "memory", 64, max_tokens=1024) == (Repr.KV,) * n
-    assert pl.choose_layout(Method.KV, "memory", 64, max_tokens=8256) == (Repr.KV,) * n
+    assert pl.choose_layout(Method.KV, "memory", 64, max_tokens=32768) == (Repr.KV,) * n
 
 
 def test_cake_pays_the_device_copy_that_whole_chunk_reads_leave_out(tiny_gqa):

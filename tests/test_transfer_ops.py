@@ -118,17 +118,20 @@ def test_a_hidden_state_restore_is_whole_chunk_runs_and_no_per_chunk_copies(deep
     assert sum(runs) == out.restore.bytes_read == LAYERS * HIST * cfg.hidden_size * 4  # every byte once
 
 
-def test_the_calibration_times_the_restores_own_copies(tiny_gqa, rec, monkeypatch):
+def test_the_calibration_times_the_restores_own_copies(tiny_gqa, rec, tmp_path):
     """Where copies are asynchronous, the hardware profile times a memory tier's layer groups as a
-    restore moves them: whole chunks handed over as address arrays, one submission per group."""
+    restore moves them: whole chunks handed over as address arrays, one submission per group. The
+    copy engine moves those bytes, so the planner charges the reads their host work per call; a
+    disk tier's reads still check and copy every byte on the host."""
     from kvtier.engine.calibrate.hardware import measure_tiers
     from kvtier.planning.costs import READ_GROUP_LAYERS
 
-    rates = measure_tiers(tiny_gqa, "memory:64MB", chunk_tokens=16, chunks=8)["memory"]
+    tiers = measure_tiers(tiny_gqa, f"memory:64MB,disk:{tmp_path}:64MB", chunk_tokens=16, chunks=8)
+    rates = tiers["memory"]
     groups = -(-tiny_gqa.config.num_layers // READ_GROUP_LAYERS)
     assert rates.layer_bps > 0 and rates.chunk_bps > 0
     assert rec.equal_runs >= 8 * groups and len(rec.of("h2d")) >= groups
-    assert rates.copy_engine  # the planner charges these reads their host work per call
+    assert rates.copy_engine and not tiers["disk"].copy_engine
 
 
 def test_the_calibration_times_only_the_placements_a_step_pays(tiny_gqa, rec):

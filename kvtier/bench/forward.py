@@ -82,8 +82,8 @@ _MODE: dict = {}  # EngineConfig settings of the mode `run` is in
 def _engine(loaded, max_len: int, seqs: int = 1, store: str | None = None, prefix_cache: bool = False) -> Engine:
     # The device's default per-step token budget, as users run it: a long prompt is prefilled in
     # chunks of it (2048 tokens on a CPU, 16384 on a GPU). With a store, the engine plans with this
-    # machine's measured profile, as a server's does (built without one, it plans with a rough
-    # estimate: read buffers and the restore compute charged to step budgets would be a guess's).
+    # machine's measured profile, as a server's does (built without one, it plans with a saved one
+    # or a rough estimate: read buffers and the restore compute charged to step budgets a guess's).
     kv = ModelRunner.bytes_per_block(loaded.module, 16) * seqs * (max_len // 16 + 2)
     return Engine(loaded, EngineConfig(kv_cache_bytes=max(kv, 256 << 20), max_model_len=max_len, max_num_seqs=max(seqs, 8),
                                        enable_prefix_cache=prefix_cache, **_MODE),

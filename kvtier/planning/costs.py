@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-PROFILE_VERSION = 9  # bump when what a profile measures changes: older files are measured again
+PROFILE_VERSION = 10  # bump when what a profile measures changes: older files are measured again
 
 # Layer-wise reads fetch this many layers of a chunk per call (layer-major chunks make them one
 # contiguous range): a few layers amortize the per-read cost without delaying the first layer.
@@ -24,13 +24,14 @@ class TierRates:
     layer_bps: float  # bytes/s reading a layer group of every chunk, as a restore does
     read_latency_s: float  # fixed cost per read call
     # Share of the raw read time that hides under compute running at the same time: near 1 when a
-    # device moves the bytes (direct I/O, a copy engine), near 0 when reads are memcpys on the
-    # cores the compute uses. Time spent waiting (emulated bandwidth, network) always overlaps.
+    # device moves the bytes (direct I/O), near 0 when reads are memcpys on the cores the compute
+    # uses. Time spent waiting (emulated bandwidth, network) always overlaps. See copy_engine.
     overlap: float = 1.0
-    # The reads reach a device that computes apart from the host (a GPU: its copy engine moves the
-    # bytes). What a read takes from the compute there is its host work, a cost per call, not a
-    # share of its time: with the share the calibration's small reads showed (0.39 and 0.66 on an
-    # H200), 8K-16K restores were predicted at up to 1.45x their time. `overlap` is then only reported.
+    # The host touches none of the bytes: they lie in pinned host memory (the memory tier) and a
+    # GPU's copy engine moves them. What a read takes from the compute there is the host's fixed
+    # work per call, not a share of its time: with the share the calibration's small reads showed
+    # (0.39 and 0.66 on an H200), 8K-16K restores were predicted at up to 1.45x their time.
+    # `overlap` is then only reported. Disk and Redis reads still check and copy every byte.
     copy_engine: bool = False
 
 
@@ -109,7 +110,8 @@ class TierLink:
 
     def stolen_s(self, nbytes: int, whole_chunk: bool) -> float:
         """Compute time a read takes away from work running beside it: its unhidden busy part, or
-        where a copy engine moves the bytes its calls' host work (a layer pays its share of one)."""
+        where a copy engine moves the bytes its call's fixed host cost (a layer pays its share of
+        one; the copy submissions, one per layer group of every chunk, are in layer_bps)."""
         if self.rates.copy_engine:
             return self.rates.read_latency_s * (1.0 if whole_chunk else 1.0 / READ_GROUP_LAYERS)
         return (1.0 - self.rates.overlap) * self.read_parts(nbytes, whole_chunk)[0]

@@ -338,12 +338,13 @@ class Planner:
     def choose_layout(self, method: Method | None, tier: str, chunk_tokens: int,
                       max_tokens: int | None = None) -> tuple[Repr, ...]:
         """What to store per layer. Fixed by the method when there is one; else decided once, for
-        histories of LAYOUT_PROBES tokens (at most `max_tokens`, what the engine holds) on `tier`
-        (the slowest of the stack): the layout whose restores of them all take the least predicted
-        time in sum, among stored K/V (layer-wise loading, or Cake) and HCache's bubble-free
-        partition for each of those lengths. The long histories weigh most, as they do in what
-        restores cost; a single 1024-token probe let launch-bound steps hide that hidden states
-        win on an MHA model from 4K tokens on (an H200, llama2-7b)."""
+        histories of LAYOUT_PROBES tokens (at most `max_tokens`: the model's context length, not an
+        engine's, since the layout is part of the store's namespace and servers of one model that
+        share a store must agree) on `tier` (the slowest of the stack): the layout whose restores
+        of them all take the least predicted time in sum, among stored K/V (layer-wise loading, or
+        Cake) and HCache's bubble-free partition for each of those lengths. The long histories
+        weigh most, as they do in what restores cost; a single 1024-token probe let launch-bound
+        steps hide that hidden states win on an MHA model from 4K tokens on (an H200, llama2-7b)."""
         n = self.shape.num_layers
         if method is Method.HIDDEN:
             return (Repr.HIDDEN,) * n

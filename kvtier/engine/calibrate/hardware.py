@@ -271,7 +271,7 @@ def _overlap(read: Callable[[], object], compute: Callable[[], object], t_comp: 
     On a GPU the reading thread enqueues on its own stream: its copies wait for the current stream
     (as a restore's wait for the compute that frees their ring slot), and on the compute's stream
     that would be the unrelated prefill, timing the two in series (an H200 measured 0-8% hidden
-    where restores overlap fully, and the planner charged every read to the compute)."""
+    where restores overlapped fully)."""
     t_read = _time(read)
     reps = max(1, round(t_comp / max(t_read, 1e-6)))
 
@@ -384,7 +384,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                                   layer_bps=total / max(t_group - lat * calls, 0.25 * t_group),
                                   read_latency_s=lat,
                                   overlap=_overlap(read_groups, compute, t_comp, runner.device) if compute else 1.0,
-                                  copy_engine=runner.transfer.is_async)
+                                  copy_engine=runner.transfer.is_async and name == "memory")
             store.discard(c.key for c in planned)  # only the scratch chunks: the tier may hold real state
         finally:
             store.close()

@@ -329,7 +329,7 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     else:  # decided for the slowest tier of the stack
         # An importance restore needs K/V in every layer: with lossy allowed, auto stores K/V too.
         layout = planner.choose_layout(Method.IMPRESS if importance else reuse.fixed_method, tiers[-1][0],
-                                       reuse.chunk_tokens, runner.max_positions)
+                                       reuse.chunk_tokens, cfg.max_position_embeddings)
     # One request's save can hold its whole context (a long prompt prefilled in one step is one
     # snapshot): the writer's queue must take two of those, or it drops them (an 8K llama3-8b
     # context is 1 GiB, the default bound; at 16K nothing was saved on a GPU).
