@@ -73,3 +73,12 @@ def spy_logits(engine) -> list[torch.Tensor]:
 
     engine.runner.execute = spy  # type: ignore[method-assign]
     return seen
+
+
+def first_logits(engine, ids: list[int], params) -> tuple:
+    """(output, the logits of the request's first step) of one run of `ids`; the engine is closed."""
+    seen = spy_logits(engine)
+    try:
+        return engine.generate([ids], params)[0], seen[0][-1]
+    finally:
+        engine.close()

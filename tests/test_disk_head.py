@@ -20,7 +20,7 @@ from kvtier.store import format as fmt
 from kvtier.store.tiered import TieredStore
 from kvtier.store.tiers import disk, uring
 
-from kvtier_testlib import spy_logits
+from kvtier_testlib import first_logits
 
 CHUNK, HIST, NEW = 64, 320, 9  # 5 whole chunks
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -33,12 +33,6 @@ def _engine(model, spec: str | None, method: str = "kv") -> Engine:
                   store=spec, reuse=ReuseConfig(method=method, chunk_tokens=CHUNK) if spec else None)
 
 
-def _run(engine: Engine, ids: list[int]):
-    seen = spy_logits(engine)
-    try:
-        return engine.generate([ids], GREEDY)[0], seen[0][-1]
-    finally:
-        engine.close()
 
 
 @pytest.fixture
@@ -92,8 +86,8 @@ def test_the_first_layer_comes_with_the_header_and_the_restore_equals_recompute(
     model = tiny_gqa if dtype == "fp32" else load_model("tiny-gqa", dtype="bf16", tokenizer=False)
     spec, ids, files = _saved(model, tmp_path, method)
     requests.clear()
-    out, logits = _run(_engine(model, spec, method), ids)
-    ref, ref_logits = _run(_engine(model, None), ids)
+    out, logits = first_logits(_engine(model, spec, method), ids, GREEDY)
+    ref, ref_logits = first_logits(_engine(model, None), ids, GREEDY)
     assert out.reused_by_tier == {"disk": HIST} and out.restore_method == method
     assert torch.equal(logits, ref_logits) and out.output_ids == ref.output_ids
     for f in files:
@@ -114,8 +108,8 @@ def test_a_flipped_byte_in_the_first_layer_is_a_miss(tiny_gqa, tmp_path, request
     victim.write_bytes(bytes(data))
     engine = _engine(tiny_gqa, spec)
     tier = engine.link.store.tier("disk")
-    out, logits = _run(engine, ids)
-    ref, ref_logits = _run(_engine(tiny_gqa, None), ids)
+    out, logits = first_logits(engine, ids, GREEDY)
+    ref, ref_logits = first_logits(_engine(tiny_gqa, None), ids, GREEDY)
     assert torch.equal(logits, ref_logits) and out.output_ids == ref.output_ids
     assert tier.counters["corrupt"] == 1  # removed, then saved again from the recompute, intact
     assert victim.read_bytes() != bytes(data)
@@ -142,8 +136,8 @@ def test_a_first_layer_not_read_ahead_is_read_after_the_header(tiny_gqa, tmp_pat
 
         monkeypatch.setattr(TieredStore, "open", as_pinned)
     requests.clear()
-    out, logits = _run(_engine(tiny_gqa, spec), ids)
-    ref, ref_logits = _run(_engine(tiny_gqa, None), ids)
+    out, logits = first_logits(_engine(tiny_gqa, spec), ids, GREEDY)
+    ref, ref_logits = first_logits(_engine(tiny_gqa, None), ids, GREEDY)
     assert out.reused_by_tier == {"disk": HIST} and torch.equal(logits, ref_logits)
     for f in files:
         start, end = _first_layer(f)

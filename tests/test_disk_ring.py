@@ -18,7 +18,7 @@ from kvtier.models.loading import load_model
 from kvtier.store.staging import Staging
 from kvtier.store.tiers import disk, uring
 
-from kvtier_testlib import spy_logits
+from kvtier_testlib import first_logits
 
 pytestmark = pytest.mark.skipif(not uring.available(), reason="io_uring is not available on this system")
 
@@ -35,13 +35,6 @@ def _ids(model) -> list[int]:
     return torch.randint(3, model.config.vocab_size, (HIST + NEW,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-def _first_logits(engine: Engine, ids: list[int]):
-    """(output, the logits of the request's first step) of a greedy run; the engine is closed."""
-    seen = spy_logits(engine)
-    try:
-        return engine.generate([ids], GREEDY)[0], seen[0][-1]
-    finally:
-        engine.close()
 
 
 def _saved(model, spec: str, ids: list[int]) -> None:
@@ -75,8 +68,8 @@ def _restore_matches_recompute(model, tmp_path) -> dict:
     _saved(model, spec, ids)
     engine = _engine(model, spec)
     usage = engine.link.store.tier("disk").usage()
-    out, logits = _first_logits(engine, ids)
-    ref, ref_logits = _first_logits(_engine(model, None), ids)
+    out, logits = first_logits(engine, ids, GREEDY)
+    ref, ref_logits = first_logits(_engine(model, None), ids, GREEDY)
     assert out.reused_by_tier == {"disk": HIST} and out.restore_method == "kv"
     assert torch.equal(logits, ref_logits) and out.output_ids == ref.output_ids
     return usage
@@ -109,8 +102,8 @@ def test_a_flipped_byte_read_on_the_ring_is_a_miss(tiny_gqa, tmp_path, where):
     victim.write_bytes(bytes(data))
     engine = _engine(tiny_gqa, spec)
     tier = engine.link.store.tier("disk")
-    out, _ = _first_logits(engine, ids)
-    ref, _ = _first_logits(_engine(tiny_gqa, None), ids)
+    out, _ = first_logits(engine, ids, GREEDY)
+    ref, _ = first_logits(_engine(tiny_gqa, None), ids, GREEDY)
     assert out.output_ids == ref.output_ids
     assert tier.counters["corrupt"] == 1  # removed, then saved again from the recompute, intact
     assert victim.read_bytes() != bytes(data)
