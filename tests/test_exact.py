@@ -16,6 +16,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import LoadedModel, cpu_has_bf16, load_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, first_logits=True)
+FEW = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, first_logits=True)
 DTYPES = ["bf16", "fp16", "fp32"]
 LOSSLESS = ["kv", "hidden", "bubblefree", "cake", "recompute"]
 
@@ -39,9 +40,9 @@ def engine(m: LoadedModel, chunk: int = 4096, prefix_cache: bool = True, store: 
     return Engine(m, cfg, store=store, reuse=ReuseConfig(method=method, chunk_tokens=64, **reuse) if store else None)
 
 
-def run(e: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
+def run(e: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[RequestOutput]:
     try:
-        return e.generate(prompts, GREEDY)
+        return e.generate(prompts, params)
     finally:
         e.close()
 
@@ -165,3 +166,31 @@ def test_what_lies_past_a_context_changes_no_bit(dtype: str):
     finally:
         e.close()
     assert hit.prompt_tokens_reused == 320 and same(hit, fresh)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_repeated_prompt_restores_all_but_its_last_token(dtype: str, tier: str, tmp_path):
+    """The same prompt asked again: the chunk holding its last token (a full chunk at 192 tokens,
+    the partial tail at 150) is read whole and restored up to that token, which alone is computed,
+    by every exact method; the answer is a fresh prefill's, bit for bit."""
+    m = model("tiny-gqa", dtype)
+    for n in (192, 150):
+        ids = ids_of(m, n, seed=n)
+        fresh = run(engine(m, prefix_cache=False), [ids], FEW)[0]
+        for method in ("kv", "hidden", "bubblefree", "cake"):
+            layout = ("hidden",) * m.config.num_layers if method in ("hidden", "bubblefree") else None
+            spec = "memory:1GB" if tier == "memory" else f"disk:{tmp_path}/{n}-{method}:1GB"
+            saver = engine(m, chunk=100, prefix_cache=False, store=spec, method=method, layout=layout)
+            try:
+                saver.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+                assert saver.flush(30)
+                if tier == "memory":
+                    out = saver.generate([ids], FEW)[0]
+            finally:
+                saver.close()
+            if tier != "memory":
+                out = run(engine(m, prefix_cache=False, store=spec, method=method, layout=layout), [ids], FEW)[0]
+            assert out.prompt_tokens_reused == n - 1 and out.restore_method == method, \
+                (n, method, out.prompt_tokens_reused, out.restore_method)
+            assert same(out, fresh), (n, method)

@@ -48,7 +48,9 @@ class PlannedChunk:
 class Plan:
     method: Method
     layer_reprs: tuple[Repr, ...]  # what is read per layer; leading NONE layers are recomputed
-    history_tokens: int  # tokens [0, history_tokens) restored by this plan
+    # Tokens [0, history_tokens) restored by this plan. The last chunk may hold more (a repeated
+    # prompt's last chunk: its final token is computed, not restored); it is read whole, as stored.
+    history_tokens: int
     chunks: tuple[PlannedChunk, ...]  # what is read, from where (empty for recompute)
     predicted_s: float  # restore + new tokens' first step, predicted from the profile
     ideal_s: float  # max(bytes / bandwidth, compute seconds): no method of this kind can beat it

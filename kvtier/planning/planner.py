@@ -304,8 +304,10 @@ class Planner:
         return tuple(stored) if stored is not None else self.partition(chunks)
 
     def plan(self, method: Method, chunks: Sequence[StoredChunk], new: int,
-             stored: Sequence[Repr] | None = None) -> Plan:
-        """The plan for `method` over `chunks` (each read from the tier named on it)."""
+             stored: Sequence[Repr] | None = None, upto: int | None = None) -> Plan:
+        """The plan for `method` over `chunks` (each read from the tier named on it). `upto`: restore
+        [0, upto) only, inside the last chunk (a prompt's last token is computed, not restored);
+        the chunk is still read whole, as stored. Default: to the last chunk's end."""
         layout = self.layout_for(method, chunks, stored)
         t, ideal, background, attach, depth = self.predict(method, chunks, new, layout)
         t *= self.correction.get(method, 1.0)
@@ -318,19 +320,21 @@ class Planner:
         a = self.profile.prefill_a
         # The restore's compute in prefill-token equivalents: what the engine charges to the step
         # budgets while it runs, since it shares the cores with the step loop.
-        return Plan(method, tuple(layout), _tokens(chunks), planned, t, ideal,
+        return Plan(method, tuple(layout), _tokens(chunks) if upto is None else upto, planned, t, ideal,
                     read_buffer_layers=max(depth, 1),
                     background_tokens=math.ceil(background / a) if a > 0 else 0,
                     attach_tokens=math.ceil(attach / a) if a > 0 else 0)
 
-    def choose(self, chunks: Sequence[StoredChunk], new: int, allowed: Mapping[Method, Sequence[Repr]]) -> Plan:
+    def choose(self, chunks: Sequence[StoredChunk], new: int, allowed: Mapping[Method, Sequence[Repr]],
+               upto: int | None = None) -> Plan:
         """The fastest predicted plan among recompute and the methods the stored layout allows
         (`allowed` maps each method to the stored layout it would read). A lossy method must be
         predicted at most LOSSY_MARGIN of the fastest exact plan's time: it costs accuracy, and its
         prediction has been off by up to a quarter (docs/benchmarks.md)."""
         plans = [self.plan(Method.RECOMPUTE, chunks, new)]
         if chunks:
-            plans += [self.plan(m, chunks, new, layout) for m, layout in allowed.items()]
+            plans += [self.plan(m, chunks, new, layout, None if m is Method.IMPRESS else upto)
+                      for m, layout in allowed.items()]
         exact = min((pl for pl in plans if pl.method.exact), key=lambda pl: pl.predicted_s)
         lossy = min((pl for pl in plans if not pl.method.exact), key=lambda pl: pl.predicted_s, default=None)
         return lossy if lossy is not None and lossy.predicted_s <= LOSSY_MARGIN * exact.predicted_s else exact

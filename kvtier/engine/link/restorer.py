@@ -78,7 +78,8 @@ class Restorer:
     # ----- the scheduler's side -----------------------------------------------------------------
     def offer(self, req: Request) -> StoreOffer:
         """Look the request up in the store (a lookup; never waits on the writer) and plan its
-        restore. Restoring is capped so one prompt token is left to compute. When filling holes,
+        restore. Restoring is capped so one prompt token is left to compute (the chunk holding it is
+        read whole and restored up to it). When filling holes,
         device-cached tokens beyond what the store holds are not kept, so their state is captured."""
         if self.config.fixed_method is Method.RECOMPUTE:
             return StoreOffer(0, req.num_computed)
@@ -87,29 +88,36 @@ class Restorer:
         match = self.store.lookup(req.all_ids, req.cache_salt)
         keep = min(req.num_computed, match.num_tokens) if self.config.save and self.config.fill_holes \
             else req.num_computed
-        usable = [c for c in match.chunks if keep < c.end <= req.num_tokens - 1]
-        end = usable[-1].end if usable else 0
+        last = req.num_tokens - 1  # the prompt's last token is always computed: it gives the logits
+        # Chunks up to the last token, and the chunk holding it (a repeated prompt), read whole and
+        # restored up to it: one token computed, not up to a chunk's worth.
+        usable = [c for c in match.chunks if keep < c.end and c.start < last]
+        end = min(usable[-1].end, last) if usable else 0
+        whole = max((c.end for c in usable if c.end <= last), default=0)  # what a whole-chunk restore reaches
         if end - keep < self.config.min_restore_tokens:
             return StoreOffer(0, keep)
         new = req.num_tokens - end
         fixed = self.config.fixed_method
+        # An importance restore reads whole chunks only (up to `whole`).
+        importance = whole - keep >= self.config.min_restore_tokens
         if fixed is Method.IMPRESS:
-            return self._offer_importance(req, match.chunks, end)
+            return self._offer_importance(req, match.chunks, whole) if importance else StoreOffer(0, keep)
         if fixed is None:
             # An importance restore reads the whole prefix: weighed only when the device holds none
             # of it (otherwise exact restores of the rest are both cheaper and exact).
-            allowed = self.allowed if keep == 0 else {m: lay for m, lay in self.allowed.items() if m.exact}
-            plan = self.planner.choose(usable, new, allowed)
+            allowed = self.allowed if importance and keep == 0 else \
+                {m: lay for m, lay in self.allowed.items() if m.exact}
+            plan = self.planner.choose(usable, new, allowed, upto=end)
             if plan.method is Method.IMPRESS:
-                return self._offer_importance(req, match.chunks, end, plan.predicted_s)
+                return self._offer_importance(req, match.chunks, whole, plan.predicted_s)
         else:  # a method the stored layout cannot serve (e.g. cake over hidden states) reads it as stored
             method = fixed if fixed in self.allowed else next(iter(self.allowed))
-            plan = self.planner.plan(method, usable, new, self.allowed[method])
+            plan = self.planner.plan(method, usable, new, self.allowed[method], upto=end)
         if plan.method is Method.RECOMPUTE:
             return StoreOffer(0, keep)
         tiers: dict[str, int] = {}
         for c in usable:
-            tiers[c.tier] = tiers.get(c.tier, 0) + c.end - max(c.start, keep)
+            tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, end) - max(c.start, keep)
         order = RestoreOrder(plan, None, tiers)
         if self._instant(plan):
             return StoreOffer(end, keep, order, 0, instant=True, attach_tokens=plan.attach_tokens)

@@ -665,6 +665,7 @@ class Restore:
         elif rep is not Repr.KV:  # hidden: project this layer's inputs over every chunk in one matmul
             skip = self._lo - self.plan.chunks[0].start
             hs = [h[i] for h in staged["h"]]  # [tokens, hidden] per chunk
+            hs[-1] = hs[-1][:self.plan.history_tokens - self.plan.chunks[-1].start]  # the last chunk may hold more
             h = hs[0][skip:] if len(hs) == 1 else torch.cat([hs[0][skip:]] + hs[1:])  # [hist - lo, hidden]
             self.runner.project_in(layer, h, (self._lo, self.plan.history_tokens), self.slots[self._lo - self.start:])
 
@@ -727,7 +728,7 @@ class Restore:
                 claimed = cursor.claim_front(tokens, self.compute_chunk_tokens)
                 if not claimed:
                     break
-                self._compute(chunks[claimed.start].start, chunks[claimed.stop - 1].end)
+                self._compute(chunks[claimed.start].start, min(chunks[claimed.stop - 1].end, self.plan.history_tokens))
                 self.transfer.sync_compute()  # claim the next chunk once this one is really computed
                 self.stats.chunks_computed += len(claimed)
         finally:
@@ -754,8 +755,8 @@ class Restore:
             if group is None:
                 failed.append(f"chunk {c.key[:12]} could not be read intact")
                 return
-            ps = pieces([(c.start, c.end)], self.runner.slot_runs(self.block_ids, max(c.start, self.start), c.end),
-                        self.start)
+            end = min(c.end, self.plan.history_tokens)  # the last chunk may hold more than the plan restores
+            ps = pieces([(c.start, end)], self.runner.slot_runs(self.block_ids, max(c.start, self.start), end), self.start)
             k, v = group.parts["k"][0], group.parts["v"][0]  # [layers, tokens, kv_heads, hd]
             assert k is not None and v is not None  # read without `into`: nothing went straight to the pool
             handle = self.runner.copy_in(range(n), [(p.slot, p.length) for p in ps],
