@@ -81,7 +81,8 @@ def test_generate_exits_cleanly_under_contention_and_saves(tmp_path, home, busy_
 
 def test_sigterm_mid_generation_drains_saves_and_exits_143(tmp_path, home):
     store = tmp_path / "store"
-    proc = _generate(home, store, PROMPT, "--max-tokens", "100000", "--max-model-len", "1024")
+    # Chunks of 64: the ~450-token prompt's saves are several chunks, some still with the writer.
+    proc = _generate(home, store, PROMPT, "--max-tokens", "100000", "--max-model-len", "1024", "--chunk-tokens", "64")
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
     deadline = time.monotonic() + 120
@@ -93,7 +94,7 @@ def test_sigterm_mid_generation_drains_saves_and_exits_143(tmp_path, home):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "terminate called" not in err and "Traceback" not in err, err
     assert len(_chunk_files(store)) >= 4  # the prompt's full chunks (about 450 tokens)
-    again = _generate(home, store, PROMPT, "--max-tokens", "2", "--restore-method", "kv")
+    again = _generate(home, store, PROMPT, "--max-tokens", "2", "--restore-method", "kv", "--chunk-tokens", "64")
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     assert _reused(err) >= 64

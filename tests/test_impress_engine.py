@@ -18,6 +18,7 @@ from kvtier.store.selective import TokenReads
 from kvtier.testing.impress_harness import ReducedCache, extend
 
 HIST, NEW, OUT = 256, 12, 8
+CHUNK = 64  # four chunks of granules: what the reads and reordering below are counted in
 GREEDY = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
 
 
@@ -31,7 +32,7 @@ def _ids(model, n: int, seed: int = 11) -> list[int]:
 
 
 def _impress_engine(model, tmp_path, ratio: float) -> Engine:
-    return Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", impress=ImpressConfig(ratio=ratio)))
+    return Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", chunk_tokens=CHUNK, impress=ImpressConfig(ratio=ratio)))
 
 
 def _turn_one(model, tmp_path, ids: list[int]) -> None:
@@ -75,7 +76,7 @@ def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, t
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
     config = ImpressConfig(ratio=0.25, **options)
-    with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", impress=config)) as engine:
+    with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", chunk_tokens=CHUNK, impress=config)) as engine:
         out = engine.generate([ids], GREEDY)[0]
         policy = ImpressPolicy(ratio=0.25, selection=Selection(config.selection.value), window=config.window,
                                block=16 if config.unit.value == "granule" else 1, vote=config.vote)
@@ -140,7 +141,7 @@ def test_chunk_ratios_average_the_kept_share_over_layers():
 def test_score_policy_hears_what_importance_restores_needed(model, tmp_path):
     ids = _ids(model, HIST + NEW, seed=15)
     _turn_one(model, tmp_path, ids)
-    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25), eviction_policy="score")
+    reuse = ReuseConfig(method="impress", chunk_tokens=CHUNK, impress=ImpressConfig(ratio=0.25), eviction_policy="score")
     with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         out = engine.generate([ids], GREEDY)[0]
         store = engine.link.store
@@ -157,14 +158,14 @@ def test_reordering_changes_what_is_read_not_what_is_restored(model, tmp_path):
     ids = _ids(model, HIST + NEW, seed=16)
     _turn_one(model, tmp_path, ids)
     # Reordering serves single-token selection (whole granules say nothing about order within one).
-    reuse = ReuseConfig(method="impress", impress=ImpressConfig(ratio=0.25, unit="token", window=1, reorder_s=0))
+    reuse = ReuseConfig(method="impress", chunk_tokens=CHUNK, impress=ImpressConfig(ratio=0.25, unit="token", window=1, reorder_s=0))
     with Engine(model, store=f"memory:64MB,disk:{tmp_path}/d:256MB", reuse=reuse) as engine:
         # Approximate state is never published: the same prompt restores by importance each time.
         first, second = (engine.generate([ids], GREEDY)[0] for _ in range(2))
         store = engine.link.store
         report = store.reorder()
         third = engine.generate([ids], GREEDY)[0]
-    assert report.chunks == HIST // 64 and report.missing == 0  # every chunk, on both tiers
+    assert report.chunks == HIST // CHUNK and report.missing == 0  # every chunk, on both tiers
     assert first.output_ids == second.output_ids == third.output_ids
     assert first.restore is not None and third.restore is not None
     assert third.restore.prefix_attended == first.restore.prefix_attended == HIST // 4

@@ -16,6 +16,7 @@ from kvtier.cli.options import add_options, from_args, option
 from kvtier.cli.store import default_store_spec, spec_type
 from kvtier.device import DEVICE_HELP
 from kvtier.dtypes import canonical
+from kvtier.engine.config import DEFAULT_CHUNK_TOKENS
 from kvtier.models import DEFAULT_MODEL
 from kvtier.planning.plan import METHOD_CHOICES
 from kvtier.store.spec import SPEC_HELP
@@ -110,8 +111,9 @@ class EngineOptions:
     store: str = option(default_store_spec, STORE, f"tiered state store: {SPEC_HELP}", type=spec_type,
                         metavar="SPEC")
     no_store: bool = option(False, STORE, "run without the state store (no saving, no restore)")
-    chunk_tokens: int = option(64, STORE, "tokens per stored chunk (larger: fewer, larger reads from disk, 256 cut a "
-                               "cold 4K restore by a third here; smaller: finer reuse of shared prefixes)", type=positive_int)
+    chunk_tokens: int = option(DEFAULT_CHUNK_TOKENS, STORE, "tokens per stored chunk (larger: fewer, larger reads from "
+                               "disk; smaller, such as 64: finer reuse of prefixes shared across requests)",
+                               type=positive_int)
     storage_dtype: str = option("auto", STORE, "dtype chunks are stored in: auto = the compute dtype (lossless); "
                                 "fp16, bf16 or int8 store less and are lossy (their state is stored apart from exact "
                                 "state, under keys a lossless restore never reads)", type=_storage_dtype)

@@ -7,6 +7,7 @@ import argparse
 from kvtier.bench.common import csv_arg
 from kvtier.bench.e2e.peers import PEERS
 from kvtier.cli.bench.options import Target, add_command
+from kvtier.engine.config import DEFAULT_CHUNK_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--peers", type=csv_arg, default=",".join(PEERS), help="subset of peers (default: %(default)s)")
     a("--method", default="auto", help="kvtier restore method, as ReuseConfig(method=...) takes it: auto, kv, "
                                        "hidden, bubblefree, cake, recompute (default: %(default)s)")
-    a("--chunk-tokens", type=int, default=64,
+    a("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
       help="tokens per stored chunk of the kvtier peers' stores (larger: fewer, larger reads from disk; "
            "see docs/benchmarks.md) (default: %(default)s)")
     a("--kv-cache", default="4GB", help="Engine KV budget (default: %(default)s)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
+from kvtier.engine.config import DEFAULT_CHUNK_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-model-len", type=int, default=4096,
                    help="context window; a conversation that outgrows it ends (default: %(default)s)")
     e.add_argument("--kv-cache-gb", type=float, default=1.0, help="device KV pool (default: 1 GB, never full)")
-    e.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: %(default)s)")
+    e.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help="tokens per stored chunk (default: %(default)s)")
     e.add_argument("--memory", default="1GB", help="memory tier of the unpressured stacks")
     e.add_argument("--disk", default="4GB", help="disk tier size")
     e.add_argument("--pressure-memory", default="24MB", help="memory tier under pressure (working set: ~100s of MB)")
