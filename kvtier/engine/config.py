@@ -166,12 +166,13 @@ class ImpressConfig:
         object.__setattr__(self, "selection", _member(ImportanceSelection, self.selection, "importance_selection"))
 
 
-# Tokens per stored chunk (LMCache's default too). What a restore pays per chunk (an open, a header,
-# a read per layer group, its checks) falls with the chunk's size: a cold 4096-token restore from
-# disk took 0.628 s with 256 against 0.716 s with 64 (HF's floor 0.591 s; docs/benchmarks.md), and a
-# memory-tier one the same. The cost is coarser reuse of prefixes shared across requests: a stored
-# prefix is matched in whole chunks (the device prefix cache still shares 16-token blocks).
-DEFAULT_CHUNK_TOKENS = 256
+# Tokens per stored chunk. What a restore pays per chunk (an open, a header, a read per layer group,
+# its checks) falls with the chunk's size: a cold 4096-token restore from disk took 0.628 s in chunks
+# of 256 against 0.716 s in chunks of 64 (HF's floor 0.591 s), and a memory-tier one the same
+# (docs/benchmarks.md). But a chunk, partial tails included, is reused only whole: its key covers
+# every token in it. With 256 a prompt that stops inside a stored chunk (a conversation's turn sent
+# again after a restart) recomputes up to 255 tokens, or all of a short conversation, so 64 stays.
+DEFAULT_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
