@@ -194,3 +194,33 @@ def test_a_repeated_prompt_restores_all_but_its_last_token(dtype: str, tier: str
             assert out.prompt_tokens_reused == n - 1 and out.restore_method == method, \
                 (n, method, out.prompt_tokens_reused, out.restore_method)
             assert same(out, fresh), (n, method)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_prompt_parting_inside_a_stored_chunk_reuses_its_matching_part(dtype: str, tier: str, tmp_path):
+    """A prompt that follows a stored context for 170 tokens, then parts from it inside the chunk
+    [128, 192): that chunk is reused up to the last 16-token step that matches (160), by every exact
+    method; the save that follows builds its own chunk on that part, and the prompt asked again
+    reuses all of it but its last token (it ends on a 16-token step of its stored tail). Every answer is a fresh prefill's, bit for bit."""
+    m = model("tiny-gqa", dtype)
+    ids = ids_of(m, 192, seed=3)
+    q = ids[:170] + ids_of(m, 38, seed=4)  # 208: its stored tail [192, 211) holds 3 answer tokens too
+    fresh = run(engine(m, prefix_cache=False), [q], FEW)[0]
+    for method in ("kv", "hidden", "bubblefree", "cake"):
+        layout = ("hidden",) * m.config.num_layers if method in ("hidden", "bubblefree") else None
+        spec = "memory:1GB" if tier == "memory" else f"disk:{tmp_path}/{method}:1GB"
+        outs = []
+        e = engine(m, chunk=100, prefix_cache=False, store=spec, method=method, layout=layout)
+        try:
+            e.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+            for _ in range(2):
+                assert e.flush(30)
+                if tier == "disk":  # each time from the disk alone, as after a restart
+                    e.close()
+                    e = engine(m, chunk=100, prefix_cache=False, store=spec, method=method, layout=layout)
+                outs.append(e.generate([q], FEW)[0])
+        finally:
+            e.close()
+        assert [o.prompt_tokens_reused for o in outs] == [160, len(q) - 1], (method, outs)
+        assert all(o.restore_method == method and same(o, fresh) for o in outs), method

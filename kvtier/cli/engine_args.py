@@ -111,9 +111,8 @@ class EngineOptions:
     store: str = option(default_store_spec, STORE, f"tiered state store: {SPEC_HELP}", type=spec_type,
                         metavar="SPEC")
     no_store: bool = option(False, STORE, "run without the state store (no saving, no restore)")
-    chunk_tokens: int = option(DEFAULT_CHUNK_TOKENS, STORE, "tokens per stored chunk (larger, such as 256: fewer, larger "
-                               "reads from disk, a cold 4K restore 12% faster here; smaller: finer reuse, since a "
-                               "chunk is reused only whole)",
+    chunk_tokens: int = option(DEFAULT_CHUNK_TOKENS, STORE, "tokens per stored chunk (larger: fewer, larger reads; a "
+                               "chunk is reused in part, in steps of 16 tokens, where a prompt stops or parts inside it)",
                                type=positive_int)
     storage_dtype: str = option("auto", STORE, "dtype chunks are stored in: auto = the compute dtype (lossless); "
                                 "fp16, bf16 or int8 store less and are lossy (their state is stored apart from exact "

@@ -9,6 +9,7 @@ from typing import TypeVar
 from kvtier.dtypes import canonical
 from kvtier.planning.optimizer import ProfileCostModel
 from kvtier.planning.plan import AUTO, METHOD_CHOICES, Method
+from kvtier.store.keys import DEFAULT_CHUNK_TOKENS
 from kvtier.store.layout import Repr
 from kvtier.store.seal import Seal
 
@@ -166,13 +167,6 @@ class ImpressConfig:
         object.__setattr__(self, "selection", _member(ImportanceSelection, self.selection, "importance_selection"))
 
 
-# Tokens per stored chunk. What a restore pays per chunk (an open, a header, a read per layer group,
-# its checks) falls with the chunk's size: a cold 4096-token restore from disk took 0.628 s in chunks
-# of 256 against 0.716 s in chunks of 64 (HF's floor 0.591 s), and a memory-tier one the same
-# (docs/benchmarks.md). But a chunk, partial tails included, is reused only whole: its key covers
-# every token in it. With 256 a prompt that stops inside a stored chunk (a conversation's turn sent
-# again after a restart) recomputes up to 255 tokens, or all of a short conversation, so 64 stays.
-DEFAULT_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)

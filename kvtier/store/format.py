@@ -88,6 +88,10 @@ class ChunkHeader:
     segments: tuple[Segment, ...]
     total_bytes: int
     digest: str = CRC32C  # the segments' digest algorithm (BLAKE3 when sealed)
+    # Keys of the chunk's first 16, 32, ... tokens as chunks of their own (keys.prefix_digests):
+    # what lets a reader whose tokens stop or diverge inside this chunk reuse the part that matches.
+    # Empty in chunks written before them (those are reused only whole).
+    prefix: tuple[str, ...] = field(default=(), repr=False)
     # A chunk reordered by importance (IMPRESS §4.4.1): stored K/V row r of layer l holds token
     # order[l][r] of the chunk ([layers, tokens] int64), so the tokens a query keeps share
     # granules. None: token order. Probe keys and hidden states always stay in token order.
@@ -163,7 +167,7 @@ def _pad(n: int) -> int:
 
 def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: int, start: int,
          partial: bool, layers: Mapping[int, Mapping[str, torch.Tensor]],
-         order: torch.Tensor | None = None, seal: Seal = Seal()) -> PackedChunk:
+         order: torch.Tensor | None = None, seal: Seal = Seal(), prefix: Sequence[str] = ()) -> PackedChunk:
     """Pack per-layer parts (`layers[l]["k"]` is [tokens, kv_heads, head_dim] etc., in token order)
     into a chunk. `order` ([layers, tokens]) stores layer l's K/V rows as tokens order[l]. With a
     sealing `seal` the segments get BLAKE3 digests and the header an HMAC tag."""
@@ -203,6 +207,8 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
         "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
         "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs], "digest": alg,
     }
+    if prefix:
+        doc_base["prefix"] = list(prefix)
     if order is not None:
         doc_base["order"] = order.tolist()
     big = 2**128 if alg == BLAKE3 else 2**32  # the widest digest, for the reservation
@@ -412,8 +418,15 @@ def _header_from_doc(doc: dict, total: int, segments: tuple[Segment, ...] | None
         compute_dtype=_str(doc["compute"]), storage_dtype=_str(doc["storage"]),
         layer_reprs=_reprs(tuple(doc["reprs"])),  # (a list of lists: TypeError, a malformed header)
         segments=segments if segments is not None else tuple(_segment(s) for s in doc["segments"]),
-        total_bytes=total, digest=alg, order=_order_from_doc(doc), table=table,
+        total_bytes=total, digest=alg, prefix=_prefix_from_doc(doc), order=_order_from_doc(doc), table=table,
     )
+
+
+def _prefix_from_doc(doc: dict) -> tuple[str, ...]:
+    prefix = doc.get("prefix", [])
+    if type(prefix) is not list or any(type(d) is not str for d in prefix):
+        raise ValueError("prefix must be a list of strings")
+    return tuple(prefix)
 
 
 def _order_from_doc(doc: dict) -> torch.Tensor | None:

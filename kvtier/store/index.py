@@ -1,16 +1,18 @@
 """Longest-prefix lookup over the tiers: one hash lookup per chunk per tier, never a scan.
 
-Full chunks are found by recomputing their chained keys from the query tokens. A trailing partial
-chunk cannot be found that way (its length is unknown), so tiers index partials by their parent
-key: one lookup returns the few candidates, and each is verified by recomputing its key from the
-query tokens.
+Full chunks are found by recomputing their chained keys from the query tokens. Where the chain
+stops, the query's next tokens may still begin a stored chunk: a trailing partial chunk (its length
+is unknown), or a chunk that goes on past the query or parts from it. Tiers list the chunks under a
+parent key in one lookup; a partial one is verified by recomputing its key from the query tokens,
+and one reusable in part by its prefix digests (keys.py), read from its header for the few
+candidates whose first digest is the query's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from .keys import chunk_key, chunk_spans
+from .keys import LEAD_CHARS, PREFIX_GRANULE, Child, chunk_key, chunk_spans, matched_tokens
 from .layout import Repr
 
 
@@ -44,7 +46,14 @@ class ChunkRef:
 @dataclass(frozen=True)
 class PrefixMatch:
     chunks: tuple[ChunkRef, ...]
+    # Tokens whose stored state the chunks hold: the last chunk may go on past them (a chunk reused
+    # in part), so a restore stops here, not at its end.
     num_tokens: int
+
+
+# Headers read per lookup to reuse a chunk in part: candidates are already those whose first 16
+# tokens are the query's, so more than a few means many contexts share a long opening.
+MAX_IN_PART_READS = 8
 
 
 class TierView(Protocol):
@@ -52,13 +61,14 @@ class TierView(Protocol):
     name: str
 
     def contains_many(self, keys: list[str]) -> list[bool]: ...
-    def partials(self, parent: str) -> list[tuple[str, int]]: ...
+    def children(self, parent: str) -> list[Child]: ...
 
 
 def longest_prefix(root: str, token_ids: Sequence[int], chunk_tokens: int, tiers: Sequence[TierView],
-                   layer_reprs: tuple[Repr, ...],
-                   size_of: Callable[[str, str, int], int]) -> PrefixMatch:
-    """`size_of(tier_name, key, tokens)` gives the stored size of a chunk (exact or estimated)."""
+                   layer_reprs: tuple[Repr, ...], size_of: Callable[[str, str, int], int],
+                   prefix_of: Callable[[str, Child, int], tuple[str, ...] | None]) -> PrefixMatch:
+    """`size_of(tier_name, key, tokens)` gives the stored size of a chunk (exact or estimated);
+    `prefix_of(tier_name, child, start)` its prefix digests from its checked header (None: unreadable)."""
     spans = chunk_spans(root, token_ids, chunk_tokens, include_partial=False)
     where: list[str | None] = [None] * len(spans)
     limit = len(spans)  # first index known to be missing everywhere is found below
@@ -78,17 +88,34 @@ def longest_prefix(root: str, token_ids: Sequence[int], chunk_tokens: int, tiers
                              size_of(tier_name, span.key, span.length)))
     pos = refs[-1].end if refs else 0
     parent = refs[-1].key if refs else root
-    remaining = len(token_ids) - pos
-    if remaining > 0:
-        best: tuple[int, str, str] | None = None  # (tokens, key, tier)
-        for tier in tiers:
-            for key, n in tier.partials(parent):
-                if n > remaining or (best is not None and n <= best[0]):
-                    continue
-                if n < chunk_tokens and chunk_key(parent, token_ids[pos:pos + n]) == key:
-                    best = (n, key, tier.name)
-        if best is not None:
-            n, key, tier_name = best
-            refs.append(ChunkRef(key, pos, pos + n, layer_reprs, tier_name,
-                                 size_of(tier_name, key, n)))
-    return PrefixMatch(tuple(refs), refs[-1].end if refs else 0)
+    if pos < len(token_ids):
+        tail = _longest_child(parent, token_ids[pos:pos + chunk_tokens], tiers, pos, prefix_of)
+        if tail is not None:
+            child, tier_name, n = tail
+            refs.append(ChunkRef(child.key, pos, pos + child.tokens, layer_reprs, tier_name,
+                                 size_of(tier_name, child.key, child.tokens)))
+            return PrefixMatch(tuple(refs), pos + n)
+    return PrefixMatch(tuple(refs), pos)
+
+
+def _longest_child(parent: str, ids: Sequence[int], tiers: Sequence[TierView], start: int,
+                   prefix_of: Callable[[str, Child, int], tuple[str, ...] | None]) -> tuple[Child, str, int] | None:
+    """The stored chunk under `parent` whose leading tokens match most of `ids` (the query from
+    the chunk's start): (child, tier, tokens matched), or None."""
+    best: tuple[Child, str, int] | None = None
+    lead = chunk_key(parent, ids[:PREFIX_GRANULE])[:LEAD_CHARS] if len(ids) >= PREFIX_GRANULE else ""
+    reads, seen = 0, set()
+    for tier in tiers:
+        for child in tier.children(parent):
+            if child.key in seen or best is not None and min(child.tokens, len(ids)) <= best[2]:
+                continue  # cannot match more than the best so far
+            seen.add(child.key)
+            if child.tokens <= len(ids) and chunk_key(parent, ids[:child.tokens]) == child.key:
+                best = (child, tier.name, child.tokens)  # whole: a partial chunk the query covers
+            elif lead and child.lead == lead and reads < MAX_IN_PART_READS:
+                reads += 1
+                prefix = prefix_of(tier.name, child, start)
+                n = matched_tokens(parent, ids, child, prefix) if prefix is not None else 0
+                if n and (best is None or n > best[2]):
+                    best = (child, tier.name, n)
+    return best

@@ -4,6 +4,12 @@ key_i = blake2b(parent_key, length, token ids of chunk i), where the parent of c
 store digest (namespace digest + chunk size). A key therefore names the state of every token up to
 the end of its chunk, in one namespace. A trailing partial chunk has a key of the same form with
 its shorter length, so it never collides with the full chunk at the same position.
+
+A chunk is also reusable in part: its header lists the keys its first 16, 32, ... tokens would have
+as chunks of their own (`prefix_digests`), and tiers index every chunk under its parent with the
+first of them (`Child.lead`). A reader whose tokens stop or diverge inside a stored chunk finds the
+siblings that begin as it does and takes the longest run of digests it can recompute itself: the
+digests say which tokens match without the tokens themselves being stored.
 """
 from __future__ import annotations
 
@@ -11,6 +17,26 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 from typing import Sequence
+
+# Tokens per stored chunk, by default (LMCache's size). What a restore pays per chunk (an open, a
+# header, a read per layer group, its checks) falls with the chunk's size: a cold 4096-token restore
+# from disk took 0.628 s in chunks of 256 against 0.716 s in chunks of 64 (HF's floor 0.591 s,
+# docs/benchmarks.md). Reuse does not get coarser with it: a chunk is reused in part, in steps of
+# PREFIX_GRANULE tokens, where a prompt stops or parts inside it.
+DEFAULT_CHUNK_TOKENS = 256
+
+# Tokens per prefix digest: a chunk is reusable in part in steps of this many tokens (the pool's
+# block size, so a partial reuse ends on a block boundary).
+PREFIX_GRANULE = 16
+LEAD_CHARS = 16  # of the first prefix digest, in a tier's index entry: enough to pick candidates
+
+
+@dataclass(frozen=True)
+class Child:
+    """A stored chunk as a tier's index lists it under its parent."""
+    key: str
+    tokens: int
+    lead: str = ""  # the first LEAD_CHARS of its first prefix digest ("": too short, or older)
 
 
 @dataclass(frozen=True)
@@ -64,3 +90,29 @@ def chunk_spans(root: str, token_ids: Sequence[int], chunk_tokens: int,
         spans.append(ChunkSpan(key, parent, i, start, end))
         parent = key
     return spans
+
+
+def prefix_digests(parent: str, tokens: Sequence[int]) -> tuple[str, ...]:
+    """The keys the chunk's first PREFIX_GRANULE, 2*PREFIX_GRANULE, ... tokens (short of all of
+    them) would have as a chunk under `parent`: equal digests mean equal tokens, and the chunk key
+    itself covers the rest."""
+    return tuple(chunk_key(parent, tokens[:n]) for n in range(PREFIX_GRANULE, len(tokens), PREFIX_GRANULE))
+
+
+def lead_of(prefix: Sequence[str]) -> str:
+    return prefix[0][:LEAD_CHARS] if prefix else ""
+
+
+def matched_tokens(parent: str, ids: Sequence[int], child: Child, prefix: Sequence[str]) -> int:
+    """How many leading tokens of stored chunk `child` (under `parent`, with prefix digests
+    `prefix`) are `ids`, the reader's tokens from the chunk's start: all of them if its key is the
+    key of as many of `ids`, else PREFIX_GRANULE times the digests that agree."""
+    if len(ids) >= child.tokens and chunk_key(parent, ids[:child.tokens]) == child.key:
+        return child.tokens
+    n = 0
+    for theirs in prefix:
+        end = n + PREFIX_GRANULE
+        if end > len(ids) or chunk_key(parent, ids[:end]) != theirs:
+            break
+        n = end
+    return n

@@ -17,7 +17,17 @@ import torch
 
 from . import format as fmt
 from .index import ChunkRef, PrefixMatch, StoredChunk, longest_prefix
-from .keys import chunk_key, chunk_spans, salted_root, store_digest
+from .keys import (
+    DEFAULT_CHUNK_TOKENS,
+    PREFIX_GRANULE,
+    Child,
+    chunk_key,
+    chunk_spans,
+    matched_tokens,
+    prefix_digests,
+    salted_root,
+    store_digest,
+)
 from .layout import StoreNamespace
 from .lookahead import LookAheadPolicy
 from .policy import EvictionPolicy, ScorePolicy, make_policy
@@ -86,7 +96,7 @@ class TieredStore:
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
-    def open(cls, spec: str, namespace: StoreNamespace | None, chunk_tokens: int = 64,
+    def open(cls, spec: str, namespace: StoreNamespace | None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
              policy: str = "lru", writer_queue_bytes: int = DEFAULT_QUEUE_BYTES,
              fsync: bool = False, pin: bool = False, seal: Seal = Seal()) -> "TieredStore":
         """`pin`: the engine runs on CUDA, so host memory the store reads into (the memory tier,
@@ -146,7 +156,7 @@ class TieredStore:
         ns = self._ns()
         try:
             return longest_prefix(self._root(salt), token_ids, self.chunk_tokens, self.tiers,
-                                  ns.layer_reprs, self._size_of)
+                                  ns.layer_reprs, self._size_of, self._prefix_of)
         except Exception as e:  # noqa: BLE001 - tiers turn their own failures into misses; this is the
             # last line: a lookup is a hint, and a failing one must cost a recompute, not a request
             self.counters["lookup_errors"] += 1
@@ -157,6 +167,14 @@ class TieredStore:
     def _size_of(self, tier_name: str, key: str, tokens: int) -> int:
         known = self.tier(tier_name).size_of(key)
         return known if known is not None else self._ns().bytes_per_token() * tokens  # redis: no extra trip
+
+    def _prefix_of(self, tier_name: str, child: Child, start: int) -> tuple[str, ...] | None:
+        """A stored chunk's prefix digests, from its header checked as the chunk at `start`."""
+        oc = self.tier(tier_name).open_chunk(self._expect(child.key, (start, start + child.tokens)))
+        if oc is None:
+            return None
+        oc.close()
+        return oc.header.prefix
 
     def read_layers(self, ref_or_key: ChunkRef | str, layers: Iterable[int],
                     parts: Iterable[str] = ("k", "v", "h"), copy: bool = True) -> list[fmt.LayerState] | None:
@@ -273,7 +291,8 @@ class TieredStore:
         h = data.header
         states = fmt.decode_layers(h, data.segments, range(len(h.layer_reprs)), ("k", "v", "h"))  # token order
         layers = {st.layer: {p: getattr(st, p) for p in st.repr.parts()} for st in states}
-        return fmt.pack(self._ns(), self._root(), key, h.parent, h.index, h.start, False, layers, order, self.seal)
+        return fmt.pack(self._ns(), self._root(), key, h.parent, h.index, h.start, False, layers, order, self.seal,
+                        h.prefix)
 
     def reorder_every(self, interval_s: float, min_observations: int = MIN_OBSERVATIONS) -> None:
         """Queue a reorder pass on the writer every `interval_s` seconds (0: never), skipped while
@@ -359,20 +378,29 @@ class TieredStore:
             # The header names the store digest (unsalted: what every reader expects); the salt
             # lives in the key chain (span.parent, span.key).
             packed = fmt.pack(ns, self._root(), span.key, span.parent, span.index, span.start,
-                              partial, layers, seal=self.seal)
+                              partial, layers, seal=self.seal,
+                              prefix=prefix_digests(span.parent, job.token_ids[span.start:span.end]))
             for t in missing:
                 t.put(packed)
             self.counters["chunks_written"] += 1
             self._supersede(job.token_ids, span.parent, span.start, span.length)
 
     def _stored_prefix(self, token_ids, parent: str, lo: int, hi: int):
-        """Stored state of tokens [lo, hi) from a partial chunk under `parent`, or None."""
+        """Stored state of tokens [lo, hi) from a chunk under `parent` that begins with them (a
+        partial one, or one a restore reused in part), or None."""
         need = hi - lo
+        ids = token_ids[lo:lo + self.chunk_tokens]
         for t in self.tiers:
-            for key, n in sorted(t.partials(parent), key=lambda p: p[0]):
-                if n < need or chunk_key(parent, token_ids[lo:lo + n]) != key:
+            for child in sorted(t.children(parent), key=lambda c: c.tokens):
+                if child.tokens < need:
                     continue
-                states = self._read(key, None, ("k", "v", "h"), expect=self._expect(key, (lo, lo + n)))
+                whole = child.tokens <= len(ids) and chunk_key(parent, ids[:child.tokens]) == child.key
+                if not whole:
+                    prefix = self._prefix_of(t.name, child, lo) if child.lead and need >= PREFIX_GRANULE else None
+                    if prefix is None or matched_tokens(parent, ids, child, prefix) < need:
+                        continue
+                expect = self._expect(child.key, (lo, lo + child.tokens))
+                states = self._read(child.key, None, ("k", "v", "h"), expect=expect)
                 if states is None:
                     continue
                 return {s.layer: {p: getattr(s, p)[:need] for p in ("k", "v", "h")
@@ -382,10 +410,10 @@ class TieredStore:
     def _supersede(self, token_ids, parent: str, lo: int, length: int) -> None:
         """Delete stored partial chunks that are strict prefixes of the chunk just written."""
         for t in self.tiers:
-            for key, n in t.partials(parent):
-                if n < length and chunk_key(parent, token_ids[lo:lo + n]) == key:
+            for child in t.children(parent):
+                if child.tokens < length and chunk_key(parent, token_ids[lo:lo + child.tokens]) == child.key:
                     for tt in self.tiers:
-                        tt.delete(key)
+                        tt.delete(child.key)
                     self.counters["partials_superseded"] += 1
 
     def _promote(self, job: _Promote) -> None:

@@ -18,6 +18,7 @@ from functools import lru_cache
 from kvtier.dtypes import WIDTH
 
 from .format import ALIGN, ChunkHeader, FormatError
+from .keys import LEAD_CHARS, PREFIX_GRANULE, Child
 from .layout import Repr, StoreNamespace
 
 KEY = re.compile(r"[0-9a-f]{32}\Z")  # chunk keys, parents and store roots: blake2b-128 in hex
@@ -28,13 +29,18 @@ def is_key(s: object) -> bool:
     return isinstance(s, str) and KEY.match(s) is not None
 
 
-def partial_entry(tokens: str, key: str) -> tuple[str, int] | None:
-    """(key, tokens) of a partial-chunk index entry (a Redis set member "tokens:key", a disk file
-    name "tokens-key.kvc"), or None if it is not one this store wrote: anyone who can write to the
+LEAD = re.compile(rf"[0-9a-f]{{{LEAD_CHARS}}}\Z")
+
+
+def child_entry(tokens: str, key: str, lead: str = "") -> Child | None:
+    """A child index entry's fields (a Redis set member "tokens:key[:lead]", a disk file name
+    "tokens-key[-lead].kvc"), or None if it is not one this store wrote: anyone who can write to the
     tier can add entries, so they are parsed strictly and junk is skipped, never an error."""
     if not (tokens.isascii() and tokens.isdigit() and len(tokens) <= 6 and is_key(key)) or int(tokens) == 0:
         return None  # isascii + isdigit: plain digits only (no sign, space or superscript two)
-    return key, int(tokens)
+    if lead and LEAD.match(lead) is None:
+        return None
+    return Child(key, int(tokens), lead)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,9 @@ def check(header: ChunkHeader, expect: Expect, size: int, segments_checked: bool
             raise FormatError(f"chunk covers tokens [{header.start}, {header.start + header.tokens}), "
                               f"the reader planned [{start}, {end})")
     _check_place(header, expect.chunk_tokens)
+    if header.prefix and (len(header.prefix) != len(range(PREFIX_GRANULE, header.tokens, PREFIX_GRANULE))
+                          or not all(is_key(d) for d in header.prefix)):
+        raise FormatError("prefix digests do not fit the chunk's tokens")
     if not (segments_checked or header.from_table):
         check_segments(header, size)
     elif size != header.total_bytes:  # a table already checked: only this value's length is new

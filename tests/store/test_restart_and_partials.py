@@ -89,3 +89,53 @@ def test_other_namespace_never_matches(tmp_path, ns):
         store.save(t, 0, k, v, None)
     with TieredStore.open(f"disk:{tmp_path}:10MB", make_ns(storage="float16"), chunk_tokens=16) as s2:
         assert s2.lookup(t).num_tokens == 0
+
+
+@pytest.mark.parametrize("where", ["memory", "disk", "redis_url"])
+def test_a_chunk_is_reused_in_part_where_the_query_stops_or_parts_inside_it(tmp_path, ns, where, request):
+    """Found through its parent and prefix digests (after a restart, for disk), restored up to the
+    last 16-token step that matches, and the base of a save that starts inside it."""
+    t = tokens(200)
+    k, v, _ = make_state(200)
+    spec = {"memory": "memory:4MB", "disk": f"disk:{tmp_path}:10MB"}.get(where) or request.getfixturevalue(where)
+    q = t[:100] + tokens(60, seed=9)  # parts from t at 100, inside the chunk [64, 128)
+    qk, qv, _ = make_state(160, seed=9)
+    with TieredStore.open(spec, ns, chunk_tokens=64) as store:
+        store.save(t, 0, k, v, None)
+        store.flush()
+        if where == "disk":
+            store.close()
+            store = TieredStore.open(spec, ns, chunk_tokens=64)
+        assert store.lookup(t[:150]).num_tokens == 144  # stops inside [128, 192)
+        m = store.lookup(q)
+        assert m.num_tokens == 96 and [(c.start, c.end) for c in m.chunks] == [(0, 64), (64, 128)]
+        assert torch.equal(store.read_chunk(m.chunks[1])[1].k, k[1, 64:128])
+        assert store.lookup(t[:70]).num_tokens == 64  # fewer than 16 tokens inside: nothing more
+        # A save of q from 96 takes [64, 96) from the chunk it reused in part.
+        store.save(q, 96, qk[:, 96:], qv[:, 96:], None)
+        store.flush()
+        m = store.lookup(q)
+        assert m.num_tokens == 160 and store.stats()["store"]["chunks_skipped"] == 0
+        got = store.read_chunk(m.chunks[1])[0].k
+        assert torch.equal(got[:32], k[0, 64:96]) and torch.equal(got[32:], qk[0, 96:128])
+        assert store.lookup(t).num_tokens == 200  # the original is still whole
+        store.close()
+
+
+def test_prefix_digests_that_do_not_fit_the_chunk_are_a_miss(ns):
+    from dataclasses import replace
+
+    from kvtier.store import validate
+    from kvtier.store.format import FormatError
+    t = tokens(64)
+    k, v, _ = make_state(64)
+    with TieredStore.open("memory:4MB", ns, chunk_tokens=64) as store:
+        store.save(t, 0, k, v, None)
+        store.flush()
+        key = store.lookup(t).chunks[0].key
+        h = store.memory.header(key)
+        assert len(h.prefix) == 3  # at 16, 32, 48 tokens
+        exp = store._expect(key, (0, 64))
+        for bad in (h.prefix[:2], h.prefix[:2] + ("zz" * 16,)):
+            with pytest.raises(FormatError):
+                validate.check(replace(h, prefix=bad), exp, h.total_bytes)

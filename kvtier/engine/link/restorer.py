@@ -78,8 +78,8 @@ class Restorer:
     # ----- the scheduler's side -----------------------------------------------------------------
     def offer(self, req: Request) -> StoreOffer:
         """Look the request up in the store (a lookup; never waits on the writer) and plan its
-        restore. Restoring is capped so one prompt token is left to compute (the chunk holding it is
-        read whole and restored up to it). When filling holes,
+        restore. Restoring is capped so one prompt token is left to compute, and at the tokens the
+        store's state matches (the chunk holding the cap is read whole and restored up to it). When filling holes,
         device-cached tokens beyond what the store holds are not kept, so their state is captured."""
         if self.config.fixed_method is Method.RECOMPUTE:
             return StoreOffer(0, req.num_computed)
@@ -88,9 +88,11 @@ class Restorer:
         match = self.store.lookup(req.all_ids, req.cache_salt)
         keep = min(req.num_computed, match.num_tokens) if self.config.save and self.config.fill_holes \
             else req.num_computed
-        last = req.num_tokens - 1  # the prompt's last token is always computed: it gives the logits
-        # Chunks up to the last token, and the chunk holding it (a repeated prompt), read whole and
-        # restored up to it: one token computed, not up to a chunk's worth.
+        # The prompt's last token is always computed (it gives the logits); the store's state may
+        # stop inside its last chunk (one reused in part).
+        last = min(req.num_tokens - 1, match.num_tokens)
+        # Chunks up to the last token, and the chunk holding it (a repeated prompt, or one reused in
+        # part), read whole and restored up to it: not up to a chunk's worth recomputed.
         usable = [c for c in match.chunks if keep < c.end and c.start < last]
         end = min(usable[-1].end, last) if usable else 0
         whole = max((c.end for c in usable if c.end <= last), default=0)  # what a whole-chunk restore reaches

@@ -1,7 +1,7 @@
 """The interface every tier implements, and the read/verify logic they share.
 
 A tier stores packed chunks (see format.py) by key. Subclasses provide raw access (`_open` a
-reader, `put`, `delete`, `contains`, `partials`); this base turns that into checked reads: any
+reader, `put`, `delete`, `contains`, `children`); this base turns that into checked reads: any
 header/checksum mismatch, truncation, or a header naming another key, namespace or model is
 treated as a miss, the entry is removed, a counter goes up and a warning is logged. Any other
 error a tier raises (a refused command, a value of the wrong type, a permission) is a miss too,
@@ -35,6 +35,7 @@ from ..format import (
     header_length,
     parse_header,
 )
+from ..keys import Child
 from ..policy import EvictionPolicy
 from ..seal import Seal, digest
 from ..throttle import Emulation, Throttle
@@ -286,8 +287,8 @@ class Tier(ABC):
     def contains(self, key: str) -> bool: ...
 
     @abstractmethod
-    def partials(self, parent: str) -> list[tuple[str, int]]:
-        """(key, tokens) of every partial chunk stored under `parent`: one lookup."""
+    def children(self, parent: str) -> list[Child]:
+        """Every chunk stored under `parent`, full and partial: one lookup."""
 
     @abstractmethod
     def iterate(self) -> Iterator[str]:

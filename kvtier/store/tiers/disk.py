@@ -1,13 +1,17 @@
 """Disk tier: chunk files in one or more directories, striped round-robin by chunk position.
 
 Layout under each directory (`ns` is the store digest, so models never share files):
-    {dir}/{ns}/c/{key[:2]}/{key}.kvc                          full chunks
-    {dir}/{ns}/p/{parent[:2]}/{parent}/{tokens:04d}-{key}.kvc  partial chunks, found by parent
-    {dir}/{ns}/tmp/                                           writes in flight
+    {dir}/{ns}/c/{key[:2]}/{key}.kvc                                 full chunks
+    {dir}/{ns}/p/{parent[:2]}/{parent}/{tokens:04d}[-{lead}]-{key}.kvc  partial chunks, found by parent
+    {dir}/{ns}/p/{parent[:2]}/{parent}/{tokens:04d}[-{lead}]-{key}.kvl  an empty mark: a full chunk's
+                                                                     place under its parent
+    {dir}/{ns}/tmp/                                                  writes in flight
 A file is written under tmp/ and renamed into place, so a reader (in this or another process) sees
 a whole chunk or none, and a writer killed mid-write leaves only a temp file, removed on the next
 open. The in-memory index (key -> file, size) is rebuilt from the file names on open, so state and
-the byte cap survive restarts; chunks written by other processes are adopted on first lookup.
+the byte cap survive restarts; chunks written by other processes are adopted on first lookup. A
+full chunk's mark is made after its file is in place and outlives it only until its parent is next
+listed or the tier next opened (then it is removed): a mark without its chunk is never a read.
 
 Reads use direct I/O (O_DIRECT) into page-aligned buffers where the filesystem allows it: the
 device's DMA fills the caller's buffer while the CPU computes, instead of a page-cache copy on a
@@ -35,10 +39,11 @@ from typing import Callable, Iterator, TypeVar, cast
 import torch
 
 from ..format import FormatError, PackedChunk, Segment
+from ..keys import Child, lead_of
 from ..policy import EvictionPolicy
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
-from ..validate import first_layer_bytes, is_key, partial_entry
+from ..validate import child_entry, first_layer_bytes, is_key
 from . import uring
 from .base import HEAD_BYTES, Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
 
@@ -53,6 +58,7 @@ MAX_HEADS_AHEAD = 64 << 20
 T = TypeVar("T")
 
 SUFFIX = ".kvc"
+MARK = ".kvl"
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
@@ -69,10 +75,17 @@ def makedirs_private(path: str) -> None:
         pass
 
 
-def _partial_name(name: str) -> tuple[str, int] | None:
-    """(key, tokens) of a partial chunk's file name "{tokens:04d}-{key}.kvc", or None."""
-    tok, dash, key = name.removesuffix(SUFFIX).partition("-")
-    return partial_entry(tok, key) if name.endswith(SUFFIX) and dash else None
+def _child_name(tokens: int, key: str, lead: str) -> str:
+    """A chunk's name under its parent, without the suffix: "{tokens:04d}[-{lead}]-{key}"."""
+    return f"{tokens:04d}-" + (f"{lead}-" if lead else "") + key
+
+
+def _child_of(name: str) -> Child | None:
+    """The child a partial chunk's file name or a full chunk's mark names, or None."""
+    fields = name[:-len(SUFFIX)].split("-")
+    if not name.endswith((SUFFIX, MARK)) or len(fields) not in (2, 3):
+        return None
+    return child_entry(fields[0], fields[-1], fields[1] if len(fields) == 3 else "")
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,13 @@ class _File:
     dir: int  # index into the tier's directories
     path: str
     nbytes: int
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
@@ -249,13 +269,15 @@ class DiskTier(Tier):
         return os.path.join(self._ns_dir(i), "p", parent[:2], parent)
 
     def _rebuild(self, i: int) -> None:
-        found = []
+        found, marks = [], []
         for nsdir in self._ns_dirs(i):
             self._clean_tmp(os.path.join(nsdir, "tmp"))
             for base, _dirs, files in os.walk(nsdir):
                 if os.path.basename(base) == "tmp":
                     continue
                 for f in files:
+                    if f.endswith(MARK):
+                        marks.append(os.path.join(base, f))
                     if not f.endswith(SUFFIX):
                         continue
                     path = os.path.join(base, f)
@@ -270,6 +292,11 @@ class DiskTier(Tier):
         found.sort()  # oldest first: approximates recency across the restart
         for _, key, path, size in found:
             self._index(key, _File(i, path, size))
+        if self.ns is not None:  # marks whose chunk was evicted since they were listed last
+            for path in marks:
+                child = _child_of(os.path.basename(path))
+                if child is not None and not self.contains(child.key):
+                    _unlink(path)
 
     def _clean_tmp(self, tmpdir: str) -> None:
         try:
@@ -320,7 +347,7 @@ class DiskTier(Tier):
     def contains(self, key: str) -> bool:
         return key in self._files or self._adopt(key) is not None
 
-    def partials(self, parent: str) -> list[tuple[str, int]]:
+    def children(self, parent: str) -> list[Child]:
         if self.ns is None or not is_key(parent):  # admin mode: no namespace to look in (as the redis tier)
             return []
         out = []
@@ -334,18 +361,21 @@ class DiskTier(Tier):
                 self.refused("lookup", e)
                 continue
             for n in names:
-                entry = _partial_name(n)
-                if entry is None:
+                child = _child_of(n)
+                if child is None:
                     continue  # not a file this tier wrote: skipped, never parsed into an error
-                key, tokens = entry
-                if key not in self._files:
+                if n.endswith(MARK):  # a full chunk's mark: the chunk is its own file, maybe gone
+                    if not self.contains(child.key):
+                        _unlink(os.path.join(pdir, n))
+                        continue
+                elif child.key not in self._files:
                     try:
                         size = os.stat(os.path.join(pdir, n)).st_size
                     except OSError:
                         continue
                     with self.lock:
-                        self._index(key, _File(i, os.path.join(pdir, n), size))
-                out.append((key, tokens))
+                        self._index(child.key, _File(i, os.path.join(pdir, n), size))
+                out.append(child)
         return out
 
     def iterate(self) -> Iterator[str]:
@@ -495,7 +525,7 @@ class DiskTier(Tier):
             self.counters["put_errors"] += 1
             return False
         if h.partial:
-            path = os.path.join(self._partial_dir(i, h.parent), f"{h.tokens:04d}-{h.key}{SUFFIX}")
+            path = os.path.join(self._partial_dir(i, h.parent), _child_name(h.tokens, h.key, lead_of(h.prefix)) + SUFFIX)
         else:
             path = self._full_path(i, h.key)
         with self.lock:
@@ -516,9 +546,20 @@ class DiskTier(Tier):
                 self._forget(h.key)
             self.counters["put_errors"] += 1
             return False
+        if not h.partial:
+            self._mark(i, h.parent, _child_name(h.tokens, h.key, lead_of(h.prefix)) + MARK)
         self.counters["bytes_written"] += packed.nbytes
         self.counters["puts"] += 1
         return True
+
+    def _mark(self, i: int, parent: str, name: str) -> None:
+        """A full chunk's place under its parent (for readers reusing it in part): an empty file."""
+        path = os.path.join(self._partial_dir(i, parent), name)
+        try:
+            makedirs_private(os.path.dirname(path))
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
+        except OSError as e:  # the chunk is still found whole; only its reuse in part is lost
+            self.refused("mark", e)
 
     def replace(self, packed: PackedChunk) -> bool:
         """The file renamed over (an open reader keeps the old inode)."""
@@ -613,6 +654,14 @@ class DiskTier(Tier):
         for i in range(len(self.dirs)):
             for nsdir in self._ns_dirs(i):
                 self._clean_tmp(os.path.join(nsdir, "tmp"))
+                for base, _dirs, files in os.walk(os.path.join(nsdir, "p"), topdown=False):
+                    for f in files:
+                        if f.endswith(MARK):
+                            _unlink(os.path.join(base, f))
+                    try:
+                        os.rmdir(base)  # (only if empty)
+                    except OSError:
+                        pass
         return n
 
     def usage(self) -> dict:

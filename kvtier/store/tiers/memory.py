@@ -10,6 +10,7 @@ import torch
 from .. import validate
 from ..arena import PinnedArena
 from ..format import ChunkHeader, FormatError, PackedChunk, layer_runs, sealed_by
+from ..keys import Child, lead_of
 from ..policy import EvictionPolicy, LRUPolicy
 from ..throttle import Emulation
 from ..validate import Expect
@@ -52,7 +53,7 @@ class MemoryTier(Tier):
         self.capacity = capacity
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
         self._entries: dict[str, _Entry] = {}
-        self._partials: dict[str, dict[str, int]] = {}  # parent -> {key: tokens}
+        self._children: dict[str, dict[str, Child]] = {}  # parent -> {key: child}
         self.used = 0
         self.arena = PinnedArena(capacity) if pin else None  # the engine runs on CUDA
         # Called with (tier, key) before an entry is evicted, so the store can demote it.
@@ -86,8 +87,8 @@ class MemoryTier(Tier):
     def contains(self, key: str) -> bool:
         return key in self._entries
 
-    def partials(self, parent: str) -> list[tuple[str, int]]:
-        return list(self._partials.get(parent, {}).items())
+    def children(self, parent: str) -> list[Child]:
+        return list(self._children.get(parent, {}).values())
 
     def iterate(self) -> Iterator[str]:
         return iter(list(self._entries))
@@ -110,8 +111,8 @@ class MemoryTier(Tier):
                                                         frozenset({key})):
                 return False
             self._entries[key] = _entry(self._blob_of(packed), packed.header)
-            if packed.header.partial:
-                self._partials.setdefault(packed.header.parent, {})[key] = packed.header.tokens
+            h = packed.header
+            self._children.setdefault(h.parent, {})[key] = Child(key, h.tokens, lead_of(h.prefix))
             self.used += n
             self.policy.insert(key, n)
             self.counters["bytes_written"] += n
@@ -170,11 +171,11 @@ class MemoryTier(Tier):
                 return
             self.used -= e.blob.numel()
             self.policy.remove(key)
-            sib = self._partials.get(e.header.parent)
+            sib = self._children.get(e.header.parent)
             if sib is not None:
                 sib.pop(key, None)
                 if not sib:
-                    del self._partials[e.header.parent]
+                    del self._children[e.header.parent]
 
     def clear(self) -> int:
         with self.lock:

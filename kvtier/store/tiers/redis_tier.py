@@ -2,11 +2,11 @@
 
 Keys (prefix configurable, `ns` = store digest so models never mix):
     {prefix}:{ns}:c:{key}       the packed chunk (one SET: readers see all of it or none)
-    {prefix}:{ns}:p:{parent}    set of "tokens:key" for the partial chunks under `parent`
+    {prefix}:{ns}:p:{parent}    set of "tokens:key[:lead]" for the chunks under `parent` (keys.Child)
 Layer reads use GETRANGE, so one layer (or K without V) costs only its bytes on the wire; a
 restore's reads of one layer group over all its chunks go out as one pipeline (one round trip).
 Works with a single server or Redis Cluster; capacity is Redis's own (maxmemory) plus an optional TTL.
-No operation relies on two keys changing together: a partial's set entry is an index that readers
+No operation relies on two keys changing together: a child's set entry is an index that readers
 check against the value (dropped when the value is gone), so in a cluster the two may live on
 different nodes.
 
@@ -27,10 +27,11 @@ from redis.exceptions import ClusterDownError, ClusterError, RedisClusterExcepti
 from redis.retry import Retry
 
 from ..format import FormatError, PackedChunk, Segment, check_segment
+from ..keys import Child, lead_of
 from ..redact import redact
 from ..redis_auth import PASSWORD_ENV
 from ..spec import RedisSpec
-from ..validate import is_key, partial_entry
+from ..validate import child_entry, is_key
 from .base import OpenChunk, PoolTarget, Reader, Segments, Tier, log
 from .breaker import Breaker, Outage, Refused
 
@@ -43,10 +44,10 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, Clus
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-def _partial_entry(member: bytes) -> tuple[str, int] | None:
-    """(key, tokens) of a partial index member b"tokens:key", or None if it is not one."""
-    tok, colon, key = member.decode("ascii", "replace").partition(":")
-    return partial_entry(tok, key) if colon else None
+def _child_entry(member: bytes) -> Child | None:
+    """The child a set member b"tokens:key[:lead]" names, or None if it is not one."""
+    fields = member.decode("ascii", "replace").split(":")
+    return child_entry(*fields) if len(fields) in (2, 3) else None
 
 
 def _tensor(raw: bytes, out: torch.Tensor | None) -> torch.Tensor:
@@ -156,20 +157,20 @@ class RedisTier(Tier):
 
         return [x == 1 for x in self._guarded("contains", exists, [0] * len(keys))]
 
-    def partials(self, parent: str) -> list[tuple[str, int]]:
+    def children(self, parent: str) -> list[Child]:
         if self.ns is None:
             return []
         if not is_key(parent):
             return []
         # Refused: the index key holds another type, or the ACL refuses it.
-        raw = self._guarded("partials", lambda c: c.smembers(self._p(parent)), set())
-        # Members are "tokens:key" as put() writes them; anyone who can write to the server can add
-        # others: those are ignored (and dropped below), never parsed into an error.
-        pairs: list[tuple[str, int]] = []
+        raw = self._guarded("children", lambda c: c.smembers(self._p(parent)), set())
+        # Members are "tokens:key[:lead]" as put() writes them; anyone who can write to the server
+        # can add others: those are ignored (and dropped below), never parsed into an error.
+        pairs: list[Child] = []
         members: list[bytes] = []
         junk: list[bytes] = []
         for m in raw:
-            entry = _partial_entry(m)
+            entry = _child_entry(m)
             if entry is None:
                 junk.append(m)
             else:
@@ -180,7 +181,7 @@ class RedisTier(Tier):
             self._quietly(lambda c: c.srem(self._p(parent), *junk))
         if not pairs:
             return []
-        alive = self.contains_many([k for k, _ in pairs])
+        alive = self.contains_many([c.key for c in pairs])
         dead = [m for m, ok in zip(members, alive) if not ok]
         if dead and self.breaker.up:  # values expired or deleted elsewhere: drop their index entries
             self._quietly(lambda c: c.srem(self._p(parent), *dead))
@@ -259,10 +260,10 @@ class RedisTier(Tier):
         def write(client) -> None:
             pipe = client.pipeline(transaction=not self.spec.cluster)
             pipe.set(self._c(h.key), packed.to_bytes(), ex=self.ex)
-            if h.partial:
-                pipe.sadd(self._p(h.parent), f"{h.tokens}:{h.key}")
-                if self.ex:
-                    pipe.expire(self._p(h.parent), self.ex)
+            lead = lead_of(h.prefix)
+            pipe.sadd(self._p(h.parent), f"{h.tokens}:{h.key}" + (f":{lead}" if lead else ""))
+            if self.ex:
+                pipe.expire(self._p(h.parent), self.ex)
             pipe.execute()
 
         try:
@@ -290,7 +291,7 @@ class RedisTier(Tier):
             return
         if rkey is not None:
             self._quietly(lambda c: c.delete(rkey))
-        # A partial's set entry is dropped lazily by partials() once its value is gone.
+        # A child's set entry is dropped lazily by children() once its value is gone.
 
     def iterate(self) -> Iterator[str]:
         pattern = f"{self.spec.prefix}:{self.ns or '*'}:c:*"
