@@ -3,16 +3,16 @@
 Full chunks are found by recomputing their chained keys from the query tokens. Where the chain
 stops, the query's next tokens may still begin a stored chunk: a trailing partial chunk (its length
 is unknown), or a chunk that goes on past the query or parts from it. Tiers list the chunks under a
-parent key in one lookup; a partial one is verified by recomputing its key from the query tokens,
-and one reusable in part by its prefix digests (keys.py), read from its header for the few
-candidates whose first digest is the query's.
+parent key that begin as the query's next tokens do, in one lookup; a partial one is verified by
+recomputing its key from the query tokens, one reusable in part by its prefix digests (keys.py),
+read from its header.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from .keys import LEAD_CHARS, PREFIX_GRANULE, Child, chunk_key, chunk_spans, matched_tokens
+from .keys import Child, chunk_key, chunk_spans, lead_key, matched_tokens
 from .layout import Repr
 
 
@@ -51,8 +51,8 @@ class PrefixMatch:
     num_tokens: int
 
 
-# Headers read per lookup to reuse a chunk in part: candidates are already those whose first 16
-# tokens are the query's, so more than a few means many contexts share a long opening.
+# Headers read per lookup to reuse a chunk in part: the candidates already begin with the query's
+# next 16 tokens, so more than a few means many stored contexts share a long opening.
 MAX_IN_PART_READS = 8
 
 
@@ -61,7 +61,7 @@ class TierView(Protocol):
     name: str
 
     def contains_many(self, keys: list[str]) -> list[bool]: ...
-    def children(self, parent: str) -> list[Child]: ...
+    def children(self, parent: str, lead: str) -> list[Child]: ...
 
 
 def longest_prefix(root: str, token_ids: Sequence[int], chunk_tokens: int, tiers: Sequence[TierView],
@@ -103,10 +103,10 @@ def _longest_child(parent: str, ids: Sequence[int], tiers: Sequence[TierView], s
     """The stored chunk under `parent` whose leading tokens match most of `ids` (the query from
     the chunk's start): (child, tier, tokens matched), or None."""
     best: tuple[Child, str, int] | None = None
-    lead = chunk_key(parent, ids[:PREFIX_GRANULE])[:LEAD_CHARS] if len(ids) >= PREFIX_GRANULE else ""
+    lead = lead_key(parent, ids)
     reads, seen = 0, set()
     for tier in tiers:
-        for child in tier.children(parent):
+        for child in tier.children(parent, lead):
             if child.key in seen or best is not None and min(child.tokens, len(ids)) <= best[2]:
                 continue  # cannot match more than the best so far
             seen.add(child.key)

@@ -6,10 +6,10 @@ the end of its chunk, in one namespace. A trailing partial chunk has a key of th
 its shorter length, so it never collides with the full chunk at the same position.
 
 A chunk is also reusable in part: its header lists the keys its first 16, 32, ... tokens would have
-as chunks of their own (`prefix_digests`), and tiers index every chunk under its parent with the
-first of them (`Child.lead`). A reader whose tokens stop or diverge inside a stored chunk finds the
-siblings that begin as it does and takes the longest run of digests it can recompute itself: the
-digests say which tokens match without the tokens themselves being stored.
+as chunks of their own (`prefix_digests`), and tiers index every chunk under its parent and the
+first of them (`Child.lead`). A reader whose tokens stop or part inside a stored chunk lists the
+chunks that begin as its tokens do and takes the longest run of digests it can recompute itself:
+the digests say which tokens match without the tokens themselves being stored.
 """
 from __future__ import annotations
 
@@ -100,7 +100,14 @@ def prefix_digests(parent: str, tokens: Sequence[int]) -> tuple[str, ...]:
 
 
 def lead_of(prefix: Sequence[str]) -> str:
+    """The lead a chunk with prefix digests `prefix` is indexed under ("": none)."""
     return prefix[0][:LEAD_CHARS] if prefix else ""
+
+
+def lead_key(parent: str, ids: Sequence[int]) -> str:
+    """The lead of a chunk under `parent` that begins with `ids` (the tiers' index is split by it:
+    a reader lists only the chunks that begin as its tokens do, and those too short to have one)."""
+    return chunk_key(parent, ids[:PREFIX_GRANULE])[:LEAD_CHARS] if len(ids) >= PREFIX_GRANULE else ""
 
 
 def matched_tokens(parent: str, ids: Sequence[int], child: Child, prefix: Sequence[str]) -> int:

@@ -23,6 +23,7 @@ from .keys import (
     Child,
     chunk_key,
     chunk_spans,
+    lead_key,
     matched_tokens,
     prefix_digests,
     salted_root,
@@ -391,7 +392,7 @@ class TieredStore:
         need = hi - lo
         ids = token_ids[lo:lo + self.chunk_tokens]
         for t in self.tiers:
-            for child in sorted(t.children(parent), key=lambda c: c.tokens):
+            for child in sorted(t.children(parent, lead_key(parent, ids)), key=lambda c: c.tokens):
                 if child.tokens < need:
                     continue
                 whole = child.tokens <= len(ids) and chunk_key(parent, ids[:child.tokens]) == child.key
@@ -409,8 +410,9 @@ class TieredStore:
 
     def _supersede(self, token_ids, parent: str, lo: int, length: int) -> None:
         """Delete stored partial chunks that are strict prefixes of the chunk just written."""
+        lead = lead_key(parent, token_ids[lo:lo + length])
         for t in self.tiers:
-            for child in t.children(parent):
+            for child in t.children(parent, lead):
                 if child.tokens < length and chunk_key(parent, token_ids[lo:lo + child.tokens]) == child.key:
                     for tt in self.tiers:
                         tt.delete(child.key)

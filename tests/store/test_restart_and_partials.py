@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kvtier.store import TieredStore
+from kvtier.store.keys import lead_key
 
 from store_testlib import make_state, tokens
 
@@ -102,11 +103,17 @@ def test_a_chunk_is_reused_in_part_where_the_query_stops_or_parts_inside_it(tmp_
     qk, qv, _ = make_state(160, seed=9)
     with TieredStore.open(spec, ns, chunk_tokens=64) as store:
         store.save(t, 0, k, v, None)
+        for seed in range(5):  # siblings: they share [0, 64) and part at once
+            store.save(t[:64] + tokens(50, seed=20 + seed), 64, k[:, 64:114], v[:, 64:114], None)
         store.flush()
         if where == "disk":
             store.close()
             store = TieredStore.open(spec, ns, chunk_tokens=64)
         assert store.lookup(t[:150]).num_tokens == 144  # stops inside [128, 192)
+        # Under [0, 64) one listing gives the chunk that begins as q goes on, not its 5 siblings.
+        first = store.lookup(t[:64]).chunks[0].key
+        tier = store.tiers[0]
+        assert [c.key for c in tier.children(first, lead_key(first, q[64:]))] == [store.keys_for(t)[1]]
         m = store.lookup(q)
         assert m.num_tokens == 96 and [(c.start, c.end) for c in m.chunks] == [(0, 64), (64, 128)]
         assert torch.equal(store.read_chunk(m.chunks[1])[1].k, k[1, 64:128])

@@ -287,8 +287,9 @@ class Tier(ABC):
     def contains(self, key: str) -> bool: ...
 
     @abstractmethod
-    def children(self, parent: str) -> list[Child]:
-        """Every chunk stored under `parent`, full and partial: one lookup."""
+    def children(self, parent: str, lead: str) -> list[Child]:
+        """The chunks stored under `parent`, full and partial, that begin as `lead` says
+        (keys.lead_key), and those without a lead: one lookup."""
 
     @abstractmethod
     def iterate(self) -> Iterator[str]:

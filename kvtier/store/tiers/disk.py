@@ -1,11 +1,12 @@
 """Disk tier: chunk files in one or more directories, striped round-robin by chunk position.
 
 Layout under each directory (`ns` is the store digest, so models never share files):
-    {dir}/{ns}/c/{key[:2]}/{key}.kvc                                 full chunks
-    {dir}/{ns}/p/{parent[:2]}/{parent}/{tokens:04d}[-{lead}]-{key}.kvc  partial chunks, found by parent
-    {dir}/{ns}/p/{parent[:2]}/{parent}/{tokens:04d}[-{lead}]-{key}.kvl  an empty mark: a full chunk's
-                                                                     place under its parent
-    {dir}/{ns}/tmp/                                                  writes in flight
+    {dir}/{ns}/c/{key[:2]}/{key}.kvc                               full chunks
+    {dir}/{ns}/p/{parent[:2]}/{parent}[/{lead}]/{tokens:04d}-{key}.kvc  partial chunks, found by parent
+    {dir}/{ns}/p/{parent[:2]}/{parent}[/{lead}]/{tokens:04d}-{key}.kvl  an empty mark: a full chunk's
+                                                                   place under its parent
+    {dir}/{ns}/tmp/                                                writes in flight
+(`lead`: keys.lead_key, absent for chunks too short to have one).
 A file is written under tmp/ and renamed into place, so a reader (in this or another process) sees
 a whole chunk or none, and a writer killed mid-write leaves only a temp file, removed on the next
 open. The in-memory index (key -> file, size) is rebuilt from the file names on open, so state and
@@ -75,17 +76,11 @@ def makedirs_private(path: str) -> None:
         pass
 
 
-def _child_name(tokens: int, key: str, lead: str) -> str:
-    """A chunk's name under its parent, without the suffix: "{tokens:04d}[-{lead}]-{key}"."""
-    return f"{tokens:04d}-" + (f"{lead}-" if lead else "") + key
-
-
-def _child_of(name: str) -> Child | None:
-    """The child a partial chunk's file name or a full chunk's mark names, or None."""
-    fields = name[:-len(SUFFIX)].split("-")
-    if not name.endswith((SUFFIX, MARK)) or len(fields) not in (2, 3):
-        return None
-    return child_entry(fields[0], fields[-1], fields[1] if len(fields) == 3 else "")
+def _child_of(name: str, lead: str) -> Child | None:
+    """The child a partial chunk's file name or a full chunk's mark "{tokens:04d}-{key}" names
+    (in the directory of `lead`), or None."""
+    tok, dash, key = name[:-len(SUFFIX)].partition("-")
+    return child_entry(tok, key, lead) if name.endswith((SUFFIX, MARK)) and dash else None
 
 
 @dataclass(frozen=True)
@@ -265,8 +260,8 @@ class DiskTier(Tier):
     def _full_path(self, i: int, key: str) -> str:
         return os.path.join(self._ns_dir(i), "c", key[:2], key + SUFFIX)
 
-    def _partial_dir(self, i: int, parent: str) -> str:
-        return os.path.join(self._ns_dir(i), "p", parent[:2], parent)
+    def _partial_dir(self, i: int, parent: str, lead: str = "") -> str:
+        return os.path.join(self._ns_dir(i), "p", parent[:2], parent, lead)  # (lead "": no trailing part)
 
     def _rebuild(self, i: int) -> None:
         found, marks = [], []
@@ -294,7 +289,7 @@ class DiskTier(Tier):
             self._index(key, _File(i, path, size))
         if self.ns is not None:  # marks whose chunk was evicted since they were listed last
             for path in marks:
-                child = _child_of(os.path.basename(path))
+                child = _child_of(os.path.basename(path), "")
                 if child is not None and not self.contains(child.key):
                     _unlink(path)
 
@@ -347,35 +342,40 @@ class DiskTier(Tier):
     def contains(self, key: str) -> bool:
         return key in self._files or self._adopt(key) is not None
 
-    def children(self, parent: str) -> list[Child]:
+    def children(self, parent: str, lead: str) -> list[Child]:
         if self.ns is None or not is_key(parent):  # admin mode: no namespace to look in (as the redis tier)
             return []
         out = []
         for i in range(len(self.dirs)):
-            pdir = self._partial_dir(i, parent)
-            try:
-                names = os.listdir(pdir)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                self.refused("lookup", e)
-                continue
-            for n in names:
-                child = _child_of(n)
-                if child is None:
-                    continue  # not a file this tier wrote: skipped, never parsed into an error
-                if n.endswith(MARK):  # a full chunk's mark: the chunk is its own file, maybe gone
-                    if not self.contains(child.key):
-                        _unlink(os.path.join(pdir, n))
-                        continue
-                elif child.key not in self._files:
-                    try:
-                        size = os.stat(os.path.join(pdir, n)).st_size
-                    except OSError:
-                        continue
-                    with self.lock:
-                        self._index(child.key, _File(i, os.path.join(pdir, n), size))
-                out.append(child)
+            for lead_ in ("", lead) if lead else ("",):
+                out += self._children_in(i, self._partial_dir(i, parent, lead_), lead_)
+        return out
+
+    def _children_in(self, i: int, pdir: str, lead: str) -> list[Child]:
+        try:
+            names = os.listdir(pdir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            self.refused("lookup", e)
+            return []
+        out = []
+        for n in names:
+            child = _child_of(n, lead)
+            if child is None:
+                continue  # not a file this tier wrote (or a lead's directory): skipped, never an error
+            if n.endswith(MARK):  # a full chunk's mark: the chunk is its own file, maybe gone
+                if not self.contains(child.key):
+                    _unlink(os.path.join(pdir, n))
+                    continue
+            elif child.key not in self._files:
+                try:
+                    size = os.stat(os.path.join(pdir, n)).st_size
+                except OSError:
+                    continue
+                with self.lock:
+                    self._index(child.key, _File(i, os.path.join(pdir, n), size))
+            out.append(child)
         return out
 
     def iterate(self) -> Iterator[str]:
@@ -525,7 +525,7 @@ class DiskTier(Tier):
             self.counters["put_errors"] += 1
             return False
         if h.partial:
-            path = os.path.join(self._partial_dir(i, h.parent), _child_name(h.tokens, h.key, lead_of(h.prefix)) + SUFFIX)
+            path = os.path.join(self._partial_dir(i, h.parent, lead_of(h.prefix)), f"{h.tokens:04d}-{h.key}{SUFFIX}")
         else:
             path = self._full_path(i, h.key)
         with self.lock:
@@ -547,14 +547,13 @@ class DiskTier(Tier):
             self.counters["put_errors"] += 1
             return False
         if not h.partial:
-            self._mark(i, h.parent, _child_name(h.tokens, h.key, lead_of(h.prefix)) + MARK)
+            self._mark(os.path.join(self._partial_dir(i, h.parent, lead_of(h.prefix)), f"{h.tokens:04d}-{h.key}{MARK}"))
         self.counters["bytes_written"] += packed.nbytes
         self.counters["puts"] += 1
         return True
 
-    def _mark(self, i: int, parent: str, name: str) -> None:
+    def _mark(self, path: str) -> None:
         """A full chunk's place under its parent (for readers reusing it in part): an empty file."""
-        path = os.path.join(self._partial_dir(i, parent), name)
         try:
             makedirs_private(os.path.dirname(path))
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
@@ -641,10 +640,11 @@ class DiskTier(Tier):
             pass
         except OSError as e:  # a directory planted where the file was, a read-only disk: left, counted
             self.refused("delete", e)
-        try:
-            os.rmdir(os.path.dirname(f.path))  # empty partial dirs would otherwise pile up
-        except OSError:
-            pass
+        for d in (os.path.dirname(f.path), os.path.dirname(os.path.dirname(f.path))):
+            try:
+                os.rmdir(d)  # empty partial dirs (a lead's, then its parent's) would otherwise pile up
+            except OSError:
+                break
 
     def clear(self) -> int:
         n = 0

@@ -53,7 +53,7 @@ class MemoryTier(Tier):
         self.capacity = capacity
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()  # (an empty policy is falsy)
         self._entries: dict[str, _Entry] = {}
-        self._children: dict[str, dict[str, Child]] = {}  # parent -> {key: child}
+        self._children: dict[tuple[str, str], dict[str, Child]] = {}  # (parent, lead) -> {key: child}
         self.used = 0
         self.arena = PinnedArena(capacity) if pin else None  # the engine runs on CUDA
         # Called with (tier, key) before an entry is evicted, so the store can demote it.
@@ -87,8 +87,9 @@ class MemoryTier(Tier):
     def contains(self, key: str) -> bool:
         return key in self._entries
 
-    def children(self, parent: str) -> list[Child]:
-        return list(self._children.get(parent, {}).values())
+    def children(self, parent: str, lead: str) -> list[Child]:
+        out = list(self._children.get((parent, ""), {}).values())
+        return out + list(self._children.get((parent, lead), {}).values()) if lead else out
 
     def iterate(self) -> Iterator[str]:
         return iter(list(self._entries))
@@ -112,7 +113,8 @@ class MemoryTier(Tier):
                 return False
             self._entries[key] = _entry(self._blob_of(packed), packed.header)
             h = packed.header
-            self._children.setdefault(h.parent, {})[key] = Child(key, h.tokens, lead_of(h.prefix))
+            lead = lead_of(h.prefix)
+            self._children.setdefault((h.parent, lead), {})[key] = Child(key, h.tokens, lead)
             self.used += n
             self.policy.insert(key, n)
             self.counters["bytes_written"] += n
@@ -171,11 +173,12 @@ class MemoryTier(Tier):
                 return
             self.used -= e.blob.numel()
             self.policy.remove(key)
-            sib = self._children.get(e.header.parent)
+            place = (e.header.parent, lead_of(e.header.prefix))
+            sib = self._children.get(place)
             if sib is not None:
                 sib.pop(key, None)
                 if not sib:
-                    del self._children[e.header.parent]
+                    del self._children[place]
 
     def clear(self) -> int:
         with self.lock:

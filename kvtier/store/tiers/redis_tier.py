@@ -2,7 +2,8 @@
 
 Keys (prefix configurable, `ns` = store digest so models never mix):
     {prefix}:{ns}:c:{key}       the packed chunk (one SET: readers see all of it or none)
-    {prefix}:{ns}:p:{parent}    set of "tokens:key[:lead]" for the chunks under `parent` (keys.Child)
+    {prefix}:{ns}:p:{parent}[:{lead}]  set of "tokens:key" for the chunks under `parent` that begin as
+                                `lead` says (keys.lead_key; none: too short to have one)
 Layer reads use GETRANGE, so one layer (or K without V) costs only its bytes on the wire; a
 restore's reads of one layer group over all its chunks go out as one pipeline (one round trip).
 Works with a single server or Redis Cluster; capacity is Redis's own (maxmemory) plus an optional TTL.
@@ -44,10 +45,10 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, Clus
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-def _child_entry(member: bytes) -> Child | None:
-    """The child a set member b"tokens:key[:lead]" names, or None if it is not one."""
-    fields = member.decode("ascii", "replace").split(":")
-    return child_entry(*fields) if len(fields) in (2, 3) else None
+def _child_entry(member: bytes, lead: str) -> Child | None:
+    """The child a set member b"tokens:key" names, or None if it is not one."""
+    tok, colon, key = member.decode("ascii", "replace").partition(":")
+    return child_entry(tok, key, lead) if colon else None
 
 
 def _tensor(raw: bytes, out: torch.Tensor | None) -> torch.Tensor:
@@ -136,8 +137,8 @@ class RedisTier(Tier):
     def _c(self, key: str) -> str:
         return f"{self.spec.prefix}:{self.ns}:c:{key}"
 
-    def _p(self, parent: str) -> str:
-        return f"{self.spec.prefix}:{self.ns}:p:{parent}"
+    def _p(self, parent: str, lead: str = "") -> str:
+        return f"{self.spec.prefix}:{self.ns}:p:{parent}" + (f":{lead}" if lead else "")
 
     def contains(self, key: str) -> bool:
         if self.ns is None:
@@ -157,20 +158,34 @@ class RedisTier(Tier):
 
         return [x == 1 for x in self._guarded("contains", exists, [0] * len(keys))]
 
-    def children(self, parent: str) -> list[Child]:
-        if self.ns is None:
+    def children(self, parent: str, lead: str) -> list[Child]:
+        if self.ns is None or not is_key(parent):
             return []
-        if not is_key(parent):
-            return []
-        # Refused: the index key holds another type, or the ACL refuses it.
-        raw = self._guarded("children", lambda c: c.smembers(self._p(parent)), set())
-        # Members are "tokens:key[:lead]" as put() writes them; anyone who can write to the server
-        # can add others: those are ignored (and dropped below), never parsed into an error.
+        sets = [("", self._p(parent))] + ([(lead, self._p(parent, lead))] if lead else [])
+
+        def smembers(client) -> list:
+            pipe = client.pipeline(transaction=False)
+            for _, rk in sets:
+                pipe.smembers(rk)
+            return pipe.execute()
+
+        # Refused: an index key holds another type, or the ACL refuses it.
+        raws = self._guarded("children", smembers, [set() for _ in sets])
+        out: list[Child] = []
+        for (lead_, rk), raw in zip(sets, raws):
+            if not isinstance(raw, set):
+                continue  # (an error reply in the pipeline: that set is as good as empty)
+            out += self._live_children(rk, raw, lead_)
+        return out
+
+    def _live_children(self, rk: str, raw: set, lead: str) -> list[Child]:
+        # Members are "tokens:key" as put() writes them; anyone who can write to the server can add
+        # others: those are ignored (and dropped below), never parsed into an error.
         pairs: list[Child] = []
         members: list[bytes] = []
         junk: list[bytes] = []
         for m in raw:
-            entry = _child_entry(m)
+            entry = _child_entry(m, lead)
             if entry is None:
                 junk.append(m)
             else:
@@ -178,13 +193,13 @@ class RedisTier(Tier):
                 pairs.append(entry)
         if junk:
             self.counters["errors"] += 1
-            self._quietly(lambda c: c.srem(self._p(parent), *junk))
+            self._quietly(lambda c: c.srem(rk, *junk))
         if not pairs:
             return []
         alive = self.contains_many([c.key for c in pairs])
         dead = [m for m, ok in zip(members, alive) if not ok]
         if dead and self.breaker.up:  # values expired or deleted elsewhere: drop their index entries
-            self._quietly(lambda c: c.srem(self._p(parent), *dead))
+            self._quietly(lambda c: c.srem(rk, *dead))
         return [p for p, ok in zip(pairs, alive) if ok]
 
     def _quietly(self, fn) -> None:
@@ -260,10 +275,10 @@ class RedisTier(Tier):
         def write(client) -> None:
             pipe = client.pipeline(transaction=not self.spec.cluster)
             pipe.set(self._c(h.key), packed.to_bytes(), ex=self.ex)
-            lead = lead_of(h.prefix)
-            pipe.sadd(self._p(h.parent), f"{h.tokens}:{h.key}" + (f":{lead}" if lead else ""))
+            index = self._p(h.parent, lead_of(h.prefix))
+            pipe.sadd(index, f"{h.tokens}:{h.key}")
             if self.ex:
-                pipe.expire(self._p(h.parent), self.ex)
+                pipe.expire(index, self.ex)
             pipe.execute()
 
         try:
