@@ -45,3 +45,18 @@ def test_register_first_writer_wins():
     pool.register(x, h)
     pool.register(y, h)
     assert pool.cached[h] == x and pool.hash_of[y] is None
+
+
+def test_only_a_runs_own_unreached_slots_and_clean_blocks_are_clearable():
+    """What exact CPU attention may zero past a context to read it in place (test_context_in_place.py)."""
+    pool = BlockPool(8, 16)
+    mine, other = pool.allocate(3), pool.allocate(1)  # blocks 0-2 (my context ends at slot 40), 3
+    assert pool.clearable(mine, 40, 48)  # the rest of my last block: no token of mine there yet
+    assert not pool.clearable(mine, 40, 64)  # into another request's block
+    assert pool.clearable(mine, 64, 128)  # clean blocks, up to the pool's end
+    assert not pool.clearable(mine, 64, 129)  # past the blocks: the sink, which placements write
+    pool.register(3, b"h")
+    pool.release(other)  # free, but its content is kept for a prefix hit
+    assert 3 in pool.evictable and not pool.clearable(mine, 40, 64)
+    pool.share(mine)  # a forked sequence holds my blocks too
+    assert not pool.clearable(mine, 40, 48)

@@ -110,6 +110,17 @@ class BlockPool:
             assert self.ref[b] > 0, f"block {b} is not in use"
             self.ref[b] += 1
 
+    def clearable(self, owner: Sequence[int], lo: int, hi: int) -> bool:
+        """Whether pool slots [lo, hi), just past the end of the context of the run holding blocks
+        `owner`, may be zeroed for one step: every block they touch is the run's own and held by it
+        alone (its slots past the context are not written yet), or clean (held by no one, no cached
+        content). Exact CPU attention then reads the context in place (`ModelRunner.clearable`)."""
+        bs, own = self.block_size, set(owner)
+        for b in range(lo // bs, -(-hi // bs)):
+            if b >= self.num_blocks or self.ref[b] != (1 if b in own else 0) or (b not in own and self.hash_of[b]):
+                return False
+        return True
+
     def register(self, block: int, h: bytes) -> None:
         """Publish a full, computed block under its chained hash (first writer wins)."""
         if h not in self.cached and self.hash_of[block] is None:

@@ -152,6 +152,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
         self.runner.staging_bytes = self.budget.staging_bytes
+        pool = self.pool  # not self: the runner holds no reference back to the engine
+        self.runner.clearable = lambda run, slots: pool.clearable(run.block_ids, slots.start, slots.stop)
         if self.budget.static_decode:
             self.runner.decoder = StaticDecode(self.runner, config.max_num_seqs, self.max_model_len)
         decoder = self.runner.decoder

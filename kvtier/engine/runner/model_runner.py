@@ -126,7 +126,7 @@ class StepBatch:
     ctx: tuple[range | torch.Tensor | None, ...]
     # Per run, exact CPU attention only: K and V buffers [key_rows(context), kv_heads, hd], zero past
     # the context, that each layer writes the run's context into (see `_key_blocks`); None where the
-    # context is read as it is.
+    # context is read as it is (whole blocks as it lies, or read in place over its `tails`).
     pads: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     cos: torch.Tensor  # [tokens, 1, head_dim/2] RoPE half tables
     sin: torch.Tensor
@@ -148,6 +148,10 @@ class StepBatch:
     front_dst: torch.Tensor | None = None
     front_src: torch.Tensor | None = None
     write_rows: torch.Tensor | None = None
+    # Per run, exact CPU attention only: the pool slots past its context up to its last key block's
+    # end, zeroed by each layer so that `ctx` (extended over them) is read in place, whole blocks
+    # and all, instead of copied into `pads` (see `ModelRunner.clearable`); None elsewhere.
+    tails: tuple[range | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,6 +247,11 @@ class ModelRunner:
         self.decoder: StaticDecode | None = None
         # Device memory a restore's staging ring may take (0: no limit): set by the engine's budget.
         self.staging_bytes = 0
+        # Whether a run's context may be read in place past its end (exact CPU attention): given the
+        # run and the pool slots past its context to its last key block's end, True where nothing
+        # anyone reads lies there (`BlockPool.clearable`): the step zeroes them instead of copying
+        # the whole context into a padded buffer every layer. Set by the engine, which owns the blocks.
+        self.clearable: Callable[[RunItem, range], bool] | None = None
 
     def _fault_in(self, slots: int) -> None:
         """Map the host pages of the first `slots` slots of every layer now (one write per page):
@@ -362,15 +371,18 @@ class ModelRunner:
             dec_cu = F.pad(dec_len.cumsum(0), (1, 0)).to(torch.int32)  # [decodes + 1], on the device
         elif rows:
             dec_mask = (torch.arange(width, device=self.device)[None, :] < dec_len[:, None])[:, None, None, :]
+        tails = tuple(None if i in rows else self._tail(it, c) for i, (it, c) in enumerate(zip(items, ctx)))
+        read = tuple(c if t is None else range(cast(range, c).start, t.stop) for c, t in zip(ctx, tails))
         return StepBatch(
             items=tuple(items),
             ids=ids,
             offsets=tuple(offsets),
             new_slots=new_slots,
-            ctx=tuple(next(gathered) if isinstance(c, torch.Tensor) else c for c in ctx),
-            pads=tuple(None if i in rows else self._key_blocks(it.slot_start + n if c is not None else n,
-                                                               isinstance(c, torch.Tensor))
-                       for i, (it, n, c) in enumerate(zip(items, lens, ctx))),
+            ctx=tuple(next(gathered) if isinstance(c, torch.Tensor) else c for c in read),
+            pads=tuple(None if i in rows or t is not None else
+                       self._key_blocks(it.slot_start + n if c is not None else n, isinstance(c, torch.Tensor))
+                       for i, (it, n, c, t) in enumerate(zip(items, lens, ctx, tails))),
+            tails=tails,
             cos=cos,
             sin=sin,
             decode_rows=rows,
@@ -414,11 +426,23 @@ class ModelRunner:
             if outs[i] is not None:
                 continue
             lo, hi = b.offsets[i], b.offsets[i + 1]
-            ctx, pad = b.ctx[i], b.pads[i] or (None, None)
+            ctx, pad, tail = b.ctx[i], b.pads[i] or (None, None), b.tails[i] if b.tails else None
+            if tail is not None:  # whole key blocks in place: zeros past the context, this layer's
+                kc[tail.start : tail.stop].zero_()
+                vc[tail.start : tail.stop].zero_()
             kk, vv = (_context(new[lo:hi], cache, ctx, p) for new, cache, p in ((k, kc, pad[0]), (v, vc, pad[1])))
             outs[i] = causal_attention(q[lo:hi], kk, vv, 0 if ctx is None else it.slot_start)
         done = cast("list[torch.Tensor]", outs)  # every run has its output by now
         return torch.cat(done) if len(done) > 1 else done[0]
+
+    def _tail(self, it: RunItem, ctx: range | torch.Tensor | None) -> range | None:
+        """The pool slots [end of `ctx`, its start + key_rows) where the run's context, consecutive in
+        the pool and ending inside a key block, may be read in place with them zeroed; None where
+        it may not (see `clearable`)."""
+        if not isinstance(ctx, range) or self.clearable is None or not exact_cpu(self.device):
+            return None
+        tail = range(ctx.stop, ctx.start + key_rows(len(ctx)))
+        return tail if len(tail) and self.clearable(it, tail) else None
 
     def _key_blocks(self, rows: int, gathered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Exact CPU attention reads a context of `rows` positions as whole key blocks, zero past its
