@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.loading import load_model
+
+from kvtier_testlib import first_logits
 
 BS = 16
 
@@ -35,3 +40,34 @@ def test_a_context_read_in_place_past_its_end_gives_the_padded_copys_bits(dtype)
         out[name] = runner.execute(step)
         assert torch.isfinite(out[name]).all()
     assert torch.equal(out["copied"], out["in place"])
+
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_a_restored_context_is_read_in_place_and_matches_a_fresh_prefill(store, tiny_gqa, tmp_path):
+    """Through the engine: the step computing a returning context's new tokens reads it in place
+    (a fresh engine's pool hands out consecutive clean blocks), and its logits are a fresh prefill's."""
+    ids = torch.randint(100, tiny_gqa.config.vocab_size, (664,), generator=torch.Generator().manual_seed(1)).tolist()
+    spec = f"disk:{tmp_path}:1GB" if store == "disk" else "memory:1GB"
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    config = EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_cache=False)
+    want = first_logits(Engine(tiny_gqa, config), ids, once)[1]
+    saver = Engine(tiny_gqa, config, store=spec, reuse=ReuseConfig(method="kv"))
+    saver.generate([ids[:600]], once)
+    saver.flush()
+    if store == "disk":  # a restart: a new engine over the same directory
+        saver.close()
+    engine = saver if store == "memory" else Engine(tiny_gqa, config, store=spec, reuse=ReuseConfig(method="kv"))
+    tails: list[range | None] = []
+    prepare = engine.runner.prepare
+
+    def spy(items):
+        batch = prepare(items)
+        tails.extend(batch.tails)
+        return batch
+
+    engine.runner.prepare = spy  # type: ignore[method-assign]
+    out, got = first_logits(engine, ids, once)
+    assert out.prompt_tokens_reused == 600
+    assert tails == [range(664, 1024)]  # one step: the 64 new tokens over 600 restored, read in place
+    assert torch.equal(got, want)
