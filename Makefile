@@ -23,15 +23,17 @@ demo: $(VENV_STAMP)
 # compileall first: pip byte-compiles the packages it installs but not this editable checkout, and
 # where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) every `python -m kvtier` the suite
 # starts would compile kvtier's modules again (0.7-0.9 s each on 2 cores). Up-to-date files are skipped.
+# Two pytest-xdist workers, one torch thread each (tests/conftest.py): much of the suite waits on the
+# servers, subprocesses and Redis it starts, so two workers on two cores take 0.6x the serial time.
 test: $(VENV_STAMP)
 	$(PY) -m compileall -q kvtier
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x -n 2 --durations=15
 
 # The quick loop: the suite without the tests that load the real smollm2 model (slow), start Redis
 # servers and clusters (redis) or need a GPU (cuda).
 test-fast: $(VENV_STAMP)
 	$(PY) -m compileall -q kvtier
-	$(PY) -m pytest -q -x -m "not slow and not redis and not cuda"
+	$(PY) -m pytest -q -x -n 2 -m "not slow and not redis and not cuda"
 
 # ruff (pyflakes, pycodestyle, bugbear, import order) and mypy, configured in pyproject.toml.
 lint: $(VENV_STAMP)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.testing.services import RedisCluster, RedisServer, redis_binary
 
-torch.set_num_threads(2)
+# Under pytest-xdist (`-n 2`) each worker gets one of the two cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")
