@@ -15,7 +15,9 @@ the same token ids for every peer) come back, and each peer produces the first n
     kvtier_redis        the same through a Redis-only store
 
 TTFT = median over --contexts of the wall time of the timed call (kvtier: `generate` with
-max_tokens=1, so what a user waits for), after one untimed warm-up context per peer. Every peer's
+max_tokens=1, so what a user waits for), after one untimed warm-up context per peer. Every peer runs
+on a context before the next context (HF's and kvtier's in alternating order), and a goal's ratio is
+the median of the per-context ratios: a VM whose speed drifts over minutes shifts both sides alike. Every peer's
 first token is checked against its family's recompute. Once the models are loaded the heap is
 frozen, as `kvtier serve` freezes it (kvtier/heap.py): a full collection over torch's modules
 (~190 ms on 2 cores) does not land inside one peer's timing. Goals are judged from the rows only
@@ -94,8 +96,8 @@ def markdown(rows: Sequence[dict], goals: Sequence[dict], meta: dict | None = No
              "bf16 rows only mean something on a CPU with native bf16 (avx512_bf16/amx_bf16): this CPU "
              + ("has it." if bf16 else "does NOT have it: bf16 rows are emulated and slow." if bf16 is False
                 else "was not recorded."),
-             "Ratios: numerator / denominator of each goal; disk/bound = kvtier_disk_cold / max(hf_floor, "
-             "bytes restored / raw cold disk read bandwidth).", ""]
+             "Ratios: median over the contexts of each context's numerator / denominator; disk/bound = "
+             "kvtier_disk_cold / max(hf_floor, bytes restored / raw cold disk read bandwidth).", ""]
     head, body = pivot(rows)
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(b) + " |" for b in body]
@@ -171,8 +173,11 @@ class Sample:
 
 
 class KvtierPeers:
-    """The kvtier peers for one (model, H), through the public API only. Each returns the timed
-    samples of contexts[1:] (contexts[0] is the warm-up)."""
+    """The kvtier peers for one (model, H), through the public API only, one context at a time
+    (`sample`). The recompute, device-cache and memory peers keep one engine for every context
+    (opened on first use, closed by `close`); the disk and Redis peers restart on each."""
+
+    PERSISTENT = ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory")
 
     def __init__(self, bench: "E2EBench", loaded, hist: int, tag: str):
         from kvtier.engine.request import SamplingParams
@@ -180,6 +185,7 @@ class KvtierPeers:
         self.bench, self.loaded, self.hist, self.tag = bench, loaded, hist, tag
         self.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self.disk_dir = bench.workdir / "disk" / tag
+        self.engines: dict[str, Any] = {}
 
     def engine(self, store: str | None = None, prefix_cache: bool = False):
         from kvtier.engine.config import EngineConfig, ReuseConfig
@@ -202,44 +208,38 @@ class KvtierPeers:
         engine.generate([ids[: self.hist]], self.params)  # the history's state is saved on the way
         engine.flush()  # ... and written before the context returns
 
-    def persistent(self, peer: str, ctxs: list[list[int]], store: str | None, prefix_cache: bool) -> list[Sample]:
-        """One engine for every context (recompute, device cache, memory tier)."""
-        engine = self.engine(store, prefix_cache)
-        try:
-            samples = []
-            for i, ids in enumerate(ctxs):
-                if store:
-                    self._save(engine, ids)
-                samples.append(self._timed(peer, i, engine, ids))
-            return samples[1:]
-        finally:
-            engine.close()
-
-    def restarted(self, peer: str, ctxs: list[list[int]], store: str, evict: Callable[[], Any]) -> list[Sample]:
-        """Engine A saves the history and closes; a new Engine B (empty memory tier) restores it."""
-        samples = []
-        for i, ids in enumerate(ctxs):
-            a = self.engine(store)
-            try:
-                self._save(a, ids)
-            finally:
-                a.close()
-            b = self.engine(store)
-            try:
-                evict()  # after B opened the store, so nothing B did at open warms the pages it reads
-                samples.append(self._timed(peer, i, b, ids))
-            finally:
-                b.close()
-        return samples[1:]
-
-    def run(self, peer: str, ctxs: list[list[int]]) -> list[Sample]:
-        if peer in ("kvtier_recompute", "kvtier_device_cache", "kvtier_memory"):
+    def sample(self, peer: str, i: int, ids: list[int]) -> Sample:
+        """Peer `peer` on context `i` (0: the warm-up)."""
+        if peer in self.PERSISTENT:
             store = None if peer == "kvtier_recompute" else "memory:8GB"
-            return self.persistent(peer, ctxs, store, prefix_cache=peer == "kvtier_device_cache")
+            if peer not in self.engines:
+                self.engines[peer] = self.engine(store, prefix_cache=peer == "kvtier_device_cache")
+            if store:
+                self._save(self.engines[peer], ids)
+            return self._timed(peer, i, self.engines[peer], ids)
         if peer == "kvtier_disk_cold":
             spec = f"memory:8GB,disk:{self.disk_dir}:20GB"
-            return self.restarted(peer, ctxs, spec, lambda: drop_page_cache(self.disk_dir))
-        return self.restarted(peer, ctxs, self.bench.redis_spec(self.tag), lambda: None)  # kvtier_redis
+            return self._restarted(peer, i, ids, spec, lambda: drop_page_cache(self.disk_dir))
+        return self._restarted(peer, i, ids, self.bench.redis_spec(self.tag), lambda: None)  # kvtier_redis
+
+    def _restarted(self, peer: str, i: int, ids: list[int], store: str, evict: Callable[[], Any]) -> Sample:
+        """Engine A saves the history and closes; a new Engine B (empty memory tier) restores it."""
+        a = self.engine(store)
+        try:
+            self._save(a, ids)
+        finally:
+            a.close()
+        b = self.engine(store)
+        try:
+            evict()  # after B opened the store, so nothing B did at open warms the pages it reads
+            return self._timed(peer, i, b, ids)
+        finally:
+            b.close()
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
 
 
 def kvtier_fields(samples: list[Sample], tier: str | None) -> dict:
@@ -366,16 +366,29 @@ class E2EBench:
         return torch.randint(100, vocab, shape, generator=gen).tolist()
 
     def run_cell(self, loaded, hf, dtype: str, hist: int) -> None:
+        """Every peer on each context in turn, HF's and kvtier's in alternating order, so the VM's
+        drift over minutes lands on every peer alike and the ratios can be paired per context."""
         tag = f"{dtype}-H{hist}"
         ctxs = self.contexts(loaded.config.vocab_size, hist)
-        samples: dict[str, list[Sample]] = {}
-        if hf_peers := [p for p in self.peers if p in HF_PEERS]:
-            blob_bytes = self.run_hf(hf, tag, hist, ctxs, hf_peers, samples)
-            for p in hf_peers:
-                self.add_row(dtype, hist, p, samples, {} if p == "hf_recompute" else dict(blob_bytes=blob_bytes))
+        hf_peers = [p for p in self.peers if p in HF_PEERS]
+        kv_peers = [p for p in self.peers if p in KV_PEERS]
+        runs: dict[str, list[Sample]] = {p: [] for p in hf_peers + kv_peers}
+        blob_bytes = 0
         kv = KvtierPeers(self, loaded, hist, tag)
-        for peer in [p for p in self.peers if p in KV_PEERS]:
-            samples[peer] = kv.run(peer, ctxs)
+        try:
+            for i, ids in enumerate(ctxs):
+                for side in ("hf", "kv") if i % 2 == 0 else ("kv", "hf"):
+                    if side == "hf" and hf_peers:
+                        blob_bytes = self.run_hf(hf, tag, hist, i, ids, hf_peers, runs)
+                    elif side == "kv":
+                        for p in kv_peers:
+                            runs[p].append(kv.sample(p, i, ids))
+        finally:
+            kv.close()
+        samples = {p: s[1:] for p, s in runs.items()}  # contexts[0] was the warm-up
+        for p in hf_peers:
+            self.add_row(dtype, hist, p, samples, {} if p == "hf_recompute" else dict(blob_bytes=blob_bytes))
+        for peer in kv_peers:
             extra = kvtier_fields(samples[peer], PEER_TIER.get(peer))
             if peer == "kvtier_disk_cold":  # the raw device bandwidth, over the very chunk files just read
                 extra["disk_read_bps"] = read_bandwidth(sorted(kv.disk_dir.rglob("*.kvc")))
@@ -385,24 +398,19 @@ class E2EBench:
                 self.clear_redis(tag)
             self.add_row(dtype, hist, peer, samples, extra)
 
-    def run_hf(self, hf, tag: str, hist: int, ctxs: list[list[int]], peers: list[str],
-               samples: dict[str, list[Sample]]) -> int:
-        """Every HF peer on each context in turn (the history is prefilled once per context).
-        Fills samples[peer] with the timed samples; returns the size of the saved cache in bytes."""
-        blob_bytes = 0
-        timed_runs: dict[str, list[Sample]] = {p: [] for p in peers}
-        for i, ids in enumerate(ctxs):
-            ctx = HFPeers(hf, ids, hist, peers, self.workdir / "hf" / f"{tag}.pt", self.redis_client,
-                          f"{self.key_prefix}-hf-{tag}")
-            try:
-                blob_bytes = len(ctx.blob)
-                for p in peers:
-                    ctx.before(p)
-                    timed_runs[p].append(self.progress(p, tag, i, Sample(*timed(getattr(ctx, p)))))
-            finally:
-                ctx.close()
-        samples.update({p: s[1:] for p, s in timed_runs.items()})  # contexts[0] was the warm-up
-        return blob_bytes
+    def run_hf(self, hf, tag: str, hist: int, i: int, ids: list[int], peers: list[str],
+               runs: dict[str, list[Sample]]) -> int:
+        """Every HF peer on context `i` (its history prefilled once); appends to runs[peer] and
+        returns the size of the saved cache in bytes."""
+        ctx = HFPeers(hf, ids, hist, peers, self.workdir / "hf" / f"{tag}.pt", self.redis_client,
+                      f"{self.key_prefix}-hf-{tag}")
+        try:
+            for p in peers:
+                ctx.before(p)
+                runs[p].append(self.progress(p, tag, i, Sample(*timed(getattr(ctx, p)))))
+            return len(ctx.blob)
+        finally:
+            ctx.close()
 
     def add_row(self, dtype: str, hist: int, peer: str, samples: dict[str, list[Sample]], extra: dict) -> None:
         mine = samples[peer]
