@@ -17,11 +17,11 @@ the same token ids for every peer) come back, and each peer produces the first n
 TTFT = median over --contexts of the wall time of the timed call (kvtier: `generate` with
 max_tokens=1, so what a user waits for), after one untimed warm-up context per peer. Every peer runs
 on a context before the next context (HF's and kvtier's in alternating order), and a goal's ratio is
-the median of the per-context ratios: a VM whose speed drifts over minutes shifts both sides alike. Every peer's
-first token is checked against its family's recompute. Once the models are loaded the heap is
-frozen, as `kvtier serve` freezes it (kvtier/heap.py): a full collection over torch's modules
-(~190 ms on 2 cores) does not land inside one peer's timing. Goals are judged from the rows only
-(`evaluate_goals`), so `report` re-judges a saved JSON. bf16 rows only mean something on a CPU with
+the median of the per-context ratios: a VM whose speed drifts over minutes shifts both sides alike.
+Every peer's first token is checked against its family's recompute. Once the models are loaded the
+heap is frozen, as `kvtier serve` freezes it (kvtier/heap.py): a full collection over torch's
+modules (~190 ms on 2 cores) does not land inside one peer's timing. Goals are judged from the rows
+only (`evaluate_goals`), so `report` re-judges a saved JSON. bf16 rows only mean something on a CPU with
 native bf16 (avx512_bf16 / amx_bf16); `meta.cpu_native_bf16` says whether this one has it.
 """
 
