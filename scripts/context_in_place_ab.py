@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from profile_disk_restore import save_context  # scripts/ is on the path of a script run from it
+from profile_disk_restore import save_context, timed_restore  # scripts/ is on the path of a script run from it
 
 from kvtier.bench.common import drop_page_cache
 from kvtier.bench.hf import HFPeers, build_hf
@@ -37,12 +37,7 @@ WAYS = ("in place", "copied")
 def timed(engine: Engine, way: str, ids: list[int], once: SamplingParams, history: int) -> float:
     if way == "copied":
         engine.runner.clearable = None  # every context ending inside a key block goes through the padded copy
-    t = time.perf_counter()
-    out = engine.generate([ids], once)[0]
-    wall = time.perf_counter() - t
-    if out.prompt_tokens_reused != history:
-        raise SystemExit(f"{way}: reused {out.prompt_tokens_reused} of {history} tokens")
-    return wall
+    return timed_restore(engine, ids, once, history, way)
 
 
 def main() -> None:

@@ -55,9 +55,15 @@ def cold_restore(model, config: EngineConfig, spec: str, directory: str, ids: li
     tokens of `ids` for the rest of them; -> the TTFT in seconds (exits unless all were reused)."""
     with Engine(model, config, store=spec, **engine_kw) as engine:
         drop_page_cache(directory)
-        t = time.perf_counter()
-        out = engine.generate([ids], once)[0]
-        wall = time.perf_counter() - t
+        return timed_restore(engine, ids, once, history, label)
+
+
+def timed_restore(engine: Engine, ids: list[int], once: SamplingParams, history: int, label: str) -> float:
+    """The TTFT in seconds of `engine` restoring `history` tokens of `ids` for the rest of them
+    (exits unless all were reused)."""
+    t = time.perf_counter()
+    out = engine.generate([ids], once)[0]
+    wall = time.perf_counter() - t
     if out.prompt_tokens_reused != history:
         raise SystemExit(f"{label}: reused {out.prompt_tokens_reused} of {history} tokens")
     return wall
