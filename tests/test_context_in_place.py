@@ -1,4 +1,4 @@
-"""Exact CPU attention reads a context as whole 512-key blocks. Where the pool slots past a
+"""Exact CPU attention reads a context as whole 64-key pieces (`key_rows`). Where the pool slots past a
 context's end hold nothing anyone reads (`BlockPool.clearable`), the runner zeroes them and reads
 the context in place instead of copying it into a padded buffer every layer: the logits must be the
 same bits, whatever those slots held before (uninitialised pool memory may be NaN)."""
@@ -23,10 +23,10 @@ BS = 16
 def test_a_context_read_in_place_past_its_end_gives_the_padded_copys_bits(dtype):
     lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
     ids = torch.randint(100, lm.config.vocab_size, (600,), generator=torch.Generator().manual_seed(0)).tolist()
-    blocks = list(range(40))  # 640 slots: the 600 tokens, then own slots no token reached
+    blocks = list(range(38))  # 608 slots: the 600 tokens, then own slots no token reached
     out = {}
     for name, clearable in (("copied", None), ("in place", lambda run, slots: True)):
-        runner = ModelRunner(lm.module, 72, BS, 1024)  # key_rows(600) = 1024 slots: 24 clean blocks past its own
+        runner = ModelRunner(lm.module, 72, BS, 1024)  # key_rows(600) = 640 slots: 2 clean blocks past its own
         runner.clearable = clearable
         for cache in (runner.k_cache, runner.v_cache):
             cache[:, : runner.sink] = float("nan")  # what a slot may hold before it is written
@@ -36,7 +36,7 @@ def test_a_context_read_in_place_past_its_end_gives_the_padded_copys_bits(dtype)
         assert (batch.tails[0] is not None) == (clearable is not None)
         assert (batch.pads[0] is None) == (clearable is not None)  # no per-layer copy where in place
         if clearable is not None:
-            assert batch.tails[0] == range(600, 1024) and batch.ctx[0] == range(0, 1024)
+            assert batch.tails[0] == range(600, 640) and batch.ctx[0] == range(0, 640)
         out[name] = runner.execute(step)
         assert torch.isfinite(out[name]).all()
     assert torch.equal(out["copied"], out["in place"])
@@ -69,5 +69,5 @@ def test_a_restored_context_is_read_in_place_and_matches_a_fresh_prefill(store, 
     engine.runner.prepare = spy  # type: ignore[method-assign]
     out, got = first_logits(engine, ids, once)
     assert out.prompt_tokens_reused == 600
-    assert tails == [range(664, 1024)]  # one step: the 64 new tokens over 600 restored, read in place
+    assert tails == [range(664, 704)]  # one step: the 64 new tokens over 600 restored, read in place
     assert torch.equal(got, want)

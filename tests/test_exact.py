@@ -59,7 +59,7 @@ def test_chunking_and_prefix_cache_do_not_change_a_bit(dtype: str, n: int):
     ids = ids_of(m, n, seed=n)
     fresh = run(engine(m, prefix_cache=False), [ids])[0]
     # Prefill chunk sizes that cut the prompt differently, inside 16-token blocks and across the
-    # attention's 512-key blocks.
+    # attention's 512-key blocks and 64-key pieces.
     for chunk in (37, 100, 512, 700):
         assert same(run(engine(m, chunk=chunk, prefix_cache=False), [ids])[0], fresh), chunk
     # A device prefix-cache hit: the prompt's first part was computed by an earlier request (in
@@ -150,7 +150,7 @@ def test_smollm2_shape_bf16_3000_tokens():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_what_lies_past_a_context_changes_no_bit(dtype: str):
-    """Exact attention reads a context as whole 512-key blocks, zero past its end. Whatever the pool
+    """Exact attention reads a context as whole 64-key pieces, zero past its end. Whatever the pool
     holds past it (here NaN in every slot no request wrote, which a 0 weight would not cancel) stays
     out, whether the context is read in place or gathered (a prefix-cache hit's blocks)."""
     m = model("tiny-gqa", dtype)

@@ -1,8 +1,8 @@
 """What a chunk holds: the per-layer representation and the namespace every key is scoped to.
 
 A namespace is everything that makes stored state meaningful: the model (fingerprint of config and
-weights), its shapes, the compute dtype, the storage dtype and which representation each layer
-uses. Its digest goes into every chunk key, so any change to it is simply a different set of keys:
+weights), its shapes, the compute dtype, the storage dtype, which representation each layer uses
+and how the exact kernels round (`NUMERICS_VERSION`). Its digest goes into every chunk key, so any change to it is simply a different set of keys:
 a miss, never wrong data.
 """
 from __future__ import annotations
@@ -21,6 +21,10 @@ from kvtier.dtypes import COMPUTE_DTYPES, STORAGE_DTYPES, WIDTH
 # 3: the preamble carries a flags word and an HMAC tag (sealed chunks, seal.py); the header names
 #    its segments' digest algorithm.
 FORMAT_VERSION = 3
+# How the exact CPU kernels round, where it changed what a stored state holds (its bits, not its
+# format): state computed before a change is another engine's state, so its keys differ (a miss).
+# 2: exact attention splits a query's keys at its 512-key block and 64-key piece (exact_attention.py).
+NUMERICS_VERSION = 2
 
 
 class Repr(str, Enum):
@@ -88,6 +92,7 @@ class StoreNamespace:
         """Stable hex digest of everything that makes stored state reusable."""
         doc = {
             "format": FORMAT_VERSION,
+            "numerics": NUMERICS_VERSION,
             "model": self.model_fingerprint,
             "layers": self.num_layers,
             "kv_heads": self.num_kv_heads,

@@ -125,8 +125,8 @@ class StepBatch:
     # the pool, no copy), a slot index tensor (gathered), or None (a fresh run attends to itself).
     ctx: tuple[range | torch.Tensor | None, ...]
     # Per run, exact CPU attention only: K and V buffers [key_rows(context), kv_heads, hd], zero past
-    # the context, that each layer writes the run's context into (see `_key_blocks`); None where the
-    # context is read as it is (whole blocks as it lies, or read in place over its `tails`).
+    # the context, that each layer writes the run's context into (see `_key_pieces`); None where the
+    # context is read as it is (whole pieces as it lies, or read in place over its `tails`).
     pads: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     cos: torch.Tensor  # [tokens, 1, head_dim/2] RoPE half tables
     sin: torch.Tensor
@@ -148,9 +148,9 @@ class StepBatch:
     front_dst: torch.Tensor | None = None
     front_src: torch.Tensor | None = None
     write_rows: torch.Tensor | None = None
-    # Per run, exact CPU attention only: the pool slots past its context up to its last key block's
-    # end, zeroed by each layer so that `ctx` (extended over them) is read in place, whole blocks
-    # and all, instead of copied into `pads` (see `ModelRunner.clearable`); None elsewhere.
+    # Per run, exact CPU attention only: the pool slots past its context up to its last key piece's
+    # end (`key_rows`), zeroed by each layer so that `ctx` (extended over them) is read in place
+    # instead of copied into `pads` (see `ModelRunner.clearable`); None elsewhere.
     tails: tuple[range | None, ...] = ()
 
 
@@ -248,7 +248,7 @@ class ModelRunner:
         # Device memory a restore's staging ring may take (0: no limit): set by the engine's budget.
         self.staging_bytes = 0
         # Whether a run's context may be read in place past its end (exact CPU attention): given the
-        # run and the pool slots past its context to its last key block's end, True where nothing
+        # run and the pool slots past its context to its last key piece's end, True where nothing
         # anyone reads lies there (`BlockPool.clearable`): the step zeroes them instead of copying
         # the whole context into a padded buffer every layer. Set by the engine, which owns the blocks.
         self.clearable: Callable[[RunItem, range], bool] | None = None
@@ -327,7 +327,7 @@ class ModelRunner:
             rows = ()
         ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
-        if exact_cpu(self.device):  # exact attention reads whole key blocks: gather them at once
+        if exact_cpu(self.device):  # exact attention reads whole key pieces (`key_rows`): gather them at once
             width = key_rows(width)
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
         packed = pack_decodes(self.can_pack, len(rows) * width, sum(ctx_len))
@@ -380,7 +380,7 @@ class ModelRunner:
             new_slots=new_slots,
             ctx=tuple(next(gathered) if isinstance(c, torch.Tensor) else c for c in read),
             pads=tuple(None if i in rows or t is not None else
-                       self._key_blocks(it.slot_start + n if c is not None else n, isinstance(c, torch.Tensor))
+                       self._key_pieces(it.slot_start + n if c is not None else n, isinstance(c, torch.Tensor))
                        for i, (it, n, c, t) in enumerate(zip(items, lens, ctx, tails))),
             tails=tails,
             cos=cos,
@@ -427,7 +427,7 @@ class ModelRunner:
                 continue
             lo, hi = b.offsets[i], b.offsets[i + 1]
             ctx, pad, tail = b.ctx[i], b.pads[i] or (None, None), b.tails[i] if b.tails else None
-            if tail is not None:  # whole key blocks in place: zeros past the context, this layer's
+            if tail is not None:  # whole key pieces in place: zeros past the context, this layer's
                 kc[tail.start : tail.stop].zero_()
                 vc[tail.start : tail.stop].zero_()
             kk, vv = (_context(new[lo:hi], cache, ctx, p) for new, cache, p in ((k, kc, pad[0]), (v, vc, pad[1])))
@@ -437,16 +437,16 @@ class ModelRunner:
 
     def _tail(self, it: RunItem, ctx: range | torch.Tensor | None) -> range | None:
         """The pool slots [end of `ctx`, its start + key_rows) where the run's context, consecutive in
-        the pool and ending inside a key block, may be read in place with them zeroed; None where
+        the pool and ending inside a key piece, may be read in place with them zeroed; None where
         it may not (see `clearable`)."""
         if not isinstance(ctx, range) or self.clearable is None or not exact_cpu(self.device):
             return None
         tail = range(ctx.stop, ctx.start + key_rows(len(ctx)))
         return tail if len(tail) and self.clearable(it, tail) else None
 
-    def _key_blocks(self, rows: int, gathered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Exact CPU attention reads a context of `rows` positions as whole key blocks, zero past its
-        end. Where the context is not that as it lies (it ends inside a block, or is gathered), two
+    def _key_pieces(self, rows: int, gathered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Exact CPU attention reads a context of `rows` positions as whole key pieces (`key_rows`),
+        zero past its end. Where the context is not that as it lies (it ends inside a piece, or is gathered), two
         buffers [key_rows(rows), kv_heads, hd] for the step, their tail zeroed once: each layer then
         writes the context into them, one copy, instead of allocating, zeroing and filling a padded
         copy per layer (and, gathered, copying it twice)."""

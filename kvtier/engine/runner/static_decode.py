@@ -70,7 +70,7 @@ class StaticDecode:
         if self.graphs_on and dev.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {dev}")
         self.paged = False  # FlexAttention over the pool in place instead of gathering (measured slower)
-        self.exact = exact_cpu(dev)  # the CPU's exact kernel: widths are whole key blocks, not buckets
+        self.exact = exact_cpu(dev)  # the CPU's exact kernel: widths are whole key pieces, not buckets
         self.widths = widths(self.pages * bs)
         cols, size = _TABLE + self.pages, self.buckets[-1]
         # Every input in one buffer [max bucket, 4 + pages] (one upload per step), and its host twin.
@@ -93,7 +93,7 @@ class StaticDecode:
         return self.paged or not pack_decodes(self.runner.can_pack, size * width, sum(it.start + 1 for it in items))
 
     def _shape(self, items: Sequence[RunItem]) -> tuple[int, int]:
-        """The (batch, width) bucket of a step: the exact kernel's whole key blocks on the CPU."""
+        """The (batch, width) bucket of a step: the exact kernel's whole key pieces (`key_rows`) on the CPU."""
         size = self.buckets[bisect.bisect_left(self.buckets, len(items))]
         longest = max(it.start for it in items) + 1
         if self.exact:

@@ -1,0 +1,215 @@
+"""Exact causal attention on the CPU: a token's output is the same bits however its prompt was cut
+into prefill chunks, whatever came from a cache, and whichever other requests share the step.
+
+The fused CPU flash kernel's per-row arithmetic does not depend on how many query rows share a
+call (as long as none of its query blocks is left with a handful of rows: see `_pad_rows`), nor
+on key blocks of `KEY_BLOCK` that are wholly masked (they add exactly nothing). It does depend on
+the length of a call's last key block. So a query at position p reads a split of the keys that is
+a function of p alone:
+- its whole key blocks before its own, [0, base) with base = p - p % KEY_BLOCK: one unmasked call
+  shared by every query of that block (most of a long context's work, in large calls);
+- its piece, [base, key_rows(p + 1)): from its block's start to the end of its `PIECE` of
+  positions, masked past p, in one call per piece of queries (at most KEY_BLOCK keys);
+merged by their log-sum-exp, elementwise (`_merge`). A fresh prompt, a chunk continuing a history,
+a single decode and a batch of decodes all reduce to that, and no call reads more than PIECE - 1
+keys past its last query. (Whole key blocks alone, as before, read up to 511 past it: 1,536 keys
+for a 1,088-key context.)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# The fused CPU flash kernel SDPA dispatches to, called directly: it returns the log-sum-exp and
+# takes the key layout we give it.
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+KEY_BLOCK = 512  # the CPU flash kernel's key split: a query's keys before its own block are whole ones
+PIECE = 64  # a query's own block is read up to the end of its piece of this many positions
+_MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take another GEMM path)
+
+
+def key_rows(ctx: int) -> int:
+    """The keys the exact kernel reads for a context of `ctx` positions: whole pieces."""
+    return -(-ctx // PIECE) * PIECE
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Queries at positions [start, start + n) over keys [0, ctx): q [n, heads, hd] (RoPE applied),
+    k/v [ctx or more, kv_heads, hd], read in place where they reach key_rows(ctx). -> [n, heads, hd]."""
+    n, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    kt, vt = (_rows(x, key_rows(start + n)).transpose(0, 1)[None] for x in (k, v))  # [1, kvh, keys, hd]
+    outs = []
+    lo = start
+    while lo < start + n:
+        base = lo - lo % KEY_BLOCK
+        hi = min(start + n, base + KEY_BLOCK)  # the queries in lo's key block
+        m = hi - lo
+        # Grouped heads as rows, in (group member, token) order: no K/V repeat.
+        qg = q[lo - start : hi - start].view(m, kv_heads, g, hd).permute(1, 2, 0, 3)  # [kvh, g, m, hd]
+        cuts = [lo, *range(lo - lo % PIECE + PIECE, hi, PIECE), hi]
+        whole = _padded(qg.reshape(1, kv_heads, g * m, hd))  # [1, kvh, g*m + pad, hd]
+        pieces = []
+        for a, b in zip(cuts, cuts[1:]):  # the queries of one piece
+            keys = key_rows(b) - base
+            rows = whole if len(cuts) == 2 else _padded(qg[:, :, a - lo : b - lo].reshape(1, kv_heads, g * (b - a), hd))
+            mask = _piece_mask(a - base, b - base, keys, g, q.dtype, q.device)
+            o, lse = _call(rows, kt[:, :, base : base + keys], vt[:, :, base : base + keys], mask, g * (b - a))
+            pieces.append((o.view(kv_heads, g, b - a, hd), lse.view(kv_heads, g, b - a)))
+        o, lse = pieces[0] if len(pieces) == 1 else (torch.cat([p[0] for p in pieces], 2), torch.cat([p[1] for p in pieces], 2))
+        if base:  # every query of the block sees [0, base): one unmasked call
+            full, full_lse = _call(whole, kt[:, :, :base], vt[:, :, :base], None, g * m)
+            o = _merge(full.view(kv_heads, g, m, hd), full_lse.view(kv_heads, g, m), o, lse)
+        outs.append(o.permute(2, 0, 1, 3).reshape(m, heads, hd))  # [m, heads, hd]
+        lo = hi
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """A batch of decoding tokens: token r sits at position lengths[r] - 1 and attends to row r of
+    k/v [n, width, kv_heads, hd]: its context gathered, padded with zeros (any finite value: masked,
+    it adds exactly nothing; NaN would leak through) to `width` = key_rows(max(lengths)).
+    q: [n, heads, hd] -> [n, heads, hd]. Each token's split is the one `causal` gives its position."""
+    n, width, kv_heads, hd = k.shape
+    g = q.shape[1] // kv_heads
+    if width != key_rows(max(lengths)):
+        raise ValueError(f"decode contexts are {width} rows; exact attention reads {key_rows(max(lengths))}")
+    plan = _decode_plan(tuple(lengths), g, q.dtype, q.device)
+    qp = _padded(q.view(n, kv_heads, g, hd))  # a token's heads sharing a K/V head are rows of one matrix
+    if len(plan.pieces) == 1 and plan.pieces[0].rows is None:  # one piece length: the rows in order
+        o, lse = _decode_piece(qp, k, v, plan.pieces[0], g)
+    else:
+        o = q.new_empty(n, kv_heads, g, hd)
+        lse = torch.empty(n, kv_heads, g, dtype=torch.float32, device=q.device)
+        for p in plan.pieces:
+            assert p.rows is not None  # more than one length
+            o[p.rows], lse[p.rows] = _decode_piece(qp.index_select(0, p.rows), k, v, p, g)
+    if plan.base:
+        kk, vv = (x[:, : plan.base].transpose(1, 2) for x in (k, v))  # [n, kvh, base, hd]
+        full, full_lse = _call(qp, kk, vv, plan.full_mask, g)
+        merged = _merge(full, full_lse, o, lse)
+        o = merged if plan.based is None else torch.where(plan.based, merged, o)  # no whole blocks: the piece alone
+    return o.reshape(n, kv_heads * g, hd)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Decoding rows whose pieces have `keys` keys: row i reads k[rows[i], index[i]]."""
+
+    rows: torch.Tensor | None  # [m] (None: every row, in order)
+    index: torch.Tensor  # [m, keys] key positions
+    mask: torch.Tensor  # [m, 1, padded g, keys] additive
+    alone: int | None  # the one row's first key where the step decodes one token (read as a view)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """How a step's decodes split their keys (the same for every layer of the step)."""
+
+    base: int  # the longest whole-block part, [0, base)
+    full_mask: torch.Tensor | None  # [n, 1, padded g, base]: -inf past each row's own base; None if all are `base`
+    based: torch.Tensor | None  # [n, 1, 1, 1] rows with a whole-block part; None if all have one
+    pieces: tuple[_Piece, ...]
+
+
+@functools.lru_cache(maxsize=2)
+def _decode_plan(lengths: tuple[int, ...], g: int, dtype: torch.dtype, device: torch.device) -> _DecodePlan:
+    pos = [ln - 1 for ln in lengths]
+    bases = [p - p % KEY_BLOCK for p in pos]
+    keys = [key_rows(p + 1) - b for p, b in zip(pos, bases)]
+    rows = g + _pad_rows(g)
+    pieces = []
+    for c in sorted(set(keys)):
+        mine = [r for r, kr in enumerate(keys) if kr == c]
+        index = torch.tensor([bases[r] for r in mine])[:, None] + torch.arange(c)[None]  # [m, c]
+        mask = _mask([pos[r] - bases[r] for r in mine], c, dtype, device)[:, None, None].expand(-1, 1, rows, -1)
+        every = len(mine) == len(pos)
+        pieces.append(_Piece(None if every else torch.tensor(mine, device=device), index.to(device), mask,
+                             bases[0] if len(pos) == 1 else None))
+    base = max(bases)
+    full_mask = based = None
+    if base and len(set(bases)) > 1:
+        hide = torch.arange(base)[None] >= torch.tensor(bases)[:, None]  # [n, base]
+        full_mask = torch.zeros(hide.shape, dtype=dtype).masked_fill_(hide, float("-inf"))
+        full_mask = full_mask.to(device)[:, None, None].expand(-1, 1, rows, -1)
+        if min(bases) == 0:
+            based = torch.tensor(bases, device=device).view(-1, 1, 1, 1) > 0
+    return _DecodePlan(base, full_mask, based, tuple(pieces))
+
+
+def _decode_piece(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Piece, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qp [m, kvh, padded g, hd] over their pieces -> (o [m, kvh, g, hd], lse [m, kvh, g])."""
+    if p.alone is not None:
+        kp, vp = (x[:, p.alone : p.alone + p.index.shape[1]].transpose(1, 2) for x in (k, v))  # [1, kvh, keys, hd]
+    else:
+        rows = torch.arange(k.shape[0], device=k.device) if p.rows is None else p.rows
+        kp, vp = (x[rows[:, None], p.index].transpose(1, 2) for x in (k, v))  # [m, kvh, keys, hd], gathered
+    return _call(qp, kp, vp, p.mask, g)
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, o [..., rows, hd] with lse [..., rows], as attention over
+    both: (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2), in fp32, rounded once to o's dtype. Only ops
+    that give an element the same bits wherever it lies in a tensor: IEEE arithmetic, and exp on a
+    contiguous input (computed whole-vector, tail included). Not sigmoid or a fused lerp: their
+    vector body and scalar tail round differently, so a row's bits would depend on its index."""
+    top = torch.maximum(lse1, lse2)
+    e1, e2 = torch.exp(lse1 - top).unsqueeze(-1), torch.exp(lse2 - top).unsqueeze(-1)  # [..., rows, 1]
+    return ((o1.float() * e1 + o2.float() * e2) / (e1 + e2)).to(o1.dtype)
+
+
+def _rows(x: torch.Tensor, keys: int) -> torch.Tensor:
+    """x [ctx, kv_heads, hd] as exactly `keys` rows: cut, or zero-padded past the history (a copy of
+    at most KEY_BLOCK rows: the engine passes contexts already padded to `key_rows`)."""
+    if x.shape[0] >= keys:
+        return x[:keys]
+    return F.pad(x, (0, 0, 0, 0, 0, keys - x.shape[0]))
+
+
+@functools.lru_cache(maxsize=32)  # a piece's mask depends on its place in its key block: few per step
+def _piece_mask(lo: int, hi: int, keys: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The mask of queries [lo, hi) over keys [0, keys) of their block, for g grouped heads, with
+    the rows `_padded` adds: [1, 1, g*(hi-lo) + pad, keys] (read only)."""
+    mask = _mask(list(range(lo, hi)), keys, dtype, device).repeat(g, 1)
+    extra = _pad_rows(mask.shape[0])
+    return torch.cat([mask, mask[-1:].expand(extra, -1)])[None, None]
+
+
+def _mask(positions: list[int], keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [len(positions), keys]: 0 for keys at or before each query's position, -inf after."""
+    pos = torch.tensor(positions, device=device)
+    hide = torch.arange(keys, device=device)[None, :] > pos[:, None]
+    return torch.zeros(hide.shape, dtype=dtype, device=device).masked_fill_(hide, float("-inf"))
+
+
+def _padded(q: torch.Tensor) -> torch.Tensor:
+    """q [b, h, rows, hd] with `_pad_rows` copies of its last row appended (computed, then dropped)."""
+    extra = _pad_rows(q.shape[2])
+    return torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], 2) if extra else q
+
+
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel on `_padded` q [b, h, padded rows, hd], k/v [b, h, keys, hd], mask
+    [b, 1, padded rows, keys] or None -> (o [b, h, rows, hd], lse [b, h, rows] fp32), cut back to `rows`."""
+    assert FLASH_CPU is not None  # the caller checked it
+    o, lse = FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask)[:2]
+    return o[:, :, :rows], lse[:, :, :rows]
+
+
+def _pad_rows(rows: int) -> int:
+    """Rows to add so that no query block of the flash kernel is left with fewer than _MIN_ROWS
+    (its blocks are 32, 64 or 256 rows by the row count; a block of one or two rows takes a GEMM
+    path that rounds differently)."""
+    total = rows
+    while True:
+        split = 256 if total >= 768 else 64 if total >= 192 else 32
+        tail = total % split
+        if tail == 0 or tail >= _MIN_ROWS:
+            return total - rows
+        total += _MIN_ROWS - tail
