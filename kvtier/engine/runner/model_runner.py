@@ -446,10 +446,10 @@ class ModelRunner:
 
     def _key_pieces(self, rows: int, gathered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Exact CPU attention reads a context of `rows` positions as whole key pieces (`key_rows`),
-        zero past its end. Where the context is not that as it lies (it ends inside a piece, or is gathered), two
-        buffers [key_rows(rows), kv_heads, hd] for the step, their tail zeroed once: each layer then
-        writes the context into them, one copy, instead of allocating, zeroing and filling a padded
-        copy per layer (and, gathered, copying it twice)."""
+        zero past its end. Where the context is not that as it lies (it ends inside a piece, or is
+        gathered), two buffers [key_rows(rows), kv_heads, hd] for the step, their tail zeroed once:
+        each layer then writes the context into them, one copy, instead of allocating, zeroing and
+        filling a padded copy per layer (and, gathered, copying it twice)."""
         keys = key_rows(rows)
         if not exact_cpu(self.device) or (keys == rows and not gathered):
             return None
