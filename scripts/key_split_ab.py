@@ -27,13 +27,13 @@ def module_at(commit: str):
     """kvtier/models/attention.py as it was at `commit`, imported as a module of its own."""
     text = subprocess.run(["git", "show", f"{commit}:kvtier/models/attention.py"], check=True,
                           capture_output=True, text=True).stdout
-    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    path.write(text)
-    path.close()
-    spec = importlib.util.spec_from_file_location("attention_before", path.name)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as path:
+        path.write(text)
+        path.flush()
+        spec = importlib.util.spec_from_file_location("attention_before", path.name)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     return mod
 
 

@@ -102,6 +102,7 @@ class _Piece:
     """Decoding rows whose pieces have `keys` keys: row i reads k[rows[i], index[i]]."""
 
     rows: torch.Tensor | None  # [m] (None: every row, in order)
+    at: torch.Tensor  # [m, 1] the rows again, as the gather's row index
     index: torch.Tensor  # [m, keys] key positions
     mask: torch.Tensor  # [m, 1, padded g, keys] additive
     alone: int | None  # the one row's first key where the step decodes one token (read as a view)
@@ -128,8 +129,8 @@ def _decode_plan(lengths: tuple[int, ...], g: int, dtype: torch.dtype, device: t
         mine = [r for r, kr in enumerate(keys) if kr == c]
         index = torch.tensor([bases[r] for r in mine])[:, None] + torch.arange(c)[None]  # [m, c]
         mask = _mask([pos[r] - bases[r] for r in mine], c, dtype, device)[:, None, None].expand(-1, 1, rows, -1)
-        every = len(mine) == len(pos)
-        pieces.append(_Piece(None if every else torch.tensor(mine, device=device), index.to(device), mask,
+        at = torch.tensor(mine, device=device)
+        pieces.append(_Piece(None if len(mine) == len(pos) else at, at[:, None], index.to(device), mask,
                              bases[0] if len(pos) == 1 else None))
     base = max(bases)
     full_mask = based = None
@@ -147,8 +148,7 @@ def _decode_piece(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Piece,
     if p.alone is not None:
         kp, vp = (x[:, p.alone : p.alone + p.index.shape[1]].transpose(1, 2) for x in (k, v))  # [1, kvh, keys, hd]
     else:
-        rows = torch.arange(k.shape[0], device=k.device) if p.rows is None else p.rows
-        kp, vp = (x[rows[:, None], p.index].transpose(1, 2) for x in (k, v))  # [m, kvh, keys, hd], gathered
+        kp, vp = (x[p.at, p.index].transpose(1, 2) for x in (k, v))  # [m, kvh, keys, hd], gathered
     return _call(qp, kp, vp, p.mask, g)
 
 
