@@ -11,9 +11,10 @@ What is invariant here (measured, and checked at first use for each weight shape
 thread count, every row count up to the plan's chunk; what a check found is kept under
 KVTIER_HOME per machine and build): oneDNN's matmul on a weight packed once
 (`mkldnn._reorder_linear_weight`) in calls of `min_rows` to `chunk` rows. A step's rows are cut
-into calls of at most `chunk` rows and a short call is padded to `min_rows`, so every row meets
-kernel configurations that agree. Where no candidate passes, every call is padded to exactly
-`FIXED.chunk` rows (one shape: invariant by construction, slower).
+into calls of at most `chunk` rows and a short call is padded to `min_rows` (1: not padded, where
+that was checked to hold), so every row meets kernel configurations that agree. Where no
+candidate passes, every call is padded to exactly `FIXED.chunk` rows (one shape: invariant by
+construction, slower).
 
 Linears that read the same input (q, k and v; gate and up) run as one call over their weights
 concatenated (`Fused`): at a step's sizes a oneDNN call costs some 20 us beside its arithmetic on
@@ -61,13 +62,17 @@ class RowPlan:
     pack_hint: int = 1  # the row count oneDNN packs the weight for (its layout, hence speed and bits)
 
 
-# Candidate plans, fastest first: larger calls pay the per-call overhead less often. A plan is
-# used for a weight once every row count from 1 to its chunk (and rows at an offset) has been
-# checked to give the bits one full call gives. An LM head (a wide output) is checked up to 64
-# rows only: the check's cost grows with the square of the chunk, every process pays it once,
-# and a step rarely samples more rows. FIXED is one call shape: invariant by construction, the
-# fallback.
-CANDIDATES = tuple(RowPlan(chunk, 8, hint) for chunk in (512, 256, 128, 64) for hint in (8, 1))
+# Candidate plans, fastest first: larger calls pay the per-call overhead less often, and short
+# calls unpadded where that holds: a decode of one sequence then runs oneDNN's one-row kernel,
+# which streams the weights (smollm2 fp32, 2 AVX2 cores: 23 ms a step for every linear against
+# 37 ms padded to 8 rows), where AMX's bf16 kernels give rows 1..32 other bits and fall back to
+# padding. A plan is used for a weight once every row count from 1 to its chunk (and rows at an
+# offset) has been checked to give the bits one full call gives. An LM head (a wide output) is
+# checked up to 64 rows only: the check's cost grows with the square of the chunk, every process
+# pays it once, and a step rarely samples more rows. FIXED is one call shape: invariant by
+# construction, the fallback.
+CANDIDATES = tuple(RowPlan(chunk, min_rows, hint) for chunk in (512, 256, 128, 64) for min_rows in (1, 8)
+                   for hint in (8, 1))
 FIXED = RowPlan(chunk=32, min_rows=32)
 _WIDE = 8192  # output features from which a weight is an LM head here
 # Below this many elements (test models) a weight's calls are cheap however padded: FIXED without a check (the
@@ -130,7 +135,7 @@ def _plan_for(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
 # decides which kernels oneDNN runs (torch's version, which bundles it; the CPU's model and flags;
 # an ISA cap in the environment), so another machine or build checks afresh. Only a plan that is
 # one of this module's candidates is taken from the file; anything else there is ignored.
-_CHECK_VERSION = 1  # bump when what a check proves changes
+_CHECK_VERSION = 2  # bump when what a check proves or which plans it tries changes
 
 
 @lru_cache(maxsize=1)
