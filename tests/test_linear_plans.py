@@ -69,17 +69,18 @@ def test_another_machine_or_a_foreign_value_is_checked_afresh(tmp_path, monkeypa
     assert checks and "another cpu" in json.loads(path.read_text())
 
 
-def test_short_calls_go_unpadded_only_where_the_check_holds(tmp_path, monkeypatch, checks):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_calls_go_unpadded_only_where_the_check_holds(tmp_path, monkeypatch, checks, dtype):
     """A decode of one sequence is a one-row call. It runs unpadded where every row count was
     checked to give a full call's bits (then its row equals that row of a prefill's call), and
     padded where unpadded rows were refused: the padded plan is tried next."""
-    w = torch.randn(256, 512)
+    w = torch.randn(256, 512).to(dtype)
     plan = invariant._plan_for(w, None)
     assert checks[0].min_rows == 1  # the unpadded plans come first
-    lin = invariant.Linear(512, 256, bias=False)
+    lin = invariant.Linear(512, 256, bias=False, dtype=dtype)
     with torch.no_grad():
         lin.weight.copy_(w)
-    x = torch.randn(plan.chunk, 512)
+    x = torch.randn(plan.chunk, 512).to(dtype)
     full = lin(x)
     for m in (1, 3, 7, 8, 9):
         assert torch.equal(lin(x[:m]), full[:m]), m
