@@ -30,7 +30,7 @@ from kvtier.heap import freeze_startup_heap
 from kvtier.models import invariant
 from kvtier.models.loading import load_model
 
-PADDED = tuple(invariant.RowPlan(chunk, 8, hint) for chunk in (512, 256, 128, 64) for hint in (8, 1))
+PADDED = tuple(p for p in invariant.CANDIDATES if p.min_rows > 1)  # the candidates before unpadded calls
 
 
 def build(candidates: tuple[invariant.RowPlan, ...], home: str) -> Engine:
