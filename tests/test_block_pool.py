@@ -14,7 +14,7 @@ def test_allocate_release_and_lru_reuse_order():
         pool.allocate(1)
     pool.release(b)  # freed tail first: 3 then 2
     pool.release(a)  # then 1, 0
-    assert pool.clean == [3, 2, 1, 0] and pool.num_free == 4
+    assert list(pool.clean) == [3, 2, 1, 0] and pool.num_free == 4
     assert pool.allocate(3) == [0, 1, 2]  # most recently freed (warm) first
 
 
@@ -33,7 +33,7 @@ def test_prefix_cache_match_refcount_and_eviction():
     pool.release([0])
     # Clean blocks first (2 was freed last, then the never-used 3), then the least recently freed
     # cached block (1): allocating 3 evicts block 1's content and keeps block 0's.
-    assert pool.clean == [3, 2] and list(pool.evictable) == [1, 0]
+    assert list(pool.clean) == [3, 2] and list(pool.evictable) == [1, 0]
     assert pool.allocate(3) == [2, 3, 1]
     assert hs[1] not in pool.cached and pool.match_prefix(hs) == [0]
 
@@ -60,3 +60,50 @@ def test_only_a_runs_own_unreached_slots_and_clean_blocks_are_clearable():
     assert 3 in pool.evictable and not pool.clearable(mine, 40, 64)
     pool.share(mine)  # a forked sequence holds my blocks too
     assert not pool.clearable(mine, 40, 48)
+
+
+def test_a_cpu_run_grows_into_the_free_blocks_after_its_last_one():
+    """keep_runs: a run's next blocks follow its last one while they are clean, or cached with
+    content that continues the run's own prefix or that no prefix can reach any more; then the
+    stack's order. Another chain's cached block (another tenant's) is never taken out of order."""
+    pool = BlockPool(10, 2, keep_runs=True)
+    doc = pool.allocate(2)  # [0, 1]: a document, cached
+    pool.register(0, b"d0")
+    pool.register(1, b"d1", b"d0")
+    sib = pool.allocate(2)  # [2, 3]: its first question's answer, cached when it ends
+    pool.register(2, b"s2", b"d1")
+    pool.register(3, b"s3", b"s2")
+    other = pool.allocate(2)  # [4, 5]: another chain (a tenant's own root), cached
+    pool.register(4, b"o4")
+    pool.register(5, b"o5", b"o4")
+    pool.release(sib)
+    pool.release(other)
+    assert pool.allocate(3, after=doc[-1]) == [2, 3, 6]  # the sibling, then its unreachable child; 4 is not ours
+    assert list(pool.cached) == [b"d0", b"d1", b"o4", b"o5"] and list(pool.clean) == [9, 8, 7]
+
+def test_without_keep_runs_the_stack_order_stands():
+    pool = BlockPool(6, 2)
+    doc = pool.allocate(2)
+    pool.register(1, b"d1")
+    sib = pool.allocate(2)
+    pool.register(2, b"s2", b"d1")
+    pool.release(sib)
+    assert pool.allocate(2, after=doc[-1]) == [3, 4] and b"s2" in pool.cached
+
+
+def test_a_cpu_run_that_grows_makes_clean_what_its_attention_may_clear_past_its_end():
+    """reach: past a run's new last block, the blocks its attention may zero (a key piece of 64
+    slots: 4 blocks of 16) are made clean where the run could have grown into them, so `clearable`
+    (which only reads) finds them clean; the walk stops at the first it may not have."""
+    pool = BlockPool(12, 16, keep_runs=True, reach=64)
+    doc = pool.allocate(2)  # [0, 1]
+    pool.register(1, b"d1", b"d0")
+    sib = pool.allocate(4)  # [2-5]: the document's last answer
+    for b, (h, parent) in zip(sib, [(b"s2", b"d1"), (b"s3", b"s2"), (b"s4", b"s3"), (b"s5", b"s4")]):
+        pool.register(b, h, parent)
+    other = pool.allocate(1)  # [6]: another chain's, in use
+    pool.release(sib)
+    run = doc + pool.allocate(1, after=doc[-1])  # takes 2; 3, 4 and 5 (unreachable now) made clean
+    assert run == [0, 1, 2] and set(pool.cached) == {b"d1"}
+    assert pool.clearable(run, 40, 64) and pool.clearable(run, 48, 96)  # its own slots, then clean blocks
+    assert not pool.clearable(run, 48, 112) and other == [6]  # block 6 is in use

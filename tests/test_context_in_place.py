@@ -14,7 +14,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.loading import load_model
 
-from kvtier_testlib import first_logits
+from kvtier_testlib import first_logits, spy_logits
 
 BS = 16
 
@@ -71,3 +71,39 @@ def test_a_restored_context_is_read_in_place_and_matches_a_fresh_prefill(store, 
     assert out.prompt_tokens_reused == 600
     assert tails == [range(664, 704)]  # one step: the 64 new tokens over 600 restored, read in place
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_decode_after_a_shared_prefix_reads_in_place_and_matches_a_fresh_engine(dtype):
+    """A document asked about twice: the second question's blocks follow the document's cached
+    ones (the first question's continuation had cached the next blocks; the CPU pool takes them
+    back), so every step reads its context in place, never gathered; its logits are those of an
+    engine that never saw the document."""
+    lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
+    gen = torch.Generator().manual_seed(2)
+    doc, q1, q2 = (torch.randint(100, lm.config.vocab_size, (n,), generator=gen).tolist() for n in (192, 20, 20))
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    config = EngineConfig(kv_cache_bytes=64 << 20)
+    fresh = Engine(lm, config)
+    want = spy_logits(fresh)
+    expected = fresh.generate([doc + q2], params)[0]
+    fresh.close()
+    engine = Engine(lm, config)
+    engine.generate([doc + q1], params)  # its blocks after the document's 12 are cached when it ends
+    seen, reads, blocks = spy_logits(engine), [], []
+    prepare = engine.runner.prepare
+
+    def spy(items):
+        batch = prepare(items)
+        reads.extend(batch.ctx)
+        blocks.append(list(items[0].block_ids))
+        return batch
+
+    engine.runner.prepare = spy  # type: ignore[method-assign]
+    out = engine.generate([doc + q2], params)[0]
+    engine.close()
+    assert out.prompt_tokens_reused == 192
+    assert blocks[-1] == list(range(blocks[-1][0], blocks[-1][0] + len(blocks[-1])))  # consecutive
+    assert len(reads) == 40 and all(isinstance(r, range) for r in reads)  # in place, every step
+    assert out.output_ids == expected.output_ids
+    assert len(seen) == len(want) and all(torch.equal(a[-1], b[-1]) for a, b in zip(seen, want))

@@ -311,7 +311,7 @@ class Scheduler:
                                         req.block_hashes, req.cache_salt)
         first = req.front // self.pool.block_size  # block ids start at the front
         for i in range(max(req.num_published, first), full):
-            self.pool.register(req.block_ids[i - first], req.block_hashes[i])
+            self.pool.register(req.block_ids[i - first], req.block_hashes[i], req.block_hashes[i - 1] if i else None)
         req.num_published = full
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int, int] | None:
@@ -369,7 +369,7 @@ class Scheduler:
             return True
         if need > self.pool.num_free:
             return False
-        req.block_ids += self.pool.allocate(need)
+        req.block_ids += self.pool.allocate(need, req.block_ids[-1] if req.block_ids else None)
         return True
 
     def abort(self, req: Request) -> bool:
