@@ -54,6 +54,7 @@ def test_only_a_runs_own_unreached_slots_and_clean_blocks_are_clearable():
     assert pool.clearable(mine, 40, 48)  # the rest of my last block: no token of mine there yet
     assert not pool.clearable(mine, 40, 64)  # into another request's block
     assert pool.clearable(mine, 64, 128)  # clean blocks, up to the pool's end
+    assert pool.clearable(mine, 40, 48, clean=False) and not pool.clearable(mine, 64, 128, clean=False)  # off-thread
     assert not pool.clearable(mine, 64, 129)  # past the blocks: the sink, which placements write
     pool.register(3, b"h")
     pool.release(other)  # free, but its content is kept for a prefix hit

@@ -107,3 +107,38 @@ def test_a_decode_after_a_shared_prefix_reads_in_place_and_matches_a_fresh_engin
     assert len(reads) == 40 and all(isinstance(r, range) for r in reads)  # in place, every step
     assert out.output_ids == expected.output_ids
     assert len(seen) == len(want) and all(torch.equal(a[-1], b[-1]) for a, b in zip(seen, want))
+
+
+def test_a_restore_computing_layers_on_its_worker_zeroes_only_its_own_slots(tiny_gqa, tmp_path):
+    """Bubble-free recomputes the first layers of history [32, 200) ([0, 32) device-cached) on the
+    restore worker while the scheduler may hand out blocks: its context reads key_rows(200) = 256
+    slots, but the request holds slots up to 208 only, and the clean blocks after them could be
+    another request's by the time it zeroes them. So that run never reads in place past its own
+    slots (it copies into padded buffers instead), and the output is still a recompute's."""
+    n = tiny_gqa.config.num_layers
+    reuse = ReuseConfig(method="bubblefree", chunk_tokens=24, layout=("none",) + ("hidden",) * (n - 1))
+    config = EngineConfig(kv_cache_bytes=64 << 20)
+    ids = torch.randint(100, tiny_gqa.config.vocab_size, (207,), generator=torch.Generator().manual_seed(3)).tolist()
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    want = first_logits(Engine(tiny_gqa, config), ids, once)[1]
+    spec = f"disk:{tmp_path}:1GB"
+    with Engine(tiny_gqa, config, store=spec, reuse=reuse) as saver:
+        saver.generate([ids[:200]], once)
+    engine = Engine(tiny_gqa, config, store=spec, reuse=reuse)
+    engine.generate([ids[:40]], once)  # device-caches blocks [0, 32)
+    seen: list[tuple[RunItem, range | None]] = []
+    tail = engine.runner._tail
+
+    def spy(it, ctx):
+        got = tail(it, ctx)
+        seen.append((it, got))
+        return got
+
+    engine.runner._tail = spy  # type: ignore[method-assign]
+    out, got = first_logits(engine, ids, once)
+    assert out.reused_by_tier.get("device") == 32 and out.reused_by_tier.get("disk") == 168
+    worker = [(it, t) for it, t in seen if it.off_thread]
+    assert [(it.start, it.start + len(it.token_ids)) for it, _ in worker] == [(32, 200)]
+    it, t = worker[0]
+    assert t is None  # slots past 208 are not its own
+    assert torch.equal(got, want)

@@ -161,14 +161,18 @@ class BlockPool:
             assert self.ref[b] > 0, f"block {b} is not in use"
             self.ref[b] += 1
 
-    def clearable(self, owner: Sequence[int], lo: int, hi: int) -> bool:
+    def clearable(self, owner: Sequence[int], lo: int, hi: int, clean: bool = True) -> bool:
         """Whether pool slots [lo, hi), just past the end of the context of the run holding blocks
         `owner`, may be zeroed for one step: every block they touch is the run's own and held by it
-        alone (its slots past the context are not written yet), or clean (held by no one, no cached
-        content). Exact CPU attention then reads the context in place (`ModelRunner.clearable`)."""
+        alone (its slots past the context are not written yet), or, where `clean`, clean (held by
+        no one, no cached content). Exact CPU attention then reads the context in place
+        (`ModelRunner.clearable`). A run computed off the scheduler's thread asks without `clean`:
+        the scheduler may hand a clean block out while that run zeroes it."""
         bs, own = self.block_size, set(owner)
         for b in range(lo // bs, -(-hi // bs)):
-            if b >= self.num_blocks or self.ref[b] != (1 if b in own else 0) or (b not in own and self.hash_of[b]):
+            mine = b in own
+            if b >= self.num_blocks or self.ref[b] != (1 if mine else 0) or \
+                    (not mine and (not clean or self.hash_of[b])):
                 return False
         return True
 

@@ -156,7 +156,7 @@ class Engine:
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
         self.runner.staging_bytes = self.budget.staging_bytes
         pool = self.pool  # not self: the runner holds no reference back to the engine
-        self.runner.clearable = lambda run, slots: pool.clearable(run.block_ids, slots.start, slots.stop)
+        self.runner.clearable = lambda run, slots: pool.clearable(run.block_ids, slots.start, slots.stop, not run.off_thread)
         if self.budget.static_decode:
             self.runner.decoder = StaticDecode(self.runner, config.max_num_seqs, self.max_model_len)
         decoder = self.runner.decoder

@@ -710,7 +710,7 @@ class Restore:
     def _compute(self, a: int, b: int, layers: range | None = None) -> None:
         step = self.compute_chunk_tokens
         for x in range(max(a, self.start), b, step):
-            item = RunItem(self.token_ids[x:min(b, x + step)], x, self.block_ids, want_logits=False)
+            item = RunItem(self.token_ids[x:min(b, x + step)], x, self.block_ids, want_logits=False, off_thread=True)
             self.runner.execute([item], layers=layers)
 
     # ----- Cake: bidirectional ------------------------------------------------------------------

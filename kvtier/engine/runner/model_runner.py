@@ -86,6 +86,10 @@ class RunItem:
     # A front run: positions [0, n) of decoding run `front_of`, recomputed from its ids. Its K/V
     # serve that run's attention in this step only: never written to the pool nor captured.
     front_of: int | None = None
+    # Run off the scheduler's thread (a restore computing layers on its worker): past its context
+    # only its own slots may be zeroed for an in-place read, never a clean block, which the
+    # scheduler may meanwhile hand to a request whose step writes it.
+    off_thread: bool = False
 
     @property
     def slot_start(self) -> int:
