@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from kvtier.bench.forward import hf_decode_s
 from kvtier.bench.hf import build_hf
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
@@ -56,17 +57,6 @@ def kvtier_decode_s(engine: Engine, prompt_one: list[int], prompt_many: list[int
     return time.perf_counter() - t - one
 
 
-def hf_decode_s(hf, prompt: list[int]) -> float:
-    with torch.inference_mode():
-        out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-        nxt, past = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
-        t = time.perf_counter()
-        for _ in range(NEW):
-            out = hf(nxt, past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--history", default="1024,4096,8000")
@@ -92,13 +82,13 @@ def main() -> None:
         first = doc + question()
         for e in engines.values():
             e.generate([first], MANY)  # the first question's answer caches the blocks after the document
-        hf_decode_s(hf, first)  # warm-up
+        hf_decode_s(hf, [first], NEW)  # warm-up
         for r in range(args.rounds):
             p1, p2 = doc + question(), doc + question()
             order = list(engines) if r % 2 else list(engines)[::-1]
             for name in order:
                 rates[name][h].append(NEW / kvtier_decode_s(engines[name], p1, p2))
-            rates["hf"][h].append(NEW / hf_decode_s(hf, p2))
+            rates["hf"][h].append(NEW / hf_decode_s(hf, [p2], NEW))
     for e in engines.values():
         e.close()
     print(f"decode of 1 sequence after a shared document, fp32, {NEW} tokens, {args.rounds} paired rounds (tok/s)")
