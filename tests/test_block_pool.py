@@ -108,3 +108,26 @@ def test_a_cpu_run_that_grows_makes_clean_what_its_attention_may_clear_past_its_
     assert run == [0, 1, 2] and set(pool.cached) == {b"d1"}
     assert pool.clearable(run, 40, 64) and pool.clearable(run, 48, 96)  # its own slots, then clean blocks
     assert not pool.clearable(run, 48, 112) and other == [6]  # block 6 is in use
+
+
+def test_a_new_cpu_run_starts_where_its_whole_prompt_fits_in_a_row():
+    """A prompt prefilled in chunks would otherwise start in whatever blocks the stack holds and
+    soon have to grow elsewhere: its context could not be read in place."""
+    pool = BlockPool(16, 2, keep_runs=True)
+    assert pool.allocate(2, room=2) == [0, 1]
+    holes = [pool.allocate(1)[0] for _ in range(3)]  # single blocks: the stack's order
+    assert holes == [2, 3, 4]
+    pool.release(holes[:2])  # clean: 2, 3 (top of the stack) and 5-15
+    first = pool.allocate(2, room=6)  # a 12-token prompt's first chunk of 4: not into 2 and 3
+    assert first == [5, 6]
+    assert pool.allocate(4, first[-1]) == [7, 8, 9, 10]  # its next chunk follows on
+    assert pool.allocate(1, room=3) == [11]  # the next prompt: the lowest 3 clean in a row
+    assert pool.allocate(1, room=5) == [2]  # no 5 in a row left: the stack's order
+    plain = BlockPool(8, 2)  # not a CPU pool: the stack's order
+    plain.allocate(1)
+    plain.release([0])
+    assert plain.allocate(2, room=4) == [0, 1]
+    gpu_like = BlockPool(8, 2)
+    gpu_like.allocate(2)
+    gpu_like.release([0, 1])
+    assert gpu_like.allocate(1, room=4) == [0]

@@ -16,7 +16,9 @@ start at the salt), or cannot be matched any more (its parent block's content is
 asked about again thus grows into the blocks its last question's answer had cached, and never
 into another tenant's. The blocks that the run's attention may clear past its end (`reach` slots:
 exact attention's key piece) are made clean by the same rule when it grows, so that `clearable`
-finds them clean. All of this happens in `allocate`, on the scheduler's thread; `clearable`, which
+finds them clean. A new run that will need `room` blocks starts at the lowest place where that
+many clean blocks lie in a row (if there is one), so that its prompt's later chunks follow on. All
+of this happens in `allocate`, on the scheduler's thread; `clearable`, which
 restores also call from their own thread, only reads.
 """
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def chain_root(salt: str = "") -> bytes:
@@ -93,12 +97,21 @@ class BlockPool:
         self.hits += len(blocks)
         return blocks
 
-    def allocate(self, n: int, after: int | None = None) -> list[int]:
+    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
         """`n` blocks; with `keep_runs`, those following block `after` (the run's last) first, while
-        `_spare` lets the run have them."""
+        `_spare` lets the run have them; a new run (no `after`) that will need `room` blocks starts
+        where that many clean blocks lie in a row, if any do, so that it can grow in place."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         out: list[int] = []
+        if self.keep_runs and after is None and max(room, n) > 1:
+            start = self._clean_extent(max(room, n))
+            if start is not None:
+                out = list(range(start, start + n))
+                for b in out:
+                    del self.clean[b]
+        if self.keep_runs and out:
+            after = out[-1]
         if self.keep_runs and after is not None:
             b = after + 1
             while len(out) < n and b < self.num_blocks and self._spare(b, self.hash_of[after]):
@@ -120,6 +133,16 @@ class BlockPool:
         for b in out:
             self.ref[b] = 1
         return out
+
+    def _clean_extent(self, n: int) -> int | None:
+        """The first block of the lowest `n` clean blocks in a row; None if there are none."""
+        free = np.fromiter(self.clean, dtype=np.int64, count=len(self.clean))
+        free.sort()
+        if len(free) < n:
+            return None
+        # free[i + n - 1] - free[i] == n - 1: the n sorted clean blocks from i are consecutive
+        hits = np.flatnonzero(free[n - 1 :] - free[: len(free) - n + 1] == n - 1)
+        return int(free[hits[0]]) if len(hits) else None
 
     def _spare(self, b: int, last: bytes | None) -> bool:
         """Whether free block `b` may go to a run whose last block's content hashes to `last`; if

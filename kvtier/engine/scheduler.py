@@ -369,7 +369,11 @@ class Scheduler:
             return True
         if need > self.pool.num_free:
             return False
-        req.block_ids += self.pool.allocate(need, req.block_ids[-1] if req.block_ids else None)
+        if req.block_ids:
+            req.block_ids += self.pool.allocate(need, req.block_ids[-1])
+        else:  # a new run: room for its whole prompt
+            room = -(-(req.num_tokens - req.dropped - req.front) // self.pool.block_size)
+            req.block_ids = self.pool.allocate(need, room=room)
         return True
 
     def abort(self, req: Request) -> bool:
