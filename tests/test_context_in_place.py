@@ -43,6 +43,33 @@ def test_a_context_read_in_place_past_its_end_gives_the_padded_copys_bits(dtype)
 
 
 
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_alone(dtype):
+    """A batch of decodes reads each token's whole key blocks (512 keys here) as a view of the pool
+    where its blocks are consecutive, gathers them where they are scattered, and only its piece
+    otherwise: each row's logits are the bits of that token decoded alone (which reads `causal`'s
+    way), with every slot not yet written holding NaN."""
+    lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
+    gen = torch.Generator().manual_seed(4)
+    runner = ModelRunner(lm.module, 200, BS, 2048)
+    for cache in (runner.k_cache, runner.v_cache):
+        cache[:, : runner.sink] = float("nan")
+    tables = {700: list(range(44)), 600: list(range(87, 49, -1)), 100: list(range(120, 127))}  # in a row, scattered, short
+    ids = {n: torch.randint(100, lm.config.vocab_size, (n,), generator=gen).tolist() for n in tables}
+    for n, blocks in tables.items():
+        runner.execute([RunItem(ids[n][:-1], 0, blocks, want_logits=False)])
+    step = [RunItem(ids[n][-1:], n - 1, blocks, want_logits=True) for n, blocks in tables.items()]
+    batch = runner.prepare(step)
+    keys = batch.decode_keys
+    assert keys is not None and batch.decode_slots is None  # no context gathered whole
+    assert keys.in_place == (range(0, 512), None, None)
+    assert keys.gathered_rows == (None, range(0, 512), None)
+    together = runner.execute(step)
+    for r, item in enumerate(step):
+        assert torch.equal(together[r], runner.execute([item])[0]), r
+    assert torch.isfinite(together).all()
+
 @pytest.mark.parametrize("store", ["memory", "disk"])
 def test_a_restored_context_is_read_in_place_and_matches_a_fresh_prefill(store, tiny_gqa, tmp_path):
     """Through the engine: the step computing a returning context's new tokens reads it in place

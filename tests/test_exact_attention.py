@@ -28,7 +28,20 @@ def decode_batch(q, k, v, lengths: list[int]) -> torch.Tensor:
     vb = torch.zeros_like(kb)
     for r, n in enumerate(lengths):
         kb[r, :n], vb[r, :n] = k[:n], v[:n]
-    return X.decode(q[[n - 1 for n in lengths]], kb, vb, lengths)
+    return X.decode_padded(q[[n - 1 for n in lengths]], kb, vb, lengths)
+
+
+def decode_in_place(q, k, v, lengths: list[int]) -> torch.Tensor:
+    """Each token's whole key blocks read in place (views of k/v, as the runner reads the pool),
+    its piece gathered with garbage (finite) past its position."""
+    splits = [X.split(n) for n in lengths]
+    reach = max(keys for _, keys in splits)
+    junk = torch.Generator().manual_seed(7)
+    pk, pv = (torch.randn(len(lengths), reach, *k.shape[1:], generator=junk).to(k.dtype) for _ in range(2))
+    for r, (n, (base, _)) in enumerate(zip(lengths, splits)):
+        pk[r, : n - base], pv[r, : n - base] = k[base:n], v[base:n]
+    wholes = [(k[:base], v[:base]) if base else None for base, _ in splits]
+    return X.decode(q[[n - 1 for n in lengths]], (pk, pv), wholes, lengths)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,9 +61,10 @@ def test_a_querys_bits_do_not_depend_on_its_call(dtype, shape):
     # Batches of decodes: mixed key blocks (rows with no whole-block part beside rows with one or
     # two), shared and distinct piece lengths, and a batch of one.
     for lengths in ([1, 6, 64, 65, 512, 513, 514, 1024, 1025, 1200], [600, 1100], [1100, 1101], [700], [1025, 3]):
-        out = decode_batch(q, k, v, lengths)
-        for r, n in enumerate(lengths):
-            assert torch.equal(out[r], whole[n - 1]), (lengths, n)
+        for batch in (decode_batch, decode_in_place):
+            out = batch(q, k, v, lengths)
+            for r, n in enumerate(lengths):
+                assert torch.equal(out[r], whole[n - 1]), (batch.__name__, lengths, n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,4 +101,15 @@ def test_no_call_reads_more_than_a_piece_past_its_last_query(monkeypatch):
 def test_a_decode_batch_wider_than_its_longest_context_is_refused():
     q, k, v = inputs(torch.float32, 4, 2, 16)
     with pytest.raises(ValueError, match="exact attention reads 128"):
-        X.decode(q[:1], k[None, :512], v[None, :512], [100])
+        X.decode_padded(q[:1], k[None, :512], v[None, :512], [100])
+
+
+def test_a_decode_without_its_whole_blocks_is_refused():
+    q, k, v = inputs(torch.float32, 4, 2, 16)
+    pieces = (k[None, 512:640], v[None, 512:640])
+    with pytest.raises(ValueError, match="needs its 512 keys"):
+        X.decode(q[:1], pieces, [None], [600])
+    with pytest.raises(ValueError, match="needs its 512 keys"):
+        X.decode(q[:1], pieces, [(k[:511], v[:511])], [600])
+    with pytest.raises(ValueError, match="pieces of 127 keys; exact attention reads 128"):
+        X.decode(q[:1], (k[None, 512:639], v[None, 512:639]), [(k[:512], v[:512])], [600])

@@ -82,10 +82,11 @@ def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Exact attention of a batch of decoding tokens (`exact_attention.decode`): token r sits at
-    position lengths[r] - 1 and attends to row r of k/v [n, key_rows(max(lengths)), kv_heads, hd],
-    zero past its context. q: [n, heads, hd] -> [n, heads, hd]."""
-    return exact_attention.decode(q, k, v, lengths)
+    """Exact attention of a batch of decoding tokens over contexts gathered to one width
+    (`exact_attention.decode_padded`): token r sits at position lengths[r] - 1 and attends to row r
+    of k/v [n, key_rows(max(lengths)), kv_heads, hd], zero past its context. q: [n, heads, hd] ->
+    [n, heads, hd]. The engine's CPU decodes read the pool in place instead (`exact_attention.decode`)."""
+    return exact_attention.decode_padded(q, k, v, lengths)
 
 
 def _history_then_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

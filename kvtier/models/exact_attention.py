@@ -19,6 +19,7 @@ for a 1,088-key context.)
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,86 +71,108 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """A batch of decoding tokens: token r sits at position lengths[r] - 1 and attends to row r of
-    k/v [n, width, kv_heads, hd]: its context gathered, padded with zeros (any finite value: masked,
-    it adds exactly nothing; NaN would leak through) to `width` = key_rows(max(lengths)).
-    q: [n, heads, hd] -> [n, heads, hd]. Each token's split is the one `causal` gives its position."""
-    n, width, kv_heads, hd = k.shape
-    g = q.shape[1] // kv_heads
-    if width != key_rows(max(lengths)):
-        raise ValueError(f"decode contexts are {width} rows; exact attention reads {key_rows(max(lengths))}")
+def split(ctx: int) -> tuple[int, int]:
+    """How the token at position ctx - 1 reads its keys: (base, keys) = its whole key blocks
+    [0, base) and its piece [base, base + keys), as `causal` splits them."""
+    p = ctx - 1
+    base = p - p % KEY_BLOCK
+    return base, key_rows(ctx) - base
+
+
+def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
+           wholes: Sequence[tuple[torch.Tensor, torch.Tensor] | None], lengths: Sequence[int]) -> torch.Tensor:
+    """A batch of decoding tokens, token r at position lengths[r] - 1, each reading the split
+    `causal` gives its position (`split`):
+    - its piece from row r of `pieces`, K and V [n, >= its piece's keys, kv_heads, hd] (keys from
+      its base on; past its position any finite value: masked, it adds exactly nothing, where NaN
+      would leak through), one masked call per piece length for the rows sharing it;
+    - its whole key blocks from wholes[r], K and V [base, kv_heads, hd] (None where base is 0):
+      views of the pool where its slots are consecutive, so a long context is read in place and
+      never copied. One unmasked call per token: the kernel's rows do not depend on the batch, so
+      this is the very call a lone decode or a prompt's query at that position makes.
+    q: [n, heads, hd] -> [n, heads, hd]."""
+    n, heads, hd = q.shape
+    kv_heads = pieces[0].shape[2]
+    g = heads // kv_heads
     plan = _decode_plan(tuple(lengths), g, q.dtype, q.device)
+    reach = plan.pieces[-1].keys
+    if pieces[0].shape[1] < reach:
+        raise ValueError(f"decode pieces of {pieces[0].shape[1]} keys; exact attention reads {reach}")
     qp = _padded(q.view(n, kv_heads, g, hd))  # a token's heads sharing a K/V head are rows of one matrix
+    pk, pv = (x.transpose(1, 2) for x in pieces)  # [n, kvh, piece width, hd]
     if len(plan.pieces) == 1 and plan.pieces[0].rows is None:  # one piece length: the rows in order
-        o, lse = _decode_piece(qp, k, v, plan.pieces[0], g)
+        p = plan.pieces[0]
+        o, lse = _call(qp, pk[:, :, : p.keys], pv[:, :, : p.keys], p.mask, g)
     else:
         o = q.new_empty(n, kv_heads, g, hd)
         lse = torch.empty(n, kv_heads, g, dtype=torch.float32, device=q.device)
         for p in plan.pieces:
             assert p.rows is not None  # more than one length
-            o[p.rows], lse[p.rows] = _decode_piece(qp.index_select(0, p.rows), k, v, p, g)
-    if plan.base:
-        kk, vv = (x[:, : plan.base].transpose(1, 2) for x in (k, v))  # [n, kvh, base, hd]
-        full, full_lse = _call(qp, kk, vv, plan.full_mask, g)
-        merged = _merge(full, full_lse, o, lse)
-        o = merged if plan.based is None else torch.where(plan.based, merged, o)  # no whole blocks: the piece alone
-    return o.reshape(n, kv_heads * g, hd)
+            kp, vp = (x.index_select(0, p.rows)[:, :, : p.keys] for x in (pk, pv))  # [m, kvh, keys, hd]
+            o[p.rows], lse[p.rows] = _call(qp.index_select(0, p.rows), kp, vp, p.mask, g)
+    if plan.based:  # the tokens with whole key blocks: each over its own, then merged with its piece
+        fulls = []
+        for r in plan.based:
+            w = wholes[r]
+            if w is None or w[0].shape[0] != plan.bases[r]:
+                raise ValueError(f"decode row {r} needs its {plan.bases[r]} keys before its piece")
+            fulls.append(_call(qp[r : r + 1], w[0].transpose(0, 1)[None], w[1].transpose(0, 1)[None], None, g))
+        full, full_lse = (torch.cat([f[i] for f in fulls]) for i in (0, 1))  # [m, kvh, g, hd], [m, kvh, g]
+        if len(plan.based) == n:
+            o = _merge(full, full_lse, o, lse)
+        else:
+            at = torch.tensor(plan.based, device=q.device)
+            o[at] = _merge(full, full_lse, o[at], lse[at])
+    return o.reshape(n, heads, hd)
+
+
+def decode_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """`decode` over contexts gathered and padded: row r of k/v [n, width, kv_heads, hd] holds
+    token r's context, any finite value past it, with width = key_rows(max(lengths)).
+    q: [n, heads, hd] -> [n, heads, hd]."""
+    n, width = k.shape[:2]
+    if width != key_rows(max(lengths)):
+        raise ValueError(f"decode contexts are {width} rows; exact attention reads {key_rows(max(lengths))}")
+    splits = [split(ln) for ln in lengths]
+    reach = max(keys for _, keys in splits)
+    # Each row's piece [base, base + reach), cut at the row's end of the buffer (masked there anyway).
+    index = torch.tensor([[r * width + min(base + j, width - 1) for j in range(reach)]
+                          for r, (base, _) in enumerate(splits)], device=k.device).view(-1)
+    flat_k, flat_v = (x.reshape(n * width, *x.shape[2:]) for x in (k, v))
+    pieces = tuple(x.index_select(0, index).view(n, reach, *x.shape[1:]) for x in (flat_k, flat_v))
+    wholes = [(k[r, :base], v[r, :base]) if base else None for r, (base, _) in enumerate(splits)]
+    return decode(q, (pieces[0], pieces[1]), wholes, lengths)
 
 
 @dataclass(frozen=True)
 class _Piece:
-    """Decoding rows whose pieces have `keys` keys: row i reads k[rows[i], index[i]]."""
+    """Decoding rows whose pieces have `keys` keys."""
 
     rows: torch.Tensor | None  # [m] (None: every row, in order)
-    at: torch.Tensor  # [m, 1] the rows again, as the gather's row index
-    index: torch.Tensor  # [m, keys] key positions
+    keys: int
     mask: torch.Tensor  # [m, 1, padded g, keys] additive
-    alone: int | None  # the one row's first key where the step decodes one token (read as a view)
 
 
 @dataclass(frozen=True)
 class _DecodePlan:
     """How a step's decodes split their keys (the same for every layer of the step)."""
 
-    base: int  # the longest whole-block part, [0, base)
-    full_mask: torch.Tensor | None  # [n, 1, padded g, base]: -inf past each row's own base; None if all are `base`
-    based: torch.Tensor | None  # [n, 1, 1, 1] rows with a whole-block part; None if all have one
+    bases: tuple[int, ...]  # per row: its whole key blocks' keys
+    based: tuple[int, ...]  # the rows with whole key blocks
     pieces: tuple[_Piece, ...]
 
 
 @functools.lru_cache(maxsize=2)
 def _decode_plan(lengths: tuple[int, ...], g: int, dtype: torch.dtype, device: torch.device) -> _DecodePlan:
-    pos = [ln - 1 for ln in lengths]
-    bases = [p - p % KEY_BLOCK for p in pos]
-    keys = [key_rows(p + 1) - b for p, b in zip(pos, bases)]
+    splits = [split(ln) for ln in lengths]
     rows = g + _pad_rows(g)
     pieces = []
-    for c in sorted(set(keys)):
-        mine = [r for r, kr in enumerate(keys) if kr == c]
-        index = torch.tensor([bases[r] for r in mine])[:, None] + torch.arange(c)[None]  # [m, c]
-        mask = _mask([pos[r] - bases[r] for r in mine], c, dtype, device)[:, None, None].expand(-1, 1, rows, -1)
-        at = torch.tensor(mine, device=device)
-        pieces.append(_Piece(None if len(mine) == len(pos) else at, at[:, None], index.to(device), mask,
-                             bases[0] if len(pos) == 1 else None))
-    base = max(bases)
-    full_mask = based = None
-    if base and len(set(bases)) > 1:
-        hide = torch.arange(base)[None] >= torch.tensor(bases)[:, None]  # [n, base]
-        full_mask = torch.zeros(hide.shape, dtype=dtype).masked_fill_(hide, float("-inf"))
-        full_mask = full_mask.to(device)[:, None, None].expand(-1, 1, rows, -1)
-        if min(bases) == 0:
-            based = torch.tensor(bases, device=device).view(-1, 1, 1, 1) > 0
-    return _DecodePlan(base, full_mask, based, tuple(pieces))
-
-
-def _decode_piece(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Piece, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """qp [m, kvh, padded g, hd] over their pieces -> (o [m, kvh, g, hd], lse [m, kvh, g])."""
-    if p.alone is not None:
-        kp, vp = (x[:, p.alone : p.alone + p.index.shape[1]].transpose(1, 2) for x in (k, v))  # [1, kvh, keys, hd]
-    else:
-        kp, vp = (x[p.at, p.index].transpose(1, 2) for x in (k, v))  # [m, kvh, keys, hd], gathered
-    return _call(qp, kp, vp, p.mask, g)
+    for c in sorted({keys for _, keys in splits}):
+        mine = [r for r, (_, keys) in enumerate(splits) if keys == c]
+        mask = _mask([lengths[r] - 1 - splits[r][0] for r in mine], c, dtype, device)[:, None, None].expand(-1, 1, rows, -1)
+        pieces.append(_Piece(None if len(mine) == len(lengths) else torch.tensor(mine, device=device), c, mask))
+    bases = tuple(base for base, _ in splits)
+    return _DecodePlan(bases, tuple(r for r, base in enumerate(bases) if base), tuple(pieces))
 
 
 def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

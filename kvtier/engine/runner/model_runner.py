@@ -3,7 +3,8 @@
 A step's tokens from all requests are concatenated ("varlen"), so the projections and MLP run as
 one matmul per layer; attention runs per request over that request's blocks in the pool (straight
 from the pool when its blocks are consecutive, else gathered), or, for decoding requests, in one
-padded batch. K enters the pool rotated at its position; a capture callback can take each layer's
+batch (on the CPU's exact path each reads its whole key blocks in place where its blocks are
+consecutive, `KeyReads`; elsewhere gathered and padded to the longest). K enters the pool rotated at its position; a capture callback can take each layer's
 input and the K (rotated) and V computed for every run on the way, which is what the store saves.
 A step goes through the model's shared layer loop (`CausalLM.run_layers`) as a `StepAttention`.
 """
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from kvtier.engine.runner.transfer import Handle, Transfer, make_transfer
 from kvtier.models import varlen
 from kvtier.models.attention import causal_attention, decode_attention, exact_cpu, key_rows, masked_decode_sdpa
+from kvtier.models.exact_attention import decode as exact_decode
+from kvtier.models.exact_attention import split
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store.staging import PAGE, aligned_empty
@@ -117,6 +120,19 @@ class SlotRun:
 
 
 @dataclass(frozen=True)
+class KeyReads:
+    """Exact CPU attention of a step's decodes (none with a front): where each token reads its keys
+    (`exact_attention.decode`), the same for every layer. Its whole key blocks are read in place
+    where its pool slots are consecutive, so a long context is never copied; only its piece (at
+    most one key block) and a scattered context's whole blocks are gathered."""
+
+    pieces: torch.Tensor  # [decodes, piece width] pool slots of each token's piece from its base on (the zero slot past its context)
+    in_place: tuple[range | None, ...]  # per decode: pool slots of its whole key blocks where consecutive
+    gathered_rows: tuple[range | None, ...]  # per decode: else their rows in the gather of `scattered`
+    scattered: torch.Tensor | None  # pool slots of the scattered decodes' whole key blocks, back to back
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """Index tensors for one step, built once and shared by every layer (on the model's device:
     built on the host and uploaded in one asynchronous copy)."""
@@ -134,7 +150,7 @@ class StepBatch:
     pads: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     cos: torch.Tensor  # [tokens, 1, head_dim/2] RoPE half tables
     sin: torch.Tensor
-    # Single-token runs with history (decodes) attend in one padded batch instead of one by one.
+    # Single-token runs with history (decodes) attend in one batch instead of one by one.
     decode_rows: tuple[int, ...] = ()  # run indices
     decode_slots: torch.Tensor | None = None  # [decodes, max_ctx] pool slots (padding: the zero slot)
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_ctx] True where a key is real
@@ -145,6 +161,7 @@ class StepBatch:
     decode_cu: torch.Tensor | None = None
     decode_width: int = 0  # the longest decoding context
     decode_lengths: tuple[int, ...] = ()  # each decode's context length (its token included)
+    decode_keys: KeyReads | None = None  # exact CPU attention's reads (then decode_slots/decode_mask are None)
     last_rows: torch.Tensor | None = None  # [rows wanting logits]: each run's last token, every token of all_logits runs
     # Partial caching: where front K/V go in the decodes' gathered contexts (flat rows of the
     # padded [decodes * width] or packed layout), from which step rows (front runs; None: a FrontFeed),
@@ -169,6 +186,7 @@ class _DecodeLayout:
     ctx_at: list[int]  # where each decode's context starts in `slots`
     fronted: bool  # some decode has an uncached front
     packed: bool  # contexts back to back for varlen_attn, else padded to the longest
+    keys: KeyReads | None = None  # exact CPU attention without fronts: the contexts are not gathered (`slots` empty)
 
 
 @dataclass(frozen=True)
@@ -246,7 +264,8 @@ class ModelRunner:
         if not exact_cpu(device):  # the plain path's masks: an import of seconds, here, not in a step
             importlib.import_module("torch.nn.attention.bias")
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
-        self._gathered: list[torch.Tensor | None] = [None, None]  # the decodes' gathered K and V (CPU)
+        # The decodes' gathered K and V (CPU): contexts or pieces (parts 0, 1), scattered whole key blocks (2, 3)
+        self._gathered: list[torch.Tensor | None] = [None] * 4
         # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
         self.decoder: StaticDecode | None = None
         # Device memory a restore's staging ring may take (0: no limit): set by the engine's budget.
@@ -331,6 +350,9 @@ class ModelRunner:
             rows = ()
         ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
+        if exact_cpu(self.device) and rows and not fronted:
+            keys = self._key_reads([items[i].block_ids for i in rows], ctx_len)
+            return _DecodeLayout(rows, ctx_len, width, torch.zeros(0, dtype=torch.long), [], False, False, keys)
         if exact_cpu(self.device):  # exact attention reads whole key pieces (`key_rows`): gather them at once
             width = key_rows(width)
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
@@ -345,6 +367,27 @@ class ModelRunner:
                 slots[r, items[i].front : ctx_len[r]] = c
             ctx_at = [r * width for r in range(len(rows))]
         return _DecodeLayout(rows, ctx_len, width, slots.view(-1), ctx_at, fronted, packed)
+
+    def _key_reads(self, tables: Sequence[Sequence[int]], ctx_len: Sequence[int]) -> KeyReads:
+        """Exact CPU decodes' reads (on the host: exact attention runs on the CPU): each token's
+        piece slots, and its whole key blocks as a slot range where its blocks are consecutive."""
+        splits = [split(n) for n in ctx_len]
+        reach = max(keys for _, keys in splits)
+        pieces = np.full((len(ctx_len), reach), self.zero_slot, dtype=np.int64)
+        in_place: list[range | None] = []
+        gathered_rows: list[range | None] = []
+        scattered, at = [], 0
+        for r, (table, n, (base, _)) in enumerate(zip(tables, ctx_len, splits)):
+            pieces[r, : n - base] = slot_array(table, base, n, self.block_size)
+            runs = self.slot_runs(table, 0, base)
+            place = range(runs[0].slot, runs[0].slot + base) if len(runs) == 1 else None
+            in_place.append(place)
+            gathered_rows.append(range(at, at + base) if base and place is None else None)
+            if base and place is None:
+                scattered.append(slot_array(table, 0, base, self.block_size))
+                at += base
+        return KeyReads(torch.from_numpy(pieces), tuple(in_place), tuple(gathered_rows),
+                        torch.from_numpy(np.concatenate(scattered)) if scattered else None)
 
     def _upload(self, items: Sequence[RunItem], lens: Sequence[int], offsets: list[int], dec: _DecodeLayout,
                 front: _FrontLayout, ctx: tuple[range | torch.Tensor | None, ...]) -> StepBatch:
@@ -373,7 +416,7 @@ class ModelRunner:
         dec_mask = dec_cu = None
         if rows and dec.packed:
             dec_cu = F.pad(dec_len.cumsum(0), (1, 0)).to(torch.int32)  # [decodes + 1], on the device
-        elif rows:
+        elif rows and dec.keys is None:
             dec_mask = (torch.arange(width, device=self.device)[None, :] < dec_len[:, None])[:, None, None, :]
         tails = tuple(None if i in rows else self._tail(it, c) for i, (it, c) in enumerate(zip(items, ctx)))
         read = tuple(c if t is None else range(cast(range, c).start, t.stop) for c, t in zip(ctx, tails))
@@ -390,12 +433,13 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             decode_rows=rows,
-            decode_slots=dec_flat.view(len(rows), width) if rows and not dec.packed else None,
+            decode_slots=dec_flat.view(len(rows), width) if rows and not dec.packed and dec.keys is None else None,
             decode_mask=dec_mask,
             decode_pack=dec_flat if rows and dec.packed else None,
             decode_cu=dec_cu,
             decode_width=width,
             decode_lengths=tuple(dec.ctx_len),
+            decode_keys=dec.keys,
             decode_q=dec_q if rows else None,
             last_rows=last_rows,
             front_dst=f_dst if dec.fronted else None,
@@ -464,7 +508,8 @@ class ModelRunner:
         return k, v
 
     def _gather_buffer(self, part: int, rows: int) -> torch.Tensor:
-        """Where the decodes' contexts of K (part 0) or V (1) are gathered, [rows, kv_heads, hd]. On
+        """Where the decodes' contexts of K (part 0) or V (1) are gathered, [rows, kv_heads, hd]
+        (exact CPU decodes: their pieces, and 2 and 3 their scattered whole key blocks). On
         the CPU one buffer per part, kept between steps and grown as needed: a fresh one of tens
         of MB is page-faulted in on every allocation, 4-5x the cost of gathering into one reused
         (batch 32 x 4K). A device's caching allocator already reuses its blocks."""
@@ -494,6 +539,8 @@ class ModelRunner:
             cu_q = torch.arange(n + 1, device=q.device, dtype=torch.int32)
             return varlen.attend(q.index_select(0, b.decode_q), gather(kc, b.decode_pack, 0),
                                  gather(vc, b.decode_pack, 1), cu_q, b.decode_cu, 1, b.decode_width)  # [n, heads, hd]
+        if b.decode_keys is not None and b.decode_q is not None:
+            return self._exact_decode(q.index_select(0, b.decode_q), kc, vc, b.decode_keys, b.decode_lengths)
         if b.decode_slots is None or b.decode_mask is None or b.decode_q is None:
             raise RuntimeError("decode attention without decode rows")
         n, width = b.decode_slots.shape
@@ -510,6 +557,22 @@ class ModelRunner:
         out = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=b.decode_mask,
                                              enable_gqa=q.shape[1] != kv_heads)  # [n, heads, 1, hd]
         return out.squeeze(2)
+
+    def _exact_decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, keys: KeyReads,
+                      lengths: Sequence[int]) -> torch.Tensor:
+        """Exact CPU attention of the decodes, q [n, heads, hd], reading each one's whole key
+        blocks in place where its slots are consecutive -> [n, heads, hd]."""
+        n, reach = keys.pieces.shape
+        pieces = [torch.index_select(cache, 0, keys.pieces.view(-1), out=self._gather_buffer(part, n * reach))
+                  .view(n, reach, *cache.shape[1:]) for part, cache in enumerate((kc, vc))]  # [n, reach, kvh, hd]
+        spread = keys.scattered
+        gathered = [] if spread is None else \
+            [torch.index_select(cache, 0, spread, out=self._gather_buffer(2 + part, spread.numel()))
+             for part, cache in enumerate((kc, vc))]  # [their whole blocks' keys, kvh, hd]
+        wholes = [(kc[p.start : p.stop], vc[p.start : p.stop]) if p is not None else
+                  (gathered[0][g.start : g.stop], gathered[1][g.start : g.stop]) if g is not None else None
+                  for p, g in zip(keys.in_place, keys.gathered_rows)]
+        return exact_decode(q, (pieces[0], pieces[1]), wholes, lengths)
 
     @torch.inference_mode()
     def execute(
