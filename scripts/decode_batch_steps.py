@@ -4,7 +4,8 @@ B prompts of H + 7r tokens (r = 0..B-1: no two contexts of one length) are prefi
 engine; then, per repeat, a 1-token and a 17-token generate of the same prompts (a prefix-cache hit
 on each prompt's full blocks), so a decode step = (17-token time - 1-token time) / 16. Prints one JSON
 line per H with every repeat's step time and their median, and how the decodes read their contexts
-(whole key blocks in place, gathered, or none: `ModelRunner._key_reads`).
+(whole key blocks in place, gathered, or none: `ModelRunner._key_reads`); `--profile` adds the
+top operations of one more generate.
 
 An A/B runs it from two checkouts in turn, in the same virtual environment:
 
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--history", default="1024,4096", help="comma list of H")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="append the rows to this file (one JSON object per line)")
+    ap.add_argument("--profile", action="store_true", help="then one more 17-token generate under torch.profiler: its top ops")
     args = ap.parse_args()
     model = load_model("smollm2-135m", dtype="fp32")
     freeze_startup_heap()
@@ -63,6 +65,10 @@ def main() -> None:
                 t = time.perf_counter()
                 engine.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
                 steps.append((time.perf_counter() - t - t1) / 16 * 1e3)
+            if args.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    engine.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
         row = {"batch": args.batch, "history": h, "step_ms": steps, "median_ms": statistics.median(steps),
                "reads": dict(reads) or "gathered whole (before in-place reads)"}
         print(json.dumps(row), flush=True)

@@ -28,8 +28,6 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-
 
 def chain_root(salt: str = "") -> bytes:
     """Parent of a chain's first block. A cache salt (the tenant, and a request's `cache_salt`)
@@ -135,14 +133,15 @@ class BlockPool:
         return out
 
     def _clean_extent(self, n: int) -> int | None:
-        """The first block of the lowest `n` clean blocks in a row; None if there are none."""
-        free = np.fromiter(self.clean, dtype=np.int64, count=len(self.clean))
-        free.sort()
-        if len(free) < n:
-            return None
-        # free[i + n - 1] - free[i] == n - 1: the n sorted clean blocks from i are consecutive
-        hits = np.flatnonzero(free[n - 1 :] - free[: len(free) - n + 1] == n - 1)
-        return int(free[hits[0]]) if len(hits) else None
+        """The first block of the lowest `n` clean blocks in a row; None if there are none. (A walk
+        over the clean blocks, sorted, once per new run: this module stays free of numpy and torch.)"""
+        row, last = 0, -2
+        for b in sorted(self.clean):
+            row = row + 1 if b == last + 1 else 1
+            last = b
+            if row == n:
+                return b - n + 1
+        return None
 
     def _spare(self, b: int, last: bytes | None) -> bool:
         """Whether free block `b` may go to a run whose last block's content hashes to `last`; if

@@ -136,8 +136,9 @@ def decode_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Se
     splits = [split(ln) for ln in lengths]
     reach = max(keys for _, keys in splits)
     # Each row's piece [base, base + reach), cut at the row's end of the buffer (masked there anyway).
-    index = torch.tensor([[r * width + min(base + j, width - 1) for j in range(reach)]
-                          for r, (base, _) in enumerate(splits)], device=k.device).view(-1)
+    bases = torch.tensor([base for base, _ in splits], device=k.device)
+    along = torch.clamp(bases[:, None] + torch.arange(reach, device=k.device), max=width - 1)  # [n, reach]
+    index = (along + torch.arange(n, device=k.device)[:, None] * width).view(-1)
     flat_k, flat_v = (x.reshape(n * width, *x.shape[2:]) for x in (k, v))
     pieces = tuple(x.index_select(0, index).view(n, reach, *x.shape[1:]) for x in (flat_k, flat_v))
     wholes = [(k[r, :base], v[r, :base]) if base else None for r, (base, _) in enumerate(splits)]

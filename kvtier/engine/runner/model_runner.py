@@ -4,8 +4,9 @@ A step's tokens from all requests are concatenated ("varlen"), so the projection
 one matmul per layer; attention runs per request over that request's blocks in the pool (straight
 from the pool when its blocks are consecutive, else gathered), or, for decoding requests, in one
 batch (on the CPU's exact path each reads its whole key blocks in place where its blocks are
-consecutive, `KeyReads`; elsewhere gathered and padded to the longest). K enters the pool rotated at its position; a capture callback can take each layer's
-input and the K (rotated) and V computed for every run on the way, which is what the store saves.
+consecutive, `KeyReads`; elsewhere gathered and padded to the longest). K enters the pool rotated
+at its position; a capture callback can take each layer's input and the K (rotated) and V computed
+for every run on the way, which is what the store saves.
 A step goes through the model's shared layer loop (`CausalLM.run_layers`) as a `StepAttention`.
 """
 
@@ -352,7 +353,8 @@ class ModelRunner:
         width = max(ctx_len, default=0)
         if exact_cpu(self.device) and rows and not fronted:
             keys = self._key_reads([items[i].block_ids for i in rows], ctx_len)
-            return _DecodeLayout(rows, ctx_len, width, torch.zeros(0, dtype=torch.long), [], False, False, keys)
+            return _DecodeLayout(rows, ctx_len, width, slots=torch.zeros(0, dtype=torch.long), ctx_at=[],
+                                 fronted=False, packed=False, keys=keys)
         if exact_cpu(self.device):  # exact attention reads whole key pieces (`key_rows`): gather them at once
             width = key_rows(width)
         cached = [self.slots(items[i].block_ids, 0, items[i].slot_start + 1) for i in rows]
