@@ -70,7 +70,7 @@ def main() -> None:
                     engine.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
         row = {"batch": args.batch, "history": h, "step_ms": steps, "median_ms": statistics.median(steps),
-               "reads": dict(reads) or "gathered whole (before in-place reads)"}
+               "reads": dict(reads) if reads else "every context gathered whole"}
         print(json.dumps(row), flush=True)
         if args.json:
             with open(args.json, "a") as f:

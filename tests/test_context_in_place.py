@@ -11,6 +11,7 @@ import torch
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.runner import model_runner
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.loading import load_model
 
@@ -45,11 +46,14 @@ def test_a_context_read_in_place_past_its_end_gives_the_padded_copys_bits(dtype)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_alone(dtype):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_alone(dtype, in_place, monkeypatch):
     """A batch of decodes reads each token's whole key blocks (512 keys here) as a view of the pool
     where its blocks are consecutive, gathers them where they are scattered, and only its piece
-    otherwise: each row's logits are the bits of that token decoded alone (which reads `causal`'s
-    way), with every slot not yet written holding NaN."""
+    otherwise (or, below `IN_PLACE_KEYS`, gathers every context and attends in one call): each
+    row's logits are the bits of that token decoded alone (which reads `causal`'s way), with every
+    slot not yet written holding NaN."""
+    monkeypatch.setattr(model_runner, "IN_PLACE_KEYS", 512 if in_place else 4096)  # the contexts are 100-700
     lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
     gen = torch.Generator().manual_seed(4)
     runner = ModelRunner(lm.module, 200, BS, 2048)
@@ -62,9 +66,12 @@ def test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_
     step = [RunItem(ids[n][-1:], n - 1, blocks, want_logits=True) for n, blocks in tables.items()]
     batch = runner.prepare(step)
     keys = batch.decode_keys
-    assert keys is not None and batch.decode_slots is None  # no context gathered whole
-    assert keys.in_place == (range(0, 512), None, None)
-    assert keys.gathered_rows == (None, range(0, 512), None)
+    if in_place:
+        assert keys is not None and batch.decode_slots is None  # no context gathered whole
+        assert keys.in_place == (range(0, 512), None, None)
+        assert keys.gathered_rows == (None, range(0, 512), None)
+    else:
+        assert keys is None and batch.decode_slots is not None
     together = runner.execute(step)
     for r, item in enumerate(step):
         assert torch.equal(together[r], runner.execute([item])[0]), r

@@ -80,7 +80,8 @@ def split(ctx: int) -> tuple[int, int]:
 
 
 def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
-           wholes: Sequence[tuple[torch.Tensor, torch.Tensor] | None], lengths: Sequence[int]) -> torch.Tensor:
+           wholes: Sequence[tuple[torch.Tensor, torch.Tensor] | None], lengths: Sequence[int],
+           padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A batch of decoding tokens, token r at position lengths[r] - 1, each reading the split
     `causal` gives its position (`split`):
     - its piece from row r of `pieces`, K and V [n, >= its piece's keys, kv_heads, hd] (keys from
@@ -90,6 +91,10 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
       views of the pool where its slots are consecutive, so a long context is read in place and
       never copied. One unmasked call per token: the kernel's rows do not depend on the batch, so
       this is the very call a lone decode or a prompt's query at that position makes.
+    `padded`: the contexts gathered, K and V [n, >= the longest base, kv_heads, hd] (any finite value
+    past each row's own): the whole key blocks then attend in one call, each row's past its own base
+    masked (whole masked key blocks add exactly nothing), and `wholes` is not read. One call is
+    cheaper than a call per token where contexts are short enough that gathering them costs little.
     q: [n, heads, hd] -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = pieces[0].shape[2]
@@ -110,7 +115,12 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
             assert p.rows is not None  # more than one length
             kp, vp = (x.index_select(0, p.rows)[:, :, : p.keys] for x in (pk, pv))  # [m, kvh, keys, hd]
             o[p.rows], lse[p.rows] = _call(qp.index_select(0, p.rows), kp, vp, p.mask, g)
-    if plan.based:  # the tokens with whole key blocks: each over its own, then merged with its piece
+    if plan.based and padded is not None:  # every token's whole key blocks in one call
+        kk, vv = (x[:, : max(plan.bases)].transpose(1, 2) for x in padded)  # [n, kvh, longest base, hd]
+        full, full_lse = _call(qp, kk, vv, plan.full_mask, g)
+        merged = _merge(full, full_lse, o, lse)
+        o = merged if plan.some is None else torch.where(plan.some, merged, o)  # no whole blocks: the piece alone
+    elif plan.based:  # the tokens with whole key blocks: each over its own, then merged with its piece
         fulls = []
         for r in plan.based:
             w = wholes[r]
@@ -141,8 +151,7 @@ def decode_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Se
     index = (along + torch.arange(n, device=k.device)[:, None] * width).view(-1)
     flat_k, flat_v = (x.reshape(n * width, *x.shape[2:]) for x in (k, v))
     pieces = tuple(x.index_select(0, index).view(n, reach, *x.shape[1:]) for x in (flat_k, flat_v))
-    wholes = [(k[r, :base], v[r, :base]) if base else None for r, (base, _) in enumerate(splits)]
-    return decode(q, (pieces[0], pieces[1]), wholes, lengths)
+    return decode(q, (pieces[0], pieces[1]), [], lengths, padded=(k, v))
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,10 @@ class _DecodePlan:
     bases: tuple[int, ...]  # per row: its whole key blocks' keys
     based: tuple[int, ...]  # the rows with whole key blocks
     pieces: tuple[_Piece, ...]
+    # One call over padded contexts: -inf past each row's own base ([n, 1, padded g, longest base];
+    # None if every base is the longest), and the rows with whole key blocks ([n, 1, 1, 1]; None if all).
+    full_mask: torch.Tensor | None
+    some: torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=2)
@@ -173,7 +186,15 @@ def _decode_plan(lengths: tuple[int, ...], g: int, dtype: torch.dtype, device: t
         mask = _mask([lengths[r] - 1 - splits[r][0] for r in mine], c, dtype, device)[:, None, None].expand(-1, 1, rows, -1)
         pieces.append(_Piece(None if len(mine) == len(lengths) else torch.tensor(mine, device=device), c, mask))
     bases = tuple(base for base, _ in splits)
-    return _DecodePlan(bases, tuple(r for r, base in enumerate(bases) if base), tuple(pieces))
+    top = max(bases)
+    full_mask = some = None
+    if top and len(set(bases)) > 1:
+        hide = torch.arange(top)[None] >= torch.tensor(bases)[:, None]  # [n, longest base]
+        full_mask = torch.zeros(hide.shape, dtype=dtype).masked_fill_(hide, float("-inf"))
+        full_mask = full_mask.to(device)[:, None, None].expand(-1, 1, rows, -1)
+        if min(bases) == 0:
+            some = torch.tensor(bases, device=device).view(-1, 1, 1, 1) > 0
+    return _DecodePlan(bases, tuple(r for r, base in enumerate(bases) if base), tuple(pieces), full_mask, some)
 
 
 def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

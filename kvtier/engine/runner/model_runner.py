@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from kvtier.engine.runner.static_decode import StaticDecode
 
 PACK_DECODES = False  # always pack decodes for varlen_attn where usable, not only ragged batches (see ModelRunner)
+# Exact CPU decodes read their whole key blocks in place (one flash call per token) once the longest
+# context passes this many keys; shorter ones are gathered and attend in one call. Per token, SmolLM2's
+# 3 K/V heads leave one of 2 cores idle a third of a call: at 8 x 1024 that cost about what the gather
+# saved (0.96x the step time, median of 5 pairs), at 8 x 4096 in place took 0.72-0.83x (docs/benchmarks.md).
+IN_PLACE_KEYS = 2048
 # A decode batch whose padding would read more than this many times its contexts' slots is packed
 # instead, where varlen_attn is usable (one long context among short ones).
 RAGGED = 4
@@ -351,7 +356,7 @@ class ModelRunner:
             rows = ()
         ctx_len = [items[i].front + items[i].slot_start + 1 for i in rows]
         width = max(ctx_len, default=0)
-        if exact_cpu(self.device) and rows and not fronted:
+        if exact_cpu(self.device) and rows and not fronted and width > IN_PLACE_KEYS:
             keys = self._key_reads([items[i].block_ids for i in rows], ctx_len)
             return _DecodeLayout(rows, ctx_len, width, slots=torch.zeros(0, dtype=torch.long), ctx_at=[],
                                  fronted=False, packed=False, keys=keys)
