@@ -102,24 +102,24 @@ class BlockPool:
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         out: list[int] = []
-        if self.keep_runs and after is None and max(room, n) > 1:
-            start = self._clean_extent(max(room, n))
-            if start is not None:
-                out = list(range(start, start + n))
-                for b in out:
+        if self.keep_runs:
+            if after is None and max(room, n) > 1:
+                start = self._clean_extent(max(room, n))
+                if start is not None:
+                    out = list(range(start, start + n))
+                    for b in out:
+                        del self.clean[b]
+                    after = out[-1]
+            if after is not None:
+                b = after + 1
+                while len(out) < n and b < self.num_blocks and self._spare(b, self.hash_of[after]):
                     del self.clean[b]
-        if self.keep_runs and out:
-            after = out[-1]
-        if self.keep_runs and after is not None:
-            b = after + 1
-            while len(out) < n and b < self.num_blocks and self._spare(b, self.hash_of[after]):
-                del self.clean[b]
-                out.append(b)
-                b += 1
-            if len(out) == n:  # the run ends at b - 1: past it, what its attention may clear made clean
-                for c in range(b, min(b + self.reach_blocks, self.num_blocks)):
-                    if not self._spare(c, None):
-                        break
+                    out.append(b)
+                    b += 1
+                if len(out) == n:  # the run ends at b - 1: past it, what its attention may clear made clean
+                    for c in range(b, min(b + self.reach_blocks, self.num_blocks)):
+                        if not self._spare(c, None):
+                            break
         for _ in range(n - len(out)):
             if self.clean:
                 b, _ = self.clean.popitem()

@@ -364,7 +364,7 @@ class Scheduler:
         req.metrics.note_reuse("device", req.num_computed)  # reuse counts what this admission found
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = -(-(num_tokens - req.dropped - req.front) // self.pool.block_size) - len(req.block_ids)
+        need = self._blocks_for(req, num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
         if need > self.pool.num_free:
@@ -372,9 +372,12 @@ class Scheduler:
         if req.block_ids:
             req.block_ids += self.pool.allocate(need, req.block_ids[-1])
         else:  # a new run: room for its whole prompt
-            room = -(-(req.num_tokens - req.dropped - req.front) // self.pool.block_size)
-            req.block_ids = self.pool.allocate(need, room=room)
+            req.block_ids = self.pool.allocate(need, room=self._blocks_for(req, req.num_tokens))
         return True
+
+    def _blocks_for(self, req: Request, num_tokens: int) -> int:
+        """Blocks holding a request's first `num_tokens` positions (dropped and front ones are not in its slots)."""
+        return -(-(num_tokens - req.dropped - req.front) // self.pool.block_size)
 
     def abort(self, req: Request) -> bool:
         """End a request at the client's wish. -> False while a restore still writes into its

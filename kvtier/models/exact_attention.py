@@ -128,10 +128,10 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
                 raise ValueError(f"decode row {r} needs its {plan.bases[r]} keys before its piece")
             fulls.append(_call(qp[r : r + 1], w[0].transpose(0, 1)[None], w[1].transpose(0, 1)[None], None, g))
         full, full_lse = (torch.cat([f[i] for f in fulls]) for i in (0, 1))  # [m, kvh, g, hd], [m, kvh, g]
-        if len(plan.based) == n:
+        if plan.based_at is None:
             o = _merge(full, full_lse, o, lse)
         else:
-            at = torch.tensor(plan.based, device=q.device)
+            at = plan.based_at
             o[at] = _merge(full, full_lse, o[at], lse[at])
     return o.reshape(n, heads, hd)
 
@@ -169,6 +169,7 @@ class _DecodePlan:
 
     bases: tuple[int, ...]  # per row: its whole key blocks' keys
     based: tuple[int, ...]  # the rows with whole key blocks
+    based_at: torch.Tensor | None  # those rows as an index where some row has none (None: every row)
     pieces: tuple[_Piece, ...]
     # One call over padded contexts: -inf past each row's own base ([n, 1, padded g, longest base];
     # None if every base is the longest), and the rows with whole key blocks ([n, 1, 1, 1]; None if all).
@@ -194,7 +195,9 @@ def _decode_plan(lengths: tuple[int, ...], g: int, dtype: torch.dtype, device: t
         full_mask = full_mask.to(device)[:, None, None].expand(-1, 1, rows, -1)
         if min(bases) == 0:
             some = torch.tensor(bases, device=device).view(-1, 1, 1, 1) > 0
-    return _DecodePlan(bases, tuple(r for r, base in enumerate(bases) if base), tuple(pieces), full_mask, some)
+    based = tuple(r for r, base in enumerate(bases) if base)
+    based_at = None if len(based) == len(bases) else torch.tensor(based, dtype=torch.long, device=device)
+    return _DecodePlan(bases, based, based_at, tuple(pieces), full_mask, some)
 
 
 def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
