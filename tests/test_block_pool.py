@@ -131,3 +131,25 @@ def test_a_new_cpu_run_starts_where_its_whole_prompt_fits_in_a_row():
     gpu_like.allocate(2)
     gpu_like.release([0, 1])
     assert gpu_like.allocate(1, room=4) == [0]
+
+
+def test_a_new_cpu_run_leaves_the_run_before_it_headroom_to_decode_into():
+    """A run placed right after another would take the blocks that run's decode grows into: its
+    context would then be scattered, and gathered on every layer of every step."""
+    pool = BlockPool(20, 2, keep_runs=True, headroom=8)  # 8 tokens: 4 blocks
+    a = pool.allocate(3, room=3)
+    assert a == [0, 1, 2]  # at block 0: nothing before it to leave room to
+    b = pool.allocate(3, room=3)
+    assert b == [7, 8, 9]  # 3-6 left to a
+    assert pool.allocate(4, after=a[-1]) == [3, 4, 5, 6]  # a decodes 8 tokens in place
+    assert pool.allocate(1, after=a[-1] + 4) == [10]  # then b's blocks stop it: the stack's top
+    c = pool.allocate(4, room=4)  # 11-19 clean: 4 after b's headroom fit
+    assert c == [15, 16, 17, 18]
+    d = pool.allocate(2, room=2)  # 11-14 and 19: no 2 past 4 more, so without the headroom
+    assert d == [11, 12]
+    short = BlockPool(20, 2, keep_runs=True, headroom=8)
+    short.allocate(3, room=3)
+    assert short.allocate(1) == [7]  # a one-block run too: the stack's top (3) is the headroom
+    no_headroom = BlockPool(20, 2, keep_runs=True)
+    no_headroom.allocate(3, room=3)
+    assert no_headroom.allocate(3, room=3) == [3, 4, 5]

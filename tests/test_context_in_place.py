@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.engine import engine as engine_module
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
@@ -141,6 +142,46 @@ def test_a_decode_after_a_shared_prefix_reads_in_place_and_matches_a_fresh_engin
     assert len(reads) == 40 and all(isinstance(r, range) for r in reads)  # in place, every step
     assert out.output_ids == expected.output_ids
     assert len(seen) == len(want) and all(torch.equal(a[-1], b[-1]) for a, b in zip(seen, want))
+
+
+@pytest.mark.parametrize("headroom", [True, False])
+def test_a_batch_decoding_past_its_prompts_blocks_still_reads_in_place(headroom, monkeypatch):
+    """Prompts prefilled together lie one after the other in the pool. A decode that grows past its
+    prompt's blocks into a new key block reads it in place only if its next blocks were left free:
+    each new run leaves one key block of headroom to the run before it. Without that, such a
+    context is scattered (gathered whole on every layer) once its decode crosses 512 keys. Either
+    way each token is the one its prompt decodes alone."""
+    monkeypatch.setattr(model_runner, "IN_PLACE_KEYS", 256)  # the contexts are 470-526
+    if not headroom:
+        monkeypatch.setattr(engine_module, "KEY_BLOCK", 0)
+    lm = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    gen = torch.Generator().manual_seed(5)
+    # 470-479 tokens: each decode needs new blocks before 512 keys, which then lie in its first whole key block
+    prompts = [torch.randint(100, lm.config.vocab_size, (470 + 3 * r,), generator=gen).tolist() for r in range(4)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # every one crosses 512
+    config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024)
+    alone = []
+    for p in prompts:
+        with Engine(lm, config) as e:
+            alone.append(e.generate([p], params)[0].output_ids)
+    reads: list[tuple[bool, bool]] = []  # per decode read past 512 keys: (in place, gathered)
+    spy = model_runner.ModelRunner._key_reads
+
+    def counted(self, tables, ctx_len):
+        keys = spy(self, tables, ctx_len)
+        reads.extend((p is not None, g is not None) for n, p, g in zip(ctx_len, keys.in_place, keys.gathered_rows)
+                     if n > 512)
+        return keys
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_key_reads", counted)
+    with Engine(lm, config) as engine:
+        together = [o.output_ids for o in engine.generate(prompts, params)]
+    assert together == alone
+    assert len(reads) >= 16
+    if headroom:
+        assert all(in_place and not gathered for in_place, gathered in reads)
+    else:
+        assert any(gathered for _, gathered in reads)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

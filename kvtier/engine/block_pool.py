@@ -17,7 +17,9 @@ asked about again thus grows into the blocks its last question's answer had cach
 into another tenant's. The blocks that the run's attention may clear past its end (`reach` slots:
 exact attention's key piece) are made clean by the same rule when it grows, so that `clearable`
 finds them clean. A new run that will need `room` blocks starts at the lowest place where that
-many clean blocks lie in a row (if there is one), so that its prompt's later chunks follow on. All
+many clean blocks lie in a row (if there is one), so that its prompt's later chunks follow on, and
+`headroom` clean blocks after whatever block lies before that place, so that a run there can go on
+growing in place while it decodes (where no such place is left, without the headroom). All
 of this happens in `allocate`, on the scheduler's thread; `clearable`, which
 restores also call from their own thread, only reads.
 """
@@ -59,13 +61,15 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, keep_runs: bool = False, reach: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, keep_runs: bool = False, reach: int = 0,
+                 headroom: int = 0):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise the memory budget")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.keep_runs = keep_runs
         self.reach_blocks = -(-reach // block_size)  # blocks a run's attention may clear past its end
+        self.headroom_blocks = -(-headroom // block_size)  # clean blocks a new run leaves to the run before it
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.parent_of: list[bytes | None] = [None] * num_blocks  # a cached block's parent's hash (None: a chain's first)
@@ -98,13 +102,17 @@ class BlockPool:
     def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
         """`n` blocks; with `keep_runs`, those following block `after` (the run's last) first, while
         `_spare` lets the run have them; a new run (no `after`) that will need `room` blocks starts
-        where that many clean blocks lie in a row, if any do, so that it can grow in place."""
+        where that many clean blocks lie in a row, if any do (past the headroom of the run before
+        them, where there is room for it), so that it can grow in place."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         out: list[int] = []
         if self.keep_runs:
-            if after is None and max(room, n) > 1:
-                start = self._clean_extent(max(room, n))
+            # (with headroom, a one-block run too: the stack's top may be another run's headroom)
+            if after is None and (max(room, n) > 1 or self.headroom_blocks):
+                start = self._clean_extent(max(room, n), self.headroom_blocks)
+                if start is None and self.headroom_blocks:
+                    start = self._clean_extent(max(room, n))
                 if start is not None:
                     out = list(range(start, start + n))
                     for b in out:
@@ -132,15 +140,19 @@ class BlockPool:
             self.ref[b] = 1
         return out
 
-    def _clean_extent(self, n: int) -> int | None:
-        """The first block of the lowest `n` clean blocks in a row; None if there are none. (A walk
-        over the clean blocks, sorted, once per new run: this module stays free of numpy and torch.)"""
-        row, last = 0, -2
+    def _clean_extent(self, n: int, gap: int = 0) -> int | None:
+        """The first block of the lowest `n` clean blocks in a row that follow `gap` more clean
+        blocks after the block before them (none at block 0, which has nothing before it); None if
+        there are none. (A walk over the clean blocks, sorted, once per new run: this module stays
+        free of numpy and torch.)"""
+        first, last = 0, -2
         for b in sorted(self.clean):
-            row = row + 1 if b == last + 1 else 1
+            if b != last + 1:
+                first = b  # a row of clean blocks starts here
             last = b
-            if row == n:
-                return b - n + 1
+            lead = gap if first else 0
+            if b - first + 1 == lead + n:
+                return first + lead
         return None
 
     def _spare(self, b: int, last: bytes | None) -> bool:

@@ -34,7 +34,7 @@ from kvtier.engine.scheduler_api import SchedulerOutput
 from kvtier.engine.structured import Constraint, Grammars
 from kvtier.models import invariant
 from kvtier.models.attention import exact_cpu
-from kvtier.models.exact_attention import PIECE
+from kvtier.models.exact_attention import KEY_BLOCK, PIECE
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile
 from kvtier.planning.truncation import TruncationConfig, kept_positions
@@ -151,8 +151,11 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.budget = budget.choose(config, cfg, model.module.dtype, self.device, self.max_model_len)
         num_blocks = self._num_blocks()
+        # Exact CPU attention reads a decode's whole key blocks in place only while its blocks are
+        # consecutive: each new run leaves one key block of growth to the run before it.
         self.pool = BlockPool(num_blocks, config.block_size, keep_runs=self.device.type == "cpu",
-                              reach=PIECE if exact_cpu(self.device) else 0)
+                              reach=PIECE if exact_cpu(self.device) else 0,
+                              headroom=KEY_BLOCK if exact_cpu(self.device) else 0)
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
         self.runner.staging_bytes = self.budget.staging_bytes
         pool = self.pool  # not self: the runner holds no reference back to the engine
