@@ -111,8 +111,6 @@ class BlockPool:
             # (with headroom, a one-block run too: the stack's top may be another run's headroom)
             if after is None and (max(room, n) > 1 or self.headroom_blocks):
                 start = self._clean_extent(max(room, n), self.headroom_blocks)
-                if start is None and self.headroom_blocks:
-                    start = self._clean_extent(max(room, n))
                 if start is not None:
                     out = list(range(start, start + n))
                     for b in out:
@@ -142,18 +140,20 @@ class BlockPool:
 
     def _clean_extent(self, n: int, gap: int = 0) -> int | None:
         """The first block of the lowest `n` clean blocks in a row that follow `gap` more clean
-        blocks after the block before them (none at block 0, which has nothing before it); None if
-        there are none. (A walk over the clean blocks, sorted, once per new run: this module stays
-        free of numpy and torch.)"""
-        first, last = 0, -2
+        blocks after the block before them (none at block 0, which has nothing before it); else of
+        the lowest `n` in a row; None if there are none. (One walk over the clean blocks, sorted,
+        once per new run: this module stays free of numpy and torch.)"""
+        first, last, plain = 0, -2, None
         for b in sorted(self.clean):
             if b != last + 1:
                 first = b  # a row of clean blocks starts here
             last = b
+            if plain is None and b - first + 1 == n:
+                plain = first
             lead = gap if first else 0
             if b - first + 1 == lead + n:
                 return first + lead
-        return None
+        return plain
 
     def _spare(self, b: int, last: bytes | None) -> bool:
         """Whether free block `b` may go to a run whose last block's content hashes to `last`; if
