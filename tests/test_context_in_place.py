@@ -144,17 +144,19 @@ def test_a_decode_after_a_shared_prefix_reads_in_place_and_matches_a_fresh_engin
     assert len(seen) == len(want) and all(torch.equal(a[-1], b[-1]) for a, b in zip(seen, want))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("headroom", [True, False])
-def test_a_batch_decoding_past_its_prompts_blocks_still_reads_in_place(headroom, monkeypatch):
+def test_a_batch_decoding_past_its_prompts_blocks_still_reads_in_place(headroom, dtype, monkeypatch):
     """Prompts prefilled together lie one after the other in the pool. A decode that grows past its
     prompt's blocks into a new key block reads it in place only if its next blocks were left free:
     each new run leaves one key block of headroom to the run before it. Without that, such a
     context is scattered (gathered whole on every layer) once its decode crosses 512 keys. Either
-    way each token is the one its prompt decodes alone."""
+    way each token is the one its prompt decodes alone, in fp32 and bf16 (the rows' bits are
+    `test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_alone`'s)."""
     monkeypatch.setattr(model_runner, "IN_PLACE_KEYS", 256)  # the contexts are 470-526
     if not headroom:
         monkeypatch.setattr(engine_module, "KEY_BLOCK", 0)
-    lm = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
     gen = torch.Generator().manual_seed(5)
     # 470-479 tokens: each decode needs new blocks before 512 keys, which then lie in its first whole key block
     prompts = [torch.randint(100, lm.config.vocab_size, (470 + 3 * r,), generator=gen).tolist() for r in range(4)]
