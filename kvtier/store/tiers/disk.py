@@ -490,6 +490,8 @@ class DiskTier(Tier):
             for run, dests in cast(list[tuple[list[Segment], list[memoryview]]], plan):
                 jobs.append(uring.ReadJob(oc.reader.fd, run[0].offset, dests))
                 placed.append((i, run, dests))
+        if not jobs:  # every chunk was served with its header, or goes to the threads
+            return
         for (i, run, dests), got in zip(placed, self._rings.read(jobs)):
             res = results[i]
             if isinstance(res, Exception):
