@@ -7,6 +7,7 @@ import pytest
 from kvtier.bench.common import csv_arg, median, write_json_atomic
 from kvtier.bench.e2e.goals import evaluate_goals
 from kvtier.bench.e2e.run import markdown, pivot
+from kvtier.bench.stats import median_interval
 
 
 def _row(peer: str, ttft: float, h: int = 4096, dtype: str = "fp32", **extra) -> dict:
@@ -114,6 +115,29 @@ def test_issue_27_goals_hold_memory_to_0_9_and_the_cold_disk_to_the_floor():
             r["ttft_all_s"] = [1.0, 3.0, 1.0] if r["peer"] == "hf_floor" else [1.0, 3.3, 1.2]
     assert _goal(evaluate_goals(rows), "fp32", "from disk after a restart, cold, H >= 4096: TTFT <= 1.15 x max"
                  )["value"] == pytest.approx(0.6)  # 1.0/2, 3.3/3, 1.2/2
+
+
+def test_the_median_interval_is_the_order_statistics_a_binomial_table_gives():
+    # 90% distribution-free intervals for a median: n=5 -> (x1, x5) (93.8%), n=9 -> (x2, x8) (96.1%;
+    # (x3, x7) covers 82%), n=20 -> (x6, x15) (95.9%; (x7, x14) 88.5%); under 5 values none reaches 90%
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == (1.0, 5.0)
+    assert median_interval([float(x) for x in range(9, 0, -1)]) == (2.0, 8.0)
+    assert median_interval([float(x) for x in range(1, 21)]) == (6.0, 15.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None
+    assert median_interval([float(x) for x in range(1, 21)], level=0.8) == (7.0, 14.0)  # 88.5% >= 80%; (x8, x13) 73.7%
+
+
+def test_a_goal_whose_interval_holds_its_target_is_listed_unresolved():
+    rows = _cell(1024, floor=1.0, memory=0.85) + _cell(4096, floor=1.0, memory=0.85)
+    for r in rows:
+        per = {"hf_floor": [1.0] * 5,
+               "kvtier_memory": [0.7, 0.8, 0.85, 0.87, 0.88] if r["history"] == 1024 else [0.6, 0.8, 0.85, 0.95, 1.2]}
+        r["ttft_all_s"] = per.get(r["peer"])
+    g = _goal(evaluate_goals(rows), "fp32", "issue 27, memory")
+    assert g["met"] is True and g["value"] == pytest.approx(0.85)  # both medians meet 0.9 ...
+    assert g["unresolved"] == [4096]  # ... but at 4096 the interval 0.60-1.20 holds it
+    assert "H=1024: 0.850 (90% CI 0.70-0.88)" in g["detail"] and "H=4096: 0.850 (90% CI 0.60-1.20)" in g["detail"]
+    assert _goal(evaluate_goals(_cell()), "fp32", "issue 27, memory")["unresolved"] == []  # no contexts: no interval
 
 
 def test_goals_are_per_dtype():

@@ -5,7 +5,9 @@ one goal per ratio goal below (met when every measured H meets the target; an H 
 listed as not measured; met=None when no H of this dtype has both sides; value = the worst ratio),
 and an exactness goal (value = rows whose first tokens differ). A ratio is the median of the
 per-context ratios where both peers timed the same contexts (`bench e2e` runs every peer on a
-context before the next), so the VM's drift between contexts cancels.
+context before the next), so the VM's drift between contexts cancels. Each such ratio also gets a
+90% interval for its median (`median_interval`, from 5 contexts on); a goal lists under
+`unresolved` the H whose interval holds the target: there the run cannot say which side it is on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from kvtier.bench.e2e.peers import LONG_H
 from kvtier.bench.goals import Empty, Goal, Item, evaluate
+from kvtier.bench.stats import median_interval
 
 
 def cells_of(rows: Sequence[Item]) -> dict[tuple[str, int], dict[str, Item]]:
@@ -55,22 +58,34 @@ def _per_context(cell: dict[str, Item], peer: str) -> list[float]:
     return list((cell.get(peer) or {}).get("ttft_all_s") or [])
 
 
+def paired(cell: dict[str, Item], name: str) -> list[float] | None:
+    """The per-context ratios numerator / denominator, where both peers timed the same contexts
+    (disk/bound's denominator raised to the read bound); None where they did not."""
+    peer, den_peer = RATIOS[name]
+    bound = read_bound(cell) if name == "disk/bound" else 0.0
+    xs, ys = _per_context(cell, peer), _per_context(cell, den_peer)
+    if bound is None or not xs or len(xs) != len(ys) or None in (ttft_of(cell, peer), ttft_of(cell, den_peer)):
+        return None
+    return [x / max(y, bound) for x, y in zip(xs, ys)]
+
+
 def ratio(cell: dict[str, Item], name: str) -> float | None:
     """Numerator / denominator: the median of the per-context ratios where both peers timed the
     same contexts (one VM hour's drift cancels within a context), else the ratio of the medians."""
     peer, den_peer = RATIOS[name]
     num, den = ttft_of(cell, peer), ttft_of(cell, den_peer)
-    at_least = 0.0
-    if name == "disk/bound":
-        if (bound := read_bound(cell)) is None:
-            return None
-        at_least = bound
-    if num is None or den is None:
+    bound = read_bound(cell) if name == "disk/bound" else 0.0
+    if num is None or den is None or bound is None:
         return None
-    xs, ys = _per_context(cell, peer), _per_context(cell, den_peer)
-    if xs and len(xs) == len(ys):
-        return statistics.median(x / max(y, at_least) for x, y in zip(xs, ys))
-    return num / max(den, at_least)
+    rs = paired(cell, name)
+    return statistics.median(rs) if rs is not None else num / max(den, bound)
+
+
+def interval(cell: dict[str, Item], name: str) -> tuple[float, float] | None:
+    """A 90% interval for the median per-context ratio (`median_interval`): on a noisy machine a
+    goal whose interval holds its target is not resolved by the run, whichever side the median is."""
+    rs = paired(cell, name)
+    return None if rs is None else median_interval(rs)
 
 
 @dataclass(frozen=True)
@@ -103,16 +118,23 @@ def _shown(r: float | None) -> str:
     return "not measured" if r is None else f"{r:.3f}"
 
 
+def _ci(ci: tuple[float, float] | None) -> str:
+    return "" if ci is None else f" (90% CI {ci[0]:.2f}-{ci[1]:.2f})"
+
+
 def _ratio_goal(dtype: str, spec: RatioGoal) -> Goal:
     def select(rows: Sequence[Item]) -> list[Item]:  # one item per H: {h, r} (r None: not measured)
         cells = cells_of(rows)
-        return [dict(h=h, r=ratio(cells[(dtype, h)], spec.ratio))
+        return [dict(h=h, r=ratio(cells[(dtype, h)], spec.ratio), ci=interval(cells[(dtype, h)], spec.ratio))
                 for h in sorted(h for d, h in cells if d == dtype) if spec.applies(h)]
 
     def fields(pts: list[Item]) -> dict[str, Any]:
         worst = max((p["r"] for p in pts if p["r"] is not None), default=None)
+        unresolved = [p["h"] for p in pts if p["ci"] is not None and p["ci"][0] <= spec.target < p["ci"][1]]
         return dict(dtype=dtype, ratio=spec.ratio, target=spec.target, value=None if worst is None else round(worst, 4),
-                    detail=", ".join(f"H={p['h']}: {_shown(p['r'])}" for p in pts) or "no such history length measured")
+                    unresolved=unresolved,
+                    detail=", ".join(f"H={p['h']}: {_shown(p['r'])}{_ci(p['ci'])}" for p in pts)
+                    or "no such history length measured")
 
     return Goal(f"{dtype}: {spec.text}", select, lambda p: None if p["r"] is None else bool(p["r"] <= spec.target),
                 fields, Empty.UNJUDGED)

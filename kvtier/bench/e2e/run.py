@@ -18,6 +18,8 @@ TTFT = median over --contexts of the wall time of the timed call (kvtier: `gener
 max_tokens=1, so what a user waits for), after one untimed warm-up context per peer. Every peer runs
 on a context before the next context (HF's and kvtier's in alternating order), and a goal's ratio is
 the median of the per-context ratios: a VM whose speed drifts over minutes shifts both sides alike.
+Each such ratio comes with a 90% interval for its median; where that interval holds the target, the
+goal's line says the run cannot tell (more --contexts narrow it).
 Every peer's first token is checked against its family's recompute. Once the models are loaded the
 heap is frozen, as `kvtier serve` freezes it (kvtier/heap.py): a full collection over torch's
 modules (~190 ms on 2 cores) does not land inside one peer's timing. Goals are judged from the rows
@@ -70,6 +72,11 @@ def _met(g: dict) -> str:
     return "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
 
 
+def _unresolved(goal: dict) -> str:
+    hs = goal.get("unresolved") or []
+    return f"; the run cannot tell at H={', '.join(map(str, hs))} (the 90% interval holds the target)" if hs else ""
+
+
 def pivot(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     """One line per (dtype, H): median TTFT of each measured peer, the goals' ratios, disk bandwidth."""
     cells = cells_of(rows)
@@ -112,7 +119,7 @@ def markdown(rows: Sequence[dict], goals: Sequence[dict], meta: dict | None = No
                          f"{_s(r.get('engine_ttft_s'))} | {r.get('first_token_match')} |")
     lines += ["", "Goals:", ""]
     for g in goals:
-        lines.append(f"- **{_met(g)}**: {g['goal']}: value {g['value']} (target {g['target']}); {g['detail']}")
+        lines.append(f"- **{_met(g)}**: {g['goal']}: value {g['value']} (target {g['target']}); {g['detail']}{_unresolved(g)}")
     return "\n".join(lines) + "\n"
 
 
@@ -436,7 +443,7 @@ def render(rows: list[dict], meta: dict, markdown_path: str | None, plot_path: s
     for g in goals:
         color = {True: "green", False: "red", None: "yellow"}[g["met"]]
         console.print(f"[{color}]{_met(g)}[/{color}]: {g['goal']}: value {g['value']} (target {g['target']}); "
-                      f"{g['detail']}")
+                      f"{g['detail']}{_unresolved(g)}")
     if markdown_path:
         Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
         Path(markdown_path).write_text(markdown(rows, goals, meta))
