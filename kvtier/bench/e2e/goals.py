@@ -123,7 +123,7 @@ def _ci(ci: tuple[float, float] | None) -> str:
 
 
 def _ratio_goal(dtype: str, spec: RatioGoal) -> Goal:
-    def select(rows: Sequence[Item]) -> list[Item]:  # one item per H: {h, r} (r None: not measured)
+    def select(rows: Sequence[Item]) -> list[Item]:  # one item per H: {h, r, ci} (r None: not measured)
         cells = cells_of(rows)
         return [dict(h=h, r=ratio(cells[(dtype, h)], spec.ratio), ci=interval(cells[(dtype, h)], spec.ratio))
                 for h in sorted(h for d, h in cells if d == dtype) if spec.applies(h)]
