@@ -13,24 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+
+from kvtier.bench.stats import median_of
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 KV_HEADS, GROUP, HD = 3, 3, 64  # SmolLM2-135M: 9 query heads over 3 K/V heads, head_dim 64
 
 
 def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
+    for _ in range(3):  # warm-up: the kernel's buffers, the caches
         fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_of(fn, repeats) * 1e3
 
 
 def layouts(keys: int, new: int, dtype: torch.dtype) -> dict[str, tuple]:
