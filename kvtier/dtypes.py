@@ -6,6 +6,7 @@ torch); `torch_dtype` maps them at the edge where tensors are made.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,6 +30,17 @@ def canonical(name: str) -> str:
 def name_of(dtype: "torch.dtype") -> str:
     """torch.float32 -> 'float32'."""
     return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX), not by emulation."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def torch_dtype(name: str) -> "torch.dtype":

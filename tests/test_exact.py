@@ -3,7 +3,8 @@ prompt was cut into prefill chunks, on what came from the device prefix cache or
 the restore method, or on the other requests of its batch. The oracle is the same engine computing
 the prompt afresh in one piece; every comparison is `torch.equal` on the first token's logits and
 the identical 32-token greedy continuation. bf16 runs here whether or not this CPU has native bf16
-(emulated: slower, still deterministic)."""
+(emulated: slower, still deterministic), with each exact attention kernel: bf16-gemm (oneDNN's
+GEMMs, `exact_matmul`, where this CPU's GEMMs pass its check) and bf16-flash (the fused flash kernel)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,30 @@ import torch
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
+from kvtier.models import exact_matmul
 from kvtier.models.loading import LoadedModel, cpu_has_bf16, load_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, first_logits=True)
 FEW = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, first_logits=True)
-DTYPES = ["bf16", "fp16", "fp32"]
+DTYPES = ["bf16-gemm", "bf16-flash", "fp16", "fp32"]
 LOSSLESS = ["kv", "hidden", "bubblefree", "cake", "recompute"]
 
 _models: dict[tuple[str, str], LoadedModel] = {}
 
 
-def model(name: str, dtype: str) -> LoadedModel:
+def model(name: str, dtype: str, monkeypatch: pytest.MonkeyPatch | None = None) -> LoadedModel:
+    """`dtype` may name bf16's attention kernel (bf16-gemm, bf16-flash): set for this test only."""
+    dtype, _, kernel = dtype.partition("-")
     if (name, dtype) not in _models:
         _models[name, dtype] = load_model(name, dtype=dtype, tokenizer=False)
-    return _models[name, dtype]
+    m = _models[name, dtype]
+    if kernel:
+        assert monkeypatch is not None
+        monkeypatch.setattr(exact_matmul, "_mode", "gemm" if kernel == "gemm" else "flash")
+        c = m.config
+        if kernel == "gemm" and not exact_matmul.active(m.dtype, c.num_heads, c.num_kv_heads, c.head_dim):
+            pytest.skip("this CPU's bf16 GEMMs are not row-invariant: exact attention uses the flash kernel")
+    return m
 
 
 def ids_of(m: LoadedModel, n: int, seed: int = 0) -> list[int]:
@@ -54,8 +65,8 @@ def same(a: RequestOutput, b: RequestOutput) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [100, 1000, 3000])
-def test_chunking_and_prefix_cache_do_not_change_a_bit(dtype: str, n: int):
-    m = model("tiny-gqa", dtype)
+def test_chunking_and_prefix_cache_do_not_change_a_bit(dtype: str, n: int, monkeypatch):
+    m = model("tiny-gqa", dtype, monkeypatch)
     ids = ids_of(m, n, seed=n)
     fresh = run(engine(m, prefix_cache=False), [ids])[0]
     # Prefill chunk sizes that cut the prompt differently, inside 16-token blocks and across the
@@ -74,8 +85,8 @@ def test_chunking_and_prefix_cache_do_not_change_a_bit(dtype: str, n: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_batch_does_not_change_a_request(dtype: str):
-    m = model("tiny-gqa", dtype)
+def test_a_batch_does_not_change_a_request(dtype: str, monkeypatch):
+    m = model("tiny-gqa", dtype, monkeypatch)
     ids = ids_of(m, 300, seed=1)
     alone = run(engine(m, prefix_cache=False), [ids])[0]
     others = [ids_of(m, 20 + 97 * i, seed=10 + i) for i in range(7)]
@@ -84,10 +95,10 @@ def test_a_batch_does_not_change_a_request(dtype: str):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_chat_turn_reuses_decoded_tokens_exactly(dtype: str):
+def test_a_chat_turn_reuses_decoded_tokens_exactly(dtype: str, monkeypatch):
     """The next turn's prompt holds the previous answer, whose K/V decoding computed one token
     at a time: reusing them gives what a fresh prefill of the whole conversation gives."""
-    m = model("tiny-gqa", dtype)
+    m = model("tiny-gqa", dtype, monkeypatch)
     first = ids_of(m, 500, seed=2)
     e = engine(m, chunk=256)
     try:
@@ -100,12 +111,12 @@ def test_a_chat_turn_reuses_decoded_tokens_exactly(dtype: str):
     assert same(hit, run(engine(m, prefix_cache=False), [turn])[0])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16-gemm", "bf16-flash", "fp32"])
 @pytest.mark.parametrize("tier", ["memory", "disk", pytest.param("redis", marks=pytest.mark.redis)])
-def test_every_lossless_restore_is_bit_exact(dtype: str, tier: str, tmp_path, request):
+def test_every_lossless_restore_is_bit_exact(dtype: str, tier: str, tmp_path, request, monkeypatch):
     """Each exact method brings a 1,000-token history back from the tier (disk: by a new engine
     after the first one closed, as after a restart) and answers as a fresh prefill does."""
-    m = model("tiny-gqa", dtype)
+    m = model("tiny-gqa", dtype, monkeypatch)
     ids = ids_of(m, 1040, seed=4)
     fresh = run(engine(m, prefix_cache=False), [ids])[0]
     for method in LOSSLESS:

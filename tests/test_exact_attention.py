@@ -1,7 +1,9 @@
-"""Exact CPU attention at the kernel level (`kvtier/models/exact_attention.py`): a query's output bits
-depend on its position, its query and the keys up to it, never on the call it ran in. The oracle is
-the same function over the whole prompt in one call; every comparison is `torch.equal`. The engine
-level (chunked prefill, cache hits, restores, batches) is tests/test_exact.py."""
+"""Exact CPU attention at the kernel level (`kvtier/models/exact_attention.py`, and in bf16
+`kvtier/models/exact_matmul.py`): a query's output bits depend on its position, its query and the
+keys up to it, never on the call it ran in. The oracle is the same function over the whole prompt
+in one call; every comparison is `torch.equal`. bf16 runs with each kernel (bf16-gemm where this
+CPU's GEMMs pass `exact_matmul.usable`, and bf16-flash). The engine level (chunked prefill, cache
+hits, restores, batches) is tests/test_exact.py."""
 
 from __future__ import annotations
 
@@ -10,9 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.models import exact_attention as X
+from kvtier.models import exact_matmul
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = ["fp32", "bf16-gemm", "bf16-flash", "fp16"]
 CTX = 1200  # three key blocks: positions with no whole-block part, one, and two
+
+
+def kernel(spec: str, monkeypatch: pytest.MonkeyPatch, heads: int = 9, kv_heads: int = 3, hd: int = 64) -> torch.dtype:
+    """The dtype `spec` names, with bf16's kernel set for this test (bf16-gemm skipped where unusable)."""
+    name, _, which = spec.partition("-")
+    if which:
+        monkeypatch.setattr(exact_matmul, "_mode", "gemm" if which == "gemm" else "flash")
+        if which == "gemm" and not exact_matmul.usable(heads, kv_heads, hd):
+            pytest.skip("this CPU's bf16 GEMMs are not row-invariant: exact attention uses the flash kernel")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def inputs(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,10 +57,10 @@ def decode_in_place(q, k, v, lengths: list[int]) -> torch.Tensor:
     return X.decode(q[[n - 1 for n in lengths]], (pk, pv), wholes, lengths)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", DTYPES)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 16)])
-def test_a_querys_bits_do_not_depend_on_its_call(dtype, shape):
-    q, k, v = inputs(dtype, *shape)
+def test_a_querys_bits_do_not_depend_on_its_call(spec, shape, monkeypatch):
+    q, k, v = inputs(kernel(spec, monkeypatch, *shape), *shape)
     whole = X.causal(q, k, v, 0)  # [CTX, heads, hd]
     for chunk in (37, 100, 512, 700):  # cut inside pieces, on them, across key blocks
         parts = [X.causal(q[a : a + chunk], k[: a + chunk], v[: a + chunk], a) for a in range(0, CTX, chunk)]
@@ -67,10 +80,12 @@ def test_a_querys_bits_do_not_depend_on_its_call(dtype, shape):
                 assert torch.equal(out[r], whole[n - 1]), (batch.__name__, lengths, n)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_split_is_as_accurate_as_one_pass(dtype):
-    """Merging the whole-block part and the piece by their log-sum-exp (in fp32, rounded once) stays
+@pytest.mark.parametrize("spec", ["fp32", "bf16-gemm", "bf16-flash"])
+def test_the_split_is_as_accurate_as_one_pass(spec, monkeypatch):
+    """The flash kernel merging the whole-block part and the piece by their log-sum-exp (in fp32,
+    rounded once), and the GEMMs' scores rounded to bf16 with their two value products added, stay
     within the dtype's rounding of attention computed in fp64."""
+    dtype = kernel(spec, monkeypatch)
     q, k, v = inputs(dtype, 9, 3, 64)
     want = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (q, k, v)),
                                           is_causal=True, enable_gqa=True)[0].transpose(0, 1)
@@ -98,14 +113,16 @@ def test_no_call_reads_more_than_a_piece_past_its_last_query(monkeypatch):
     assert sorted(calls) == [(128, True), (1024, False)]
 
 
-def test_a_decode_batch_wider_than_its_longest_context_is_refused():
-    q, k, v = inputs(torch.float32, 4, 2, 16)
+@pytest.mark.parametrize("spec", ["fp32", "bf16-gemm"])
+def test_a_decode_batch_wider_than_its_longest_context_is_refused(spec, monkeypatch):
+    q, k, v = inputs(kernel(spec, monkeypatch, 4, 2, 16), 4, 2, 16)
     with pytest.raises(ValueError, match="exact attention reads 128"):
         X.decode_padded(q[:1], k[None, :512], v[None, :512], [100])
 
 
-def test_a_decode_without_its_whole_blocks_is_refused():
-    q, k, v = inputs(torch.float32, 4, 2, 16)
+@pytest.mark.parametrize("spec", ["fp32", "bf16-gemm"])
+def test_a_decode_without_its_whole_blocks_is_refused(spec, monkeypatch):
+    q, k, v = inputs(kernel(spec, monkeypatch, 4, 2, 16), 4, 2, 16)
     pieces = (k[None, 512:640], v[None, 512:640])
     with pytest.raises(ValueError, match="needs its 512 keys"):
         X.decode(q[:1], pieces, [None], [600])
@@ -113,3 +130,52 @@ def test_a_decode_without_its_whole_blocks_is_refused():
         X.decode(q[:1], pieces, [(k[:511], v[:511])], [600])
     with pytest.raises(ValueError, match="pieces of 127 keys; exact attention reads 128"):
         X.decode(q[:1], (k[None, 512:639], v[None, 512:639]), [(k[:512], v[:512])], [600])
+
+
+def test_the_gemm_kernel_reads_one_row_of_scores_per_query(monkeypatch):
+    """A continuation of 64 tokens after 1,024: one score product over all 1,088 keys (the piece's
+    64 queries x 3 grouped heads as rows), then the values in two products split at the query's
+    base (1,024 whole-block keys, then the 64-key piece)."""
+    kernel("bf16-gemm", monkeypatch)
+    calls = []
+    matmul = torch.matmul
+
+    def recording(a, b, **kw):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return matmul(a, b, **kw)
+
+    monkeypatch.setattr(exact_matmul.torch, "matmul", recording)
+    q, k, v = inputs(torch.bfloat16, 9, 3, 64)
+    X.causal(q[1024:1088], k[:1088], v[:1088], 1024)
+    assert calls == [((3, 192, 64), (3, 64, 1088)), ((3, 192, 64), (3, 64, 64)), ((3, 192, 1024), (3, 1024, 64))]
+
+
+def test_gemm_attention_falls_back_to_the_flash_kernel_where_its_check_fails(monkeypatch):
+    """Where the GEMMs would give a query different bits in a decode than in a prompt (AMX kernels
+    block by row count), `usable` says so and every bf16 call takes the flash kernel."""
+    kernel("bf16-gemm", monkeypatch)
+    q, k, v = inputs(torch.bfloat16, 4, 2, 16)
+    flash = X.causal  # the dispatching entry point: with the GEMMs refused it is the flash kernel's
+    exact_matmul._usable.cache_clear()
+    real = exact_matmul.decode
+    monkeypatch.setattr(exact_matmul, "decode", lambda *a, **kw: real(*a, **kw) + 1)  # a row-variant GEMM
+    try:
+        assert not exact_matmul.usable(4, 2, 16)
+        assert not exact_matmul.active(torch.bfloat16, 4, 2, 16)
+        assert X.numerics_tag(torch.bfloat16, 4, 2, 16) == ""
+        got = flash(q, k, v, 0)
+        monkeypatch.setattr(exact_matmul, "_mode", "flash")
+        assert torch.equal(got, X.causal(q, k, v, 0))
+    finally:
+        exact_matmul._usable.cache_clear()
+
+
+def test_the_kernel_choice_is_validated_and_tags_stored_state(monkeypatch):
+    with pytest.raises(ValueError, match="auto, gemm, flash"):
+        exact_matmul.set_mode("fast")
+    for dtype in (torch.float32, torch.float16):  # the GEMM kernel is bf16's only
+        assert not exact_matmul.active(dtype, 9, 3, 64) and X.numerics_tag(dtype, 9, 3, 64) == ""
+    monkeypatch.setattr(exact_matmul, "_mode", "flash")
+    assert X.numerics_tag(torch.bfloat16, 9, 3, 64) == ""
+    kernel("bf16-gemm", monkeypatch)
+    assert X.numerics_tag(torch.bfloat16, 9, 3, 64) == "+bf16-gemm-attention"  # its state never meets the flash kernel's

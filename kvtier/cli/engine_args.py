@@ -107,6 +107,10 @@ class EngineOptions:
                                 "places, but a cache hit, a restore, another prefill chunking or batch may then change "
                                 "a token's logits (bf16, fp16; its state is stored apart from exact state) "
                                 "(default: exact)")
+    bf16_attention: str = option("auto", ENGINE, "exact bf16 attention's CPU kernel: gemm (oneDNN's GEMMs, about "
+                                 "twice the fused kernel's speed where this CPU's GEMMs are row-invariant, checked at "
+                                 "first use), flash (the fused flash kernel) or auto (gemm on CPUs with native bf16) "
+                                 "(default: %(default)s)", choices=("auto", "gemm", "flash"))
 
     store: str = option(default_store_spec, STORE, f"tiered state store: {SPEC_HELP}", type=spec_type,
                         metavar="SPEC")
@@ -213,7 +217,8 @@ class EngineOptions:
         return dict(max_model_len=self.max_model_len, kv_cache_bytes=kv, memory_utilization=self.gpu_memory_utilization,
                     static_decode=False if self.enforce_eager else None,
                     max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs,
-                    enable_prefix_cache=not self.no_prefix_cache, partial=self.partial(), exact=not self.fast_inexact)
+                    enable_prefix_cache=not self.no_prefix_cache, partial=self.partial(), exact=not self.fast_inexact,
+                    bf16_attention=self.bf16_attention)
 
     def build(self, reuse: ReuseConfig | None = None, **config: Any) -> Engine:
         """Check the device and the store, load the model and build its engine (`config`:

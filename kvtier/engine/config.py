@@ -109,6 +109,9 @@ class EngineConfig:
     # models/invariant.py). False (`--fast-inexact`): the plain kernels, faster in places; its state
     # is stored in a namespace of its own. Process-wide: it sets `models.invariant.set_exact`.
     exact: bool = True
+    # Exact bf16 attention's CPU kernel (`models/exact_matmul.py`): auto, gemm or flash; None keeps
+    # the process's (`exact_matmul.set_mode`, auto unless set). Process-wide, as `exact` is.
+    bf16_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

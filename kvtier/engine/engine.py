@@ -32,7 +32,7 @@ from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, s
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.scheduler_api import SchedulerOutput
 from kvtier.engine.structured import Constraint, Grammars
-from kvtier.models import invariant
+from kvtier.models import exact_matmul, invariant
 from kvtier.models.attention import exact_cpu
 from kvtier.models.exact_attention import KEY_BLOCK, PIECE
 from kvtier.models.loading import LoadedModel
@@ -141,6 +141,8 @@ class Engine:
         `kvtier.engine.factory.make_engine` measures what is missing first."""
         self.model = model
         invariant.set_exact((config or EngineConfig()).exact)
+        if config is not None and config.bf16_attention is not None:
+            exact_matmul.set_mode(config.bf16_attention)
         self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
         cfg = model.config

@@ -1,11 +1,14 @@
 """Exact causal attention on the CPU: a token's output is the same bits however its prompt was cut
 into prefill chunks, whatever came from a cache, and whichever other requests share the step.
 
-The fused CPU flash kernel's per-row arithmetic does not depend on how many query rows share a
-call (as long as none of its query blocks is left with a handful of rows: see `_pad_rows`), nor
-on key blocks of `KEY_BLOCK` that are wholly masked (they add exactly nothing). It does depend on
-the length of a call's last key block. So a query at position p reads a split of the keys that is
-a function of p alone:
+Every query reads its keys as `key_split` splits them, by its position alone. In bf16 on a CPU
+whose GEMMs allow it, `exact_matmul` computes that with oneDNN's GEMMs (about twice as fast);
+otherwise (fp32, fp16, and bf16 elsewhere) the fused CPU flash kernel does, as follows.
+
+The kernel's per-row arithmetic does not depend on how many query rows share a call (as long as
+none of its query blocks is left with a handful of rows: see `_pad_rows`), nor on key blocks of
+`KEY_BLOCK` that are wholly masked (they add exactly nothing). It does depend on the length of a
+call's last key block. So a query at position p reads:
 - its whole key blocks before its own, [0, base) with base = p - p % KEY_BLOCK: one unmasked call
   shared by every query of that block (most of a long context's work, in large calls);
 - its piece, [base, key_rows(p + 1)): from its block's start to the end of its `PIECE` of
@@ -23,19 +26,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from kvtier.models import exact_matmul
+from kvtier.models.key_split import KEY_BLOCK, PIECE, cut_or_pad, key_rows, split
+
+__all__ = ["FLASH_CPU", "KEY_BLOCK", "PIECE", "causal", "decode", "decode_padded", "key_rows", "numerics_tag", "split"]
 
 # The fused CPU flash kernel SDPA dispatches to, called directly: it returns the log-sum-exp and
 # takes the key layout we give it.
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-KEY_BLOCK = 512  # the CPU flash kernel's key split: a query's keys before its own block are whole ones
-PIECE = 64  # a query's own block is read up to the end of its piece of this many positions
 _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take another GEMM path)
 
 
-def key_rows(ctx: int) -> int:
-    """The keys the exact kernel reads for a context of `ctx` positions: whole pieces."""
-    return -(-ctx // PIECE) * PIECE
+def numerics_tag(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
+    """What stored state computed with exact attention in `dtype` is tagged with: the GEMM kernel
+    rounds otherwise than the flash kernel, so their states never share keys."""
+    return "+bf16-gemm-attention" if exact_matmul.active(dtype, heads, kv_heads, hd) else ""
 
 
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -43,8 +49,10 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     k/v [ctx or more, kv_heads, hd], read in place where they reach key_rows(ctx). -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = k.shape[1]
+    if exact_matmul.active(q.dtype, heads, kv_heads, hd):
+        return exact_matmul.causal(q, k, v, start)
     g = heads // kv_heads
-    kt, vt = (_rows(x, key_rows(start + n)).transpose(0, 1)[None] for x in (k, v))  # [1, kvh, keys, hd]
+    kt, vt = (cut_or_pad(x, key_rows(start + n)).transpose(0, 1)[None] for x in (k, v))  # [1, kvh, keys, hd]
     outs = []
     lo = start
     while lo < start + n:
@@ -71,14 +79,6 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def split(ctx: int) -> tuple[int, int]:
-    """How the token at position ctx - 1 reads its keys: (base, keys) = its whole key blocks
-    [0, base) and its piece [base, base + keys), as `causal` splits them."""
-    p = ctx - 1
-    base = p - p % KEY_BLOCK
-    return base, key_rows(ctx) - base
-
-
 def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
            wholes: Sequence[tuple[torch.Tensor, torch.Tensor] | None], lengths: Sequence[int],
            padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -98,6 +98,8 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     q: [n, heads, hd] -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = pieces[0].shape[2]
+    if exact_matmul.active(q.dtype, heads, kv_heads, hd):
+        return exact_matmul.decode(q, pieces, wholes, lengths, padded)
     g = heads // kv_heads
     plan = _decode_plan(tuple(lengths), g, q.dtype, q.device)
     reach = plan.pieces[-1].keys
@@ -209,14 +211,6 @@ def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.T
     top = torch.maximum(lse1, lse2)
     e1, e2 = torch.exp(lse1 - top).unsqueeze(-1), torch.exp(lse2 - top).unsqueeze(-1)  # [..., rows, 1]
     return ((o1.float() * e1 + o2.float() * e2) / (e1 + e2)).to(o1.dtype)
-
-
-def _rows(x: torch.Tensor, keys: int) -> torch.Tensor:
-    """x [ctx, kv_heads, hd] as exactly `keys` rows: cut, or zero-padded past the history (a copy of
-    at most KEY_BLOCK rows: the engine passes contexts already padded to `key_rows`)."""
-    if x.shape[0] >= keys:
-        return x[:keys]
-    return F.pad(x, (0, 0, 0, 0, 0, keys - x.shape[0]))
 
 
 @functools.lru_cache(maxsize=32)  # a piece's mask depends on its place in its key block: few per step

@@ -20,7 +20,7 @@ import torch
 
 from kvtier import paths
 from kvtier.device import resolve_device
-from kvtier.dtypes import COMPUTE_DTYPES, canonical, torch_dtype
+from kvtier.dtypes import COMPUTE_DTYPES, canonical, cpu_has_bf16, torch_dtype
 from kvtier.models import (
     DEFAULT_MODEL,  # noqa: F401 (its home is the package, which imports no torch)
     gguf,
@@ -53,14 +53,6 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.module.dtype
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def default_dtype(device: str = "cpu") -> torch.dtype:

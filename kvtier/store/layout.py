@@ -24,6 +24,8 @@ FORMAT_VERSION = 3
 # How the exact CPU kernels round, where it changed what a stored state holds (its bits, not its
 # format): state computed before a change is another engine's state, so its keys differ (a miss).
 # 2: exact attention splits a query's keys at its 512-key block and 64-key piece (exact_attention.py).
+# (Which of the two exact bf16 attention kernels ran depends on the CPU, so it is not here: state of
+# the GEMM kernel carries a tag in its model fingerprint, `exact_attention.numerics_tag`.)
 NUMERICS_VERSION = 2
 
 
