@@ -202,7 +202,7 @@ class KvtierPeers:
         extra = {"max_batched_tokens": a.max_batched_tokens} if a.max_batched_tokens else {}
         cfg = EngineConfig(kv_cache_bytes=self.bench.kv_bytes, enable_prefix_cache=prefix_cache,
                            max_model_len=min(self.hist + a.new_tokens, self.loaded.config.max_position_embeddings),
-                           exact=not a.fast_inexact, **extra)
+                           exact=not a.fast_inexact, bf16_attention=a.bf16_attention, **extra)
         reuse = ReuseConfig(method=a.method, chunk_tokens=a.chunk_tokens) if store else None
         return Engine(self.loaded, cfg, store=store, reuse=reuse,
                       profile=self.bench.profile if store else None)
@@ -323,7 +323,10 @@ class E2EBench:
         return self.rows
 
     def run_dtype(self, dtype: str) -> None:
+        import torch
+
         from kvtier.bench.hf import build_hf
+        from kvtier.models import exact_matmul
         from kvtier.models.loading import load_model
 
         self.console.print(f"[bold]loading {self.args.model} ({dtype})[/bold]")
@@ -332,6 +335,11 @@ class E2EBench:
         if bad := [h for h in self.args.history if h + new > window]:
             raise ValueError(f"history {bad} + {new} new tokens does not fit {self.args.model}'s "
                              f"{window}-token window: use H <= {window - new}")
+        if loaded.dtype == torch.bfloat16:  # which exact kernel kvtier's bf16 attention ran (auto: this CPU's)
+            exact_matmul.set_mode(self.args.bf16_attention)
+            c = loaded.config
+            gemm = exact_matmul.active(loaded.dtype, c.num_heads, c.num_kv_heads, c.head_dim)
+            self.meta["bf16_attention_kernel"] = "gemm" if gemm else "flash"
         self.profile = self.measure_profile(loaded)
         hf = build_hf(loaded) if any(p in HF_PEERS for p in self.peers) else None
         freeze_startup_heap()  # as `kvtier serve` does: no collection over the models inside a timing

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="Engine per-step token budget (default: the EngineConfig default)")
     a("--fast-inexact", action="store_true",
       help="kvtier engines with the plain kernels (EngineConfig.exact=False), to compare with the exact default")
+    a("--bf16-attention", default="auto", choices=("auto", "gemm", "flash"),
+      help="kvtier engines' exact bf16 attention kernel (EngineConfig.bf16_attention) (default: %(default)s)")
     a("--workdir", default="out/e2e-work", help="disk tier and HF files; wiped at start (default: %(default)s)")
     a("--redis-url", default=None, help="Redis server (default: %(default)s = start a private redis-server)")
     a("--json", default=None, help="JSON output, rewritten after every row (default: %(default)s)")
