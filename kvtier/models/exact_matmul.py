@@ -55,8 +55,14 @@ def active(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> bool:
         return False
     ok = usable(heads, kv_heads, hd)
     if not ok and _mode == "gemm":
-        log.warning("bf16 GEMM attention is not row-invariant on this CPU: the flash kernel serves instead")
+        _refused(heads, kv_heads, hd)
     return ok
+
+
+@functools.lru_cache(maxsize=16)  # once per geometry, not per call
+def _refused(heads: int, kv_heads: int, hd: int) -> None:
+    log.warning("bf16 GEMM attention (%d heads over %d, head_dim %d) is not row-invariant on this CPU: "
+                "the flash kernel serves instead", heads, kv_heads, hd)
 
 
 def usable(heads: int, kv_heads: int, hd: int) -> bool:
