@@ -195,9 +195,9 @@ def _heads_major(x: torch.Tensor, buffer: int) -> torch.Tensor:
     """K or V [keys, kv_heads, hd] (a view of the pool) copied into this thread's buffer as
     [kv_heads, keys, hd]. Every score product reads K so, as the transpose of a contiguous matrix:
     oneDNN takes that as it is, where K read in place costs it a slow gather of its own (0.75
-    against 0.16 ms for one token over 8K keys). V read in place is as fast for one token's rows
-    (a decode reads it so) and slower for a prompt's (a prompt copies it); `usable` checks that
-    either layout gives the same bits."""
+    against 0.16 ms for one token over 8K keys). V is copied too: a prompt's value products run
+    faster on the copy, and a batch of decodes needs its tokens' contexts in one tensor. The
+    buffers stay with the thread, as large as its longest context needed."""
     out = _buffer(buffer, (x.shape[1], x.shape[0], x.shape[2]), x.dtype)
     return out.copy_(x.transpose(0, 1))
 
