@@ -39,12 +39,15 @@ def causal_case(hist: int, new: int) -> Callable[[], object]:
 
 
 def in_place_case(lengths: list[int]) -> Callable[[], object]:
-    """Each token's whole key blocks as views of one pool, its piece gathered (the runner's long-context decode)."""
-    k, v = _randn(max(lengths) + 512, KV_HEADS, HD), _randn(max(lengths) + 512, KV_HEADS, HD)
+    """Each token's whole key blocks as views of its own run of one pool (the contexts back to
+    back), its piece gathered: the runner's long-context decode."""
+    span = max(lengths) + 512
+    k, v = _randn(len(lengths) * span, KV_HEADS, HD), _randn(len(lengths) * span, KV_HEADS, HD)
     splits = [X.split(n) for n in lengths]
     reach = max(keys for _, keys in splits)
     pieces = (_randn(len(lengths), reach, KV_HEADS, HD), _randn(len(lengths), reach, KV_HEADS, HD))
-    wholes = [(k[:base], v[:base]) if base else None for base, _ in splits]
+    wholes = [(k[r * span : r * span + base], v[r * span : r * span + base]) if base else None
+              for r, (base, _) in enumerate(splits)]
     q = _randn(len(lengths), HEADS, HD)
     return lambda: X.decode(q, pieces, wholes, lengths)
 
@@ -63,6 +66,7 @@ CASES: dict[str, Callable[[], Callable[[], object]]] = {
     "2048-token prefill": lambda: causal_case(0, 2048),
     "2048 after 6144": lambda: causal_case(6144, 2048),
     "32 decodes at 4000-5147, in place": lambda: in_place_case([4000 + 37 * i for i in range(32)]),
+    "32 decodes at 8192, in place": lambda: in_place_case([8192] * 32),
     "32 decodes at 100-503, padded": lambda: padded_case([100 + 13 * i for i in range(32)]),
     "32 decodes at 600-1003, padded": lambda: padded_case([600 + 13 * i for i in range(32)]),
 }

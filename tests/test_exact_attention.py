@@ -73,7 +73,8 @@ def test_a_querys_bits_do_not_depend_on_its_call(spec, shape, monkeypatch):
         assert torch.equal(X.causal(q[p : p + 1], padded_k, padded_v, p), whole[p : p + 1]), p
     # Batches of decodes: mixed key blocks (rows with no whole-block part beside rows with one or
     # two), shared and distinct piece lengths, and a batch of one.
-    for lengths in ([1, 6, 64, 65, 512, 513, 514, 1024, 1025, 1200], [600, 1100], [1100, 1101], [700], [1025, 3]):
+    for lengths in ([1, 6, 64, 65, 512, 513, 514, 1024, 1025, 1200], [600, 1100], [1100, 1101], [700], [1025, 3],
+                    [700] * 10 + [1100] * 3):  # tokens reading the same keys: the GEMM kernel's calls of 8, then 2
         for batch in (decode_batch, decode_in_place):
             out = batch(q, k, v, lengths)
             for r, n in enumerate(lengths):

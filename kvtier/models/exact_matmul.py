@@ -36,6 +36,7 @@ from kvtier.models.key_split import KEY_BLOCK, PIECE, cut_or_pad, key_rows, spli
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "gemm", "flash")
+DECODE_ROWS = 8  # decoding tokens per call: a batch of 32 long contexts copied at once is 2 x 100 MB at 8K
 SCORE_BUDGET = 1 << 23  # scores per call of a prompt's queries (16 MB in bf16): long contexts take fewer queries a call
 _mode = "auto"
 _local = threading.local()  # per thread: the score and probability buffers, reused (a fresh 16 MB faults its pages in)
@@ -82,7 +83,7 @@ def _usable(heads: int, kv_heads: int, hd: int, threads: int) -> bool:
     try:
         whole = causal(q, k, v, 0)
         chunked = torch.cat([causal(q[a : a + 100], k[: a + 100], v[: a + 100], a) for a in range(0, ctx, 100)])
-        lengths = [6, 64, 513, 600, 1090, 1100]
+        lengths = [6, 64, 513, 600, 600, 1090, 1100, 1100]  # two tokens reading the same keys: one call
         lone = [causal(q[n - 1 : n], k[:n], v[:n], n - 1) for n in lengths]
         splits = [split(n) for n in lengths]
         reach = max(keys for _, keys in splits)
@@ -149,31 +150,34 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     qs = _scaled(q).view(n, kv_heads, g, hd)  # a token's heads sharing a K/V head are rows of one matrix
     out = q.new_empty(n, kv_heads, g, hd)
     for grp in plan.groups:
-        m, width = len(grp.rows), grp.base + grp.keys
-        # [m * kvh, keys, hd]: 3-D, so a product's B is a slice of it, never folded (copied) by matmul
-        kv = [_buffer(2 + part, (m, kv_heads, width, hd), q.dtype) for part in (0, 1)]
-        for part, buf in enumerate(kv):
-            if padded is not None:
-                src = padded[part][:, :width] if grp.index is None else padded[part].index_select(0, grp.index)[:, :width]
-                buf.copy_(src.transpose(1, 2))
-            elif not grp.base:
-                src = pieces[part][:, : grp.keys] if grp.index is None else pieces[part].index_select(0, grp.index)[:, : grp.keys]
-                buf.copy_(src.transpose(1, 2))
+        width = grp.base + grp.keys
+        for lo in range(0, len(grp.rows), DECODE_ROWS):  # a few tokens a call: their copies stay small
+            rows = grp.rows[lo : lo + DECODE_ROWS]
+            m = len(rows)
+            index = None if m == n else torch.tensor(rows, device=q.device)  # None: every token, in order
+            # [m * kvh, keys, hd]: 3-D, so a product's B is a slice of it, never folded (copied) by matmul
+            kv = [_buffer(2 + part, (m, kv_heads, width, hd), q.dtype) for part in (0, 1)]
+            for part, buf in enumerate(kv):
+                if padded is not None:
+                    buf.copy_((padded[part] if index is None else padded[part].index_select(0, index))[:, :width].transpose(1, 2))
+                elif not grp.base:
+                    buf.copy_((pieces[part] if index is None else pieces[part].index_select(0, index))[:, : grp.keys].transpose(1, 2))
+                else:
+                    for i, r in enumerate(rows):
+                        w = wholes[r] if r < len(wholes) else None
+                        if w is None or w[part].shape[0] != grp.base:
+                            raise ValueError(f"decode row {r} needs its {grp.base} keys before its piece")
+                        buf[i, :, : grp.base].copy_(w[part].transpose(0, 1))
+                        buf[i, :, grp.base :].copy_(pieces[part][r, : grp.keys].transpose(0, 1))
+            kk, vv = (x.view(m * kv_heads, width, hd) for x in kv)
+            qq = (qs if index is None else qs.index_select(0, index)).reshape(m * kv_heads, g, hd)
+            s = torch.matmul(qq, kk.transpose(1, 2))  # [m * kvh, g, keys]
+            mask = grp.mask[lo * kv_heads : (lo + m) * kv_heads]
+            o = _attend(s, mask, grp.base, vv[:, : grp.base], vv[:, grp.base :]).view(m, kv_heads, g, hd)
+            if index is None:
+                out = o
             else:
-                for i, r in enumerate(grp.rows):
-                    w = wholes[r] if r < len(wholes) else None
-                    if w is None or w[part].shape[0] != grp.base:
-                        raise ValueError(f"decode row {r} needs its {grp.base} keys before its piece")
-                    buf[i, :, : grp.base].copy_(w[part].transpose(0, 1))
-                    buf[i, :, grp.base :].copy_(pieces[part][r, : grp.keys].transpose(0, 1))
-        kk, vv = (x.view(m * kv_heads, width, hd) for x in kv)
-        qq = (qs if grp.index is None else qs.index_select(0, grp.index)).reshape(m * kv_heads, g, hd)
-        s = torch.matmul(qq, kk.transpose(1, 2))  # [m * kvh, g, keys]
-        o = _attend(s, grp.mask, grp.base, vv[:, : grp.base], vv[:, grp.base :]).view(m, kv_heads, g, hd)
-        if grp.index is None:
-            out = o
-        else:
-            out[grp.index] = o
+                out[index] = o
     return out.reshape(n, heads, hd)
 
 
@@ -231,7 +235,6 @@ class _Group:
     """Decoding tokens that read the same keys: `base` of whole key blocks, then a piece of `keys`."""
 
     rows: tuple[int, ...]
-    index: torch.Tensor | None  # rows as an index (None: every token, in order)
     base: int
     keys: int
     mask: torch.Tensor  # [m * kv_heads, 1, PIECE] additive
@@ -254,6 +257,5 @@ def _decode_plan(lengths: tuple[int, ...], kv_heads: int, dtype: torch.dtype, de
         mine = tuple(r for r, sp in enumerate(splits) if sp == (base, keys))
         mask = torch.cat([_tail_mask(rel[r], rel[r] + 1, 1, dtype, device) for r in mine])  # [m, PIECE]
         mask = mask.repeat_interleave(kv_heads, 0)[:, None]  # [m * kvh, 1, PIECE]: a token's rows, head by head
-        index = None if len(mine) == len(lengths) else torch.tensor(mine, device=device)
-        groups.append(_Group(mine, index, base, keys, mask))
+        groups.append(_Group(mine, base, keys, mask))
     return _DecodePlan(max(keys for _, keys in splits), tuple(groups))
