@@ -107,8 +107,8 @@ class EngineOptions:
                                 "places, but a cache hit, a restore, another prefill chunking or batch may then change "
                                 "a token's logits (bf16, fp16; its state is stored apart from exact state) "
                                 "(default: exact)")
-    bf16_attention: str = option("auto", ENGINE, "exact bf16 attention's CPU kernel: gemm (oneDNN's GEMMs, about "
-                                 "twice the fused kernel's speed where this CPU's GEMMs are row-invariant, checked at "
+    bf16_attention: str = option("auto", ENGINE, "exact bf16 attention's CPU kernel: gemm (oneDNN's GEMMs, up to "
+                                 "1.6x the fused kernel's speed where this CPU's GEMMs are row-invariant, checked at "
                                  "first use), flash (the fused flash kernel) or auto (gemm on CPUs with native bf16) "
                                  "(default: %(default)s)", choices=("auto", "gemm", "flash"))
 

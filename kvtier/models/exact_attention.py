@@ -2,7 +2,7 @@
 into prefill chunks, whatever came from a cache, and whichever other requests share the step.
 
 Every query reads its keys as `key_split` splits them, by its position alone. In bf16 on a CPU
-whose GEMMs allow it, `exact_matmul` computes that with oneDNN's GEMMs (about twice as fast);
+whose GEMMs allow it, `exact_matmul` computes that with oneDNN's GEMMs (up to 1.6x as fast);
 otherwise (fp32, fp16, and bf16 elsewhere) the fused CPU flash kernel does, as follows.
 
 The kernel's per-row arithmetic does not depend on how many query rows share a call (as long as

@@ -4,7 +4,8 @@ splits the query's keys (its whole key blocks, then its piece), added in bf16.
 
 Why: on a CPU with native bf16 (avx512_bf16) oneDNN's bf16 GEMMs turn a query's keys over about
 twice as fast as the fused flash kernel (`exact_attention`), whose per-block softmax bookkeeping,
-not its arithmetic, bounds it (docs/benchmarks.md, 2026-11-29). The scores are rounded to bf16
+not its arithmetic, bounds it; with the copies and the softmax around them, this kernel runs at
+0.6-1.0x the flash kernel's time (docs/benchmarks.md, 2026-11-29, a seventh session). The scores are rounded to bf16
 before the softmax, as HF transformers' eager attention rounds them; the probabilities are
 rounded to bf16 before the value product, as the flash kernel rounds them.
 
@@ -139,7 +140,8 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     any finite value past its position) and its whole key blocks from wholes[r] (K and V [base,
     kv_heads, hd], views of the pool; None where base is 0), or both from row r of `padded` (the
     contexts gathered, [n, >= its keys, kv_heads, hd]). The tokens that read the same keys (the
-    same base and piece) attend in one batched call over their contexts copied heads-major.
+    same base and piece) attend in batched calls of up to DECODE_ROWS tokens, their contexts copied
+    heads-major.
     q: [n, heads, hd] -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = pieces[0].shape[2]
@@ -181,7 +183,7 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     return out.reshape(n, heads, hd)
 
 
-def _attend(s: torch.Tensor, mask: torch.Tensor, base: int, vw: torch.Tensor | None, vp: torch.Tensor) -> torch.Tensor:
+def _attend(s: torch.Tensor, mask: torch.Tensor, base: int, vw: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
     """Scores s [..., rows, keys] (scaled; keys [0, key_rows)) -> attention [..., rows, hd]: masked
     past each row's position (all in the last piece), one softmax per row, then the whole blocks'
     values [..., base, hd] and the piece's [..., keys - base, hd] in two products, added."""
@@ -190,7 +192,6 @@ def _attend(s: torch.Tensor, mask: torch.Tensor, base: int, vw: torch.Tensor | N
         else torch.softmax(s, -1)
     o = torch.matmul(p[..., base:], vp)
     if base:
-        assert vw is not None
         o.add_(torch.matmul(p[..., :base], vw))
     return o
 
