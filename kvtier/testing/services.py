@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 
 def free_port() -> int:
@@ -36,12 +37,23 @@ def _bindable(port: int) -> bool:
             return False
 
 
+def _ephemeral_low() -> int:
+    """The first port of the range the OS hands to outgoing connections (Linux default 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_cluster_port() -> int:
-    """A free port P with P + 10000 free too (a cluster node's bus port), so P <= 55535: below
-    the ephemeral range the OS hands out, hence chosen at random and checked."""
+    """A free port P with P + 10000 free too (a cluster node's bus port). Both lie below the
+    ephemeral range: a port inside it can be taken by any outgoing connection between this check
+    and redis binding it (a CI run lost a cluster that way). Chosen at random, then checked."""
     rng = random.Random()
+    high = max(_ephemeral_low() - 10000, 11000)
     for _ in range(1000):
-        port = rng.randrange(20000, 55535)
+        port = rng.randrange(10000, high)
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair (P, P + 10000) on loopback for a Redis Cluster node")
@@ -54,13 +66,19 @@ def redis_binary(name: str = "redis-server") -> str | None:
 class RedisServer:
     """One redis-server. `start()` again after `kill()` reuses the port (a restarted server, as a
     client sees it). Large values are allowed (`proto-max-bulk-len` 2 GB) so a whole serialized KV
-    cache fits in one SET. With `password` the server requires it (`requirepass`)."""
+    cache fits in one SET. With `password` the server requires it (`requirepass`). Without `port`,
+    one comes from `pick_port`; if the server exits at once (another process bound that port first)
+    the first start tries a fresh one, up to `ATTEMPTS` times."""
+
+    ATTEMPTS = 5
 
     def __init__(self, binary: str | None = None, startup_s: float = 10.0, port: int = 0,
-                 extra: tuple[str, ...] = (), password: str | None = None) -> None:
+                 extra: tuple[str, ...] = (), password: str | None = None,
+                 pick_port: Callable[[], int] = free_port) -> None:
         self.binary = binary or redis_binary() or "/usr/bin/redis-server"
         self.startup_s = startup_s
         self.port = port
+        self.pick_port = pick_port
         self.extra = extra
         self.password = password
         self.dir: str | None = None
@@ -71,25 +89,49 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
-        import redis
+        if self.port:  # given, or a restart after kill(): that port or nothing
+            return self._start_once()
+        for attempt in range(self.ATTEMPTS):
+            self.port = self.pick_port()
+            try:
+                return self._start_once()
+            except _ExitedEarly:
+                self.port = 0
+                if attempt == self.ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
-        self.port = self.port or free_port()
+    def _start_once(self) -> "RedisServer":
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         self.dir = self.dir or tempfile.mkdtemp(prefix="kvtier-redis-")  # its cwd: nothing is written with --save ""
+        log = os.path.join(self.dir, "redis.log")
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--proto-max-bulk-len", "2gb",
+             "--dir", self.dir, "--proto-max-bulk-len", "2gb", "--logfile", log,
              *(("--requirepass", self.password) if self.password else ()), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, password=self.password)
+        # a timeout per call: if another process holds the port, PING may reach it and hang
+        # and no retries inside the client (redis-py 6+ retries timeouts with backoff): this loop retries
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1.0, socket_connect_timeout=1.0,
+                             retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + self.startup_s
         while True:
             try:
-                client.ping()
-                return self
-            except redis.ConnectionError as e:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is None:
+                    client.ping()
+                    return self
+                raise redis.ConnectionError("exited")
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                exited = self.proc.poll() is not None
+                if exited or time.monotonic() > deadline:
+                    why = _tail(log)
                     self.close()
-                    raise RuntimeError(f"redis-server ({self.binary}) did not answer PING on port {self.port}") from e
+                    error = _ExitedEarly if exited else RuntimeError
+                    raise error(f"redis-server ({self.binary}) did not answer PING on port {self.port}"
+                                f"{' (it exited)' if exited else ''}: {why}") from e
                 time.sleep(0.05)
             finally:
                 client.close()
@@ -120,11 +162,23 @@ class RedisServer:
         self.close()
 
 
+class _ExitedEarly(RuntimeError):
+    """redis-server exited before answering: most often its port was taken."""
+
+
+def _tail(path: str, lines: int = 3) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.readlines()[-lines:]) or "(empty log)"
+    except OSError:
+        return "(no log)"
+
+
 class RedisCluster:
     """`masters` cluster-enabled servers joined by `redis-cli --cluster create` (no replicas)."""
 
     def __init__(self, masters: int = 3, startup_s: float = 30.0) -> None:
-        self.nodes = [RedisServer(port=free_cluster_port(), extra=(
+        self.nodes = [RedisServer(pick_port=free_cluster_port, extra=(
             "--cluster-enabled", "yes", "--cluster-node-timeout", "2000", "--cluster-config-file", "nodes.conf"))
             for _ in range(masters)]
         self.startup_s = startup_s
