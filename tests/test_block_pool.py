@@ -153,3 +153,59 @@ def test_a_new_cpu_run_leaves_the_run_before_it_headroom_to_decode_into():
     no_headroom = BlockPool(20, 2, keep_runs=True)
     no_headroom.allocate(3, room=3)
     assert no_headroom.allocate(3, room=3) == [3, 4, 5]
+
+
+
+def _cached_in_lru_order(pool: BlockPool, order: list[int], plain: tuple[int, ...] = ()) -> list[bytes]:
+    """Every block of `pool` taken by one run and registered (but those in `plain`), then freed
+    one by one in `order`: the registered ones least recently freed first, `plain` ones clean."""
+    blocks = pool.allocate(pool.num_blocks)
+    hs = block_hashes(list(range(pool.num_blocks * pool.block_size)), pool.block_size)
+    for b in blocks:
+        if b not in plain:
+            pool.register(b, hs[b], hs[b - 1] if b else None)
+    for b in order:
+        pool.release([b])
+    assert list(pool.evictable) == [b for b in order if b not in plain]
+    return hs
+
+
+def test_a_new_cpu_run_in_a_pool_full_of_cached_blocks_evicts_until_a_row_opens():
+    """A server's pool fills with cached prefixes: no clean block is left. Plain LRU would hand a
+    new run the least recently freed blocks wherever they lie (3 and 6), and its context would be
+    gathered on every layer of every step. Evicting in the same order, but only until two free
+    blocks lie in a row, gives 3 and 4: nothing fresher than 4 goes, and 6 and 1 keep their content."""
+    pool = BlockPool(8, 1, keep_runs=True)
+    hs = _cached_in_lru_order(pool, [3, 6, 1, 4, 0, 7, 2, 5])
+    assert pool.allocate(2, room=2) == [3, 4]
+    assert hs[3] not in pool.cached and hs[4] not in pool.cached
+    assert list(pool.evictable) == [6, 1, 0, 7, 2, 5] and all(hs[b] in pool.cached for b in pool.evictable)
+    # with a block of headroom the row must be three long (0-2, once 2 goes): the run takes 0 and 1
+    # and grows into 2; 3 and 4, evicted on the way but outside the row, keep their content
+    pool = BlockPool(8, 1, keep_runs=True, headroom=1)
+    hs = _cached_in_lru_order(pool, [3, 6, 1, 4, 0, 7, 2, 5])
+    assert pool.allocate(2, room=2) == [0, 1]
+    assert list(pool.clean) == [2] and all(hs[b] in pool.cached for b in (3, 4, 5, 6, 7))
+    assert pool.allocate(1, after=1) == [2]
+
+
+def test_clean_blocks_join_a_row_first_and_cost_no_eviction():
+    """Clean 1 and 5 and cached blocks freed in the order 7, 2, 0, 6, ...: 0, 1, 2 is the first row
+    of three; 2 and 0 go, and 7, freed before them but outside the row, keeps its content."""
+    pool = BlockPool(8, 1, keep_runs=True)
+    hs = _cached_in_lru_order(pool, [7, 1, 2, 5, 0, 6, 3, 4], plain=(1, 5))
+    assert list(pool.clean) == [1, 5]
+    assert pool.allocate(3, room=3) == [0, 1, 2]
+    assert hs[7] in pool.cached and hs[0] not in pool.cached and hs[2] not in pool.cached
+    assert list(pool.clean) == [5]
+
+
+def test_where_no_row_can_open_the_run_takes_blocks_in_lru_order():
+    pool = BlockPool(4, 1, keep_runs=True)
+    hs = block_hashes(list(range(4)), 1)
+    for b, h in zip(pool.allocate(4), hs):
+        pool.register(b, h)
+    pool.release([2])
+    pool.release([0])  # 1 and 3 stay in use: free blocks never lie two in a row
+    assert pool.allocate(2, room=2) == [2, 0]
+    assert set(pool.cached) == {hs[1], hs[3]}

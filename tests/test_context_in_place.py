@@ -220,3 +220,32 @@ def test_a_restore_computing_layers_on_its_worker_zeroes_only_its_own_slots(dtyp
     assert [(it.start, it.start + len(it.token_ids)) for it, _ in worker] == [(32, 200)]
     assert worker[0][1] is None  # slots past 208 are not its own
     assert torch.equal(got, want)
+
+
+def test_a_long_prompt_in_a_pool_full_of_cached_prefixes_is_read_in_place(monkeypatch):
+    """A server's pool fills with cached prefixes and has no clean block left: a new long prompt
+    must still get consecutive blocks (cached ones evicted to open a row), so that its context is a
+    view of the pool on every layer, not a gather; and its next turn grows in place after it."""
+    lm = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    per_block = ModelRunner.bytes_per_block(lm.module, BS)
+    engine = Engine(lm, EngineConfig(kv_cache_bytes=per_block * 160, max_model_len=1024))  # 2560 slots
+    reads: list[str] = []
+    real = model_runner._context
+
+    def spy(new, cache, ctx, pad):
+        reads.append("gathered" if isinstance(ctx, torch.Tensor) else "in place")
+        return real(new, cache, ctx, pad)
+
+    monkeypatch.setattr(model_runner, "_context", spy)
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        for i in range(8):  # 8 x 700 tokens through 160 blocks: from the fourth on, no clean row is left
+            ids = torch.randint(100, lm.config.vocab_size, (700,), generator=gen).tolist()
+            reads.clear()
+            engine.generate([ids], params)  # chunks of 256 (max_batched_tokens): each later one reads its context
+            again = engine.generate([ids + [7, 8]], params)[0]  # the next turn: a prefix-cache hit, 2 new tokens
+            assert set(reads) == {"in place"}, (i, reads)
+            assert again.prompt_tokens_reused >= 688, i
+    finally:
+        engine.close()

@@ -19,7 +19,11 @@ exact attention's key piece) are made clean by the same rule when it grows, so t
 finds them clean. A new run that will need `room` blocks starts at the lowest place where that
 many clean blocks lie in a row (if there is one), so that its prompt's later chunks follow on, and
 `headroom` clean blocks after whatever block lies before that place, so that a run there can go on
-growing in place while it decodes (where no such place is left, without the headroom). All
+growing in place while it decodes (where no such place is left, without the headroom). Where
+the clean blocks never lie that many in a row (a server whose pool has filled with cached
+prefixes), cached blocks are evicted least recently freed first until a row of `room` and the
+headroom opens, and only the ones inside it go: a long context in a full pool is still read in
+place, and can grow in place. All
 of this happens in `allocate`, on the scheduler's thread; `clearable`, which
 restores also call from their own thread, only reads.
 """
@@ -27,6 +31,7 @@ restores also call from their own thread, only reads.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -111,6 +116,12 @@ class BlockPool:
             # (with headroom, a one-block run too: the stack's top may be another run's headroom)
             if after is None and (max(room, n) > 1 or self.headroom_blocks):
                 start = self._clean_extent(max(room, n), self.headroom_blocks)
+                for extra in (self.headroom_blocks, 0) if start is None and self.evictable else ():
+                    # its own headroom after it here: the run's next turn or decode grows into it
+                    start = self._evicting_extent(max(room, n) + extra)
+                    if start is not None:
+                        self._clear_row(start, start + max(room, n) + extra, n)
+                        break
                 if start is not None:
                     out = list(range(start, start + n))
                     for b in out:
@@ -154,6 +165,34 @@ class BlockPool:
             if b - first + 1 == lead + n:
                 return first + lead
         return plain
+
+    def _evicting_extent(self, n: int) -> int | None:
+        """Where `n` free blocks in a row open up if cached blocks are evicted least recently freed
+        first, as plain LRU would, but only until such a row exists: the first block of that row
+        (the cached blocks in it are the ones to evict, none fresher than the last one taken);
+        None if the free blocks never lie `n` in a row. Rows of free blocks are kept as intervals,
+        merged as each block joins: O(clean + evicted) per new run."""
+        end_of: dict[int, int] = {}  # first block of a row of free blocks -> its last
+        start_of: dict[int, int] = {}  # and back
+        for b in itertools.chain(self.clean, self.evictable):  # the clean ones first: they cost nothing
+            lo = start_of.pop(b - 1, b)
+            hi = end_of.pop(b + 1, b)
+            end_of.pop(lo, None)
+            start_of.pop(hi, None)
+            end_of[lo], start_of[hi] = hi, lo
+            if hi - lo + 1 >= n:
+                return max(lo, b - n + 1)  # a row through b: it was the freshest block to go
+        return None
+
+    def _clear_row(self, lo: int, hi: int, taken: int) -> None:
+        """Blocks [lo, hi) made clean (their cached content evicted) for a run taking the first
+        `taken` now and growing into the rest: those go to the bottom of the clean stack, so that
+        other runs take them last."""
+        for b in range(lo, hi):
+            if self.hash_of[b] is not None:
+                self._drop(b)
+        later = range(lo + taken, hi)
+        self.clean = dict.fromkeys(itertools.chain(later, (b for b in self.clean if not lo + taken <= b < hi)))
 
     def _spare(self, b: int, last: bytes | None) -> bool:
         """Whether free block `b` may go to a run whose last block's content hashes to `last`; if
