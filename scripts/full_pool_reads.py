@@ -56,7 +56,7 @@ def main() -> None:
     try:
         for i in range(a.contexts):
             ids = torch.randint(100, lm.config.vocab_size, (a.history + NEW,), generator=gen).tolist()
-            full = not engine.pool._clean_extent(-(-(a.history + NEW) // engine.pool.block_size))
+            full = engine.pool._clean_extent(-(-(a.history + NEW) // engine.pool.block_size)) is None
             engine.generate([ids[: a.history]], one)
             for k in reads:
                 reads[k] = 0

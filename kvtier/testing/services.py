@@ -91,15 +91,14 @@ class RedisServer:
     def start(self) -> "RedisServer":
         if self.port:  # given, or a restart after kill(): that port or nothing
             return self._start_once()
-        for attempt in range(self.ATTEMPTS):
+        for _ in range(self.ATTEMPTS - 1):
             self.port = self.pick_port()
             try:
                 return self._start_once()
             except _ExitedEarly:
-                self.port = 0
-                if attempt == self.ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+                pass  # its port was taken meanwhile: another
+        self.port = self.pick_port()
+        return self._start_once()
 
     def _start_once(self) -> "RedisServer":
         import redis
