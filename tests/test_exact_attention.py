@@ -7,10 +7,13 @@ hits, restores, batches) is tests/test_exact.py."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvtier.dtypes import cpu_has_bf16
 from kvtier.models import exact_attention as X
 from kvtier.models import exact_matmul
 
@@ -135,8 +138,8 @@ def test_a_decode_without_its_whole_blocks_is_refused(spec, monkeypatch):
 
 def test_the_gemm_kernel_reads_one_row_of_scores_per_query(monkeypatch):
     """A continuation of 64 tokens after 1,024: one score product over all 1,088 keys (the piece's
-    64 queries x 3 grouped heads as rows), then the values in two products split at the query's
-    base (1,024 whole-block keys, then the 64-key piece)."""
+    64 queries x 3 grouped heads as rows), then the values: the 64-key piece in one product, the
+    two whole key blocks in one batched product of 512 keys each (no product reduces over more)."""
     kernel("bf16-gemm", monkeypatch)
     calls = []
     matmul = torch.matmul
@@ -148,7 +151,8 @@ def test_the_gemm_kernel_reads_one_row_of_scores_per_query(monkeypatch):
     monkeypatch.setattr(exact_matmul.torch, "matmul", recording)
     q, k, v = inputs(torch.bfloat16, 9, 3, 64)
     X.causal(q[1024:1088], k[:1088], v[:1088], 1024)
-    assert calls == [((3, 192, 64), (3, 64, 1088)), ((3, 192, 64), (3, 64, 64)), ((3, 192, 1024), (3, 1024, 64))]
+    assert calls == [((3, 192, 64), (3, 64, 1088)), ((1, 3, 192, 64), (1, 3, 64, 64)),
+                     ((1, 2, 3, 192, 512), (1, 2, 3, 512, 64))]
 
 
 def test_gemm_attention_falls_back_to_the_flash_kernel_where_its_check_fails(monkeypatch):
@@ -178,4 +182,73 @@ def test_the_kernel_choice_is_validated_and_tags_stored_state(monkeypatch):
     monkeypatch.setattr(exact_matmul, "_mode", "flash")
     assert X.numerics_tag(torch.bfloat16, 9, 3, 64) == ""
     kernel("bf16-gemm", monkeypatch)
-    assert X.numerics_tag(torch.bfloat16, 9, 3, 64) == "+bf16-gemm-attention"  # its state never meets the flash kernel's
+    assert X.numerics_tag(torch.bfloat16, 9, 3, 64) == "+bf16-gemm-attention-blocked"  # its state never meets the flash kernel's
+
+
+REAL = (9, 3, 64)  # SmolLM2-135M's heads, KV heads and head_dim
+LONG = 4096
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", DTYPES)
+def test_a_long_context_at_real_shapes_is_exact_however_it_is_called(spec, threads, monkeypatch):
+    """SmolLM2's geometry over 4,096 positions, whole blocks up to 3,584 keys (long reductions are
+    where a GEMM library's blocking may follow the call's shape, and the earlier tests' contexts
+    stop at 1,200): a query's bits are the same prefilled in one call, in chunks of 700 and of 64,
+    after a 1,232-token cache hit (the rest in chunks of 700), and as a decode alone or batched,
+    its whole blocks in place or gathered. With one torch thread (the tests' workers) and two (a
+    server's)."""
+    if spec == "bf16-gemm" and threads == 2 and not cpu_has_bf16():
+        pytest.skip("bf16 is emulated on this CPU (no avx512_bf16 / amx_bf16), where `auto` never picks the GEMM kernel "
+                    "and its emulated GEMMs split no reduction by thread: the one-thread run covers its shapes (45 s)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dtype = kernel(spec, monkeypatch, *REAL)
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(LONG, h, REAL[2], generator=g).to(dtype) for h in (REAL[0], REAL[1], REAL[1]))
+        whole = X.causal(q, k, v, 0)
+
+        def chunked(start: int, size: int) -> torch.Tensor:
+            return torch.cat([X.causal(q[a : a + size], k[: a + size], v[: a + size], a) for a in range(start, LONG, size)])
+
+        for start, size in ((0, 700), (0, 64), (1232, 700)):
+            got = chunked(start, size)
+            bad = (got != whole[start:]).flatten(1).any(1).nonzero().flatten()
+            assert not len(bad), f"chunks of {size} from {start}: {len(bad)} positions differ, first {start + bad[0].item()}"
+        lengths = [1, 513, 1232, 1233, 2049, 3001, 3001, 4096]
+        for batch in (decode_batch, decode_in_place):
+            out = batch(q, k, v, lengths)
+            lone = [batch(q, k, v, [n])[0] for n in lengths[::3]]
+            for r, n in enumerate(lengths):
+                assert torch.equal(out[r], whole[n - 1]), (batch.__name__, n)
+            for o, n in zip(lone, lengths[::3]):
+                assert torch.equal(o, whole[n - 1]), (batch.__name__, "alone", n)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_start_says_which_kernel_runs_and_why(monkeypatch, caplog):
+    """One line at the engine's start names the exact attention kernel and the reason for it."""
+    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.engine import Engine
+    from kvtier.models.loading import load_model
+
+    assert "flash kernel (float32" in exact_matmul.why(torch.float32, *REAL)
+    monkeypatch.setattr(exact_matmul, "_mode", "flash")
+    assert exact_matmul.why(torch.bfloat16, *REAL) == "the flash kernel (--bf16-attention flash)"
+    monkeypatch.setattr(exact_matmul, "_mode", "auto")
+    monkeypatch.setattr(exact_matmul, "cpu_has_bf16", lambda: False)
+    assert "no native bf16" in exact_matmul.why(torch.bfloat16, *REAL)
+    monkeypatch.setattr(exact_matmul, "cpu_has_bf16", cpu_has_bf16)
+    monkeypatch.setattr(exact_matmul, "_mode", "gemm")
+    monkeypatch.setattr(exact_matmul, "usable", lambda *geometry: False)
+    assert "failed the row-invariance check for 9 heads over 3, head_dim 64" in exact_matmul.why(torch.bfloat16, *REAL)
+    monkeypatch.setattr(exact_matmul, "usable", lambda *geometry: True)
+    assert exact_matmul.why(torch.bfloat16, *REAL).startswith("bf16 GEMMs (--bf16-attention gemm; rows checked")
+
+    m = load_model("tiny-gqa", dtype="bf16", tokenizer=False)
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        Engine(m, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512)).close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("exact attention: ")]
+    assert lines == ["exact attention: " + exact_matmul.why(torch.bfloat16, 4, 2, 16)]

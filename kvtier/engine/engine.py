@@ -158,6 +158,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size, keep_runs=self.device.type == "cpu",
                               reach=PIECE if exact_cpu(self.device) else 0,
                               headroom=KEY_BLOCK if exact_cpu(self.device) else 0)
+        if exact_cpu(self.device):
+            log.info("exact attention: %s", exact_matmul.why(model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
         self.runner = ModelRunner(model.module, num_blocks, config.block_size, self.max_model_len)
         self.runner.staging_bytes = self.budget.staging_bytes
         pool = self.pool  # not self: the runner holds no reference back to the engine

@@ -2,7 +2,7 @@
 into prefill chunks, whatever came from a cache, and whichever other requests share the step.
 
 Every query reads its keys as `key_split` splits them, by its position alone. In bf16 on a CPU
-whose GEMMs allow it, `exact_matmul` computes that with oneDNN's GEMMs (up to 1.6x as fast);
+with native bf16 whose GEMMs pass its check, `exact_matmul` computes that with oneDNN's GEMMs;
 otherwise (fp32, fp16, and bf16 elsewhere) the fused CPU flash kernel does, as follows.
 
 The kernel's per-row arithmetic does not depend on how many query rows share a call (as long as
@@ -40,8 +40,9 @@ _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take
 
 def numerics_tag(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
     """What stored state computed with exact attention in `dtype` is tagged with: the GEMM kernel
-    rounds otherwise than the flash kernel, so their states never share keys."""
-    return "+bf16-gemm-attention" if exact_matmul.active(dtype, heads, kv_heads, hd) else ""
+    rounds otherwise than the flash kernel, so their states never share keys (nor the GEMM kernel's
+    before its values were read in fixed blocks, which rounded otherwise again)."""
+    return "+bf16-gemm-attention-blocked" if exact_matmul.active(dtype, heads, kv_heads, hd) else ""
 
 
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

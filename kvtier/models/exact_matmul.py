@@ -1,21 +1,25 @@
 """Exact CPU attention in bf16 through GEMMs: a query's scores over all the keys it reads in one
-row, one softmax over that row, then the values read in two products split where `key_split`
-splits the query's keys (its whole key blocks, then its piece), added in bf16.
+row, one softmax over that row, then its values read in fixed blocks: each whole key block before
+its own (KEY_BLOCK keys) in one product, its piece in another, their bf16 results summed in fp32
+in block order and rounded once.
 
-Why: on a CPU with native bf16 (avx512_bf16) oneDNN's bf16 GEMMs turn a query's keys over about
-twice as fast as the fused flash kernel (`exact_attention`), whose per-block softmax bookkeeping,
-not its arithmetic, bounds it; with the copies and the softmax around them, this kernel runs at
-0.6-1.0x the flash kernel's time (docs/benchmarks.md, 2026-11-29, a seventh session). The scores are rounded to bf16
-before the softmax, as HF transformers' eager attention rounds them; the probabilities are
-rounded to bf16 before the value product, as the flash kernel rounds them.
+Why: on a CPU with native bf16 (avx512_bf16) oneDNN's bf16 GEMMs turn a query's keys over faster
+than the fused flash kernel (`exact_attention`), whose per-block softmax bookkeeping, not its
+arithmetic, bounds it (docs/benchmarks.md, "bf16 attention on GEMMs"). The scores are rounded to
+bf16 before the softmax, as HF transformers' eager attention rounds them; the probabilities are
+rounded to bf16 before the value products, as the flash kernel rounds them.
 
 What makes it exact: a query at position p reads the keys [0, key_rows(p + 1)), a function of p
-alone, as one row of scores whatever the call; oneDNN's bf16 matmul gives a row the same bits
-whatever the number of rows or batch entries in the call, whether B is a strided view of the pool
-or a copy, and whether N comes in one product or two; softmax works row by row; the two value
-products split at the query's base, a function of p. Those GEMM properties are measured, not
-promised: `usable` checks them at first use for each head geometry and thread count, and where
-they do not hold (oneDNN's AMX kernels block by row count) the flash kernel serves instead.
+alone, as one row of scores whatever the call, and every product it takes part in reduces over a
+length fixed by p: head_dim for its scores, KEY_BLOCK for each whole block's values, its piece's
+keys for the piece's. No product reduces over more than KEY_BLOCK keys: a GEMM library may cut a
+long reduction into chunks sized by the whole problem's shape, so a row summed over 2,560 keys in
+a call of 36 rows may be grouped otherwise than in a call of 192 (oneDNN's AMX kernels choose
+their K blocking so; the row-invariant linears see it there as bf16 `down_proj`, a reduction of
+1,536, holding only in calls of up to 128 rows). What remains is that a row's bits do not depend on
+the number of rows or batch entries beside it in a call, or on B being a view or a copy: `usable`
+checks that at first use per head geometry and thread count, for every row count and reduction
+length the kernel makes (`call_shapes`), and where it fails the flash kernel serves instead.
 `set_mode` (the engine's `--bf16-attention`) picks the kernel: auto (GEMMs on CPUs with native
 bf16, where `usable`), gemm or flash.
 """
@@ -40,7 +44,7 @@ MODES = ("auto", "gemm", "flash")
 DECODE_ROWS = 8  # decoding tokens per call: a batch of 32 long contexts copied at once is 2 x 100 MB at 8K
 SCORE_BUDGET = 1 << 23  # scores per call of a prompt's queries (16 MB in bf16): long contexts take fewer queries a call
 _mode = "auto"
-_local = threading.local()  # per thread: the score and probability buffers, reused (a fresh 16 MB faults its pages in)
+_local = threading.local()  # per thread: the score, probability and K/V buffers, reused (a fresh 16 MB faults its pages in)
 
 
 def set_mode(mode: str) -> None:
@@ -61,6 +65,21 @@ def active(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> bool:
     return ok
 
 
+def why(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
+    """One line: which kernel exact CPU attention of this dtype and geometry runs, and why."""
+    geometry = f"{heads} heads over {kv_heads}, head_dim {hd}"
+    if dtype != torch.bfloat16:
+        return f"the flash kernel ({str(dtype).removeprefix('torch.')}: GEMM attention is bf16's only)"
+    if _mode == "flash":
+        return "the flash kernel (--bf16-attention flash)"
+    if _mode == "auto" and not cpu_has_bf16():
+        return "the flash kernel (this CPU has no native bf16: no avx512_bf16 or amx_bf16)"
+    if active(dtype, heads, kv_heads, hd):
+        return (f"bf16 GEMMs ({'--bf16-attention gemm' if _mode == 'gemm' else 'auto'}; rows checked invariant "
+                f"on this CPU for {geometry}, {torch.get_num_threads()} threads)")
+    return f"the flash kernel (this CPU's bf16 GEMMs failed the row-invariance check for {geometry})"
+
+
 @functools.lru_cache(maxsize=16)  # once per geometry, not per call
 def _refused(heads: int, kv_heads: int, hd: int) -> None:
     log.warning("bf16 GEMM attention (%d heads over %d, head_dim %d) is not row-invariant on this CPU: "
@@ -72,32 +91,79 @@ def usable(heads: int, kv_heads: int, hd: int) -> bool:
     return _usable(heads, kv_heads, hd, torch.get_num_threads())
 
 
+@dataclass(frozen=True)
+class CallShapes:
+    """Every GEMM shape the kernel makes for one head geometry: batched products of `rows` rows,
+    reducing over `depths` (head_dim for scores; each piece's keys and KEY_BLOCK for values)."""
+
+    rows: tuple[int, ...]  # a prompt's g x 1..PIECE queries (a decode's g among them)
+    score_depth: int  # head_dim
+    value_depths: tuple[int, ...]  # PIECE, 2 PIECE, ..., KEY_BLOCK
+
+
+def call_shapes(heads: int, kv_heads: int, hd: int) -> CallShapes:
+    g = heads // kv_heads
+    return CallShapes(tuple(g * m for m in range(1, PIECE + 1)), hd, tuple(range(PIECE, KEY_BLOCK + 1, PIECE)))
+
+
 @functools.lru_cache(maxsize=16)
 def _usable(heads: int, kv_heads: int, hd: int, threads: int) -> bool:
-    """Every way a query can be computed gives the same bits: a prompt in one call, in chunks of 100
-    (pieces cut at chunk edges), single decodes (a call of one token's grouped heads), and decodes
-    batched with tokens of no, one or two whole key blocks, their whole blocks read as views or
-    from gathered contexts."""
-    ctx = 1100  # three key blocks: queries with no whole-block part, one and two
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(ctx, h, hd, generator=g).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
     try:
-        whole = causal(q, k, v, 0)
-        chunked = torch.cat([causal(q[a : a + 100], k[: a + 100], v[: a + 100], a) for a in range(0, ctx, 100)])
-        lengths = [6, 64, 513, 600, 600, 1090, 1100, 1100]  # two tokens reading the same keys: one call
-        lone = [causal(q[n - 1 : n], k[:n], v[:n], n - 1) for n in lengths]
-        splits = [split(n) for n in lengths]
-        reach = max(keys for _, keys in splits)
-        pk, pv = (torch.zeros(len(lengths), reach, kv_heads, hd, dtype=torch.bfloat16) for _ in range(2))
-        for r, (n, (base, _)) in enumerate(zip(lengths, splits)):
-            pk[r, : n - base], pv[r, : n - base] = k[base:n], v[base:n]
-        last = q[[n - 1 for n in lengths]]
-        batch = decode(last, (pk, pv), [(k[:base], v[:base]) if base else None for base, _ in splits], lengths)
-        contexts = tuple(cut_or_pad(x, key_rows(ctx))[None].expand(len(lengths), -1, -1, -1) for x in (k, v))
-        gathered = decode(last, (pk, pv), [], lengths, padded=(contexts[0], contexts[1]))
+        ok = _rows_invariant(call_shapes(heads, kv_heads, hd), kv_heads) and _composed(heads, kv_heads, hd)
     except (RuntimeError, ValueError) as e:  # a GEMM this build cannot run: the flash kernel serves
         log.warning("bf16 GEMM attention unavailable, the flash kernel serves: %s", e)
         return False
+    return ok
+
+
+def _rows_invariant(shapes: CallShapes, kv_heads: int) -> bool:
+    """Every row count the kernel makes, at every reduction length, gives the rows a call of the
+    most rows gives, bit for bit: the scores (over key widths of one piece to several blocks) and
+    the values; the batch counts a prompt (kv_heads, times its whole blocks) and a batch of decodes
+    (up to DECODE_ROWS tokens, times their blocks) make, one entry included."""
+    g = torch.Generator().manual_seed(0)
+    top = shapes.rows[-1]
+    batches = sorted({1, 2, kv_heads, 2 * kv_heads})  # one entry; a prompt's heads; a decode's tokens or blocks
+    products = [(shapes.score_depth, n, True) for n in (PIECE, KEY_BLOCK + PIECE, 2 * KEY_BLOCK)]
+    products += [(depth, shapes.score_depth, False) for depth in shapes.value_depths]
+    for depth, n, scores in products:
+        a = torch.randn(batches[-1], 2 * top, depth, generator=g).to(torch.bfloat16)  # [batch, rows, depth]
+        b = torch.randn(batches[-1], n, depth, generator=g).to(torch.bfloat16)
+        b = b.transpose(1, 2) if scores else b.reshape(batches[-1], depth, n)  # scores read K transposed
+        want = torch.cat([torch.matmul(a[:, :top], b), torch.matmul(a[:, top:], b)], 1)  # [batch, 2 top, n]
+        for i, m in enumerate(shapes.rows):  # a prompt's calls: kv_heads entries
+            at = (i * 7919) % top  # a different offset per count
+            if not torch.equal(torch.matmul(a[:kv_heads, at : at + m], b[:kv_heads]), want[:kv_heads, at : at + m]):
+                log.info("bf16 GEMM attention: %d rows over %d differ from %d rows", m, depth, top)
+                return False
+        for batch in batches:  # the fewest and the most rows at every batch count
+            for m in (shapes.rows[0], top):
+                if not torch.equal(torch.matmul(a[:batch, :m], b[:batch]), want[:batch, :m]):
+                    log.info("bf16 GEMM attention: batch %d of %d rows over %d differs", batch, m, depth)
+                    return False
+    return True
+
+
+def _composed(heads: int, kv_heads: int, hd: int) -> bool:
+    """The kernel itself computes a query alike however it is called: a prompt in one call, in
+    chunks of 100 (pieces cut at chunk edges), single decodes, and decodes batched with tokens of
+    no, one or two whole key blocks, their whole blocks read as views or from gathered contexts."""
+    ctx = 1100  # three key blocks: queries with no whole-block part, one and two
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(ctx, h, hd, generator=g).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
+    whole = causal(q, k, v, 0)
+    chunked = torch.cat([causal(q[a : a + 100], k[: a + 100], v[: a + 100], a) for a in range(0, ctx, 100)])
+    lengths = [6, 64, 513, 600, 600, 1090, 1100, 1100]  # two tokens reading the same keys: one call
+    lone = [causal(q[n - 1 : n], k[:n], v[:n], n - 1) for n in lengths]
+    splits = [split(n) for n in lengths]
+    reach = max(keys for _, keys in splits)
+    pk, pv = (torch.zeros(len(lengths), reach, kv_heads, hd, dtype=torch.bfloat16) for _ in range(2))
+    for r, (n, (base, _)) in enumerate(zip(lengths, splits)):
+        pk[r, : n - base], pv[r, : n - base] = k[base:n], v[base:n]
+    last = q[[n - 1 for n in lengths]]
+    batch = decode(last, (pk, pv), [(k[:base], v[:base]) if base else None for base, _ in splits], lengths)
+    contexts = tuple(cut_or_pad(x, key_rows(ctx))[None].expand(len(lengths), -1, -1, -1) for x in (k, v))
+    gathered = decode(last, (pk, pv), [], lengths, padded=(contexts[0], contexts[1]))
     return (torch.equal(chunked, whole)
             and all(torch.equal(o[0], whole[n - 1]) and torch.equal(batch[r], whole[n - 1])
                     and torch.equal(gathered[r], whole[n - 1])
@@ -112,13 +178,15 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     kv_heads = k.shape[1]
     g = heads // kv_heads
     reach = key_rows(start + n)
-    kc, vt = (_heads_major(cut_or_pad(x, reach), i) for i, x in ((2, k), (3, v)))  # [kvh, keys, hd]
+    kc = _heads_major(cut_or_pad(k, reach), 2)  # [kvh, keys, hd]
+    vb = _blocked(cut_or_pad(v, reach), 3)  # [blocks, kvh, KEY_BLOCK, hd]
     qs = _scaled(q)
     out = q.new_empty(n, heads, hd)
     lo = start
     while lo < start + n:
         end = min(start + n, lo - lo % PIECE + PIECE)  # lo's piece: its queries read the same keys
         base, keys = lo - lo % KEY_BLOCK, key_rows(end)
+        nb = base // KEY_BLOCK
         step = max(1, SCORE_BUDGET // (heads * keys))
         for a in range(lo, end, step):
             b = min(end, a + step)
@@ -126,8 +194,9 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
             qg = qs[a - start : b - start].view(m, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * m, hd)
             s = torch.matmul(qg, kc[:, :keys].transpose(1, 2), out=_buffer(0, (kv_heads, g * m, keys), q.dtype))  # [kvh, g*m, keys]
             tail = keys - PIECE  # every masked key lies in the last piece
-            o = _attend(s, _tail_mask(a - tail, b - tail, g, q.dtype, q.device), base, vt[:, :base], vt[:, base:keys])
-            out[a - start : b - start] = o.view(kv_heads, g, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
+            o = _attend(s[None], _tail_mask(a - tail, b - tail, g, q.dtype, q.device), base,
+                        vb[None, :nb], vb[None, nb, :, : keys - base])  # [1, kvh, g*m, hd]
+            out[a - start : b - start] = o[0].view(kv_heads, g, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
         lo = end
     return out
 
@@ -152,30 +221,34 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     qs = _scaled(q).view(n, kv_heads, g, hd)  # a token's heads sharing a K/V head are rows of one matrix
     out = q.new_empty(n, kv_heads, g, hd)
     for grp in plan.groups:
-        width = grp.base + grp.keys
+        base, keys = grp.base, grp.keys
+        nb = base // KEY_BLOCK
         for lo in range(0, len(grp.rows), DECODE_ROWS):  # a few tokens a call: their copies stay small
             rows = grp.rows[lo : lo + DECODE_ROWS]
             m = len(rows)
             index = None if m == n else torch.tensor(rows, device=q.device)  # None: every token, in order
-            # [m * kvh, keys, hd]: 3-D, so a product's B is a slice of it, never folded (copied) by matmul
-            kv = [_buffer(2 + part, (m, kv_heads, width, hd), q.dtype) for part in (0, 1)]
-            for part, buf in enumerate(kv):
-                if padded is not None:
-                    buf.copy_((padded[part] if index is None else padded[part].index_select(0, index))[:, :width].transpose(1, 2))
-                elif not grp.base:
-                    buf.copy_((pieces[part] if index is None else pieces[part].index_select(0, index))[:, : grp.keys].transpose(1, 2))
-                else:
-                    for i, r in enumerate(rows):
-                        w = wholes[r] if r < len(wholes) else None
-                        if w is None or w[part].shape[0] != grp.base:
-                            raise ValueError(f"decode row {r} needs its {grp.base} keys before its piece")
-                        buf[i, :, : grp.base].copy_(w[part].transpose(0, 1))
-                        buf[i, :, grp.base :].copy_(pieces[part][r, : grp.keys].transpose(0, 1))
-            kk, vv = (x.view(m * kv_heads, width, hd) for x in kv)
+            kk = _buffer(2, (m, kv_heads, base + keys, hd), q.dtype)  # 3-D per token: B a slice, never folded by matmul
+            vw = _buffer(3, (m, nb, kv_heads, KEY_BLOCK, hd), q.dtype)  # the whole blocks' values, block-major
+            vp = _buffer(4, (m, kv_heads, keys, hd), q.dtype)  # the piece's values
+            if padded is not None:
+                ck, cv = (x if index is None else x.index_select(0, index) for x in padded)  # [m, >= width, kvh, hd]
+                kk.copy_(ck[:, : base + keys].transpose(1, 2))
+                vw.copy_(cv[:, :base].unflatten(1, (nb, KEY_BLOCK)).transpose(2, 3))
+                vp.copy_(cv[:, base : base + keys].transpose(1, 2))
+            else:
+                pk, pv = (x if index is None else x.index_select(0, index) for x in pieces)  # [m, >= keys, kvh, hd]
+                kk[:, :, base:].copy_(pk[:, :keys].transpose(1, 2))
+                vp.copy_(pv[:, :keys].transpose(1, 2))
+                for i, r in enumerate(rows if base else ()):
+                    w = wholes[r] if r < len(wholes) else None
+                    if w is None or w[0].shape[0] != base or w[1].shape[0] != base:
+                        raise ValueError(f"decode row {r} needs its {base} keys before its piece")
+                    kk[i, :, :base].copy_(w[0].transpose(0, 1))
+                    vw[i].copy_(w[1].unflatten(0, (nb, KEY_BLOCK)).transpose(1, 2))
             qq = (qs if index is None else qs.index_select(0, index)).reshape(m * kv_heads, g, hd)
-            s = torch.matmul(qq, kk.transpose(1, 2))  # [m * kvh, g, keys]
+            s = torch.matmul(qq, kk.view(m * kv_heads, base + keys, hd).transpose(1, 2))  # [m * kvh, g, keys]
             mask = grp.mask[lo * kv_heads : (lo + m) * kv_heads]
-            o = _attend(s, mask, grp.base, vv[:, : grp.base], vv[:, grp.base :]).view(m, kv_heads, g, hd)
+            o = _attend(s.view(m, kv_heads, g, base + keys), mask.view(m, kv_heads, 1, PIECE), base, vw, vp)
             if index is None:
                 out = o
             else:
@@ -184,27 +257,44 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
 
 
 def _attend(s: torch.Tensor, mask: torch.Tensor, base: int, vw: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
-    """Scores s [..., rows, keys] (scaled; keys [0, key_rows)) -> attention [..., rows, hd]: masked
-    past each row's position (all in the last piece), one softmax per row, then the whole blocks'
-    values [..., base, hd] and the piece's [..., keys - base, hd] in two products, added."""
+    """Scores s [L, kvh, rows, keys] (scaled; keys [0, key_rows)) -> attention [L, kvh, rows, hd]:
+    masked past each row's position (all in the last piece), one softmax per row, then the values:
+    the whole blocks' vw [L, blocks, kvh, KEY_BLOCK, hd] in one product a block and the piece's vp
+    [L, kvh, keys - base, hd] in another, their bf16 results summed in fp32 in block order."""
     s[..., -PIECE:] += mask
     p = torch.ops.aten._softmax.out(s, -1, False, out=_buffer(1, s.shape, s.dtype)) if s.numel() > 1 << 16 \
         else torch.softmax(s, -1)
-    o = torch.matmul(p[..., base:], vp)
-    if base:
-        o.add_(torch.matmul(p[..., :base], vw))
-    return o
+    piece = torch.matmul(p[..., base:], vp)  # [L, kvh, rows, hd]
+    if not base:
+        return piece
+    nb = base // KEY_BLOCK
+    blocks = p[..., :base].unflatten(-1, (nb, KEY_BLOCK)).permute(0, 3, 1, 2, 4)  # [L, blocks, kvh, rows, KEY_BLOCK]
+    parts = torch.matmul(blocks, vw)  # [L, blocks, kvh, rows, hd]: each block's product rounded to bf16
+    # A sum in a fixed order, block after block (a cumulative sum is sequential by definition; a
+    # reduction may order its terms by the tensor's shape).
+    return (parts.cumsum(1, dtype=torch.float32)[:, -1] + piece.float()).to(piece.dtype)
 
 
 def _heads_major(x: torch.Tensor, buffer: int) -> torch.Tensor:
-    """K or V [keys, kv_heads, hd] (a view of the pool) copied into this thread's buffer as
+    """K [keys, kv_heads, hd] (a view of the pool) copied into this thread's buffer as
     [kv_heads, keys, hd]. Every score product reads K so, as the transpose of a contiguous matrix:
-    oneDNN takes that as it is, where K read in place costs it a slow gather of its own (0.75
-    against 0.16 ms for one token over 8K keys). V is copied too: a prompt's value products run
-    faster on the copy, and a batch of decodes needs its tokens' contexts in one tensor. The
+    oneDNN takes that as it is, where K read in place costs it a slow gather of its own. The
     buffers stay with the thread, as large as its longest context needed."""
     out = _buffer(buffer, (x.shape[1], x.shape[0], x.shape[2]), x.dtype)
     return out.copy_(x.transpose(0, 1))
+
+
+def _blocked(x: torch.Tensor, buffer: int) -> torch.Tensor:
+    """V [keys, kv_heads, hd] copied into this thread's buffer block-major, [blocks, kv_heads,
+    KEY_BLOCK, hd] (the last block filled up to `keys`): the whole blocks before a query are then
+    one contiguous batch of products."""
+    keys, kv_heads, hd = x.shape
+    full, rest = divmod(keys, KEY_BLOCK)
+    out = _buffer(buffer, (full + (rest > 0), kv_heads, KEY_BLOCK, hd), x.dtype)
+    out[:full].copy_(x[: full * KEY_BLOCK].unflatten(0, (full, KEY_BLOCK)).transpose(1, 2))
+    if rest:
+        out[full, :, :rest].copy_(x[full * KEY_BLOCK :].transpose(0, 1))
+    return out
 
 
 def _scaled(q: torch.Tensor) -> torch.Tensor:
