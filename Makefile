@@ -25,9 +25,10 @@ demo: $(VENV_STAMP)
 # starts would compile kvtier's modules again (0.7-0.9 s each on 2 cores). Up-to-date files are skipped.
 # Two pytest-xdist workers, one torch thread each (tests/conftest.py): much of the suite waits on the
 # servers, subprocesses and Redis it starts, so two workers on two cores take 0.6x the serial time.
+# No -x: every failure shows, not the first; -rs lists each skipped test's reason (what did not run here).
 test: $(VENV_STAMP)
 	$(PY) -m compileall -q kvtier
-	$(PY) -m pytest -q -x -n 2 --durations=15
+	$(PY) -m pytest -q -rs -n 2 --durations=15
 
 # The quick loop: the suite without the tests that load the real smollm2 model (slow), start Redis
 # servers and clusters (redis) or need a GPU (cuda).

@@ -8,6 +8,8 @@ GEMMs, `exact_matmul`, where this CPU's GEMMs pass its check) and bf16-flash (th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
 from kvtier.models import exact_matmul
 from kvtier.models.loading import LoadedModel, cpu_has_bf16, load_model
+from kvtier.models.presets import PRESETS
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, first_logits=True)
 FEW = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, first_logits=True)
@@ -29,6 +32,8 @@ def model(name: str, dtype: str, monkeypatch: pytest.MonkeyPatch | None = None) 
     """`dtype` may name bf16's attention kernel (bf16-gemm, bf16-flash): set for this test only."""
     dtype, _, kernel = dtype.partition("-")
     if (name, dtype) not in _models:
+        if name == "smollm2-shape-2":  # two of smollm2-shape's 30 layers: the same kernel calls a layer
+            monkeypatch.setitem(PRESETS, name, dataclasses.replace(PRESETS["smollm2-shape"], num_layers=2))
         _models[name, dtype] = load_model(name, dtype=dtype, tokenizer=False)
     m = _models[name, dtype]
     if kernel:
@@ -154,6 +159,30 @@ def test_smollm2_shape_bf16_3000_tokens():
     try:
         e.generate([ids[:1234]], SamplingParams(max_tokens=1, temperature=0.0))
         hit = e.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, first_logits=True))[0]
+    finally:
+        e.close()
+    assert hit.prompt_tokens_reused == 1232 and same(hit, fresh)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smollm2_shapes_in_steps_of_4096_700_64_and_after_a_hit(dtype: str, monkeypatch):
+    """SmolLM2's layer shapes (its linears; GQA 9/3, head_dim 64) in two layers (every kernel call a
+    layer makes, at a fifteenth of 30 layers' cost) over a 4,000-token prompt: prefilled in one
+    step, in steps of 700 and of 64, and after a 1,232-token prefix-cache hit (the rest in steps of
+    700), the first token's logits and 8 greedy tokens are the same bits."""
+    if not dtype.startswith("fp32") and not cpu_has_bf16():
+        pytest.skip(f"{dtype.split('-')[0]} is emulated on this CPU (no avx512_bf16 / amx_bf16): SmolLM2's linears take "
+                    "1.5 minutes a kernel here; tests/test_exact_attention.py checks these attention shapes and fp32 runs")
+    m = model("smollm2-shape-2", dtype, monkeypatch)
+    ids = ids_of(m, 4000, seed=8)
+    few = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, first_logits=True)
+    fresh = run(engine(m, chunk=4096, prefix_cache=False), [ids], few)[0]
+    for chunk in (700, 64):
+        assert same(run(engine(m, chunk=chunk, prefix_cache=False), [ids], few)[0], fresh), chunk
+    e = engine(m, chunk=700)
+    try:
+        e.generate([ids[:1234]], SamplingParams(max_tokens=1, temperature=0.0))
+        hit = e.generate([ids], few)[0]
     finally:
         e.close()
     assert hit.prompt_tokens_reused == 1232 and same(hit, fresh)
