@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.dtypes import cpu_has_bf16
 from kvtier.models import invariant
 from kvtier.models.invariant import Fused, Linear
 
@@ -72,3 +73,34 @@ def test_the_plain_path_is_the_parts_own_calls():
     finally:
         invariant.set_exact(True)
     assert all(torch.equal(g, torch.nn.functional.linear(x, p.weight)) for g, p in zip(got, parts))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_smollm2_linears_give_a_row_its_bits_in_any_call_at_one_and_two_threads(dtype, threads):
+    """SmolLM2's linears (q/k/v and gate/up fused, o_proj, down_proj), as a prefill of 4,096 rows
+    calls them: in one call, in calls of 700 and of 64, and a row alone (a decode) give a row the
+    same bits, with one torch thread (the tests' workers) and with two (a server's); each thread
+    count runs the plans checked for it."""
+    if dtype != torch.float32 and not cpu_has_bf16():
+        pytest.skip(f"{dtype} is emulated on this CPU (no avx512_bf16 / amx_bf16): checking these shapes' row plans "
+                    "takes over a minute here; fp32 (what `auto` picks here) runs")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(1)
+        qkv = Fused(Linear(576, 576, bias=False), Linear(576, 192, bias=False), Linear(576, 192, bias=False))
+        gate_up = Fused(Linear(576, 1536, bias=False), Linear(576, 1536, bias=False))
+        o_proj, down = Linear(576, 576, bias=False), Linear(1536, 576, bias=False)
+        for m in (*qkv.parts, *gate_up.parts, o_proj, down):
+            m.to(dtype)
+        for call, width in ((lambda x: torch.cat(qkv(x), -1), 576), (lambda x: torch.cat(gate_up(x), -1), 576),
+                            (o_proj, 576), (down, 1536)):
+            x = torch.randn(4096, width).to(dtype)
+            whole = call(x)  # [4096, out]
+            for size in (700, 64):
+                assert torch.equal(torch.cat([call(x[a : a + size]) for a in range(0, 4096, size)]), whole), (width, size)
+            for r in (0, 1, 699, 2049, 4095):
+                assert torch.equal(call(x[r : r + 1]), whole[r : r + 1]), (width, r)
+    finally:
+        torch.set_num_threads(before)

@@ -220,13 +220,15 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _plan: RowPlan = FIXED
-    _packed_of: tuple[int, int, torch.dtype] | None = None
+    _packed_of: tuple[int, int, torch.dtype, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if not _exact or w.device.type != "cpu":
             return F.linear(x, w, self.bias)
-        ident = (w.data_ptr(), w._version, w.dtype)
+        # The thread count too: a plan holds for the count it was checked at (oneDNN may split a
+        # reduction across threads by the call's shape), so a process that changes it checks again.
+        ident = (w.data_ptr(), w._version, w.dtype, torch.get_num_threads())
         if self._packed_of != ident:
             self._plan = _plan_for(w.detach(), self.bias)
             self._packed, self._packed_of = _pack(w.detach(), self._plan.pack_hint), ident
@@ -268,7 +270,7 @@ class Fused:
 
     def _pack(self, first: int) -> "_Packed":
         parts = self.parts[first:]
-        ident = tuple((p.weight.data_ptr(), p.weight._version, p.weight.dtype) for p in parts)
+        ident = (torch.get_num_threads(), *((p.weight.data_ptr(), p.weight._version, p.weight.dtype) for p in parts))
         held = self._packs.get(first)
         if held is None or held[0] != ident:
             held = ident, _Packed.of(parts)
