@@ -5,7 +5,7 @@ in block order and rounded once.
 
 Why: on a CPU with native bf16 (avx512_bf16) oneDNN's bf16 GEMMs turn a query's keys over faster
 than the fused flash kernel (`exact_attention`), whose per-block softmax bookkeeping, not its
-arithmetic, bounds it (docs/benchmarks.md, "bf16 attention on GEMMs"). The scores are rounded to
+arithmetic, bounds it (docs/benchmarks.md, "Exact bf16 attention on GEMMs"). The scores are rounded to
 bf16 before the softmax, as HF transformers' eager attention rounds them; the probabilities are
 rounded to bf16 before the value products, as the flash kernel rounds them.
 
@@ -93,8 +93,9 @@ def usable(heads: int, kv_heads: int, hd: int) -> bool:
 
 @dataclass(frozen=True)
 class CallShapes:
-    """Every GEMM shape the kernel makes for one head geometry: batched products of `rows` rows,
-    reducing over `depths` (head_dim for scores; each piece's keys and KEY_BLOCK for values)."""
+    """The GEMM shapes the kernel makes for one head geometry: batched products of `rows` rows,
+    reducing over `score_depth` (the scores) or one of `value_depths` (a piece's values, or a whole
+    block's at KEY_BLOCK)."""
 
     rows: tuple[int, ...]  # a prompt's g x 1..PIECE queries (a decode's g among them)
     score_depth: int  # head_dim
@@ -118,9 +119,11 @@ def _usable(heads: int, kv_heads: int, hd: int, threads: int) -> bool:
 
 def _rows_invariant(shapes: CallShapes, kv_heads: int) -> bool:
     """Every row count the kernel makes, at every reduction length, gives the rows a call of the
-    most rows gives, bit for bit: the scores (over key widths of one piece to several blocks) and
-    the values; the batch counts a prompt (kv_heads, times its whole blocks) and a batch of decodes
-    (up to DECODE_ROWS tokens, times their blocks) make, one entry included."""
+    most rows gives, bit for bit: the scores (over key widths of one piece to two blocks) and the
+    values. Then the fewest and the most rows at batch counts 1, 2, kv_heads and 2 x kv_heads:
+    oneDNN splits a reduction across threads only in a call of one batch entry, so past two
+    entries the count changes no row (a prompt's calls have kv_heads, times its whole blocks; a
+    batch of decodes up to DECODE_ROWS times that)."""
     g = torch.Generator().manual_seed(0)
     top = shapes.rows[-1]
     batches = sorted({1, 2, kv_heads, 2 * kv_heads})  # one entry; a prompt's heads; a decode's tokens or blocks
