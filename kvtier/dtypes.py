@@ -33,14 +33,24 @@ def name_of(dtype: "torch.dtype") -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX), not by emulation."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            info = f.read()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    return frozenset(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX), not by emulation."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Intel Sapphire Rapids and later)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def torch_dtype(name: str) -> "torch.dtype":

@@ -171,8 +171,9 @@ def test_smollm2_shapes_in_steps_of_4096_700_64_and_after_a_hit(dtype: str, monk
     step, in steps of 700 and of 64, and after a 1,232-token prefix-cache hit (the rest in steps of
     700), the first token's logits and 8 greedy tokens are the same bits."""
     if not dtype.startswith("fp32") and not cpu_has_bf16():
-        pytest.skip(f"{dtype.split('-')[0]} is emulated on this CPU (no avx512_bf16 / amx_bf16): SmolLM2's linears take "
-                    "1.5 minutes a kernel here; tests/test_exact_attention.py checks these attention shapes and fp32 runs")
+        pytest.skip(f"{dtype.split('-')[0]} is emulated on this CPU (it has no AVX-512 bf16 or AMX): SmolLM2's linears "
+                    "take a minute and a half a kernel here; tests/test_exact_attention.py checks these attention "
+                    "shapes in it, and fp32 runs")
     m = model("smollm2-shape-2", dtype, monkeypatch)
     ids = ids_of(m, 4000, seed=8)
     few = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, first_logits=True)

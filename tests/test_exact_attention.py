@@ -7,6 +7,7 @@ hits, restores, batches) is tests/test_exact.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -87,7 +88,7 @@ def test_a_querys_bits_do_not_depend_on_its_call(spec, shape, monkeypatch):
 @pytest.mark.parametrize("spec", ["fp32", "bf16-gemm", "bf16-flash"])
 def test_the_split_is_as_accurate_as_one_pass(spec, monkeypatch):
     """The flash kernel merging the whole-block part and the piece by their log-sum-exp (in fp32,
-    rounded once), and the GEMMs' scores rounded to bf16 with their two value products added, stay
+    rounded once), and the GEMMs' scores rounded to bf16 with their value blocks summed in block order, stay
     within the dtype's rounding of attention computed in fp64."""
     dtype = kernel(spec, monkeypatch)
     q, k, v = inputs(dtype, 9, 3, 64)
@@ -139,7 +140,8 @@ def test_a_decode_without_its_whole_blocks_is_refused(spec, monkeypatch):
 def test_the_gemm_kernel_reads_one_row_of_scores_per_query(monkeypatch):
     """A continuation of 64 tokens after 1,024: one score product over all 1,088 keys (the piece's
     64 queries x 3 grouped heads as rows), then the values: the 64-key piece in one product, the
-    two whole key blocks in one batched product of 512 keys each (no product reduces over more)."""
+    two whole key blocks x 3 K/V heads in one batched product of 512 keys each (no product reduces
+    over more)."""
     kernel("bf16-gemm", monkeypatch)
     calls = []
     matmul = torch.matmul
@@ -151,27 +153,43 @@ def test_the_gemm_kernel_reads_one_row_of_scores_per_query(monkeypatch):
     monkeypatch.setattr(exact_matmul.torch, "matmul", recording)
     q, k, v = inputs(torch.bfloat16, 9, 3, 64)
     X.causal(q[1024:1088], k[:1088], v[:1088], 1024)
-    assert calls == [((3, 192, 64), (3, 64, 1088)), ((1, 3, 192, 64), (1, 3, 64, 64)),
-                     ((1, 2, 3, 192, 512), (1, 2, 3, 512, 64))]
+    assert calls == [((3, 192, 64), (3, 64, 1088)), ((1, 3, 192, 64), (1, 3, 64, 64)), ((6, 192, 512), (6, 512, 64))]
 
 
 def test_gemm_attention_falls_back_to_the_flash_kernel_where_its_check_fails(monkeypatch):
-    """Where the GEMMs would give a query different bits in a decode than in a prompt (AMX kernels
-    block by row count), `usable` says so and every bf16 call takes the flash kernel."""
+    """Where the GEMMs would give a query different bits in a decode than in a prompt, `usable`
+    says so and every bf16 call takes the flash kernel."""
     kernel("bf16-gemm", monkeypatch)
     q, k, v = inputs(torch.bfloat16, 4, 2, 16)
-    exact_matmul._usable.cache_clear()
+    # A cache of this test's own: the process's verdicts stay as they were after it.
+    monkeypatch.setattr(exact_matmul, "_usable", functools.lru_cache(maxsize=16)(exact_matmul._usable.__wrapped__))
     real = exact_matmul.decode
     monkeypatch.setattr(exact_matmul, "decode", lambda *a, **kw: real(*a, **kw) + 1)  # a row-variant GEMM
-    try:
-        assert not exact_matmul.usable(4, 2, 16)
-        assert not exact_matmul.active(torch.bfloat16, 4, 2, 16)
-        assert X.numerics_tag(torch.bfloat16, 4, 2, 16) == ""
-        got = X.causal(q, k, v, 0)  # the GEMMs refused: the flash kernel answers
-        monkeypatch.setattr(exact_matmul, "_mode", "flash")
-        assert torch.equal(got, X.causal(q, k, v, 0))
-    finally:
-        exact_matmul._usable.cache_clear()
+    assert not exact_matmul.usable(4, 2, 16)
+    assert not exact_matmul.active(torch.bfloat16, 4, 2, 16)
+    assert X.numerics_tag(torch.bfloat16, 4, 2, 16) == ""
+    got = X.causal(q, k, v, 0)  # the GEMMs refused: the flash kernel answers
+    monkeypatch.setattr(exact_matmul, "_mode", "flash")
+    assert torch.equal(got, X.causal(q, k, v, 0))
+
+
+@pytest.mark.parametrize("rows,depth,batch", [(36, 512, 2), (2, 512, 32), (128, 512, 24), (10, 64, 2), (2, 16, 14)])
+def test_the_check_finds_a_gemm_that_rounds_one_call_shape_otherwise(rows, depth, batch, monkeypatch):
+    """A GEMM that gives other bits at one call shape the kernel makes (a row count at a reduction
+    length, a batch count): the first-use check finds it, whichever shape it is."""
+    matmul = torch.matmul
+
+    def skewed(a, b, **kw):
+        out = matmul(a, b, **kw)
+        if a.dim() == 3 and a.shape == (batch, rows, depth):
+            out[0, 0, 0] = out[0, 0, 0] + 1
+        return out
+
+    shapes = exact_matmul.call_shapes(4, 2, 16)
+    assert rows in shapes.rows and batch in shapes.batches and depth in (shapes.score_depth, *shapes.value_depths)
+    assert exact_matmul._rows_invariant(shapes)
+    monkeypatch.setattr(exact_matmul.torch, "matmul", skewed)
+    assert not exact_matmul._rows_invariant(shapes)
 
 
 def test_the_kernel_choice_is_validated_and_tags_stored_state(monkeypatch):
@@ -195,12 +213,12 @@ def test_a_long_context_at_real_shapes_is_exact_however_it_is_called(spec, threa
     """SmolLM2's geometry over 4,096 positions, whole blocks up to 3,584 keys (long reductions are
     where a GEMM library's blocking may follow the call's shape, and the earlier tests' contexts
     stop at 1,200): a query's bits are the same prefilled in one call, in chunks of 700 and of 64,
-    after a 1,232-token cache hit (the rest in chunks of 700), and as a decode alone or batched,
-    its whole blocks in place or gathered. With one torch thread (the tests' workers) and two (a
+    after a 1,232-token cache hit (the rest in chunks of 700), and as a decode alone or batched
+    (sixteen tokens, ten of them reading the same keys), its whole blocks in place or gathered. With one torch thread (the tests' workers) and two (a
     server's)."""
     if spec == "bf16-gemm" and threads == 2 and not cpu_has_bf16():
-        pytest.skip("bf16 is emulated on this CPU (no avx512_bf16 / amx_bf16), where `auto` never picks the GEMM kernel "
-                    "and its emulated GEMMs split no reduction by thread: the one-thread run covers its shapes (45 s)")
+        pytest.skip("bf16 is emulated on this CPU (no avx512_bf16 / amx_bf16), where `auto` never picks the GEMM kernel: "
+                    "its one-thread run covers its shapes here")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -216,7 +234,7 @@ def test_a_long_context_at_real_shapes_is_exact_however_it_is_called(spec, threa
             got = chunked(start, size)
             bad = (got != whole[start:]).flatten(1).any(1).nonzero().flatten()
             assert not len(bad), f"chunks of {size} from {start}: {len(bad)} positions differ, first {start + bad[0].item()}"
-        lengths = [1, 513, 1232, 1233, 2049, 3001, 3001, 4096]
+        lengths = [1, 513, 1232, 1233, 2049, 4096, *range(2950, 2960)]  # ten reading the same keys: two calls
         for batch in (decode_batch, decode_in_place):
             out = batch(q, k, v, lengths)
             lone = [batch(q, k, v, [n])[0] for n in lengths[::3]]
@@ -240,12 +258,18 @@ def test_the_start_says_which_kernel_runs_and_why(monkeypatch, caplog):
     monkeypatch.setattr(exact_matmul, "_mode", "auto")
     monkeypatch.setattr(exact_matmul, "cpu_has_bf16", lambda: False)
     assert "no native bf16" in exact_matmul.why(torch.bfloat16, *REAL)
-    monkeypatch.setattr(exact_matmul, "cpu_has_bf16", cpu_has_bf16)
-    monkeypatch.setattr(exact_matmul, "_mode", "gemm")
+    assert not exact_matmul.active(torch.bfloat16, *REAL)
+    monkeypatch.setattr(exact_matmul, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(exact_matmul, "cpu_has_amx", lambda: True)  # auto on AMX: the flash kernel, unasked
+    monkeypatch.setattr(exact_matmul, "usable", lambda *geometry: pytest.fail("auto checked the GEMMs on AMX"))
+    assert "an AMX CPU" in exact_matmul.why(torch.bfloat16, *REAL)
+    assert not exact_matmul.active(torch.bfloat16, *REAL)
+    monkeypatch.setattr(exact_matmul, "_mode", "gemm")  # asked for: checked, and used where the check passes
     monkeypatch.setattr(exact_matmul, "usable", lambda *geometry: False)
-    assert "failed the row-invariance check for 9 heads over 3, head_dim 64" in exact_matmul.why(torch.bfloat16, *REAL)
+    assert "did not pass the row-invariance check for 9 heads over 3, head_dim 64" in exact_matmul.why(torch.bfloat16, *REAL)
     monkeypatch.setattr(exact_matmul, "usable", lambda *geometry: True)
-    assert exact_matmul.why(torch.bfloat16, *REAL).startswith("bf16 GEMMs (--bf16-attention gemm; rows checked")
+    assert exact_matmul.why(torch.bfloat16, *REAL).startswith("bf16 GEMMs (--bf16-attention gemm; checked row-invariant")
+    assert exact_matmul.active(torch.bfloat16, *REAL)
 
     m = load_model("tiny-gqa", dtype="bf16", tokenizer=False)
     with caplog.at_level(logging.INFO, logger="kvtier"):

@@ -83,8 +83,8 @@ def test_smollm2_linears_give_a_row_its_bits_in_any_call_at_one_and_two_threads(
     same bits, with one torch thread (the tests' workers) and with two (a server's); each thread
     count runs the plans checked for it."""
     if dtype != torch.float32 and not cpu_has_bf16():
-        pytest.skip(f"{dtype} is emulated on this CPU (no avx512_bf16 / amx_bf16): checking these shapes' row plans "
-                    "takes over a minute here; fp32 (what `auto` picks here) runs")
+        pytest.skip(f"{dtype} is emulated on this CPU (it has no AVX-512 bf16 or AMX): checking these shapes' row "
+                    "plans takes over a minute here; fp32 (what `auto` picks here) runs")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -104,3 +104,24 @@ def test_smollm2_linears_give_a_row_its_bits_in_any_call_at_one_and_two_threads(
                 assert torch.equal(call(x[r : r + 1]), whole[r : r + 1]), (width, r)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_new_thread_count_takes_the_plans_checked_for_it(monkeypatch):
+    """A plan holds for the thread count it was checked at: a Linear (and a Fused) called at one
+    count and then at another asks for the other count's plan, and keeps it while the count stays."""
+    asked = []
+    plain = invariant._plan_for
+    monkeypatch.setattr(invariant, "_plan_for", lambda w, b: asked.append(torch.get_num_threads()) or plain(w, b))
+    torch.manual_seed(2)
+    lin = Linear(64, 32, bias=False)
+    fused = Fused(Linear(64, 32, bias=False), Linear(64, 16, bias=False))
+    x = torch.randn(5, 64)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 1, 2, 2, 1):
+            torch.set_num_threads(threads)
+            lin(x)
+            fused(x)
+    finally:
+        torch.set_num_threads(before)
+    assert asked == [1, 1, 2, 2, 1, 1]  # each count's first call, for the Linear and the Fused

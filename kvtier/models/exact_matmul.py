@@ -1,7 +1,7 @@
 """Exact CPU attention in bf16 through GEMMs: a query's scores over all the keys it reads in one
 row, one softmax over that row, then its values read in fixed blocks: each whole key block before
-its own (KEY_BLOCK keys) in one product, its piece in another, their bf16 results summed in fp32
-in block order and rounded once.
+its own (KEY_BLOCK keys) in one product, its piece in another, their bf16 results summed in block
+order (in double, as the CPU's cumulative sum accumulates) and rounded once.
 
 Why: on a CPU with native bf16 (avx512_bf16) oneDNN's bf16 GEMMs turn a query's keys over faster
 than the fused flash kernel (`exact_attention`), whose per-block softmax bookkeeping, not its
@@ -13,15 +13,17 @@ What makes it exact: a query at position p reads the keys [0, key_rows(p + 1)), 
 alone, as one row of scores whatever the call, and every product it takes part in reduces over a
 length fixed by p: head_dim for its scores, KEY_BLOCK for each whole block's values, its piece's
 keys for the piece's. No product reduces over more than KEY_BLOCK keys: a GEMM library may cut a
-long reduction into chunks sized by the whole problem's shape, so a row summed over 2,560 keys in
-a call of 36 rows may be grouped otherwise than in a call of 192 (oneDNN's AMX kernels choose
-their K blocking so; the row-invariant linears see it there as bf16 `down_proj`, a reduction of
-1,536, holding only in calls of up to 128 rows). What remains is that a row's bits do not depend on
-the number of rows or batch entries beside it in a call, or on B being a view or a copy: `usable`
-checks that at first use per head geometry and thread count, for every row count and reduction
-length the kernel makes (`call_shapes`), and where it fails the flash kernel serves instead.
-`set_mode` (the engine's `--bf16-attention`) picks the kernel: auto (GEMMs on CPUs with native
-bf16, where `usable`), gemm or flash.
+long reduction into chunks sized by the whole problem's shape, so that one row is grouped
+otherwise in calls of other row counts (docs/exactness.md has the case). Every product's operands
+are contiguous (K read as the transpose of its heads-major copy), and its batch is at most
+BATCH_BLOCKS x kv_heads entries. What remains is that a
+row's bits do not depend on the number of rows or batch entries beside it in a call: `usable`
+checks that at first use per head geometry and thread count (every row count at every reduction
+length the kernel makes, each batch count at the fewest and most rows, then the kernel itself on a
+2,600-token context), and where it fails the flash kernel serves instead. `set_mode` (the
+engine's `--bf16-attention`) picks the kernel: auto (GEMMs on CPUs with avx512_bf16 and no AMX,
+where `usable`; the flash kernel on AMX, where this kernel has not been checked by a run of the
+test suite), gemm (wherever `usable`) or flash.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.dtypes import cpu_has_bf16
+from kvtier.dtypes import cpu_has_amx, cpu_has_bf16
 from kvtier.models.key_split import KEY_BLOCK, PIECE, cut_or_pad, key_rows, split
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "gemm", "flash")
 DECODE_ROWS = 8  # decoding tokens per call: a batch of 32 long contexts copied at once is 2 x 100 MB at 8K
+BATCH_BLOCKS = 16  # whole key blocks (times kv_heads) per value product: every batch count the check covers
 SCORE_BUDGET = 1 << 23  # scores per call of a prompt's queries (16 MB in bf16): long contexts take fewer queries a call
 _mode = "auto"
 _local = threading.local()  # per thread: the score, probability and K/V buffers, reused (a fresh 16 MB faults its pages in)
@@ -57,7 +60,7 @@ def set_mode(mode: str) -> None:
 
 def active(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> bool:
     """Whether exact attention of this dtype and head geometry runs on GEMMs."""
-    if dtype != torch.bfloat16 or _mode == "flash" or (_mode == "auto" and not cpu_has_bf16()):
+    if dtype != torch.bfloat16 or _mode == "flash" or (_mode == "auto" and (not cpu_has_bf16() or cpu_has_amx())):
         return False
     ok = usable(heads, kv_heads, hd)
     if not ok and _mode == "gemm":
@@ -67,17 +70,18 @@ def active(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> bool:
 
 def why(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
     """One line: which kernel exact CPU attention of this dtype and geometry runs, and why."""
-    geometry = f"{heads} heads over {kv_heads}, head_dim {hd}"
     if dtype != torch.bfloat16:
         return f"the flash kernel ({str(dtype).removeprefix('torch.')}: GEMM attention is bf16's only)"
     if _mode == "flash":
         return "the flash kernel (--bf16-attention flash)"
     if _mode == "auto" and not cpu_has_bf16():
         return "the flash kernel (this CPU has no native bf16: no avx512_bf16 or amx_bf16)"
+    if _mode == "auto" and cpu_has_amx():
+        return "the flash kernel (auto on an AMX CPU, where only the flash kernel is known exact; --bf16-attention gemm tries the GEMMs, checked first)"
+    geometry = f"{heads} heads over {kv_heads}, head_dim {hd}, {torch.get_num_threads()} threads"
     if active(dtype, heads, kv_heads, hd):
-        return (f"bf16 GEMMs ({'--bf16-attention gemm' if _mode == 'gemm' else 'auto'}; rows checked invariant "
-                f"on this CPU for {geometry}, {torch.get_num_threads()} threads)")
-    return f"the flash kernel (this CPU's bf16 GEMMs failed the row-invariance check for {geometry})"
+        return f"bf16 GEMMs ({'--bf16-attention gemm' if _mode == 'gemm' else 'auto'}; checked row-invariant here for {geometry})"
+    return f"the flash kernel (this CPU's bf16 GEMMs did not pass the row-invariance check for {geometry})"
 
 
 @functools.lru_cache(maxsize=16)  # once per geometry, not per call
@@ -95,69 +99,77 @@ def usable(heads: int, kv_heads: int, hd: int) -> bool:
 class CallShapes:
     """The GEMM shapes the kernel makes for one head geometry: batched products of `rows` rows,
     reducing over `score_depth` (the scores) or one of `value_depths` (a piece's values, or a whole
-    block's at KEY_BLOCK)."""
+    block's at KEY_BLOCK), in batches of `batches` entries."""
 
     rows: tuple[int, ...]  # a prompt's g x 1..PIECE queries (a decode's g among them)
     score_depth: int  # head_dim
     value_depths: tuple[int, ...]  # PIECE, 2 PIECE, ..., KEY_BLOCK
+    batches: tuple[int, ...]  # kv_heads x 1..BATCH_BLOCKS (a prompt's heads, times decoding tokens or whole blocks)
 
 
 def call_shapes(heads: int, kv_heads: int, hd: int) -> CallShapes:
     g = heads // kv_heads
-    return CallShapes(tuple(g * m for m in range(1, PIECE + 1)), hd, tuple(range(PIECE, KEY_BLOCK + 1, PIECE)))
+    return CallShapes(tuple(g * m for m in range(1, PIECE + 1)), hd, tuple(range(PIECE, KEY_BLOCK + 1, PIECE)),
+                      tuple(kv_heads * j for j in range(1, max(BATCH_BLOCKS, DECODE_ROWS) + 1)))
 
 
 @functools.lru_cache(maxsize=16)
 def _usable(heads: int, kv_heads: int, hd: int, threads: int) -> bool:
     try:
-        ok = _rows_invariant(call_shapes(heads, kv_heads, hd), kv_heads) and _composed(heads, kv_heads, hd)
+        ok = _rows_invariant(call_shapes(heads, kv_heads, hd)) and _composed(heads, kv_heads, hd)
     except (RuntimeError, ValueError) as e:  # a GEMM this build cannot run: the flash kernel serves
         log.warning("bf16 GEMM attention unavailable, the flash kernel serves: %s", e)
         return False
     return ok
 
 
-def _rows_invariant(shapes: CallShapes, kv_heads: int) -> bool:
-    """Every row count the kernel makes, at every reduction length, gives the rows a call of the
-    most rows gives, bit for bit: the scores (over key widths of one piece to two blocks) and the
-    values. Then the fewest and the most rows at batch counts 1, 2, kv_heads and 2 x kv_heads:
-    oneDNN splits a reduction across threads only in a call of one batch entry, so past two
-    entries the count changes no row (a prompt's calls have kv_heads, times its whole blocks; a
-    batch of decodes up to DECODE_ROWS times that)."""
+def _rows_invariant(shapes: CallShapes) -> bool:
+    """Every row count the kernel makes, at every reduction length, in a call of a prompt's batch
+    (kv_heads entries), gives the rows a call of the most rows gives, bit for bit: the scores (over
+    key widths of one piece to two blocks) and the values. Then each batch count the kernel makes,
+    at the fewest rows (a decode's), and for the whole blocks' values at the most rows too (a
+    prompt's piece over many blocks)."""
     g = torch.Generator().manual_seed(0)
-    top = shapes.rows[-1]
-    batches = sorted({1, 2, kv_heads, 2 * kv_heads})  # one entry; a prompt's heads; a decode's tokens or blocks
+    rows, top, one, most = shapes.rows, shapes.rows[-1], shapes.batches[0], shapes.batches[-1]
     products = [(shapes.score_depth, n, True) for n in (PIECE, KEY_BLOCK + PIECE, 2 * KEY_BLOCK)]
     products += [(depth, shapes.score_depth, False) for depth in shapes.value_depths]
     for depth, n, scores in products:
-        a = torch.randn(batches[-1], 2 * top, depth, generator=g).to(torch.bfloat16)  # [batch, rows, depth]
-        b = torch.randn(batches[-1], n, depth, generator=g).to(torch.bfloat16)
-        b = b.transpose(1, 2) if scores else b.reshape(batches[-1], depth, n)  # scores read K transposed
-        want = torch.cat([torch.matmul(a[:, :top], b), torch.matmul(a[:, top:], b)], 1)  # [batch, 2 top, n]
-        for i, m in enumerate(shapes.rows):  # a prompt's calls: kv_heads entries
+        wide = depth == KEY_BLOCK and not scores  # the whole blocks' values: every batch count at every row count
+        a = torch.randn(most, 2 * top, depth, generator=g).to(torch.bfloat16)  # [batch, rows, depth]
+        b = torch.randn(most, n, depth, generator=g).to(torch.bfloat16)
+        b = b.transpose(1, 2) if scores else b.view(most, depth, n)  # scores read heads-major K transposed
+        entries = most if wide else one
+        want = torch.cat([torch.matmul(a[:entries, :top], b[:entries]), torch.matmul(a[:entries, top:], b[:entries])], 1)
+        for i, m in enumerate(rows):
             at = (i * 7919) % top  # a different offset per count
-            if not torch.equal(torch.matmul(a[:kv_heads, at : at + m], b[:kv_heads]), want[:kv_heads, at : at + m]):
+            if not torch.equal(torch.matmul(a[:one, at : at + m], b[:one]), want[:one, at : at + m]):
                 log.info("bf16 GEMM attention: %d rows over %d differ from %d rows", m, depth, top)
                 return False
-        for batch in batches:  # the fewest and the most rows at every batch count
-            for m in (shapes.rows[0], top):
-                if not torch.equal(torch.matmul(a[:batch, :m], b[:batch]), want[:batch, :m]):
-                    log.info("bf16 GEMM attention: batch %d of %d rows over %d differs", batch, m, depth)
+        for m in (rows[0], top) if wide else (rows[0],):
+            ref = want[:, :m] if wide else torch.matmul(a[:, :m], b)  # [most, m, n]
+            if not torch.equal(ref[:one], want[:one, :m]):
+                return False
+            for batch in shapes.batches:
+                if not torch.equal(torch.matmul(a[:batch, :m], b[:batch]), ref[:batch]):
+                    log.info("bf16 GEMM attention: a batch of %d, %d rows over %d, differs", batch, m, depth)
                     return False
     return True
 
 
 def _composed(heads: int, kv_heads: int, hd: int) -> bool:
-    """The kernel itself computes a query alike however it is called: a prompt in one call, in
-    chunks of 100 (pieces cut at chunk edges), single decodes, and decodes batched with tokens of
-    no, one or two whole key blocks, their whole blocks read as views or from gathered contexts."""
-    ctx = 1100  # three key blocks: queries with no whole-block part, one and two
+    """The kernel itself computes a query alike however it is called, over 2,600 positions (whole
+    blocks up to 2,048 keys): a prompt in one call, in chunks of 100 to 1,100 and of 700 after;
+    single decodes; decodes batched with tokens of no, one, two and five whole key blocks, ten of
+    them reading the same keys (two calls), their whole blocks read as views or from gathered
+    contexts."""
+    ctx = 2600
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(ctx, h, hd, generator=g).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
     whole = causal(q, k, v, 0)
-    chunked = torch.cat([causal(q[a : a + 100], k[: a + 100], v[: a + 100], a) for a in range(0, ctx, 100)])
-    lengths = [6, 64, 513, 600, 600, 1090, 1100, 1100]  # two tokens reading the same keys: one call
-    lone = [causal(q[n - 1 : n], k[:n], v[:n], n - 1) for n in lengths]
+    cuts = [*range(0, 1100, 100), *range(1100, ctx, 700), ctx]
+    chunked = torch.cat([causal(q[a:b], k[:b], v[:b], a) for a, b in zip(cuts, cuts[1:])])
+    lengths = [6, 64, 513, 600, 600, 1090, 1100, 2049, *range(2590, 2600)]
+    lone = [causal(q[n - 1 : n], k[:n], v[:n], n - 1) for n in lengths[:8]]
     splits = [split(n) for n in lengths]
     reach = max(keys for _, keys in splits)
     pk, pv = (torch.zeros(len(lengths), reach, kv_heads, hd, dtype=torch.bfloat16) for _ in range(2))
@@ -168,9 +180,9 @@ def _composed(heads: int, kv_heads: int, hd: int) -> bool:
     contexts = tuple(cut_or_pad(x, key_rows(ctx))[None].expand(len(lengths), -1, -1, -1) for x in (k, v))
     gathered = decode(last, (pk, pv), [], lengths, padded=(contexts[0], contexts[1]))
     return (torch.equal(chunked, whole)
-            and all(torch.equal(o[0], whole[n - 1]) and torch.equal(batch[r], whole[n - 1])
-                    and torch.equal(gathered[r], whole[n - 1])
-                    for r, (n, o) in enumerate(zip(lengths, lone))))
+            and all(torch.equal(o[0], whole[n - 1]) for n, o in zip(lengths, lone))
+            and all(torch.equal(batch[r], whole[n - 1]) and torch.equal(gathered[r], whole[n - 1])
+                    for r, n in enumerate(lengths)))
 
 
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -190,6 +202,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
         end = min(start + n, lo - lo % PIECE + PIECE)  # lo's piece: its queries read the same keys
         base, keys = lo - lo % KEY_BLOCK, key_rows(end)
         nb = base // KEY_BLOCK
+        vp = _buffer(4, (1, kv_heads, keys - base, hd), q.dtype).copy_(vb[None, nb, :, : keys - base])  # the piece's values
         step = max(1, SCORE_BUDGET // (heads * keys))
         for a in range(lo, end, step):
             b = min(end, a + step)
@@ -197,8 +210,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
             qg = qs[a - start : b - start].view(m, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * m, hd)
             s = torch.matmul(qg, kc[:, :keys].transpose(1, 2), out=_buffer(0, (kv_heads, g * m, keys), q.dtype))  # [kvh, g*m, keys]
             tail = keys - PIECE  # every masked key lies in the last piece
-            o = _attend(s[None], _tail_mask(a - tail, b - tail, g, q.dtype, q.device), base,
-                        vb[None, :nb], vb[None, nb, :, : keys - base])  # [1, kvh, g*m, hd]
+            o = _attend(s[None], _tail_mask(a - tail, b - tail, g, q.dtype, q.device), base, vb[None, :nb], vp)  # [1, kvh, g*m, hd]
             out[a - start : b - start] = o[0].view(kv_heads, g, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
         lo = end
     return out
@@ -213,7 +225,7 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     kv_heads, hd], views of the pool; None where base is 0), or both from row r of `padded` (the
     contexts gathered, [n, >= its keys, kv_heads, hd]). The tokens that read the same keys (the
     same base and piece) attend in batched calls of up to DECODE_ROWS tokens, their contexts copied
-    heads-major.
+    (K heads-major, V block-major).
     q: [n, heads, hd] -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = pieces[0].shape[2]
@@ -234,7 +246,8 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
             vw = _buffer(3, (m, nb, kv_heads, KEY_BLOCK, hd), q.dtype)  # the whole blocks' values, block-major
             vp = _buffer(4, (m, kv_heads, keys, hd), q.dtype)  # the piece's values
             if padded is not None:
-                ck, cv = (x if index is None else x.index_select(0, index) for x in padded)  # [m, >= width, kvh, hd]
+                ck, cv = (x[:, : base + keys] if index is None else x[:, : base + keys].index_select(0, index)
+                          for x in padded)  # [m, base + keys, kvh, hd]
                 kk.copy_(ck[:, : base + keys].transpose(1, 2))
                 vw.copy_(cv[:, :base].unflatten(1, (nb, KEY_BLOCK)).transpose(2, 3))
                 vp.copy_(cv[:, base : base + keys].transpose(1, 2))
@@ -262,20 +275,29 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
 def _attend(s: torch.Tensor, mask: torch.Tensor, base: int, vw: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
     """Scores s [L, kvh, rows, keys] (scaled; keys [0, key_rows)) -> attention [L, kvh, rows, hd]:
     masked past each row's position (all in the last piece), one softmax per row, then the values:
-    the whole blocks' vw [L, blocks, kvh, KEY_BLOCK, hd] in one product a block and the piece's vp
-    [L, kvh, keys - base, hd] in another, their bf16 results summed in fp32 in block order."""
+    the piece's vp [L, kvh, keys - base, hd] in one product, the whole blocks' vw [L, blocks, kvh,
+    KEY_BLOCK, hd] in one product a block (batched, BATCH_BLOCKS x kvh a call), their bf16 results
+    summed in block order, the piece last."""
     s[..., -PIECE:] += mask
     p = torch.ops.aten._softmax.out(s, -1, False, out=_buffer(1, s.shape, s.dtype)) if s.numel() > 1 << 16 \
         else torch.softmax(s, -1)
-    piece = torch.matmul(p[..., base:], vp)  # [L, kvh, rows, hd]
+    lead, kvh, rows, keys = p.shape
+    hd = vp.shape[-1]
+    piece = torch.matmul(_buffer(5, (lead, kvh, rows, keys - base), p.dtype).copy_(p[..., base:]), vp)  # [L, kvh, rows, hd]
     if not base:
         return piece
     nb = base // KEY_BLOCK
-    blocks = p[..., :base].unflatten(-1, (nb, KEY_BLOCK)).permute(0, 3, 1, 2, 4)  # [L, blocks, kvh, rows, KEY_BLOCK]
-    parts = torch.matmul(blocks, vw)  # [L, blocks, kvh, rows, hd]: each block's product rounded to bf16
-    # A sum in a fixed order, block after block (a cumulative sum is sequential by definition; a
-    # reduction may order its terms by the tensor's shape).
-    return (parts.cumsum(1, dtype=torch.float32)[:, -1] + piece.float()).to(piece.dtype)
+    n = lead * nb * kvh
+    blocks = _buffer(6, (lead, nb, kvh, rows, KEY_BLOCK), p.dtype)  # each block's probabilities, contiguous
+    blocks.copy_(p[..., :base].unflatten(-1, (nb, KEY_BLOCK)).permute(0, 3, 1, 2, 4))
+    a, b = blocks.view(n, rows, KEY_BLOCK), vw.reshape(n, KEY_BLOCK, hd)
+    parts = _buffer(7, (n, rows, hd), p.dtype)  # [L * blocks * kvh, rows, hd]: each block's product, rounded to bf16
+    for i in range(0, n, BATCH_BLOCKS * kvh):
+        torch.matmul(a[i : i + BATCH_BLOCKS * kvh], b[i : i + BATCH_BLOCKS * kvh], out=parts[i : i + BATCH_BLOCKS * kvh])
+    # Summed block after block: a cumulative sum is sequential by definition (the CPU's accumulates
+    # in double), where a reduction may order its terms by the tensor's shape.
+    total = parts.view(lead, nb, kvh, rows, hd).cumsum(1, dtype=torch.float32)[:, -1]
+    return (total + piece.float()).to(piece.dtype)
 
 
 def _heads_major(x: torch.Tensor, buffer: int) -> torch.Tensor:
