@@ -107,10 +107,11 @@ class EngineOptions:
                                 "places, but a cache hit, a restore, another prefill chunking or batch may then change "
                                 "a token's logits (bf16, fp16; its state is stored apart from exact state) "
                                 "(default: exact)")
-    bf16_attention: str = option("auto", ENGINE, "exact bf16 attention's CPU kernel: gemm (oneDNN's GEMMs, up to "
-                                 "1.6x the fused kernel's speed where this CPU's GEMMs are row-invariant, checked at "
-                                 "first use), flash (the fused flash kernel) or auto (gemm on CPUs with native bf16) "
-                                 "(default: %(default)s)", choices=("auto", "gemm", "flash"))
+    bf16_attention: str = option("auto", ENGINE, "exact bf16 attention's CPU kernel: gemm (oneDNN's GEMMs, where a "
+                                 "check at first use finds every call shape it makes row-invariant on this CPU), "
+                                 "flash (the fused flash kernel) or auto (gemm on CPUs with avx512_bf16 and no AMX, "
+                                 "flash elsewhere); the start logs which runs and why (default: auto)",
+                                 choices=("auto", "gemm", "flash"))
 
     store: str = option(default_store_spec, STORE, f"tiered state store: {SPEC_HELP}", type=spec_type,
                         metavar="SPEC")
