@@ -40,8 +40,7 @@ _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take
 
 def numerics_tag(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
     """What stored state computed with exact attention in `dtype` is tagged with: the GEMM kernel
-    rounds otherwise than the flash kernel, so their states never share keys (nor the GEMM kernel's
-    before its values were read in fixed blocks, which rounded otherwise again)."""
+    rounds otherwise than the flash kernel, so their states never share keys."""
     return "+bf16-gemm-attention-blocked" if exact_matmul.active(dtype, heads, kv_heads, hd) else ""
 
 

@@ -248,13 +248,14 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
             if padded is not None:
                 ck, cv = (x[:, : base + keys] if index is None else x[:, : base + keys].index_select(0, index)
                           for x in padded)  # [m, base + keys, kvh, hd]
-                kk.copy_(ck[:, : base + keys].transpose(1, 2))
+                kk.copy_(ck.transpose(1, 2))
                 vw.copy_(cv[:, :base].unflatten(1, (nb, KEY_BLOCK)).transpose(2, 3))
                 vp.copy_(cv[:, base : base + keys].transpose(1, 2))
             else:
-                pk, pv = (x if index is None else x.index_select(0, index) for x in pieces)  # [m, >= keys, kvh, hd]
-                kk[:, :, base:].copy_(pk[:, :keys].transpose(1, 2))
-                vp.copy_(pv[:, :keys].transpose(1, 2))
+                pk, pv = (x[:, :keys] if index is None else x[:, :keys].index_select(0, index)
+                          for x in pieces)  # [m, keys, kvh, hd]
+                kk[:, :, base:].copy_(pk.transpose(1, 2))
+                vp.copy_(pv.transpose(1, 2))
                 for i, r in enumerate(rows if base else ()):
                     w = wholes[r] if r < len(wholes) else None
                     if w is None or w[0].shape[0] != base or w[1].shape[0] != base:
