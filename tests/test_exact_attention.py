@@ -218,7 +218,7 @@ def test_a_long_context_at_real_shapes_is_exact_however_it_is_called(spec, threa
     server's)."""
     if spec == "bf16-gemm" and not cpu_has_bf16():
         pytest.skip("bf16 is emulated on this CPU (no avx512_bf16 / amx_bf16), where `auto` never picks the GEMM kernel "
-                    "and a 4,096-position pass takes 15 s: its first-use check composes it over 2,600 positions here, "
+                    "and a 4,096-position pass is slow: its first-use check composes it over 2,600 positions here, "
                     "and the tests above run it over 1,200")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
