@@ -104,7 +104,11 @@ def cmd_verify(args) -> int:
 def cmd_clear(args) -> int:
     with _open(args) as store:
         removed = store.clear()
+        links = sum(t.counters.get("links", 0) for t in store.tiers)
     print("removed " + ", ".join(f"{n} chunks from {t}" for t, n in removed.items()))
+    if links:  # the disk tier neither follows nor removes them: they are not its own files
+        print(f"left {links} symbolic link(s) under the disk tier's directories untouched (never followed); "
+              "the log names them: remove them by hand")
     return 0
 
 

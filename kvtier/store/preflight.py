@@ -14,7 +14,8 @@ import os
 import shutil
 import tempfile
 
-from kvtier.store.spec import DiskSpec, MemorySpec, RedisSpec, parse_spec
+from kvtier.store.seal import Seal
+from kvtier.store.spec import DiskSpec, MemorySpec, RedisSpec, StoreSpec, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +74,16 @@ def check_store(text: str) -> None:
         check_disk(spec.disk)
     if spec.redis is not None:
         check_redis(spec.redis)
+
+
+def warn_if_unsealed(spec: StoreSpec, seal: Seal) -> None:
+    """One warning when a Redis tier is used without a store secret. Redis is the tier other
+    servers (and whoever else holds its credentials) write to; unsealed, a well-formed chunk
+    anyone stores there is served as this prompt's state. A disk tier gets no such line: nothing
+    in its spec says whether another process writes its directory."""
+    if spec.redis is None or seal.sealed:
+        return
+    kind = "Redis Cluster" if spec.redis.cluster else "Redis"
+    log.warning("the %s tier %s is not sealed: anyone who can write to that %s can plant state this server will "
+                "serve; give every server of this store the same secret with --store-secret-file FILE "
+                "(docs/serve.md, Security)", kind, spec.redis.url, kind)

@@ -25,16 +25,27 @@ their pool slots go to the kernel as one io_uring submission where the system ha
 Stored KV can be inverted back to the prompt's text, so the tier's directories are created 0700 and
 its files 0600 whatever the umask: only the server's user reads them. Paths are built only from
 validated hex keys: a file name or a header from elsewhere never names a path outside the tier.
+
+Whoever can write to a directory of the tier can put a symbolic link where a directory or file of
+the tier goes. The tier never follows one (safe_paths.py): every operation below a root goes
+through directory handles opened one component at a time with O_NOFOLLOW, so a link costs a miss
+or an unwritten chunk, counted (`links`, and `errors`: store_errors in /metrics) and logged once
+per kind, and no file outside the root is ever read, written, created or deleted. The root itself
+is the operator's and may be a link (a store directory on another disk): it is resolved once, at
+open, and only what lies below it is treated as hostile.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 import stat
 import tempfile
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator, TypeVar, cast
 
 import torch
@@ -42,9 +53,10 @@ import torch
 from ..format import FormatError, PackedChunk, Segment
 from ..keys import Child, lead_of
 from ..policy import EvictionPolicy
+from ..safe_paths import DirTree, LinkFound, Listing, fd_budget, lstat, open_file, walk
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
-from ..validate import child_entry, first_layer_bytes, is_key
+from ..validate import LEAD, child_entry, first_layer_bytes, is_key
 from . import uring
 from .base import HEAD_BYTES, Expect, OpenChunk, PoolTarget, Reader, Segments, Tier, W, log
 
@@ -61,10 +73,27 @@ T = TypeVar("T")
 SUFFIX = ".kvc"
 MARK = ".kvl"
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+# The names `_write_atomic` gives its temp files, "{key}.{pid}.{8 hex}.tmp": cleanup removes only
+# these (and only regular files), whatever else is in the directory.
+TMP_NAME = re.compile(r"[0-9a-f]{32}\.([0-9]+)\.[0-9a-f]{8}\.tmp")
+Rel = tuple[str, ...]  # a directory below a root: (ns, "c", shard), (ns, "p", shard, parent[, lead]), ...
+# What a link found where the tier was about to work costs, by the kind of work (one log line each).
+LINK_EFFECTS = {
+    "read": "the chunk is a miss",
+    "lookup": "the chunk is a miss",
+    "write": "the chunk is not written",
+    "mark": "the chunk is stored but not found by readers reusing it in part",
+    "delete": "nothing through it is removed",
+    "clean": "no temp file through it is removed",
+    "index": "nothing through it is indexed",
+    "clear": "nothing through it is removed",
+    "namespace": "this namespace is not stored in that directory",
+}
 
 
 def makedirs_private(path: str) -> None:
-    """`os.makedirs` with every directory it creates 0700 (makedirs gives only the leaf its mode)."""
+    """`os.makedirs` with every directory it creates 0700 (makedirs gives only the leaf its mode).
+    For a root the operator named only: below a root, directories are made through handles."""
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
@@ -86,15 +115,33 @@ def _child_of(name: str, lead: str) -> Child | None:
 @dataclass(frozen=True)
 class _File:
     dir: int  # index into the tier's directories
-    path: str
+    rel: Rel  # the file's directory below that root
+    name: str
     nbytes: int
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+class _Located(str):
+    """A chunk file's path as text (messages, `path_of`) that opens the file through the tier's
+    directory handles, never through a link: `opener(flags)` -> a file descriptor."""
+
+    opener: Callable[[int], int] | None = None
+
+
+def _full_at(ns: str, key: str) -> tuple[Rel, str]:
+    return (ns, "c", key[:2]), key + SUFFIX
+
+
+def _partial_rel(ns: str, parent: str, lead: str = "") -> Rel:
+    return (ns, "p", parent[:2], parent) + ((lead,) if lead else ())  # (lead "": no trailing part)
+
+
+def _stale_tmp(e: os.DirEntry) -> bool:
+    """`e` is a temp file this tier wrote (its exact name pattern, a regular file) whose writer is gone."""
+    m = TMP_NAME.fullmatch(e.name)
+    if m is None or not e.is_file(follow_symlinks=False):
+        return False
+    pid = int(m[1])
+    return pid != os.getpid() and not (pid > 0 and _pid_alive(pid))  # a live writer still owns it
 
 
 def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
@@ -111,11 +158,21 @@ def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
 
 class _FileReader(Reader):
     def __init__(self, path: str, align: int) -> None:
-        """`align`: the direct-I/O alignment of the file's device (0: buffered reads)."""
-        self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if align else 0))
+        """`align`: the direct-I/O alignment of the file's device (0: buffered reads). A `_Located`
+        path is opened through the tier's handles; any other never through a final link."""
+        flags = os.O_RDONLY | (os.O_DIRECT if align else 0)
+        opener = getattr(path, "opener", None)
+        self.fd = opener(flags) if opener is not None else os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory or a FIFO planted in the file's place
+                raise OSError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL, "not a regular file", path)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.direct = align > 0
         self.direct_align = align
-        self.size = os.fstat(self.fd).st_size
+        self.size = st.st_size
 
     def scatter(self, offset: int, dests: Sequence[memoryview]) -> None:
         """Read the bytes at `offset` straight into consecutive `dests`: one syscall, the device's
@@ -198,8 +255,12 @@ def _in_batches(pool: ThreadPoolExecutor, fn: Callable[[int], T], n: int) -> lis
 
 
 class _Dir:
-    def __init__(self, root: str, capacity: int, policy: EvictionPolicy) -> None:
-        self.root = root
+    def __init__(self, root: str, capacity: int, policy: EvictionPolicy, handles: int) -> None:
+        # The operator's root is trusted, a link included (resolved once here: DirTree); what lies
+        # below it is not.
+        makedirs_private(os.path.realpath(root))
+        self.tree = DirTree(root, handles)
+        self.root = self.tree.root
         self.capacity = capacity
         self.policy = policy
         self.used = 0
@@ -223,18 +284,19 @@ class DiskTier(Tier):
                  make_policy: Callable[[], EvictionPolicy], emulation: Emulation = Emulation(),
                  fsync: bool = False) -> None:
         super().__init__(emulation)
+        self.counters["links"] = 0  # symbolic links met below a root (each also one of `errors`)
         self.ns = ns  # None: admin mode over every namespace
         # The opening reads each chunk's first layer with its header (`head_bytes`). Off for a
         # store feeding a GPU: heads are pageable memory, the pinned staging serves copies better.
         self.read_ahead = True
         self.fsync = fsync
-        self.dirs = [_Dir(os.path.abspath(r), c, make_policy()) for r, c in zip(roots, capacities)]
+        handles = max(8, fd_budget() // max(1, len(roots)))
+        self.dirs = [_Dir(r, c, make_policy(), handles) for r, c in zip(roots, capacities)]
         self._files: dict[str, _File] = {}
-        for i, d in enumerate(self.dirs):
-            makedirs_private(d.root)
-            if self.ns is not None:  # this namespace's directory is ours alone, whoever made it
-                makedirs_private(self._ns_dir(i))
-                os.chmod(self._ns_dir(i), PRIVATE_DIR)
+        self._shards: dict[Rel, Rel] = {}  # one tuple per shard directory, shared by its files' entries
+        for i in range(len(self.dirs)):
+            if self.ns is not None:
+                self._claim_ns(i)
             self._rebuild(i)
         aligns = [direct_io_alignment(d.root) for d in self.dirs]
         self.direct_align = 0 if 0 in aligns else max(aligns)
@@ -247,66 +309,129 @@ class DiskTier(Tier):
             self._make_room(i, 0, frozenset())
 
     # --- paths and index ----------------------------------------------------------------------
-    def _ns_dirs(self, i: int) -> list[str]:
-        root = self.dirs[i].root
+    def _claim_ns(self, i: int) -> None:
+        """This namespace's directory is ours alone, whoever made it: 0700, set on its handle (a
+        link there is never followed, so never chmodded)."""
+        assert self.ns is not None
+        try:
+            with self.dirs[i].tree.opened((self.ns,), create=True, mode=PRIVATE_DIR) as fd:
+                os.fchmod(fd, PRIVATE_DIR)
+        except LinkFound as e:
+            self._found_link("namespace", e)
+        except OSError as e:  # (a file planted there): every operation on it is then a counted miss
+            self.refused("namespace", e)
+
+    def _found_link(self, what: str, err: LinkFound) -> None:
+        """A link where the tier was about to work: not followed, counted, logged once per kind."""
+        self.counters["links"] += 1
+        self.counters["errors"] += 1
+        if f"link:{what}" not in self._logged:
+            self._logged.add(f"link:{what}")
+            log.warning("disk tier: %s is a symbolic link; it was not followed, %s (logged once per kind of "
+                        "operation; each one counts in the disk tier's links and errors)",
+                        err.filename, LINK_EFFECTS.get(what, "the operation is skipped"))
+
+    def _shard(self, rel: Rel) -> Rel:
+        return self._shards.setdefault(rel, rel)
+
+    def _path(self, f: _File) -> str:
+        return self.dirs[f.dir].tree.shown(f.rel, f.name)
+
+    def _in_dir(self, i: int, rel: Rel, fn: Callable[[int], T], create: bool = False) -> T:
+        """`fn(handle of directory rel)` below root i (made if `create`). Where a kept handle's
+        directory was removed meanwhile (another process's clear), once more on a fresh one.
+        Raises LinkFound where a component of `rel` is a link, and what `fn` raises."""
+        tree = self.dirs[i].tree
+        for attempt in (0, 1):
+            try:
+                with tree.opened(rel, create, PRIVATE_DIR) as fd:
+                    return fn(fd)
+            except FileNotFoundError:
+                if attempt or not tree.forget_removed(rel):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _ns_names(self, i: int) -> list[str]:
         if self.ns is not None:
-            return [os.path.join(root, self.ns)]
-        return [e.path for e in os.scandir(root) if e.is_dir()]
+            return [self.ns]
+        tree, out = self.dirs[i].tree, []
+        with tree.fresh(()) as fd, os.scandir(fd) as it:
+            for e in it:
+                if e.is_symlink():
+                    self._found_link("index", LinkFound(tree.shown((e.name,))))
+                elif e.is_dir(follow_symlinks=False):
+                    out.append(e.name)
+        return out
 
-    def _ns_dir(self, i: int) -> str:
-        assert self.ns is not None  # callers run only with a namespace (admin mode has none)
-        return os.path.join(self.dirs[i].root, self.ns)
-
-    def _full_path(self, i: int, key: str) -> str:
-        return os.path.join(self._ns_dir(i), "c", key[:2], key + SUFFIX)
-
-    def _partial_dir(self, i: int, parent: str, lead: str = "") -> str:
-        return os.path.join(self._ns_dir(i), "p", parent[:2], parent, lead)  # (lead "": no trailing part)
+    def _walk(self, i: int, rel: Rel, what: str) -> Iterator[Listing]:
+        """Every directory below `rel` (deepest first), links counted and never followed."""
+        tree = self.dirs[i].tree
+        try:
+            with tree.fresh(rel) as fd:
+                for listing in walk(fd, rel, tree.shown(rel)):
+                    for name in listing.links:
+                        self._found_link(what, LinkFound(tree.shown(listing.rel, name)))
+                    yield listing
+        except FileNotFoundError:
+            return
+        except LinkFound as e:
+            self._found_link(what, e)
+        except OSError as e:
+            self.refused(what, e)
 
     def _rebuild(self, i: int) -> None:
         found, marks = [], []
-        for nsdir in self._ns_dirs(i):
-            self._clean_tmp(os.path.join(nsdir, "tmp"))
-            for base, _dirs, files in os.walk(nsdir):
-                if os.path.basename(base) == "tmp":
-                    continue
-                for f in files:
-                    if f.endswith(MARK):
-                        marks.append(os.path.join(base, f))
-                    if not f.endswith(SUFFIX):
-                        continue
-                    path = os.path.join(base, f)
-                    try:
-                        st = os.stat(path)
-                    except OSError:
-                        continue
-                    key = f[:-len(SUFFIX)].rsplit("-", 1)[-1]
-                    if not is_key(key):
-                        continue  # not a file this tier wrote
-                    found.append((st.st_mtime_ns, key, path, st.st_size))
+        for ns in self._ns_names(i):
+            self._clean_tmp(i, ns)
+            for top in ("c", "p"):  # (the only directories the tier writes chunks and marks in)
+                for listing in self._walk(i, (ns, top), "index"):
+                    for e in listing.files:
+                        if e.name.endswith(MARK):
+                            marks.append((listing.rel, e.name))
+                        key = e.name[:-len(SUFFIX)].rsplit("-", 1)[-1]
+                        if not e.name.endswith(SUFFIX) or not is_key(key):
+                            continue  # not a file this tier wrote
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        rel = self._shard(listing.rel) if len(listing.rel) == 3 else listing.rel
+                        found.append((st.st_mtime_ns, key, rel, e.name, st.st_size))
         found.sort()  # oldest first: approximates recency across the restart
-        for _, key, path, size in found:
-            self._index(key, _File(i, path, size))
+        for _, key, rel, name, size in found:
+            self._index(key, _File(i, rel, name, size))
         if self.ns is not None:  # marks whose chunk was evicted since they were listed last
-            for path in marks:
-                child = _child_of(os.path.basename(path), "")
+            for rel, name in marks:
+                child = _child_of(name, "")
                 if child is not None and not self.contains(child.key):
-                    _unlink(path)
+                    self._unlink_quietly(i, rel, name)
 
-    def _clean_tmp(self, tmpdir: str) -> None:
+    def _unlink_quietly(self, i: int, rel: Rel, name: str) -> None:
         try:
-            names = os.listdir(tmpdir)
+            self._in_dir(i, rel, lambda fd: os.unlink(name, dir_fd=fd))
+        except OSError:
+            pass
+
+    def _clean_tmp(self, i: int, ns: str) -> None:
+        """Remove the temp files of writers that are gone: only names this tier gives them, only
+        regular files, only in the tmp directory itself (never through a link)."""
+        tree = self.dirs[i].tree
+        try:
+            with tree.fresh((ns, "tmp")) as fd, os.scandir(fd) as it:
+                for e in it:
+                    if e.is_symlink():
+                        self._found_link("clean", LinkFound(tree.shown((ns, "tmp"), e.name)))
+                    elif _stale_tmp(e):
+                        try:
+                            os.unlink(e.name, dir_fd=fd)
+                        except OSError:
+                            pass
         except FileNotFoundError:
             return
-        for n in names:
-            parts = n.split(".")
-            pid = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else -1
-            if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
-                continue  # a live writer (this process or another) still owns it
-            try:
-                os.unlink(os.path.join(tmpdir, n))
-            except OSError:
-                pass
+        except LinkFound as e:
+            self._found_link("clean", e)
+        except OSError as e:
+            self.refused("clean", e)
 
     def _index(self, key: str, f: _File) -> None:
         old = self._files.get(key)
@@ -321,18 +446,22 @@ class DiskTier(Tier):
         """A chunk another process wrote after our open: find it with one stat per directory."""
         if self.ns is None:
             return None
+        rel, name = _full_at(self.ns, key)
         for i in range(len(self.dirs)):
-            path = self._full_path(i, key)
+            shown = self.dirs[i].tree.shown(rel, name)
             try:
-                st = os.stat(path)
+                st = self._in_dir(i, rel, lambda fd: lstat(name, fd, shown))
             except FileNotFoundError:
+                continue
+            except LinkFound as e:
+                self._found_link("lookup", e)
                 continue
             except OSError as e:  # something else planted on the path (a file where a directory goes)
                 self.refused("lookup", e)
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            f = _File(i, path, st.st_size)
+            f = _File(i, self._shard(rel), name, st.st_size)
             with self.lock:
                 self._index(key, f)
             return f
@@ -348,34 +477,50 @@ class DiskTier(Tier):
         out = []
         for i in range(len(self.dirs)):
             for lead_ in ("", lead) if lead else ("",):
-                out += self._children_in(i, self._partial_dir(i, parent, lead_), lead_)
+                out += self._children_in(i, _partial_rel(self.ns, parent, lead_), lead_)
         return out
 
-    def _children_in(self, i: int, pdir: str, lead: str) -> list[Child]:
+    def _children_in(self, i: int, rel: Rel, lead: str) -> list[Child]:
         try:
-            names = os.listdir(pdir)
+            return self._in_dir(i, rel, lambda fd: self._children_at(i, rel, fd, lead))
         except (FileNotFoundError, NotADirectoryError):
+            return []
+        except LinkFound as e:
+            self._found_link("lookup", e)
             return []
         except OSError as e:
             self.refused("lookup", e)
             return []
+
+    def _children_at(self, i: int, rel: Rel, fd: int, lead: str) -> list[Child]:
+        """The children listed in the partial directory `rel`, open as `fd` (deeper than the kept
+        handles: the caller's own, so listing it moves no shared position)."""
         out = []
-        for n in names:
-            child = _child_of(n, lead)
-            if child is None:
-                continue  # not a file this tier wrote (or a lead's directory): skipped, never an error
-            if n.endswith(MARK):  # a full chunk's mark: the chunk is its own file, maybe gone
-                if not self.contains(child.key):
-                    _unlink(os.path.join(pdir, n))
+        with os.scandir(fd) as it:
+            for e in it:
+                child = _child_of(e.name, lead)
+                if child is None:
+                    continue  # not a file this tier wrote (or a lead's directory): skipped, never an error
+                if e.is_symlink():
+                    self._found_link("lookup", LinkFound(self.dirs[i].tree.shown(rel, e.name)))
                     continue
-            elif child.key not in self._files:
-                try:
-                    size = os.stat(os.path.join(pdir, n)).st_size
-                except OSError:
-                    continue
-                with self.lock:
-                    self._index(child.key, _File(i, os.path.join(pdir, n), size))
-            out.append(child)
+                if e.name.endswith(MARK):  # a full chunk's mark: the chunk is its own file, maybe gone
+                    if not self.contains(child.key):
+                        try:
+                            os.unlink(e.name, dir_fd=fd)
+                        except OSError:
+                            pass
+                        continue
+                elif child.key not in self._files:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    with self.lock:
+                        self._index(child.key, _File(i, rel, e.name, st.st_size))
+                out.append(child)
         return out
 
     def iterate(self) -> Iterator[str]:
@@ -387,15 +532,27 @@ class DiskTier(Tier):
             with self.lock:
                 self.dirs[f.dir].policy.touch(key)
 
+    def _located(self, f: _File) -> _Located:
+        shown = self._path(f)
+        path = _Located(shown)
+        path.opener = partial(self._open_file, f, shown)  # (not `path` itself: no cycle to leave to the collector)
+        return path
+
+    def _open_file(self, f: _File, shown: str, flags: int) -> int:
+        return self._in_dir(f.dir, f.rel, lambda fd: open_file(f.name, flags, fd, shown))
+
     def _open(self, key: str) -> Reader | None:
         f = self._files.get(key) or self._adopt(key)
         if f is None:
             return None
         try:
-            return _FileReader(f.path, self.direct_align)
-        except FileNotFoundError:  # removed by another process: forget it
+            return _FileReader(self._located(f), self.direct_align)
+        except (FileNotFoundError, LinkFound) as e:  # removed by another process, or a link: forget it
+            if isinstance(e, LinkFound):
+                self._found_link("read", e)
             with self.lock:
-                self._forget(key)
+                if self._files.get(key) is f:
+                    self._forget(key)
             return None
 
     def open_chunks(self, expects: Sequence[Expect]) -> list[OpenChunk | None]:
@@ -513,23 +670,27 @@ class DiskTier(Tier):
         self._io.shutdown(wait=True)
         if self._rings is not None:
             self._rings.close()
+        for d in self.dirs:
+            d.tree.close()
 
     def path_of(self, key: str) -> str | None:
         f = self._files.get(key)
-        return None if f is None else f.path
+        return None if f is None else self._path(f)
 
     def put(self, packed: PackedChunk) -> bool:
         h = packed.header
         i = h.index % len(self.dirs)  # round-robin by position: a context spreads over all disks
         if self.ns is None:
             raise RuntimeError("admin-mode store cannot write chunks")
-        if not (is_key(h.key) and is_key(h.parent)):  # the header may come from another tier
+        lead = lead_of(h.prefix)
+        if not (is_key(h.key) and is_key(h.parent) and (not lead or LEAD.match(lead))):  # the header may come from another tier
             self.counters["put_errors"] += 1
             return False
         if h.partial:
-            path = os.path.join(self._partial_dir(i, h.parent, lead_of(h.prefix)), f"{h.tokens:04d}-{h.key}{SUFFIX}")
+            rel, name = _partial_rel(self.ns, h.parent, lead), f"{h.tokens:04d}-{h.key}{SUFFIX}"
         else:
-            path = self._full_path(i, h.key)
+            rel, name = _full_at(self.ns, h.key)
+            rel = self._shard(rel)
         with self.lock:
             if h.key in self._files:
                 self.dirs[i].policy.touch(h.key)
@@ -539,27 +700,33 @@ class DiskTier(Tier):
             if not self._make_room(i, packed.nbytes, frozenset({h.key})):
                 return False
             # Reserve the bytes now so concurrent puts do not overshoot the cap.
-            self._index(h.key, _File(i, path, packed.nbytes))
+            self._index(h.key, _File(i, rel, name, packed.nbytes))
         try:
-            self._write_atomic(i, path, packed)
+            self._write_atomic(i, rel, name, packed)
         except OSError as e:
-            log.warning("disk write of %s failed: %s", h.key, e)
+            if isinstance(e, LinkFound):
+                self._found_link("write", e)
+            else:
+                log.warning("disk write of %s failed: %s", h.key, e)
             with self.lock:
                 self._forget(h.key)
             self.counters["put_errors"] += 1
             return False
         if not h.partial:
-            self._mark(os.path.join(self._partial_dir(i, h.parent, lead_of(h.prefix)), f"{h.tokens:04d}-{h.key}{MARK}"))
+            self._mark(i, _partial_rel(self.ns, h.parent, lead), f"{h.tokens:04d}-{h.key}{MARK}")
         self.counters["bytes_written"] += packed.nbytes
         self.counters["puts"] += 1
         return True
 
-    def _mark(self, path: str) -> None:
+    def _mark(self, i: int, rel: Rel, name: str) -> None:
         """A full chunk's place under its parent (for readers reusing it in part): an empty file."""
+        shown = self.dirs[i].tree.shown(rel, name)
         try:
-            makedirs_private(os.path.dirname(path))
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
-        except OSError as e:  # the chunk is still found whole; only its reuse in part is lost
+            self._in_dir(i, rel, lambda fd: os.close(open_file(name, os.O_WRONLY | os.O_CREAT, fd, shown, PRIVATE_FILE)),
+                         create=True)
+        except LinkFound as e:  # the chunk is still found whole; only its reuse in part is lost
+            self._found_link("mark", e)
+        except OSError as e:
             self.refused("mark", e)
 
     def replace(self, packed: PackedChunk) -> bool:
@@ -570,43 +737,51 @@ class DiskTier(Tier):
         if f is None or packed.header.partial:
             return False
         try:
-            self._write_atomic(f.dir, f.path, packed)
+            self._write_atomic(f.dir, f.rel, f.name, packed)
         except OSError as e:
-            log.warning("disk rewrite of %s failed: %s", key, e)
+            if isinstance(e, LinkFound):
+                self._found_link("write", e)
+            else:
+                log.warning("disk rewrite of %s failed: %s", key, e)
             self.counters["put_errors"] += 1
             return False
         with self.lock:
             if key in self._files:
-                self._index(key, _File(f.dir, f.path, packed.nbytes))
+                self._index(key, _File(f.dir, f.rel, f.name, packed.nbytes))
         self.counters["bytes_written"] += packed.nbytes
         return True
 
-    def _write_atomic(self, i: int, path: str, packed: PackedChunk) -> None:
-        tmpdir = os.path.join(self._ns_dir(i), "tmp")
-        makedirs_private(tmpdir)
-        makedirs_private(os.path.dirname(path))
-        tmp = os.path.join(tmpdir, f"{packed.header.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    def _write_atomic(self, i: int, rel: Rel, name: str, packed: PackedChunk) -> None:
+        """Write `packed` under the namespace's tmp directory, then rename it to `name` in `rel`
+        (both directories made if missing): readers see the old file, the new one, or none. Raises
+        OSError (LinkFound where a directory on the way is a link)."""
+        tmp = f"{packed.header.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # (TMP_NAME)
+
+        def into(tmp_fd: int) -> None:
+            self._in_dir(i, rel, lambda dst_fd: self._write_into(tmp_fd, tmp, dst_fd, name, packed), create=True)
+
+        self._in_dir(i, (rel[0], "tmp"), into, create=True)
+
+    def _write_into(self, tmp_fd: int, tmp: str, dst_fd: int, name: str, packed: PackedChunk) -> None:
+        # O_EXCL with O_NOFOLLOW: a fresh file of our own, never an existing name or a link's target.
+        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, tmp_fd, tmp, PRIVATE_FILE)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
             with os.fdopen(fd, "wb") as fh:
                 for b in packed.buffers:
                     fh.write(b)
                 if self.fsync:
                     fh.flush()
                     os.fsync(fh.fileno())
-            os.replace(tmp, path)  # atomic: readers see the old file, the new one, or none
-            if self.fsync:
-                dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+            # A rename replaces the name itself: a link at `name` is replaced, never followed.
+            os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=dst_fd)
         except BaseException:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=tmp_fd)
             except OSError:
                 pass
             raise
+        if self.fsync:
+            os.fsync(dst_fd)
 
     def _make_room(self, i: int, n: int, protected: frozenset[str]) -> bool:
         d = self.dirs[i]
@@ -637,14 +812,22 @@ class DiskTier(Tier):
         if f is None:
             return
         try:
-            os.unlink(f.path)
+            self._in_dir(f.dir, f.rel, lambda fd: os.unlink(f.name, dir_fd=fd))  # (a link there: the link itself goes)
         except FileNotFoundError:
             pass
+        except LinkFound as e:
+            self._found_link("delete", e)
         except OSError as e:  # a directory planted where the file was, a read-only disk: left, counted
             self.refused("delete", e)
-        for d in (os.path.dirname(f.path), os.path.dirname(os.path.dirname(f.path))):
+        self._prune(f.dir, f.rel)
+
+    def _prune(self, i: int, rel: Rel) -> None:
+        """Remove the partial directories of `rel` left empty (a lead's, then its parent's), which
+        would otherwise pile up; shard directories stay (their handles are kept)."""
+        while len(rel) > 3 and rel[1] == "p":
+            name, rel = rel[-1], rel[:-1]
             try:
-                os.rmdir(d)  # empty partial dirs (a lead's, then its parent's) would otherwise pile up
+                self._in_dir(i, rel, lambda fd: os.rmdir(name, dir_fd=fd))  # (only if empty; never a link)
             except OSError:
                 break
 
@@ -654,17 +837,28 @@ class DiskTier(Tier):
             self.delete(key)
             n += 1
         for i in range(len(self.dirs)):
-            for nsdir in self._ns_dirs(i):
-                self._clean_tmp(os.path.join(nsdir, "tmp"))
-                for base, _dirs, files in os.walk(os.path.join(nsdir, "p"), topdown=False):
-                    for f in files:
-                        if f.endswith(MARK):
-                            _unlink(os.path.join(base, f))
+            for ns in self._ns_names(i):
+                self._clean_tmp(i, ns)
+                self._clear_marks(i, ns)
+        return n
+
+    def _clear_marks(self, i: int, ns: str) -> None:
+        """Remove the marks (regular files only) and the emptied parents' and leads' directories
+        under the namespace's partial index; links are counted and left, never followed."""
+        for listing in self._walk(i, (ns, "p"), "clear"):  # deepest first: a directory is emptied before its parent
+            for e in listing.files:
+                if e.name.endswith(MARK):
                     try:
-                        os.rmdir(base)  # (only if empty)
+                        os.unlink(e.name, dir_fd=listing.fd)
                     except OSError:
                         pass
-        return n
+            if len(listing.rel) < 3:
+                continue  # (its subdirectories are shards: kept)
+            for name in listing.dirs:
+                try:
+                    os.rmdir(name, dir_fd=listing.fd)  # (only if empty)
+                except OSError:
+                    pass
 
     def usage(self) -> dict:
         return dict(entries=len(self._files), bytes_used=sum(d.used for d in self.dirs),

@@ -17,6 +17,7 @@ A dead server costs misses and dropped saves, never a failed request: every call
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Iterator
@@ -43,6 +44,12 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, Clus
 
 # Reads only ever read what they get: a tensor over the reply's immutable bytes needs no copy.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def glob_literal(text: str) -> str:
+    """`text` to be matched literally in a SCAN pattern (a prefix given in --store may hold the
+    pattern's special characters: * ? [ ] and the backslash)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _child_entry(member: bytes, lead: str) -> Child | None:
@@ -140,6 +147,12 @@ class RedisTier(Tier):
     def _p(self, parent: str, lead: str = "") -> str:
         return f"{self.spec.prefix}:{self.ns}:p:{parent}" + (f":{lead}" if lead else "")
 
+    def _pattern(self, kind: str, key: str = "*") -> str:
+        """SCAN pattern of this namespace's (every namespace's, in admin mode) keys of `kind`
+        ("c" or "p"): `key` "*" or one key, matched literally."""
+        ns = glob_literal(self.ns) if self.ns is not None else "*"
+        return f"{glob_literal(self.spec.prefix)}:{ns}:{kind}:{key if key == '*' else glob_literal(key)}"
+
     def contains(self, key: str) -> bool:
         if self.ns is None:
             return False
@@ -221,7 +234,7 @@ class RedisTier(Tier):
             return self._c(key)
         if key in self._admin_keys:  # filled by iterate(): admin tools walk every namespace
             return self._admin_keys[key]
-        found = self.call(lambda c: next(c.scan_iter(match=f"{self.spec.prefix}:*:c:{key}", count=1000), None))
+        found = self.call(lambda c: next(c.scan_iter(match=self._pattern("c", key), count=1000), None))
         return None if found is None else found.decode()
 
     def read_runs(self, opened: Sequence[OpenChunk], runs: Sequence[list[list[Segment]]],
@@ -309,8 +322,7 @@ class RedisTier(Tier):
         # A child's set entry is dropped lazily by children() once its value is gone.
 
     def iterate(self) -> Iterator[str]:
-        pattern = f"{self.spec.prefix}:{self.ns or '*'}:c:*"
-        for rk in self.client.scan_iter(match=pattern, count=1000):
+        for rk in self.client.scan_iter(match=self._pattern("c"), count=1000):
             rk = rk.decode()
             key = rk.rsplit(":", 1)[-1]
             if self.ns is None:
@@ -319,12 +331,11 @@ class RedisTier(Tier):
 
     def clear(self) -> int:
         n = 0
-        for pattern in (f"{self.spec.prefix}:{self.ns or '*'}:c:*",
-                        f"{self.spec.prefix}:{self.ns or '*'}:p:*"):
+        for kind in ("c", "p"):
             batch = []
-            for rk in self.client.scan_iter(match=pattern, count=1000):
+            for rk in self.client.scan_iter(match=self._pattern(kind), count=1000):
                 batch.append(rk)
-                n += pattern.endswith(":c:*")
+                n += kind == "c"
                 if len(batch) >= 500:
                     self._delete_many(batch)
                     batch = []
