@@ -12,6 +12,7 @@ import torch
 
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.grammar_limits import GrammarLimits
 from kvtier.engine.request import GrammarSpec, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
@@ -184,9 +185,10 @@ def test_a_grammar_that_fails_mid_sequence_aborts_and_ids_may_not_name_samples()
     """A grammar llguidance compiles but cannot follow (over its limits) ends the request as an
     error, never as a "stop" whose text would look complete; '#' is kept for n > 1 sample ids."""
     engine = Engine(load_model("tiny-gqa"), EngineConfig(kv_cache_bytes=16 << 20, max_model_len=256))
+    engine.grammars.limits = GrammarLimits(max_repeat=10**9)  # past the default limits, which refuse it
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=1.0, seed=1,
                                                       structured=GrammarSpec("regex", "a{99999999}")))[0]
-    assert out.finish_reason == "abort"
+    assert out.finish_reason == "abort" and out.error is not None and "grammar engine" in out.error
     assert engine.pool.num_free == engine.pool.num_blocks
     with pytest.raises(ValueError, match="'#'"):
         engine.add_request([5, 6], request_id="mine#1")

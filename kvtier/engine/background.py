@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ class BackgroundEngine:
         request_id: str | None = None,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> str:
-        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id, cache_salt)
+        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id, cache_salt, constraint)
         self._wake.set()
         return rid
 

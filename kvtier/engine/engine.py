@@ -80,6 +80,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # with SamplingParams(logprobs=k): one per output token
     # With SamplingParams(prompt_logprobs=k): one per prompt token, None for the first (nothing before it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Why the engine ended the request itself (finish_reason "abort"): its grammar could not go on.
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class _Live:
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
+    error: str | None = None  # why the engine ended it (RequestOutput.error)
 
 
 def _scores_prompt(live: _Live, start: int) -> bool:
@@ -255,14 +258,17 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> str:
         """Queue a request (safe from any thread); it joins the batch at the next step.
-        `cache_salt`: only requests with the same salt share cached or stored state."""
+        `cache_salt`: only requests with the same salt share cached or stored state.
+        `constraint`: params.structured's, made already (`grammars.build`); else made here, on a
+        grammar thread while the caller waits, never on the step's."""
         ids = self.encode(prompt)
         params = params or SamplingParams()
         params.check_vocab(self.model.config.vocab_size)
-        # Compiled here, on the caller's thread (cached per spec), never on the step's.
-        constraint = self.grammars.constraint(params.structured) if params.structured is not None else None
+        if constraint is None and params.structured is not None:
+            constraint = self.grammars.constraint(params.structured)
         source, kept = None, None
         if self.truncation is not None and len(ids) >= self.max_model_len:
             # Leave room to generate: at most max_tokens, at most half the window.
@@ -411,6 +417,7 @@ class Engine:
         if live.constraint is not None and (error := live.constraint.error) is not None:
             # Never a "stop": the output would look complete and not follow its grammar.
             log.warning("request %s: the grammar engine failed (%s); ending the request", req.request_id, error)
+            live.error = f"the grammar engine could not go on: {error}"
             status = RequestStatus.FINISHED_ABORTED
         self.link.step_side.after_step(req, finished=status is not None)
         if status is not None:
@@ -523,6 +530,7 @@ class Engine:
             index=live.index,
             logprobs=list(live.logprobs) if live.logprobs is not None else None,
             prompt_logprobs=list(live.prompt_logprobs) if live.prompt_logprobs is not None else None,
+            error=live.error if req.status.finished else None,
         )
         live.delta_text, live.delta_ids = "", []
         if out.finished:

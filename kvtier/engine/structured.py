@@ -3,19 +3,23 @@
 The grammar engine is llguidance (the one vLLM, SGLang and llama.cpp ship): abi3 CPU wheels with
 no torch or compiler dependency, JSON Schema, regex and Lark (with JSON schemas inside a grammar,
 which tool calls need), and a mask per step in tens of microseconds with no per-grammar compile
-ahead of time. Compiling a spec to the engine's grammar text is cached per spec; a `Constraint`
-(one sequence's matcher) is made by the caller's thread (`Grammars.constraint`), never the step's.
+ahead of time. A spec is bounded first (grammar_limits.py), then compiled on a grammar thread
+(grammar_threads.py), never the event loop's or the step's; a `Constraint` (one sequence's matcher)
+is a copy of the ready matcher kept per spec.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 import llguidance
 import torch
 
+from kvtier.engine.grammar_limits import GrammarError, GrammarLimits, check
+from kvtier.engine.grammar_threads import grammar_threads
 from kvtier.engine.request import GrammarSpec
 
 # llguidance's torch and transformers helpers are imported on first use, on the caller's thread
@@ -25,10 +29,6 @@ from kvtier.engine.request import GrammarSpec
 # Compact JSON: what a schema-following model emits; a free-whitespace grammar lets a small model
 # pad with newlines until max_tokens.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
-
-
-class GrammarError(ValueError):
-    """A schema, regex or grammar the grammar engine cannot compile."""
 
 
 class Constraint:
@@ -62,13 +62,23 @@ class Constraint:
 
 
 class Grammars:
-    """Grammar compilation for one tokenizer, cached per spec (thread-safe; built on first use)."""
+    """Grammar compilation for one tokenizer (thread-safe; the tokenizer's trie is built on first use).
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    Every spec is checked against `limits` before the grammar engine sees it, then compiled, made
+    into a matcher and asked for its first mask on a grammar thread with a large stack (`build`);
+    a ready matcher is kept per spec, its total bounded by `cache_bytes`, and each request gets a
+    copy."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, limits: GrammarLimits | None = None,
+                 cache_bytes: int = 64 << 20):
         self._hf = tokenizer
         self._vocab = vocab_size
+        self.limits = limits or GrammarLimits()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._ready: OrderedDict[GrammarSpec, tuple[Constraint, int]] = OrderedDict()
+        self._ready_bytes = 0
+        self._cache_bytes = cache_bytes
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -82,18 +92,60 @@ class Grammars:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab)
             return self._tokenizer
 
-    def compile(self, spec: GrammarSpec) -> str:
-        """The engine's grammar for `spec`, checked against this tokenizer (raises GrammarError)."""
-        return _compile(spec, self.tokenizer)
+    def build(self, spec: GrammarSpec) -> Future[Constraint]:
+        """A constraint for `spec` at its start, made on a grammar thread (raises GrammarError
+        through the future). Wait on it with a deadline of `limits.timeout_s`."""
+        return grammar_threads().submit(self._constraint_here, spec)
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec))
+        """`build`, waited for (raises GrammarError, also past the deadline)."""
+        try:
+            return self.build(spec).result(timeout=self.limits.timeout_s)
+        except TimeoutError:
+            raise GrammarError(too_slow(self.limits)) from None
+
+    def _constraint_here(self, spec: GrammarSpec) -> Constraint:
+        with self._lock:
+            kept = self._ready.get(spec)
+            if kept is not None:
+                self._ready.move_to_end(spec)
+                return kept[0].fork()
+        check(spec, self.limits)
+        grammar = _compile(spec, self.tokenizer)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=_PARSER_LIMITS)
+        if not matcher.is_error():  # the first mask: where a grammar too large for its limits fails
+            Constraint(matcher).fill_mask(allocate_bitmask(1, self._vocab), 0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return Constraint(matcher)
+            raise GrammarError(f"cannot compile the {spec.kind}: {matcher.get_error()}")
+        ready = Constraint(matcher)
+        self._keep(spec, ready, len(spec.text) + len(grammar) + _MATCHER_BYTES)
+        return ready.fork()
+
+    def _keep(self, spec: GrammarSpec, ready: Constraint, size: int) -> None:
+        with self._lock:
+            if spec in self._ready or size > self._cache_bytes:
+                return
+            self._ready[spec] = (ready, size)
+            self._ready_bytes += size
+            while self._ready_bytes > self._cache_bytes:
+                _, (_, gone) = self._ready.popitem(last=False)
+                self._ready_bytes -= gone
 
 
-@functools.lru_cache(maxsize=256)
+def too_slow(limits: GrammarLimits) -> str:
+    return (f"the grammar took longer than {limits.timeout_s:g} s to compile (--grammar-timeout); "
+            "simplify it")
+
+
+# A ready matcher's own memory (its lexer and parser tables) is not exposed; this is the allowance
+# the cache counts for it besides the texts.
+_MATCHER_BYTES = 256 << 10
+
+# llguidance's own limits, tighter than its defaults where a mask's cost is concerned; the
+# checks in grammar_limits.py are what keep a mask cheap, these bound what they do not model.
+_PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
 def _compile(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> str:
     try:
         if spec.kind == "json_object":
@@ -108,7 +160,7 @@ def _compile(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> str:
             grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"cannot compile the {spec.kind}: {e}") from e
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=_PARSER_LIMITS)
     if error:
         raise GrammarError(f"cannot compile the {spec.kind}: {error}")
     return grammar
