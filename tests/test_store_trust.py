@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tracemalloc
@@ -126,6 +127,20 @@ def test_sealed_store_restores_exactly(tiny_gqa, tmp_path):
     other = _engine(tiny_gqa, spec, seal=Seal(b"another secret of enough length!"))  # other secret: a miss
     assert other.generate([follow], GREEDY)[0].prompt_tokens_reused == 0
     other.close()
+
+
+@pytest.mark.redis
+def test_an_engine_over_an_unsealed_redis_says_so_once(tiny_gqa, redis_url, caplog):
+    caplog.set_level(logging.WARNING, logger="kvtier.store")
+
+    def planting_warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "plant" in r.getMessage()]
+
+    _engine(tiny_gqa, f"memory:64MB,{redis_url}").close()
+    assert len(planting_warnings()) == 1
+    caplog.clear()
+    _engine(tiny_gqa, f"memory:64MB,{redis_url}", seal=Seal(SECRET)).close()
+    assert not planting_warnings()
 
 
 def _run(engine, prompt, salt, session=None):

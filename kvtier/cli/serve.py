@@ -16,8 +16,15 @@ from kvtier.cli.engine_args import (
     positive_int,
 )
 from kvtier.cli.options import add_options, from_args, option
+from kvtier.engine.grammar_limits import GrammarLimits
 from kvtier.heap import freeze_startup_heap
-from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES, ServeConfig
+from kvtier.serve.config import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_OUTPUT_ENTRIES,
+    ServeConfig,
+)
 from kvtier.store.redact import redact
 
 API_KEY_ENV = "KVTIER_API_KEY"
@@ -29,7 +36,8 @@ GET /v1/models, GET /health, GET /metrics (Prometheus); the schema is at GET /op
 Any OpenAI client works: base_url=http://HOST:PORT/v1. Prefix reuse across requests is automatic.
 With --api-key (or ${API_KEY_ENV}) or --api-keys FILE, every path but /health needs
 'Authorization: Bearer KEY' (/metrics too, unless --metrics-public); each key's tenant gets a
-prompt cache of its own (unless --shared-cache).
+prompt cache of its own (unless --shared-cache). /metrics takes the --metrics-key key when one is
+set; with --api-keys and no --metrics-key, no tenant's key reads it.
 """
 
 
@@ -40,7 +48,7 @@ def _port(text: str) -> int:
     return value
 
 
-SESSIONS, HTTP = "sessions", "HTTP"
+SESSIONS, HTTP, GRAMMARS = "sessions", "HTTP", "structured output (grammars, regexes and JSON schemas requests send)"
 
 
 @dataclass(frozen=True)
@@ -61,17 +69,43 @@ class ServeOptions:
                                   "blank lines ignored); each tenant's cached prompt state is its own (instead of "
                                   "--api-key)", metavar="FILE", default_text="none")
     metrics_public: bool = option(False, HTTP, "leave /metrics open without a key (for Prometheus scrapers)")
+    metrics_key: str | None = option(None, HTTP, "the key that reads /metrics (the scraper's), and nothing else; "
+                                     "tenants' keys then get 403 there. Without it, with --api-keys no tenant's key "
+                                     "reads /metrics (its counters add up every tenant's activity), while one "
+                                     "--api-key still does (default: $KVTIER_METRICS_KEY, else none)",
+                                     metavar="KEY", secret=True)
+    max_output_entries: int = option(DEFAULT_MAX_OUTPUT_ENTRIES, HTTP, "the most output entries one request may ask "
+                                     "for: n x max_tokens x (1 + top logprobs), plus prompt_logprobs' entries; more "
+                                     "is a 400; 0: no limit", type=non_negative_int, metavar="N")
     shared_cache: bool = option(False, HTTP, "let tenants share cached prompt state: more reuse, but a tenant can tell "
                                 "from timing or cached_tokens whether another tenant sent a prompt")
     served_model_name: str | None = option(None, HTTP, "model id clients send and /v1/models lists",
                                            default_text="the --model value")
     max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, HTTP, "larger request bodies get 413", type=positive_int)
+    header_timeout: float = option(DEFAULT_HEADER_TIMEOUT_S, HTTP, "close a connection whose request headers are "
+                                   "not complete this long after it opens, or after the request's first byte on a "
+                                   "kept-alive one (408 if part of a request came)", type=positive_float,
+                                   metavar="SECONDS")
+    body_timeout: float = option(DEFAULT_BODY_TIMEOUT_S, HTTP, "answer 408 and close when a request body is not "
+                                 "complete this long after its headers (the whole body, not each read)",
+                                 type=positive_float, metavar="SECONDS")
     default_max_tokens: int | None = option(None, HTTP, "completion limit when a request sets none",
                                             type=positive_int, default_text="the rest of the context window")
     log_level: str = option("info", HTTP, "server and access log level", type=str.lower, choices=LOG_LEVELS)
     log_stats_interval: float = option(10.0, HTTP, "seconds between the one-line stats log (throughput, running and "
                                        "waiting requests, KV usage, reuse by tier), when there was activity; 0: off",
                                        type=non_negative, metavar="S")
+
+    max_grammar_bytes: int = option(GrammarLimits.max_bytes, GRAMMARS, "a grammar, regex or JSON schema larger than "
+                                    "this is a 400 naming its field", type=positive_int, metavar="BYTES")
+    max_grammar_rules: int = option(GrammarLimits.max_rules, GRAMMARS, "the most rules (Lark, GBNF) or subschemas "
+                                    "(JSON Schema) in one", type=positive_int, metavar="N")
+    max_grammar_depth: int = option(GrammarLimits.max_depth, GRAMMARS, "the deepest nesting, and the longest chain of "
+                                    "rule or $ref references, in one", type=positive_int, metavar="N")
+    max_grammar_repeat: int = option(GrammarLimits.max_repeat, GRAMMARS, "the largest repetition count ({n,m}, ~ n), "
+                                     "and product of nested ones, in one", type=positive_int, metavar="N")
+    grammar_timeout: float = option(GrammarLimits.timeout_s, GRAMMARS, "a grammar not compiled, with its first token "
+                                    "mask, within this many seconds is a 400", type=positive_float, metavar="SECONDS")
 
     def serve_config(self) -> ServeConfig:
         """The validated server settings (the --api-keys file is read here)."""
@@ -80,9 +114,12 @@ class ServeOptions:
         return ServeConfig(
             served_model_name=self.served_model_name, api_key=self.api_key,
             api_keys=load_api_keys(self.api_keys) if self.api_keys else {}, metrics_public=self.metrics_public,
+            metrics_key=self.metrics_key, max_output_entries=self.max_output_entries,
             shared_cache=self.shared_cache, max_body_bytes=self.max_body_bytes,
             default_max_tokens=self.default_max_tokens, max_queued_requests=self.max_queued_requests,
             stats_interval_s=self.log_stats_interval,
+            grammar_limits=GrammarLimits(self.max_grammar_bytes, self.max_grammar_rules, self.max_grammar_depth,
+                                         self.max_grammar_repeat, self.grammar_timeout),
         )
 
 
@@ -106,10 +143,8 @@ def run(args: argparse.Namespace) -> int:
     """Check everything a start needs, load the model, then serve until interrupted. Returns the
     process exit code. Fails fast: the options, the API keys, the port, the device, the store's
     tiers and the model's name are checked before any weight is read."""
-    import uvicorn
-
     from kvtier.serve.app import create_app
-    from kvtier.serve.server import ReadyServer, listen_socket
+    from kvtier.serve.server import ReadyServer, listen_socket, uvicorn_config
 
     options = from_args(ServeOptions, args)
     engine_options = EngineOptions.from_args(args)
@@ -125,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
             f"store {redact(engine_options.store)}"
         banner = (f"kvtier serving {name} ({engine.model.dtype} on {engine.device}, context {engine.max_model_len}, "
                   f"{store}) on http://{host}:{port}/v1" + _auth_note(config))
-        server = ReadyServer(uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=5),
-                             on_ready=lambda: print(banner, file=sys.stderr, flush=True))
+        http = uvicorn_config(app, header_timeout=options.header_timeout, body_timeout=options.body_timeout,
+                              log_level=options.log_level)
+        server = ReadyServer(http, on_ready=lambda: print(banner, file=sys.stderr, flush=True))
         server.run(sockets=[sock])
     finally:
         sock.close()

@@ -44,6 +44,7 @@ def create_app(
         default_max_tokens=default_max_tokens, max_queued_requests=max_queued_requests,
     )
     core = engine.engine if isinstance(engine, BackgroundEngine) else engine
+    core.grammars.limits = config.grammar_limits
     metrics = ServerMetrics(config.served_model_name or core.model.name, core.max_model_len)
     if isinstance(engine, BackgroundEngine):
         ctx = ServerContext(engine.engine, config, metrics, background=engine, owns_background=False)
@@ -85,7 +86,8 @@ def create_app(
     # so unauthenticated callers are refused before their body is read, and every answer is counted.
     # The auth middleware runs without keys too: it is what names every request's tenant.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=config.tenant_keys, open_paths=config.open_paths)
+    app.add_middleware(AuthMiddleware, keys=config.tenant_keys, open_paths=config.open_paths,
+                       metrics_key=config.metrics_key, metrics_refusal=config.metrics_refusal)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     _finish_openapi(app, ctx)
     return app
@@ -104,18 +106,19 @@ def _finish_openapi(app: FastAPI, ctx: ServerContext) -> None:
     are configured, and what depends on the loaded model (its names, completion length,
     vocabulary) is filled in."""
     build = app.openapi
-    secured = bool(ctx.config.tenant_keys)
-    open_paths = ctx.config.open_paths
+    config = ctx.config
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = build()
+        secured = False
         for path, ops in schema.get("paths", {}).items():
             for op in ops.values():
                 op.get("responses", {}).pop("422", None)
-                if secured and path not in open_paths:
+                if config.key_required(path):
                     op["security"] = [{"bearer": []}]
+                    secured = True
         comps = schema.setdefault("components", {})
         models = comps.get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.engine import RequestOutput
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.structured import Constraint
 from kvtier.serve.metrics import ServerMetrics
 
 
@@ -26,6 +27,10 @@ class ClientGone(Exception):
 
 class EngineFailed(Exception):
     """The engine ended the request without the client asking (a failed engine step)."""
+
+
+class GrammarFailed(EngineFailed):
+    """The engine ended the request because its grammar could not go on (the request's own doing)."""
 
 
 class Generation:
@@ -45,6 +50,7 @@ class Generation:
         cache_salt: str | None = None,
         received: float | None = None,
         on_done: Callable[[], None] | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.background = background
         self.request_id = request_id
@@ -62,7 +68,8 @@ class Generation:
         self._on_done = on_done  # called once, when the request finishes or is cancelled
         # Validation already happened in the handler; this can still raise PromptError/SamplingError.
         background.submit(
-            list(ids), params, self._on_output, request_id=request_id, session_id=session_id, cache_salt=cache_salt
+            list(ids), params, self._on_output, request_id=request_id, session_id=session_id, cache_salt=cache_salt,
+            constraint=constraint,
         )
 
     # ----- engine thread --------------------------------------------------------------------
@@ -89,6 +96,8 @@ class Generation:
                         self._done()
                         self._count_finish(out, stamp)
                     if out.finish_reason == "abort" and not self._cancelled:
+                        if out.error is not None:
+                            raise GrammarFailed(f"{out.error}; simplify the grammar")
                         raise EngineFailed("the engine failed while running this request")
                 yield out
                 if self.finished:

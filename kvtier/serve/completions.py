@@ -13,9 +13,9 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
-from kvtier.engine.request import SamplingError
+from kvtier.engine.request import GrammarSpec, SamplingError
 from kvtier.serve import responses as r
-from kvtier.serve.bridge import ClientGone, EngineFailed, Generation
+from kvtier.serve.bridge import ClientGone, EngineFailed, Generation, GrammarFailed
 from kvtier.serve.choices import (
     ChatChoiceStream,
     CompletionChoiceStream,
@@ -29,8 +29,8 @@ from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
 from kvtier.serve.inputs import (
     Prepared,
+    build_constraint,
     chat_prompt,
-    compile_grammar,
     completion_prompt,
     grammar_spec,
     prepare,
@@ -67,19 +67,21 @@ def _responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: ok, **_ERRORS}
 
 
-def _start(
+async def _start(
     ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float,
-    request: Request,
+    request: Request, grammar: tuple[GrammarSpec, str] | None,
 ) -> Generation:
+    """Admit the request, make its grammar's matcher (a grammar thread, with a deadline), submit it."""
     tenant = tenant_of(request)
     background = ctx.running()
     ctx.admit()
     try:
+        constraint = await build_constraint(ctx.engine, grammar)
         return Generation(
             background, prepared.ids, prepared.params, rid, endpoint=endpoint, metrics=ctx.metrics,
             session_id=session_id(tenant, body.prompt_cache_key),
             cache_salt=cache_salt(tenant, body.cache_salt, shared=ctx.config.shared_cache),
-            received=received, on_done=ctx.release,
+            received=received, on_done=ctx.release, constraint=constraint,
         )
     except (PromptError, SamplingError) as e:  # checked already; the engine has the last word
         ctx.release()
@@ -94,6 +96,8 @@ async def _finish(gen: Generation, request: Request) -> list[RequestOutput] | Re
         return await gen.result(request)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    except GrammarFailed as e:
+        raise APIError(400, str(e), code="grammar_failed") from e
     except EngineFailed as e:
         raise APIError(500, str(e), code="engine_error") from e
 
@@ -135,11 +139,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     engine = ctx.engine
     tools = tool_setup(engine, body)
     ids = await run_in_threadpool(chat_prompt, engine, body, tools)
-    structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body, tools))
-    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
+    grammar = grammar_spec(body, tools)
+    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens,
+                       grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
     text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = _start(ctx, prepared, body, rid, "chat", received, request)
+    gen = await _start(ctx, prepared, body, rid, "chat", received, request, grammar)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
@@ -170,11 +175,12 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     ctx.check_model(body.model)
     engine = ctx.engine
     ids = await run_in_threadpool(completion_prompt, engine, body)
-    structured = await run_in_threadpool(compile_grammar, engine, grammar_spec(body))
-    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens, structured)
+    grammar = grammar_spec(body)
+    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens,
+                       grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
     text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gen = _start(ctx, prepared, body, rid, "completions", received, request)
+    gen = await _start(ctx, prepared, body, rid, "completions", received, request, grammar)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )

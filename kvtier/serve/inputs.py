@@ -7,6 +7,7 @@ tools and the grammar a request constrains its output with.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from jinja2 import TemplateError
 
 from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
-from kvtier.engine.structured import GrammarError
+from kvtier.engine.structured import Constraint, GrammarError, too_slow
+from kvtier.serve.budget import check_output_budget
 from kvtier.serve.errors import APIError
 from kvtier.serve.schemas import (
     ChatCompletionRequest,
@@ -110,21 +112,24 @@ def grammar_spec(body: SamplingFields, tools: ToolSetup | None = None) -> tuple[
     return GrammarSpec("lark", so.grammar), "structured_outputs.grammar"
 
 
-def compile_grammar(engine: Engine, spec: tuple[GrammarSpec, str] | None) -> GrammarSpec | None:
-    """Compile (cached per spec) off the event loop's and the engine's threads; a 400 naming the
-    field if the grammar engine refuses it."""
+async def build_constraint(engine: Engine, spec: tuple[GrammarSpec, str] | None) -> Constraint | None:
+    """The request's grammar checked against the limits, compiled and ready, on a grammar thread
+    (never the event loop's or the engine's), within its deadline; a 400 naming the field if
+    it is past a limit, too slow, or refused by the grammar engine."""
     if spec is None:
         return None
+    grammars = engine.grammars
     try:
-        engine.grammars.compile(spec[0])
+        return await asyncio.wait_for(asyncio.wrap_future(grammars.build(spec[0])), grammars.limits.timeout_s)
+    except TimeoutError:
+        raise APIError(400, too_slow(grammars.limits), param=spec[1]) from None
     except GrammarError as e:
         raise APIError(400, str(e), param=spec[1]) from e
-    return spec[0]
 
 
 def prepare(
     engine: Engine, ids: Sequence[int], body: SamplingFields, requested: int | None, default_max_tokens: int | None,
-    structured: GrammarSpec | None = None,
+    structured: GrammarSpec | None = None, max_output_entries: int = 0,
 ) -> Prepared:
     """Check the prompt against the context window and build the sampling parameters."""
     window = engine.max_model_len
@@ -165,6 +170,7 @@ def prepare(
         )
     else:
         max_tokens = requested
+    check_output_budget(body, max_tokens, min(len(ids), window), max_output_entries)
     vocab = engine.model.config.vocab_size
     try:
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}

@@ -4,7 +4,8 @@ The key is checked before the body is parsed, so an unauthenticated caller learn
 the request format (a FastAPI dependency would run after JSON decoding). With keys configured,
 only /health stays open (and /metrics with --metrics-public): the schema, the docs and the
 metrics describe the deployment (model, limits, traffic), and unknown paths answer 401, not 404,
-so a caller without a key cannot map the server.
+so a caller without a key cannot map the server. The metrics count every tenant's traffic, so
+with several tenants /metrics takes the metrics key alone (ServeConfig.metrics_refusal).
 """
 
 from __future__ import annotations
@@ -64,40 +65,76 @@ class BodyLimitMiddleware:
 
 
 class AuthMiddleware:
-    """Decides the request's tenant from its API key, or answers 401.
+    """Decides the request's tenant from its API key, or answers 401 (403 for a tenant's key on
+    /metrics when `metrics_refusal` says why not).
 
     Every key is compared, without stopping at a match, and against SHA-256 digests (equal
     lengths), so the time taken says nothing about which key or how much of one matched. With no
-    keys configured every request is the default tenant. The tenant goes into the scope's state
-    (`request.state.tenant` in handlers).
+    tenant keys configured every request is the default tenant. The tenant goes into the scope's
+    state (`request.state.tenant` in handlers). The metrics key is no tenant's: it reads /metrics
+    and opens nothing else.
     """
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, str], open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str], open_paths: frozenset[str],
+                 metrics_key: str | None = None, metrics_refusal: str | None = None) -> None:
         self.app = app
-        self.keys = [(_digest(f"Bearer {key}".encode()), tenant) for key, tenant in keys.items()]
+        self.keys = [(_bearer_digest(key), tenant) for key, tenant in keys.items()]
         self.open_paths = open_paths
+        self.metrics_key = _bearer_digest(metrics_key) if metrics_key is not None else None
+        self.metrics_refusal = metrics_refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        tenant: str | None = DEFAULT_TENANT
-        if self.keys:
-            got = _digest(Headers(scope=scope).get("authorization", "").encode("latin-1"))
-            tenant = None
-            for expected, name in self.keys:
-                if secrets.compare_digest(got, expected):  # no break: the loop always runs in full
-                    tenant = name
-            if tenant is None and scope["path"] not in self.open_paths:
-                err = APIError(
-                    401, "missing or incorrect API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
-                await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
+        tenant, scraper = self._identify(scope)
+        refused = self._refusal(scope["path"], tenant, scraper)
+        if refused is not None:
+            headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
+            await error_response(refused, headers)(scope, receive, send)
+            return
+        if tenant is None and not self.keys:
+            tenant = DEFAULT_TENANT  # an open server: every request is the default tenant's
         # On an open path without a (right) key there is no tenant; those handlers need none.
         if tenant is not None:
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+    def _identify(self, scope: Scope) -> tuple[str | None, bool]:
+        """The tenant whose key the request carries (None: no tenant's), and whether it carries
+        the metrics key."""
+        if not self.keys and self.metrics_key is None:
+            return None, False
+        got = _digest(Headers(scope=scope).get("authorization", "").encode("latin-1"))
+        tenant = None
+        for expected, name in self.keys:
+            if secrets.compare_digest(got, expected):  # no break: the loop always runs in full
+                tenant = name
+        scraper = self.metrics_key is not None and secrets.compare_digest(got, self.metrics_key)
+        return tenant, scraper
+
+    def _refusal(self, path: str, tenant: str | None, scraper: bool) -> APIError | None:
+        if path in self.open_paths:
+            return None
+        if path == "/metrics" and (self.metrics_key is not None or self.metrics_refusal is not None):
+            if scraper:
+                return None
+            if tenant is None:
+                return _missing_key()
+            if self.metrics_refusal is not None:
+                return APIError(403, self.metrics_refusal, code="metrics_forbidden", type="permission_error")
+            return None
+        if tenant is None and self.keys:
+            return _missing_key()
+        return None
+
+
+def _missing_key() -> APIError:
+    return APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+def _bearer_digest(key: str) -> bytes:
+    return _digest(f"Bearer {key}".encode())
 
 
 def _digest(data: bytes) -> bytes:

@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvtier.engine.engine import RequestOutput
-from kvtier.serve.bridge import EngineFailed, Generation
+from kvtier.serve.bridge import EngineFailed, Generation, GrammarFailed
 from kvtier.serve.errors import error_body
 
 log = logging.getLogger("kvtier.serve")
@@ -76,6 +76,8 @@ async def stream_events(
         async for out in gen:
             for chunk in on_output(out):
                 yield event(chunk)
+    except GrammarFailed as e:
+        yield event(error_body(str(e), "invalid_request_error", None, "grammar_failed"))
     except EngineFailed as e:
         yield event(error_body(str(e), "server_error", None, "engine_error"))
     yield DONE

@@ -4,49 +4,73 @@ endpoints run (the same engine calls), so its count is what a request will cost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends
+from fastapi.concurrency import run_in_threadpool
 from jinja2 import TemplateError
 
-from kvtier.engine.engine import PromptError
+from kvtier.engine.engine import Engine, PromptError
 from kvtier.serve import responses as r
 from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
 from kvtier.serve.schemas import DetokenizeRequest, TokenizeRequest, template_messages
 
 router = APIRouter(tags=["tokenizer"])
-ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": r.ErrorResponse}, 404: {"model": r.ErrorResponse}}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": r.ErrorResponse}, 404: {"model": r.ErrorResponse},
+    429: {"model": r.ErrorResponse, "description": "the server is at capacity; retry after Retry-After"},
+}
+
+T = TypeVar("T")
 
 
 @router.post("/tokenize", response_model=r.TokenizeResponse, responses=ERRORS, summary="Token ids of a prompt")
 async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_context)) -> r.TokenizeResponse:
     if body.model is not None:
         ctx.check_model(body.model)
-    engine = ctx.engine
-    try:
-        if body.messages is not None:
-            ids = engine.encode_chat(template_messages(body.messages), body.add_generation_prompt)
-        else:
-            assert body.prompt is not None  # the request model requires one of the two
-            ids = engine.encode(body.prompt, body.add_special_tokens is not False)  # default true
-    except (PromptError, TemplateError) as e:
-        raise APIError(400, f"cannot tokenize: {e}", param="messages" if body.messages else "prompt") from e
-    return r.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+    ids = await _off_the_loop(ctx, _encode, ctx.engine, body)
+    return r.TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids)
 
 
 @router.post("/detokenize", response_model=r.DetokenizeResponse, responses=ERRORS, summary="Text of token ids")
 async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_context)) -> r.DetokenizeResponse:
     if body.model is not None:
         ctx.check_model(body.model)
-    model = ctx.engine.model
+    return r.DetokenizeResponse(prompt=await _off_the_loop(ctx, _decode, ctx.engine, body.tokens))
+
+
+async def _off_the_loop(ctx: ServerContext, work: Callable[..., T], *args: Any) -> T:
+    """Run `work` on a worker thread: a megabyte prompt takes seconds to tokenize, and on the event
+    loop it would stall every other request and stream. It holds an admission slot meanwhile, as a
+    generation does, so a flood of calls gets 429 rather than an ever longer queue of threads."""
+    ctx.admit()
+    try:
+        return await run_in_threadpool(work, *args)
+    finally:
+        ctx.release()
+
+
+def _encode(engine: Engine, body: TokenizeRequest) -> list[int]:
+    try:
+        if body.messages is not None:
+            return engine.encode_chat(template_messages(body.messages), body.add_generation_prompt)
+        assert body.prompt is not None  # the request model requires one of the two
+        return engine.encode(body.prompt, body.add_special_tokens is not False)  # default true
+    except (PromptError, TemplateError) as e:
+        raise APIError(400, f"cannot tokenize: {e}", param="messages" if body.messages else "prompt") from e
+
+
+def _decode(engine: Engine, tokens: list[int]) -> str:
+    model = engine.model
     vocab = model.config.vocab_size
-    if any(t >= vocab for t in body.tokens):
+    if any(t >= vocab for t in tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     if model.tokenizer is None:
         raise APIError(400, f"model {model.name} has no tokenizer", param="tokens")
-    return r.DetokenizeResponse(prompt=model.tokenizer.decode(body.tokens))
+    return model.tokenizer.decode(tokens)
 
 
 @router.get("/version", response_model=r.Version, summary="The kvtier version serving")

@@ -14,7 +14,7 @@ from kvtier.bench.load import run as load_bench
 from kvtier.cli import serve as cli
 from kvtier.cli.bench import load as load_cli
 from kvtier.cli.main import main as kvtier_main
-from kvtier.cli.options import apply_sources
+from kvtier.cli.options import apply_sources, from_args
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,18 @@ def test_serve_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
         args = _serve_parser().parse_args(argv)
         apply_sources(args)
         assert args.api_key == key
+
+
+def test_serve_metrics_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVTIER_METRICS_KEY", "m-from-env")
+    for argv, key in ((["serve"], "m-from-env"), (["serve", "--metrics-key", "m-flag"], "m-flag")):
+        args = _serve_parser().parse_args(argv)
+        apply_sources(args)
+        assert from_args(cli.ServeOptions, args).serve_config().metrics_key == key
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["serve", "--metrics-key", "m-flag", "--help"])
+    assert "--metrics-key" in capsys.readouterr().out
 
 
 def test_serve_options_parse() -> None:

@@ -22,6 +22,8 @@ from serve_testlib import TINY, Served, serve
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
+METRICS_KEY = "key-metrics"
+METRICS = {"Authorization": f"Bearer {METRICS_KEY}"}
 CHAT = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
@@ -76,7 +78,6 @@ def test_every_path_but_health_needs_a_key(tenants_server: Served) -> None:
         assert c.get("/health").status_code == 200
         for headers in (ALICE, BOB):
             assert c.get("/v1/models", headers=headers).status_code == 200
-            assert c.get("/metrics", headers=headers).status_code == 200
             assert c.get("/no-such-path", headers=headers).status_code == 404  # a key may map the server
         schema = c.get("/openapi.json", headers=ALICE).json()
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
@@ -93,6 +94,64 @@ def test_metrics_public_opens_only_metrics(tiny_model) -> None:
                 assert c.get(path).status_code == 401, path
             schema = c.get("/openapi.json", headers=BOB).json()
         assert "security" not in schema["paths"]["/metrics"]["get"]
+
+
+def test_tenant_keys_do_not_read_metrics(tenants_server: Served) -> None:
+    """The metrics count every tenant's requests and reuse: with several tenants, a tenant's key
+    does not read them (it would learn about the others' activity)."""
+    with tenants_server.client() as c:
+        for headers in (ALICE, BOB):
+            resp = c.get("/metrics", headers=headers)
+            assert resp.status_code == 403, resp.text
+            err = resp.json()["error"]
+            assert err["code"] == "metrics_forbidden" and err["type"] == "permission_error"
+            assert "--metrics-key" in err["message"] and "--metrics-public" in err["message"]
+
+
+def _metrics_config(**kw: Any) -> ServeConfig:
+    return ServeConfig(metrics_key=METRICS_KEY, default_max_tokens=8, **kw)
+
+
+def test_metrics_key_reads_metrics_and_nothing_else(tiny_model) -> None:
+    for served in serve(tiny_model, config=_metrics_config(api_keys=KEYS)):
+        with served.client() as c:
+            assert c.get("/metrics", headers=METRICS).status_code == 200
+            assert c.get("/metrics").status_code == 401
+            resp = c.get("/metrics", headers=ALICE)
+            assert resp.status_code == 403 and "--metrics-key" in resp.json()["error"]["message"], resp.text
+            # Not a tenant: the metrics key opens no other path.
+            assert c.get("/v1/models", headers=METRICS).status_code == 401
+            assert c.post("/v1/chat/completions", json=CHAT, headers=METRICS).status_code == 401
+            assert c.get("/v1/models", headers=ALICE).status_code == 200
+            schema = c.get("/openapi.json", headers=ALICE).json()
+        assert schema["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]
+
+
+def test_metrics_key_with_one_api_key(tiny_model) -> None:
+    for served in serve(tiny_model, config=_metrics_config(api_key="key-one")):
+        with served.client() as c:
+            assert c.get("/metrics", headers=METRICS).status_code == 200
+            assert c.get("/metrics", headers={"Authorization": "Bearer key-one"}).status_code == 403
+            assert c.post("/v1/chat/completions", json=CHAT, headers=METRICS).status_code == 401
+
+
+def test_metrics_key_on_an_open_server_closes_only_metrics(tiny_model) -> None:
+    for served in serve(tiny_model, config=_metrics_config()):
+        with served.client() as c:
+            assert c.get("/metrics").status_code == 401
+            assert c.get("/metrics", headers=METRICS).status_code == 200
+            assert c.get("/v1/models").status_code == 200
+            assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+            schema = c.get("/openapi.json").json()
+        assert schema["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]
+        assert "security" not in schema["paths"]["/v1/models"]["get"]
+
+
+def test_metrics_public_wins_over_a_metrics_key(tiny_model) -> None:
+    for served in serve(tiny_model, config=_metrics_config(api_keys=KEYS, metrics_public=True)):
+        with served.client() as c:
+            for headers in ({}, ALICE, METRICS):
+                assert c.get("/metrics", headers=headers).status_code == 200, headers
 
 
 def test_every_key_is_compared(tenants_server: Served, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,17 +335,29 @@ def test_config_validation() -> None:
     assert "k1" not in repr(config) and "top-secret" not in repr(ServeConfig(api_key="top-secret"))
 
 
+def test_metrics_key_validation() -> None:
+    with pytest.raises(ValueError, match="metrics key .* differ"):
+        ServeConfig(api_keys={"k1": "alice", "k2": "bob"}, metrics_key="k2")
+    with pytest.raises(ValueError, match="metrics key .* differ"):
+        ServeConfig(api_key="k1", metrics_key="k1")
+    with pytest.raises(ValueError, match="metrics_key must not be empty"):
+        ServeConfig(metrics_key="")
+    assert "m-secret" not in repr(ServeConfig(metrics_key="m-secret"))
+
+
 @pytest.mark.parametrize("setup, message", [
     (lambda p: [], "cannot read the API keys file"),
     (lambda p: p.write_text("alice k1\nbob k1\n"), ":2: this key is already"),
     (lambda p: p.write_text("alice k1\n"), "not both"),
+    (lambda p: p.write_text("alice k1\n"), "must differ from every tenant's API key"),
 ])
 def test_cli_reports_key_file_problems_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str], setup, message: str) -> None:
     monkeypatch.delenv("KVTIER_API_KEY", raising=False)
+    monkeypatch.delenv("KVTIER_METRICS_KEY", raising=False)
     path = tmp_path / "keys"
     setup(path)
-    extra = ["--api-key", "one"] if message == "not both" else []
+    extra = {"not both": ["--api-key", "one"]}.get(message, ["--metrics-key", "k1"] if "differ" in message else [])
     code = kvtier_main(["serve", "--model", "no-such-model-needed", "--api-keys", str(path), *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -1,8 +1,12 @@
 """Exact tests of the integer/string parts: keys, spec parsing, eviction orders."""
+import logging
+
 import pytest
 
 from kvtier.store import FIFOPolicy, LFUPolicy, LRUPolicy, SpecError, chunk_key, chunk_spans, parse_spec
 from kvtier.store.keys import store_digest
+from kvtier.store.preflight import warn_if_unsealed
+from kvtier.store.seal import Seal
 
 from store_testlib import make_ns
 
@@ -47,6 +51,30 @@ def test_spec_parsing():
 def test_bad_specs_say_what_to_do(bad, words):
     with pytest.raises(SpecError, match=words):
         parse_spec(bad)
+
+
+@pytest.mark.parametrize("spec, shown", [
+    ("redis://:hunter2pass@h:6379/1?prefix=x", "redis://h:6379/1"),
+    ("memory:1GB,redis+cluster://h:7000", "Redis Cluster tier redis://h:7000"),
+])
+def test_an_unsealed_redis_tier_warns_once(spec, shown, caplog):
+    """Whoever can write to a shared Redis can plant state an unsealed store serves: one line says
+    so, names the tier (never its password) and how to seal it."""
+    caplog.set_level(logging.WARNING, logger="kvtier.store")
+    warn_if_unsealed(parse_spec(spec), Seal())
+    assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
+    message = caplog.records[0].getMessage()
+    assert shown in message and "hunter2pass" not in message and "\n" not in message
+    assert "plant" in message and "--store-secret-file" in message
+    caplog.clear()
+    warn_if_unsealed(parse_spec(spec), Seal(b"0123456789abcdef"))
+    assert not caplog.records
+
+
+def test_a_store_without_redis_does_not_warn(caplog, tmp_path):
+    caplog.set_level(logging.WARNING, logger="kvtier.store")
+    warn_if_unsealed(parse_spec(f"memory:1GB,disk:{tmp_path}:1GB"), Seal())
+    assert not caplog.records
 
 
 def _evict_all(policy, protected=()):

@@ -37,6 +37,7 @@ from kvtier.planning.planner import ImportanceReads, Planner
 from kvtier.store import lookahead
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.lookahead import LookAheadPolicy
+from kvtier.store.preflight import warn_if_unsealed
 from kvtier.store.spec import parse_spec
 from kvtier.store.tiered import DEFAULT_QUEUE_BYTES, TieredStore
 
@@ -298,7 +299,9 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     `calibration`: the importance restore's probe heads (default: the cached one, else the paper's
     first heads)."""
     cfg = model.config
-    tiers = parse_spec(spec).tiers()
+    parsed = parse_spec(spec)
+    warn_if_unsealed(parsed, reuse.seal)
+    tiers = parsed.tiers()
 
     importance = reuse.importance
     probes = probe_kv_heads_for(cfg.num_kv_heads) if importance else 0

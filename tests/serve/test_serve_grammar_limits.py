@@ -1,0 +1,197 @@
+"""Hostile grammars and schemas through the real server: each a 400 naming its field, the server
+alive after (a subprocess, so a crash fails the test instead of killing the run); realistic ones
+still served; a matcher built off the event loop; a grammar failing mid-sequence ends only its
+own request, with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import httpx
+import pytest
+from test_grammar_limits import defs_chain, gbnf_chain, lark_chain, realistic_grammar, wide_schema
+
+from kvtier.engine.grammar_limits import GrammarLimits
+from kvtier.engine.structured import Constraint
+from kvtier.testing.services import free_port
+
+from serve_testlib import TINY, Served, serve
+
+ASK = [{"role": "user", "content": "Answer:"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[str]:
+    """`kvtier serve` in its own process (its default limits and body size)."""
+    home = tmp_path_factory.mktemp("grammar-home")
+    port = free_port()
+    log = home / "serve.log"
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", TINY, "--dtype", "fp32", "--port", str(port),
+           "--max-model-len", "256", "--kv-cache-gb", "0.05", "--no-store"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, KVTIER_HOME=str(home)), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, proc, log)
+        yield url
+        assert proc.poll() is None, f"the server died:\n{_tail(log)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:]
+
+
+def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited:\n{_tail(log)}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the server did not come up:\n{_tail(log)}")
+
+
+def _chat(url: str, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"model": TINY, "messages": ASK, "max_tokens": 24, **kw},
+                      timeout=120)
+
+
+def _schema_format(schema: str) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": json.loads(schema)}}}
+
+
+HOSTILE = [
+    ("lark-4000-rules", {"structured_outputs": {"grammar": lark_chain(4000)}}, "structured_outputs.grammar"),
+    ("lark-chain-1000", {"structured_outputs": {"grammar": lark_chain(1000)}}, "structured_outputs.grammar"),
+    ("defs-chain-4000", _schema_format(defs_chain(4000)), "response_format"),
+    ("defs-chain-300", _schema_format(defs_chain(300)), "response_format"),
+    ("gbnf-3000-rules", {"grammar": gbnf_chain(3000)}, "grammar"),
+    ("regex-a-99999999", {"structured_outputs": {"regex": "a{99999999}"}}, "structured_outputs.regex"),
+    ("regex-nested-1000", {"structured_outputs": {"regex": "(a{1000}){1000}"}}, "structured_outputs.regex"),
+    ("lark-nested-1000", {"structured_outputs": {"grammar": '("a"{1000}){1000}'.join(["start: ", ""])}},
+     "structured_outputs.grammar"),
+    ("schema-10000-properties", {"structured_outputs": {"json": json.loads(wide_schema(10_000))}},
+     "structured_outputs.json"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), [(b, p) for _, b, p in HOSTILE], ids=[n for n, _, _ in HOSTILE])
+def test_a_hostile_grammar_is_a_400_naming_its_field_and_the_server_lives(served, body, param):
+    r = _chat(served, **body)
+    assert r.status_code == 400, r.text[:500]
+    error = r.json()["error"]
+    assert error["param"] == param and "--max-grammar-" in error["message"], error
+    assert httpx.get(served + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    {"structured_outputs": {"json": json.loads(wide_schema(50))}},
+    {"structured_outputs": {"grammar": realistic_grammar(200)}},
+], ids=["schema-50-properties", "grammar-200-rules"])
+def test_realistic_grammars_are_still_served(served, body):
+    r = _chat(served, temperature=1.0, seed=1, max_tokens=200, **body)
+    assert r.status_code == 200, r.text[:500]
+    choice = r.json()["choices"][0]
+    if "json" in body["structured_outputs"] and choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+@pytest.fixture(scope="module")
+def roomy_server(tiny_model) -> Iterator[Served]:
+    yield from serve(tiny_model, max_body_bytes=4 << 20)
+
+
+def test_a_matcher_is_built_off_the_event_loop(roomy_server):
+    """A large schema (the limits raised to let it in) takes its matcher a second or more to build;
+    /health keeps answering meanwhile: its worst wait is a fraction of the request's."""
+    engine = roomy_server.engine
+    before = engine.grammars.limits
+    engine.grammars.limits = GrammarLimits(max_bytes=1 << 20, max_rules=100_000, timeout_s=120)
+    body = {"model": TINY, "messages": ASK, "max_tokens": 2,
+            "structured_outputs": {"json": json.loads(wide_schema(1_500))}}
+
+    async def run() -> tuple[float, list[float], int]:
+        async with httpx.AsyncClient(base_url=roomy_server.url, timeout=120) as client:
+            t = time.perf_counter()
+            task = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            waits = []
+            while not task.done():
+                s = time.perf_counter()
+                assert (await client.get("/health")).status_code == 200
+                waits.append(time.perf_counter() - s)
+                await asyncio.sleep(0.02)
+            response = await task
+            return time.perf_counter() - t, waits, response
+
+    try:
+        took, waits, response = asyncio.run(run())
+    finally:
+        engine.grammars.limits = before
+    # Built and run: a 200, or a 400 where its 1,500 optional properties outgrow the grammar
+    # engine's parser limits after the first token; never refused by the limits (raised here).
+    assert response.status_code == 200 or response.json()["error"]["code"] == "grammar_failed", response.text
+    assert len(waits) >= 3 and max(waits) < took / 3, (took, sorted(waits)[-3:])
+
+
+class _Failing(Constraint):
+    """A real matcher that reports a failure once a token has been accepted."""
+
+    def __init__(self, inner: Constraint):
+        super().__init__(inner._m)
+        self.accepted = 0
+
+    def accept(self, token: int) -> None:
+        self.accepted += 1
+        super().accept(token)
+
+    @property
+    def error(self) -> str | None:
+        return "parser limits exceeded (step_max_items)" if self.accepted else None
+
+    def fork(self) -> Constraint:
+        return _Failing(super().fork())
+
+
+def test_a_grammar_failing_mid_sequence_ends_only_its_request(tiny_server, monkeypatch):
+    grammars = tiny_server.engine.grammars
+    real = grammars.build
+
+    def failing(spec) -> Future:
+        done: Future = Future()
+        done.set_result(_Failing(real(spec).result(timeout=60)))
+        return done
+
+    monkeypatch.setattr(grammars, "build", failing)
+    so = {"structured_outputs": {"regex": "[a-z]{5,9}"}}
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as client:
+        greedy = {"model": TINY, "messages": ASK, "max_tokens": 8, "temperature": 0}
+        plain = client.post("/v1/chat/completions", json=greedy)
+        r = client.post("/v1/chat/completions", json={"model": TINY, "messages": ASK, "max_tokens": 8, **so})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "grammar_failed" and "parser limits" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/chat/completions",
+                           json={"model": TINY, "messages": ASK, "max_tokens": 8, "stream": True, **so}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "grammar_failed" and error["type"] == "invalid_request_error"
+        again = client.post("/v1/chat/completions", json=greedy)
+    assert plain.status_code == again.status_code == 200
+    assert again.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
