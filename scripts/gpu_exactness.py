@@ -16,10 +16,11 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from kvtier_testlib import spy_logits  # noqa: E402
 from test_restore import GREEDY, _engine, _ids, cases, restore_after_saving  # noqa: E402
 
 from kvtier.models.loading import load_model  # noqa: E402
+
+from kvtier_testlib import spy_logits  # noqa: E402
 
 
 def main() -> None:
