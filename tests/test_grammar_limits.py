@@ -63,6 +63,17 @@ HOSTILE = [
     (GrammarSpec("json_schema", "[" * 300 + "]" * 300), "max_depth"),
     (GrammarSpec("regex", "(" * 300 + "a" + ")" * 300), "max_depth"),
     (GrammarSpec("lark", "start: " + "(" * 300 + '"a"' + ")" * 300), "max_depth"),
+    (GrammarSpec("gbnf", '\rroot ::= x\rx ::= ' + "(" * 300 + '"a"' + ")" * 300 + "\r"), "max_depth"),
+    (GrammarSpec("lark", 'start[capture]: "a"{99999}'), "max_repeat"),
+    (GrammarSpec("lark", 'start: "x" # "\n  | "a"{99999}\n'), "max_repeat"),
+    (GrammarSpec("lark", 'junk before any rule "a"{99999}\nstart: "a"'), "max_repeat"),
+    (GrammarSpec("regex", "a{100}{100}{100}"), "max_repeat"),
+    (GrammarSpec("regex", "a{ 99999 }"), "max_repeat"),
+    (GrammarSpec("regex", "a{" + "9" * 5000 + "}"), "max_repeat"),
+    (GrammarSpec("lark", 'start: "a"{+99999}'), "max_repeat"),
+    (GrammarSpec("lark", 'start: "a"~+99999'), "max_repeat"),
+    (GrammarSpec("lark", 'start: "a"{,99999}'), "max_repeat"),
+    (GrammarSpec("gbnf", 'root ::= "a"{ 99999 }'), "max_repeat"),
     (GrammarSpec("lark", 'start: %json {"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300),
      "max_depth"),
 ]
@@ -88,6 +99,8 @@ REALISTIC = [
         "$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
                                                            "v": {"type": "integer"}}}}, "$ref": "#/$defs/node"})),
     GrammarSpec("json_object", ""),
+    GrammarSpec("regex", r"\x{1F600}\x{20000}\p{L}{1,64}"),  # braces of an escape are no count
+    GrammarSpec("lark", 'start{x}: x\n?item.2: "a"\n'),
 ]
 
 
@@ -113,6 +126,12 @@ def test_each_limit_holds_at_its_value_and_refuses_one_past(limit, at, over):
     check(at, limits)
     with pytest.raises(GrammarLimitError, match=FLAGS[limit]):
         check(over, limits)
+
+
+def test_odd_text_is_a_limit_error_or_nothing():
+    check(GrammarSpec("regex", "\ud800"), LIMITS)  # a lone surrogate: measured, not a crash
+    with pytest.raises(GrammarLimitError, match="no rule"):
+        check(GrammarSpec("lark", '"a"{5}'), LIMITS)
 
 
 def test_size_is_counted_in_bytes():

@@ -53,7 +53,7 @@ FLAGS = {"max_bytes": "--max-grammar-bytes", "max_rules": "--max-grammar-rules",
 
 def check(spec: GrammarSpec, limits: GrammarLimits) -> None:
     """Raise GrammarLimitError if `spec` is past a limit; O(len(spec.text)), no recursion."""
-    size = len(spec.text.encode())
+    size = len(spec.text.encode("utf-8", "surrogatepass"))
     _bound(size, limits, "max_bytes", f"is {size:,} bytes")
     if spec.kind == "regex":
         _check_regex(spec.text, limits)
@@ -71,7 +71,16 @@ def _bound(value: int, limits: GrammarLimits, name: str, what: str) -> None:
 
 # ----- regular expressions --------------------------------------------------------------------
 
-_QUANT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+# Counts as the grammar engine reads them: spaces and a sign allowed, `{,n}` too.
+_QUANT = re.compile(r"\{\s*[+-]?(\d*)\s*(?:,\s*[+-]?(\d*)\s*)?\}")
+_BRACED_ESCAPE = re.compile(r"\\[xuUpPN]\{[^}]*\}")  # \x{1F600}, \p{L}: one character, not a count
+
+
+def _count(m: re.Match[str]) -> int | None:
+    """The largest count a quantifier match names (None: `{}`, not a quantifier); a count of
+    more than 9 digits is taken as 10^digits, so int() never parses a huge string."""
+    digits = [g for g in m.groups() if g]
+    return max((int(d) if len(d) <= 9 else 10 ** min(len(d), 12) for d in digits), default=None)
 
 
 def _check_regex(text: str, limits: GrammarLimits) -> None:
@@ -84,7 +93,8 @@ def _check_regex(text: str, limits: GrammarLimits) -> None:
     while i < n:
         c = text[i]
         if c == "\\":
-            i, last = i + 2, scale
+            m = _BRACED_ESCAPE.match(text, i)
+            i, last = (m.end() if m else i + 2), scale
             continue
         if c == "[":
             i, last = _class_end(text, i), scale
@@ -98,13 +108,10 @@ def _check_regex(text: str, limits: GrammarLimits) -> None:
             last = inner.pop()
             if inner:
                 inner[-1] = max(inner[-1], last)
-        elif c == "{" and (m := _QUANT.match(text, i)):
-            count = max(int(m.group(1)), int(m.group(2) or 0))
-            _bound(count, limits, "max_repeat", f"repeats {count:,} times")
-            total = last * count
-            _bound(total, limits, "max_repeat", f"repeats {total:,} times (nested counts multiply)")
+        elif c == "{" and (m := _QUANT.match(text, i)) and (count := _count(m)) is not None:
+            last = _repeat(last, count, limits)  # a second quantifier repeats the first's product
             if inner:
-                inner[-1] = max(inner[-1], total)
+                inner[-1] = max(inner[-1], last)
             i = m.end()
             continue
         else:
@@ -112,6 +119,13 @@ def _check_regex(text: str, limits: GrammarLimits) -> None:
             if inner:
                 inner[-1] = max(inner[-1], scale)
         i += 1
+
+
+def _repeat(product: int, count: int, limits: GrammarLimits) -> int:
+    _bound(count, limits, "max_repeat", f"repeats {count:,} times")
+    total = product * count
+    _bound(total, limits, "max_repeat", f"repeats {total:,} times (nested counts multiply)")
+    return total
 
 
 def _class_end(text: str, i: int) -> int:
@@ -203,32 +217,39 @@ def _walk_schema(schema: Any) -> Iterator[tuple[str, dict[str, Any], int]]:
 
 # ----- Lark and GBNF grammars -----------------------------------------------------------------
 
-_LARK_RULE = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:(?!:)", re.M)
-_GBNF_RULE = re.compile(r"^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", re.M)
-_LARK_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_GBNF_NAME = re.compile(r"[A-Za-z0-9_-]+")
-_TILDE = re.compile(r"~[ \t]*(\d+)(?:[ \t]*\.\.[ \t]*(\d+))?")
+# A rule's header: its name, then template parameters, attributes or a priority, then `:`.
+_LARK_RULE = re.compile(r"^[ \t]*[?!]?([\w-]+)(?:\{[^}\n]*\})?(?:\[[^\]\n]*\])?(?:\.[+-]?\d+)?[ \t]*(?:::_)?:(?!:)",
+                        re.M)
+_GBNF_RULE = re.compile(r"^[ \t]*([\w-]+)[ \t]*::=", re.M)
+_NAME = re.compile(r"[\w-]+")
+_TILDE = re.compile(r"~\s*[+-]?(\d+)(?:\s*\.\.\s*[+-]?(\d+))?")
 
 
 def _check_grammar(text: str, limits: GrammarLimits, gbnf: bool) -> None:
     """Rules counted, bracket nesting and repetition products bounded, regex terminals checked,
     embedded JSON schemas (`%json {...}`) checked as schemas, and the rule-reference chain measured."""
-    rule_re, name_re = (_GBNF_RULE, _GBNF_NAME) if gbnf else (_LARK_RULE, _LARK_NAME)
-    starts = [(m.start(), m.end(), m.group(1)) for m in rule_re.finditer(text)]
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # a lone CR ends a line for the grammar engine
+    starts = [(m.start(), m.end(), m.group(1)) for m in (_GBNF_RULE if gbnf else _LARK_RULE).finditer(text)]
     _bound(len(starts), limits, "max_rules", f"has {len(starts):,} rules")
+    if not starts and text.strip():
+        raise GrammarLimitError("the grammar has no rule this server can measure (a line `name: ...` for Lark, "
+                                "`name ::= ...` for GBNF)")
     names = {name for _, _, name in starts}
     refs: dict[str, set[str]] = {}
-    for k, (_, body_start, name) in enumerate(starts):
-        body_end = starts[k + 1][0] if k + 1 < len(starts) else len(text)
+    # Everything is scanned, the text before the first header too; each body's names are its refs.
+    bodies = [(0, starts[0][0], "")] + [(body_start, starts[k + 1][0] if k + 1 < len(starts) else len(text), name)
+                                         for k, (_, body_start, name) in enumerate(starts)]
+    for body_start, body_end, name in bodies:
         used = refs.setdefault(name, set())
-        for word in _scan_body(text, body_start, body_end, limits, gbnf, name_re):
+        for word in _scan_body(text, body_start, body_end, limits, gbnf):
             if word in names:
                 used.add(word)
+    refs.pop("", None)
     chain = _deepest_chain(dict.fromkeys(names, 1), refs)
     _bound(chain, limits, "max_depth", f"chains {chain} rules deep")
 
 
-def _scan_body(text: str, i: int, end: int, limits: GrammarLimits, gbnf: bool, name_re: re.Pattern[str]) -> Iterator[str]:
+def _scan_body(text: str, i: int, end: int, limits: GrammarLimits, gbnf: bool) -> Iterator[str]:
     """The names a rule's body refers to, checking its nesting and repetitions on the way."""
     scales = [1]  # the product of the counts around each open group
     inner = [1]  # the largest product inside each open group
@@ -237,7 +258,7 @@ def _scan_body(text: str, i: int, end: int, limits: GrammarLimits, gbnf: bool, n
         c = text[i]
         if c in " \t\r\n|":
             i += 1
-        elif (c == "#" and gbnf) or text.startswith("//", i):
+        elif c == "#" or text.startswith("//", i):  # both grammars' line comments
             i = _line_end(text, i, end)
         elif c == '"':
             i, last = _string_end(text, i, end), scales[-1]
@@ -262,14 +283,12 @@ def _scan_body(text: str, i: int, end: int, limits: GrammarLimits, gbnf: bool, n
                 last = inner.pop()
                 inner[-1] = max(inner[-1], last)
             i += 1
-        elif c == "{" and (m := _QUANT.match(text, i)) or c == "~" and (m := _TILDE.match(text, i)):
-            count = max(int(m.group(1)), int(m.group(2) or 0))
-            total = last * count
-            _bound(count, limits, "max_repeat", f"repeats {count:,} times")
-            _bound(total, limits, "max_repeat", f"repeats {total:,} times (nested counts multiply)")
-            inner[-1] = max(inner[-1], total)
+        elif ((c == "{" and (m := _QUANT.match(text, i))) or (c == "~" and (m := _TILDE.match(text, i)))) \
+                and (count := _count(m)) is not None:
+            last = _repeat(last, count, limits)  # a second quantifier repeats the first's product
+            inner[-1] = max(inner[-1], last)
             i = m.end()
-        elif m := name_re.match(text, i):
+        elif m := _NAME.match(text, i):
             yield m.group(0)
             i, last = m.end(), scales[-1]
         else:
