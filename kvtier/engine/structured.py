@@ -141,8 +141,9 @@ def too_slow(limits: GrammarLimits) -> str:
 # the cache counts for it besides the texts.
 _MATCHER_BYTES = 256 << 10
 
-# llguidance's own limits, tighter than its defaults where a mask's cost is concerned; the
-# checks in grammar_limits.py are what keep a mask cheap, these bound what they do not model.
+# llguidance's own per-step limits keep their defaults (lexer fuel and Earley items a mask may
+# spend): they end a grammar the checks of grammar_limits.py let through but that grows too large
+# mid-sequence. Its errors leave out the parser's state and the grammar's text: they reach clients.
 _PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -67,15 +67,21 @@ def _responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: ok, **_ERRORS}
 
 
+Grammar = tuple[GrammarSpec, str]  # a request's grammar and the field that gave it
+
+
 async def _start(
-    ctx: ServerContext, prepared: Prepared, body: SamplingFields, rid: str, endpoint: str, received: float,
-    request: Request, grammar: tuple[GrammarSpec, str] | None,
+    ctx: ServerContext, body: SamplingFields, rid: str, endpoint: str, received: float, request: Request,
+    inputs: Callable[[], Awaitable[tuple[Prepared, Grammar | None]]],
 ) -> Generation:
-    """Admit the request, make its grammar's matcher (a grammar thread, with a deadline), submit it."""
+    """Admit the request; then, holding its slot and off the event loop, make its inputs (the
+    rendered, tokenized and checked prompt) and its grammar's matcher (a grammar thread, with a
+    deadline), and submit it."""
     tenant = tenant_of(request)
     background = ctx.running()
     ctx.admit()
     try:
+        prepared, grammar = await inputs()
         constraint = await build_constraint(ctx.engine, grammar)
         return Generation(
             background, prepared.ids, prepared.params, rid, endpoint=endpoint, metrics=ctx.metrics,
@@ -100,6 +106,12 @@ async def _finish(gen: Generation, request: Request) -> list[RequestOutput] | Re
         raise APIError(400, str(e), code="grammar_failed") from e
     except EngineFailed as e:
         raise APIError(500, str(e), code="engine_error") from e
+
+
+def _prepare(ctx: ServerContext, ids: Sequence[int], body: ChatCompletionRequest | CompletionRequest,
+             grammar: Grammar | None) -> Prepared:
+    return prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens,
+                   grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
 
 
 async def _token_text(engine: Engine, logprobs: bool) -> TokenText:
@@ -138,13 +150,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     ctx.check_model(body.model)
     engine = ctx.engine
     tools = tool_setup(engine, body)
-    ids = await run_in_threadpool(chat_prompt, engine, body, tools)
-    grammar = grammar_spec(body, tools)
-    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens,
-                       grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
+
+    async def inputs() -> tuple[Prepared, Grammar | None]:
+        ids = await run_in_threadpool(chat_prompt, engine, body, tools)
+        grammar = grammar_spec(body, tools)
+        return _prepare(ctx, ids, body, grammar), grammar
+
     text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = await _start(ctx, prepared, body, rid, "chat", received, request, grammar)
+    gen = await _start(ctx, body, rid, "chat", received, request, inputs)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
@@ -174,13 +188,15 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     received = time.perf_counter()
     ctx.check_model(body.model)
     engine = ctx.engine
-    ids = await run_in_threadpool(completion_prompt, engine, body)
-    grammar = grammar_spec(body)
-    prepared = prepare(engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens,
-                       grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
+
+    async def inputs() -> tuple[Prepared, Grammar | None]:
+        ids = await run_in_threadpool(completion_prompt, engine, body)
+        grammar = grammar_spec(body)
+        return _prepare(ctx, ids, body, grammar), grammar
+
     text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gen = await _start(ctx, prepared, body, rid, "completions", received, request, grammar)
+    gen = await _start(ctx, body, rid, "completions", received, request, inputs)
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )

@@ -6,10 +6,12 @@ own request, with a clear error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -20,6 +22,7 @@ import pytest
 from test_grammar_limits import defs_chain, gbnf_chain, lark_chain, realistic_grammar, wide_schema
 
 from kvtier.engine.grammar_limits import GrammarLimits
+from kvtier.engine.request import GrammarSpec
 from kvtier.engine.structured import Constraint
 from kvtier.testing.services import free_port
 
@@ -195,3 +198,27 @@ def test_a_grammar_failing_mid_sequence_ends_only_its_request(tiny_server, monke
         again = client.post("/v1/chat/completions", json=greedy)
     assert plain.status_code == again.status_code == 200
     assert again.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+
+
+def test_a_request_holds_its_slot_while_its_grammar_is_built(tiny_model, monkeypatch):
+    """Admission comes first: a request whose prompt is being rendered or whose grammar is being
+    built counts against --max-queued-requests, so such work cannot pile up past the limit."""
+    with contextlib.contextmanager(serve)(tiny_model, max_num_seqs=1, max_queued_requests=0) as s:
+        grammars = s.engine.grammars
+        real, pending = grammars.build, Future()
+        monkeypatch.setattr(grammars, "build", lambda spec: pending)
+        body = {"model": TINY, "messages": ASK, "max_tokens": 4, "structured_outputs": {"regex": "[a-z]{3}"}}
+        answers: list = []
+        first = threading.Thread(target=lambda: answers.append(httpx.post(s.v1 + "/chat/completions", json=body,
+                                                                           timeout=60)))
+        first.start()
+        deadline = time.monotonic() + 30
+        while s.in_flight < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        plain = {"model": TINY, "messages": ASK, "max_tokens": 4}
+        assert httpx.post(s.v1 + "/chat/completions", json=plain, timeout=60).status_code == 429
+        pending.set_result(real(GrammarSpec("regex", "[a-z]{3}")).result(timeout=60))
+        first.join(60)
+        assert answers[0].status_code == 200, answers[0].text
+        assert s.in_flight == 0
