@@ -9,6 +9,7 @@ configs validate values, the options only parse them (kvtier/cli/options.py make
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+# vLLM's --dtype names for the same dtypes (its choices: auto, half, float16, bfloat16, float, float32).
+_DTYPE_SYNONYMS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
 # ----- value types (argparse turns their errors into a usage line and exit 2) -----------------------
@@ -63,6 +66,33 @@ def odd_window(text: str) -> int:
     return _number(text, int, lambda x: x >= 1 and x % 2 == 1, "an odd number of tokens >= 1")
 
 
+def dtype_name(text: str) -> str:
+    """A --dtype value in kvtier's names (bfloat16 -> bf16, half -> fp16, float -> fp32); a name
+    that is neither kvtier's nor vLLM's is left for the choices check to refuse."""
+    name = text.strip().lower()
+    return _DTYPE_SYNONYMS.get(name, name)
+
+
+def max_threads() -> int:
+    """The most --threads allowed: four per CPU (more only adds switching between them)."""
+    return (os.cpu_count() or 1) * 4
+
+
+def check_threads(n: int) -> int:
+    if not 1 <= n <= max_threads():
+        raise ValueError(f"--threads must be from 1 to {max_threads()} (4 per CPU of this machine's "
+                         f"{os.cpu_count() or 1}), got {n}")
+    return n
+
+
+def thread_count(text: str) -> int:
+    n = _number(text, int, lambda x: True, "a number of threads")
+    try:
+        return check_threads(n)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--threads ")) from None
+
+
 # ----- the options ---------------------------------------------------------------------------------
 MODEL, ENGINE, STORE, PARTIAL = "model", "engine", "store", "partial"
 TITLES = {MODEL: "model and engine", ENGINE: "model and engine", STORE: "state store (reuse across requests)",
@@ -83,18 +113,21 @@ class EngineOptions:
     `KVTIER_<NAME>` environment variable. `build()` turns them into the engine's validated configs."""
 
     model: str = option(DEFAULT_MODEL, MODEL, f"preset (tiny-mha, tiny-gqa, mha-1b, ...), {DEFAULT_MODEL}, a Hugging "
-                        "Face model directory or Hub id (org/name), or a .gguf file")
-    dtype: str = option("auto", MODEL, "compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32",
+                        "Face model directory or Hub id (org/name), or a .gguf file", aliases=("-m",))
+    dtype: str = option("auto", MODEL, "compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32 "
+                        "(vLLM's bfloat16, float16, half, float32 and float are accepted too)", type=dtype_name,
                         choices=DTYPE_CHOICES)
     device: str = option("auto", MODEL, DEVICE_HELP, metavar="DEVICE")
-    max_model_len: int | None = option(None, ENGINE, "context window in tokens", type=positive_int,
-                                       default_text="the model's")
+    max_model_len: int | None = option(None, ENGINE, "context window in tokens; more than the model's "
+                                       "(max_position_embeddings) is refused", type=positive_int,
+                                       default_text="the model's", aliases=("-c", "--ctx-size"))
     kv_cache_gb: float | None = option(None, ENGINE, "KV pool budget on the device in GiB; on a CPU, pages are used "
                                        "only as blocks fill", type=positive_float,
                                        default_text="4 on a CPU; on a GPU, --gpu-memory-utilization of its memory "
                                        "less the weights and a step's activations")
     max_batched_tokens: int | None = option(None, ENGINE, "per-step token budget shared by decodes and prefill chunks",
-                                            type=positive_int, default_text="2048 on a CPU, 16384 on a GPU")
+                                            type=positive_int, default_text="2048 on a CPU, 16384 on a GPU",
+                                            aliases=("--max-num-batched-tokens",))
     gpu_memory_utilization: float = option(0.9, ENGINE, "share of a GPU's memory the engine may use (weights, "
                                            "activations and the KV pool) when --kv-cache-gb is not set",
                                            type=positive_float)
@@ -102,7 +135,8 @@ class EngineOptions:
                                  "replay one captured graph per batch-size bucket)")
     max_num_seqs: int = option(64, ENGINE, "most requests in the running batch; the rest queue", type=positive_int)
     no_prefix_cache: bool = option(False, ENGINE, "disable the device prefix cache (reuse then comes only from the "
-                                   "store)")
+                                   "store)", aliases=("--no-enable-prefix-caching",),
+                                   off=("--enable-prefix-caching",))
     fast_inexact: bool = option(False, ENGINE, "plain kernels instead of the row-invariant ones: a little faster in "
                                 "places, but a cache hit, a restore, another prefill chunking or batch may then change "
                                 "a token's logits (bf16, fp16; its state is stored apart from exact state) "
@@ -110,8 +144,13 @@ class EngineOptions:
     bf16_attention: str = option("auto", ENGINE, "exact bf16 attention's CPU kernel: gemm (oneDNN's GEMMs, where a "
                                  "check at first use finds every call shape it makes row-invariant on this CPU), "
                                  "flash (the fused flash kernel) or auto (gemm on CPUs with avx512_bf16 and no AMX, "
-                                 "flash elsewhere); the start logs which runs and why (default: auto)",
+                                 "flash elsewhere); the start logs which runs and why",
                                  choices=("auto", "gemm", "flash"))
+    threads: int | None = option(None, ENGINE, "torch's CPU compute threads, set before the model loads. On an idle "
+                                 "machine more are faster; lower it where other work keeps the cores busy (on a busy "
+                                 "2-core machine one thread decoded 10x faster than two). The machine profile is "
+                                 "measured per thread count", type=thread_count, metavar="N", aliases=("-t",),
+                                 default_text="torch's: $OMP_NUM_THREADS, else one per physical core")
 
     store: str = option(default_store_spec, STORE, f"tiered state store: {SPEC_HELP}", type=spec_type,
                         metavar="SPEC")
@@ -224,11 +263,52 @@ class EngineOptions:
     def build(self, reuse: ReuseConfig | None = None, **config: Any) -> Engine:
         """Check the device and the store, load the model and build its engine (`config`:
         EngineConfig overrides)."""
+        import torch
+
         from kvtier.engine.factory import build_engine
 
-        return build_engine(self.model, dtype=self.dtype, device=self.device,
-                            store=None if self.no_store else self.store, reuse=reuse or self.reuse(),
-                            **{**self.engine_config(), **config})
+        if self.threads is not None:
+            # Before the load: exact kernels' plans and the machine profile are made per thread count.
+            torch.set_num_threads(check_threads(self.threads))
+        asked = config.get("max_model_len", self.max_model_len)
+        limit = model_context_limit(self.model)
+        if asked is not None and limit is not None and asked > limit:
+            raise ValueError(_too_long(asked, self.model, limit))
+        engine = build_engine(self.model, dtype=self.dtype, device=self.device,
+                              store=None if self.no_store else self.store, reuse=reuse or self.reuse(),
+                              **{**self.engine_config(), **config})
+        if asked is not None and engine.max_model_len < asked:  # a model whose limit shows only once loaded
+            engine.close()
+            raise ValueError(_too_long(asked, self.model, engine.max_model_len))
+        return engine
+
+
+def _too_long(asked: int, model: str, limit: int) -> str:
+    return (f"--max-model-len {asked} is more than {model}'s context window of {limit} tokens "
+            f"(max_position_embeddings): use at most {limit}, or leave it unset for the model's")
+
+
+def model_context_limit(model: str) -> int | None:
+    """The model's context window where it is known without loading it (a preset, a local Hugging
+    Face directory); None for a Hub id or a GGUF file, whose limit the engine reports once loaded."""
+    import json
+    from pathlib import Path
+
+    from kvtier.models.config import ModelConfig
+    from kvtier.models.errors import ModelLoadError
+    from kvtier.models.presets import PRESETS
+
+    if model in PRESETS:
+        return PRESETS[model].max_position_embeddings
+    path = Path(model).expanduser()
+    try:
+        doc = json.loads((path / "config.json").read_text()) if path.is_dir() else None
+    except (OSError, ValueError):
+        return None  # the load names what is wrong with the directory
+    try:
+        return ModelConfig.from_hf(doc).max_position_embeddings if isinstance(doc, dict) else None
+    except (ModelLoadError, ValueError, KeyError, TypeError):  # a config kvtier does not run: the load says so
+        return None
 
 
 # ----- flags -----------------------------------------------------------------------------------------

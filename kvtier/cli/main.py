@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.cli import foreign_flags
 from kvtier.cli.engine_args import EngineOptions, add_engine_arguments, add_model_arguments, build_engine_from_args
 from kvtier.cli.options import apply_sources
 from kvtier.cli.serve import LOG_LEVELS, ServeOptions
@@ -281,6 +282,10 @@ def exit_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if (refused := foreign_flags.refusal(argv)) is not None:  # vLLM's or llama-server's, with no equivalent
+        print(f"kvtier: error: {refused}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

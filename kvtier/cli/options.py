@@ -13,6 +13,9 @@ as vLLM's `--config`; values are checked as the flag's are, and a bad one is one
     add_options(parser, EngineOptions)    # --max-num-seqs N, --config FILE
     apply_sources(args)                   # env and file values where no flag was given
     EngineOptions.from_args(args)         # or read args.max_num_seqs as before
+
+A flag may take other spellings (`option(..., aliases=("--max-num-batched-tokens",))`, vLLM's), and
+an on/off option flags that set it back off (`off=("--enable-prefix-caching",)`); --help lists them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class Option:
     default_text: str | None = None  # what --help says the default is (None: the default itself)
     secret: bool = False  # never shown (its default or value) in --help or errors
     env: bool = True  # False: no KVTIER_<NAME> (the option reads its variable itself, after other sources)
+    # Other spellings of the flag, e.g. vLLM's or llama-server's ("--max-num-batched-tokens", "-c"), so
+    # a command line written for them runs unchanged where the meaning is the same.
+    aliases: tuple[str, ...] = ()
+    # An on/off option only: flags that set it back off (vLLM's --enable-prefix-caching against
+    # --no-prefix-cache); as a flag, they win over the environment and the config file.
+    off: tuple[str, ...] = ()
 
 
 def option(default: Any, group: str, help: str, **kw: Any) -> Any:
@@ -92,6 +101,10 @@ class _StoreTrueAction(_Record, argparse._StoreTrueAction):
     pass
 
 
+class _StoreFalseAction(_Record, argparse._StoreFalseAction):
+    pass
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None,
                 titles: Mapping[str, str] | None = None) -> None:
     """Add a flag per option field of `cls` (or the ones named in `only`) to `parser`, grouped
@@ -108,10 +121,16 @@ def add_options(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...
         help_text = (opt.help if opt.secret or _is_flag(f) else f"{opt.help} (default: {shown})").replace("%", "%%")
         flag = "--" + name.replace("_", "-")
         if _is_flag(f):
-            g.add_argument(flag, action=_StoreTrueAction, dest=name, default=default, help=help_text)
+            g.add_argument(flag, *opt.aliases, action=_StoreTrueAction, dest=name, default=default, help=help_text)
+            if opt.off:
+                g.add_argument(*opt.off, action=_StoreFalseAction, dest=name, default=default,
+                               help=f"undo {flag} (the default), e.g. one set by ${ENV_PREFIX}{name.upper()} "
+                                    "or --config")
         else:
-            g.add_argument(flag, action=_StoreAction, dest=name, default=default, type=opt.type or str,
-                           choices=opt.choices, metavar=opt.metavar, help=help_text)
+            if opt.off:
+                raise TypeError(f"{name}: only an on/off option takes `off` flags")
+            g.add_argument(flag, *opt.aliases, action=_StoreAction, dest=name, default=default,
+                           type=opt.type or str, choices=opt.choices, metavar=opt.metavar, help=help_text)
         registered[name] = (f, opt)
     parser.set_defaults(**{_FIELDS: registered})
     if "--config" not in parser._option_string_actions:

@@ -23,6 +23,7 @@ from kvtier.serve.config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_OUTPUT_ENTRIES,
+    UNKNOWN_FIELDS_MODES,
     ServeConfig,
 )
 from kvtier.store.redact import redact
@@ -74,6 +75,9 @@ class ServeOptions:
                                      "reads /metrics (its counters add up every tenant's activity), while one "
                                      "--api-key still does (default: $KVTIER_METRICS_KEY, else none)",
                                      metavar="KEY", secret=True)
+    unknown_fields: str = option("reject", HTTP, "a request field this server does not know: 'reject' answers 400 "
+                                 "naming it (as OpenAI does), 'warn' logs it once and drops it (for clients that "
+                                 "send extras)", choices=UNKNOWN_FIELDS_MODES)
     max_output_entries: int = option(DEFAULT_MAX_OUTPUT_ENTRIES, HTTP, "the most output entries one request may ask "
                                      "for: n x max_tokens x (1 + top logprobs), plus prompt_logprobs' entries; more "
                                      "is a 400; 0: no limit", type=non_negative_int, metavar="N")
@@ -91,7 +95,8 @@ class ServeOptions:
                                  type=positive_float, metavar="SECONDS")
     default_max_tokens: int | None = option(None, HTTP, "completion limit when a request sets none",
                                             type=positive_int, default_text="the rest of the context window")
-    log_level: str = option("info", HTTP, "server and access log level", type=str.lower, choices=LOG_LEVELS)
+    log_level: str = option("info", HTTP, "server and access log level", type=str.lower, choices=LOG_LEVELS,
+                            aliases=("--uvicorn-log-level",))
     log_stats_interval: float = option(10.0, HTTP, "seconds between the one-line stats log (throughput, running and "
                                        "waiting requests, KV usage, reuse by tier), when there was activity; 0: off",
                                        type=non_negative, metavar="S")
@@ -114,7 +119,7 @@ class ServeOptions:
         return ServeConfig(
             served_model_name=self.served_model_name, api_key=self.api_key,
             api_keys=load_api_keys(self.api_keys) if self.api_keys else {}, metrics_public=self.metrics_public,
-            metrics_key=self.metrics_key, max_output_entries=self.max_output_entries,
+            metrics_key=self.metrics_key, max_output_entries=self.max_output_entries, unknown_fields=self.unknown_fields,
             shared_cache=self.shared_cache, max_body_bytes=self.max_body_bytes,
             default_max_tokens=self.default_max_tokens, max_queued_requests=self.max_queued_requests,
             stats_interval_s=self.log_stats_interval,

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.cli.engine_args import DTYPE_CHOICES
+from kvtier.cli.engine_args import DTYPE_CHOICES, dtype_name
 
 
 def add_dtype_argument(p: argparse._ActionsContainer, default: str = "auto") -> None:
     """--dtype, with the engine's choices (kvtier.cli.engine_args.DTYPE_CHOICES)."""
-    p.add_argument("--dtype", default=default, choices=DTYPE_CHOICES,
+    p.add_argument("--dtype", default=default, type=dtype_name, choices=DTYPE_CHOICES,
                    help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32 "
                         "(default: %(default)s)")
 
