@@ -127,6 +127,9 @@ def _finish_openapi(app: FastAPI, ctx: ServerContext) -> None:
             comps.setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
         names = sorted({ctx.model_name, ctx.engine.model.name})
         _set_model_limits(models, names, ctx.engine.max_model_len - 1, ctx.engine.model.config.vocab_size - 1)
+        for body in ("ChatCompletionRequest", "CompletionRequest"):  # unknown fields: a 400, unless warned about
+            if body in models:
+                models[body]["additionalProperties"] = config.unknown_fields != "reject"
         app.openapi_schema = schema
         return schema
 

@@ -42,17 +42,20 @@ def usage(outs: Sequence[RequestOutput]) -> r.Usage:
 
 class TokenText:
     """Token ids as logprobs name them: the text of the token alone and its exact bytes (a
-    token may hold part of a character: its text then shows U+FFFD, its bytes the truth)."""
+    token may hold part of a character: its text then shows U+FFFD, its bytes the truth).
+    `as_ids` (vLLM's return_tokens_as_token_ids): the text is "token_id:N", which a client maps
+    back to the id without a tokenizer; the bytes stay the token's own."""
 
-    def __init__(self, tokenizer: Any, bytes_of: Callable[[list[int]], bytes] | None):
+    def __init__(self, tokenizer: Any, bytes_of: Callable[[list[int]], bytes] | None, as_ids: bool = False):
         self._tok = tokenizer
+        self._as_ids = as_ids
         self._bytes_of = bytes_of
         self._cache: dict[int, tuple[str, list[int] | None]] = {}
 
     def __call__(self, token: int) -> tuple[str, list[int] | None]:
         got = self._cache.get(token)
         if got is None:
-            text = self._tok.decode([token]) if self._tok is not None else f"token_id:{token}"
+            text = self._tok.decode([token]) if self._tok is not None and not self._as_ids else f"token_id:{token}"
             got = self._cache[token] = (text, list(self._bytes_of([token])) if self._bytes_of else None)
         return got
 
@@ -108,19 +111,24 @@ def read_calls(text: str, tools: ToolSetup | None, parallel: bool) -> tuple[str 
     return content, calls[:1] if not parallel else calls
 
 
-def chat_choice(out: RequestOutput, tools: ToolSetup | None, parallel: bool, text: TokenText) -> r.ChatChoice:
+def chat_choice(out: RequestOutput, tools: ToolSetup | None, parallel: bool, text: TokenText,
+                echo: str = "") -> r.ChatChoice:
+    """`echo`: text the answer begins with (the request's echo)."""
     content, calls = read_calls(out.text, tools, parallel)
+    answer = content if calls else out.text
+    if echo:
+        answer = echo + (answer or "")
     return r.ChatChoice(
         index=out.index,
-        message=r.AssistantMessage(content=content if calls else out.text, tool_calls=_calls_out(calls) or None),
+        message=r.AssistantMessage(content=answer, tool_calls=_calls_out(calls) or None),
         finish_reason="tool_calls" if calls else reason(out),
         logprobs=chat_logprobs(out.logprobs, text) if out.logprobs is not None else None,
     )
 
 
-def completion_choice(out: RequestOutput, text: TokenText) -> r.CompletionChoice:
+def completion_choice(out: RequestOutput, text: TokenText, echo: str = "") -> r.CompletionChoice:
     return r.CompletionChoice(
-        index=out.index, text=out.text, finish_reason=reason(out),
+        index=out.index, text=echo + out.text, finish_reason=reason(out),
         logprobs=completion_logprobs(out.logprobs, text, 0) if out.logprobs is not None else None,
         prompt_logprobs=prompt_logprobs(out, text),
     )

@@ -31,6 +31,7 @@ from kvtier.serve.inputs import (
     Prepared,
     build_constraint,
     chat_prompt,
+    check_unknown_fields,
     completion_prompt,
     grammar_spec,
     prepare,
@@ -114,13 +115,13 @@ def _prepare(ctx: ServerContext, ids: Sequence[int], body: ChatCompletionRequest
                    grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
 
 
-async def _token_text(engine: Engine, logprobs: bool) -> TokenText:
+async def _token_text(engine: Engine, logprobs: bool, as_ids: bool) -> TokenText:
     """How logprobs name tokens; their exact bytes come from the grammar engine's tokenizer, built
     once per model on a pool thread (never on the event loop)."""
     if not logprobs or engine.model.tokenizer is None:
-        return TokenText(engine.model.tokenizer, None)
+        return TokenText(engine.model.tokenizer, None, as_ids)
     ll = await run_in_threadpool(lambda: engine.grammars.tokenizer)
-    return TokenText(engine.model.tokenizer, ll.decode_bytes)
+    return TokenText(engine.model.tokenizer, ll.decode_bytes, as_ids)
 
 
 def _chunker(body: SamplingFields, streams: Sequence[ChatChoiceStream | CompletionChoiceStream],
@@ -147,16 +148,18 @@ def _chunker(body: SamplingFields, streams: Sequence[ChatChoiceStream | Completi
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     received = time.perf_counter()
+    check_unknown_fields(body, ctx.config.unknown_fields)
     ctx.check_model(body.model)
     engine = ctx.engine
     tools = tool_setup(engine, body)
+    echo = body.echo_text()
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
         ids = await run_in_threadpool(chat_prompt, engine, body, tools)
         grammar = grammar_spec(body, tools)
         return _prepare(ctx, ids, body, grammar), grammar
 
-    text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None)
+    text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None, body.return_tokens_as_token_ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = await _start(ctx, body, rid, "chat", received, request, inputs)
     base: dict[str, Any] = dict(
@@ -167,7 +170,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         streams = [ChatChoiceStream(i, tools, body.parallel_tool_calls, text, body.logprobs) for i in range(body.n)]
         chunks = _chunker(body, streams, functools.partial(r.ChatCompletionChunk, **base))
         first = r.ChatCompletionChunk(**base, choices=[
-            r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content="")) for i in range(body.n)
+            r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content=echo)) for i in range(body.n)
         ])
         return GenerationStream(gen, stream_events(gen, [first], chunks))
 
@@ -175,7 +178,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     if isinstance(outs, Response):
         return outs
     return r.ChatCompletion(
-        **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text) for o in outs], usage=usage(outs),
+        **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text, echo) for o in outs], usage=usage(outs),
         prompt_logprobs=prompt_logprobs(outs[0], text),
     )
 
@@ -186,6 +189,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
 )
 async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(get_context)):
     received = time.perf_counter()
+    check_unknown_fields(body, ctx.config.unknown_fields)
     ctx.check_model(body.model)
     engine = ctx.engine
 
@@ -194,7 +198,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
         grammar = grammar_spec(body)
         return _prepare(ctx, ids, body, grammar), grammar
 
-    text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None)
+    echo = _echoed_prompt(engine, body)
+    text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None,
+                             body.return_tokens_as_token_ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = await _start(ctx, body, rid, "completions", received, request, inputs)
     base: dict[str, Any] = dict(
@@ -204,9 +210,23 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     if body.stream:
         streams = [CompletionChoiceStream(i, text, body.logprobs is not None) for i in range(body.n)]
         chunks = _chunker(body, streams, functools.partial(r.Completion, **base))
-        return GenerationStream(gen, stream_events(gen, [], chunks))
+        first: list[BaseModel] = [r.Completion(**base, choices=[r.CompletionChoice(index=i, text=echo)
+                                                                 for i in range(body.n)])]
+        return GenerationStream(gen, stream_events(gen, first if echo else [], chunks))
 
     outs = await _finish(gen, request)
     if isinstance(outs, Response):
         return outs
-    return r.Completion(**base, choices=[completion_choice(o, text) for o in outs], usage=usage(outs))
+    return r.Completion(**base, choices=[completion_choice(o, text, echo) for o in outs], usage=usage(outs))
+
+
+def _echoed_prompt(engine: Engine, body: CompletionRequest) -> str:
+    """The prompt as `echo` returns it: the text given, or the token ids decoded."""
+    if not body.echo:
+        return ""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    tok = engine.model.tokenizer
+    if tok is None:
+        raise APIError(400, f"model {engine.model.name} has no tokenizer to echo token ids with", param="echo")
+    return str(tok.decode(list(body.prompt)))

@@ -16,6 +16,7 @@ DEFAULT_MAX_OUTPUT_ENTRIES = 1 << 20  # why this much: kvtier/serve/budget.py
 # docs suggest 10 s); 30 s for a whole body is ~1.1 Mbit/s at the 4 MiB body limit.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+UNKNOWN_FIELDS_MODES = ("reject", "warn")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class ServeConfig:
     max_output_entries: int = DEFAULT_MAX_OUTPUT_ENTRIES
     # What a request's grammar, regex or JSON schema may be (sizes, depths, repetitions, compile time).
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    # A chat or completion request with a field no schema knows: "reject" answers 400 naming it (as
+    # OpenAI does: a misspelt option must not pass silently); "warn" logs each unknown name once
+    # and ignores it, for clients that send extras of another server's API.
+    unknown_fields: str = "reject"
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -62,6 +67,8 @@ class ServeConfig:
             raise ValueError(f"max_output_entries must be >= 0 (0: no limit), got {self.max_output_entries}")
         if not self.stats_interval_s >= 0:  # (NaN too)
             raise ValueError(f"stats_interval_s must be >= 0 (0: off), got {self.stats_interval_s}")
+        if self.unknown_fields not in UNKNOWN_FIELDS_MODES:
+            raise ValueError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELDS_MODES)}, got {self.unknown_fields!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.api_key is not None and self.api_keys:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from jinja2 import TemplateError
+from pydantic import BaseModel
 
 from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
@@ -28,6 +31,37 @@ from kvtier.serve.schemas import (
     template_messages,
 )
 from kvtier.serve.tools import ToolFamily, forced_grammar, prepare_messages, tool_family
+
+log = logging.getLogger("kvtier.serve")
+
+# Unknown field names already warned about (--unknown-fields warn): one line per name, not per
+# request. Bounded, since the names come from clients.
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+_MAX_WARNED = 1024
+
+
+def check_unknown_fields(body: BaseModel, mode: str) -> None:
+    """Refuse a body's unknown top-level fields with a 400 naming them (OpenAI's answer), or, in
+    "warn" mode, log each name once and drop them, so no code can read them by accident."""
+    extra = body.model_extra
+    if not extra:
+        return
+    names = [n[:100] for n in extra]
+    if mode == "reject":
+        shown = ", ".join(names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+        raise APIError(
+            400, f"Unrecognized request argument{'s' if len(names) > 1 else ''} supplied: {shown}; this server does "
+            "not implement it (GET /openapi.json lists the fields it takes)",
+            param=names[0], code="unknown_parameter",
+        )
+    with _WARNED_LOCK:
+        new = [n for n in names if n not in _WARNED][: max(0, _MAX_WARNED - len(_WARNED))]
+        _WARNED.update(new)
+    for name in new:
+        log.warning("ignoring the unknown request field %r (--unknown-fields warn); later requests with it are "
+                    "not logged", name)
+    extra.clear()
 
 
 @dataclass(frozen=True)
@@ -67,10 +101,30 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -
     messages, tools_arg = prepare_messages(template_messages(body.messages),
                                            tools.tools if tools.mode != "none" else None, template)
     try:
-        return engine.encode_chat(messages, tools=tools_arg)
+        if not body.continue_final_message and not body.chat_template_kwargs:
+            return engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools_arg)
+        return _render_chat(engine, messages, tools_arg, body)
     except (PromptError, TemplateError) as e:
         # Templates may reject a conversation shape (e.g. roles that do not alternate).
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+    except ValueError as e:
+        if not body.continue_final_message:
+            raise
+        # transformers cannot find the final message's text in the render to stop after it.
+        raise APIError(400, f"cannot continue the final message: {e}", param="continue_final_message") from e
+
+
+def _render_chat(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 body: ChatCompletionRequest) -> list[int]:
+    """The chat template with vLLM's controls: the final message left open, and the request's
+    own template variables (the schema keeps them off the template's reserved names)."""
+    tok = engine.model.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise PromptError(f"model {engine.model.name} has no chat template")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message, tokenize=True, tools=tools,
+                                  **(body.chat_template_kwargs or {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def completion_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
@@ -150,7 +204,13 @@ def prepare(
             engine.validate(ids)
     except PromptError as e:
         raise APIError(400, str(e), param=param) from e
-    for name in ("max_tokens", "max_completion_tokens"):  # each given limit must fit, used or not
+    n_predict = body.n_predict
+    for name in ("max_tokens", "max_completion_tokens"):  # llama-server's name must agree with OpenAI's
+        other = getattr(body, name, None)
+        if n_predict is not None and other is not None and other != n_predict:
+            raise APIError(400, f"n_predict={n_predict} and {name}={other} disagree; give one of them",
+                           param="n_predict")
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):  # each given limit must fit, used or not
         value = getattr(body, name, None)
         if value is not None and value >= window:
             raise APIError(
@@ -161,7 +221,7 @@ def prepare(
     if requested is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif requested > room:
-        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        name = next(n for n in ("max_completion_tokens", "max_tokens", "n_predict") if getattr(body, n, None) is not None)
         raise APIError(
             400,
             f"this model's maximum context length is {window} tokens; you requested {len(ids) + requested} "

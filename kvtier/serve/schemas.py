@@ -2,13 +2,16 @@
 
 They make the OpenAPI schema real (clients and schemathesis read it) and reject wrong types and
 out-of-range values before anything reaches the engine. Unknown fields are ignored, as OpenAI
-does; known fields we do not implement (beam search, prompt logprobs, ...) are accepted only in
+known fields we do not implement (beam search, priority scheduling, ...) are accepted only in
 their neutral form and otherwise refused with a 400 naming them, never silently ignored: a client
-never gets a different behaviour than it asked for without knowing. docs/serve.md lists them all.
+never gets a different behaviour than it asked for without knowing. Fields no schema knows are kept
+(`model_extra`) so the handler can refuse them with a 400 naming them, as OpenAI does, or, with
+`--unknown-fields warn`, log and ignore them. docs/serve.md lists every field.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -39,6 +42,10 @@ def only(schema: dict[str, Any], description: str) -> Any:
 # Strict: no silent coercion ("5" -> 5, 0 -> false, 2.0 -> 2); a value of the wrong JSON type is a
 # 400, as the schema says. Integers are still accepted where a number is expected.
 _STRICT = ConfigDict(extra="ignore", strict=True)
+# A request body's top level: unknown fields are kept for the handler to refuse or warn about (a
+# server setting, so not decided here). Nested objects ignore theirs: clients send back OpenAI's
+# response objects (an assistant message with `refusal`, `annotations`, ...) as they got them.
+_TOP = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
@@ -179,29 +186,93 @@ _REFUSED_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    # llama-server's: true (its default) is what kvtier always does.
+    "cache_prompt": (None, True),
+    "priority": (None, 0),
+}
+# Why a refused field is refused, and what to do instead, where the generic message says too little.
+_WHY = {
+    "cache_prompt": "kvtier always reuses cached prompt state, and exactly: a hit is bit-identical to computing "
+                    "the prompt again, so reuse never changes the answer; leave it out (or send true)",
+    "priority": "this server schedules first-come first-served; leave it out (or send 0)",
+    "store": "stored completions are not supported; leave it out (or send false)",
+    "metadata": "metadata is for stored completions, which are not supported; leave it out",
+    "service_tier": "there is one service tier; leave it out (or send \"auto\" or \"default\")",
+    "modalities": "text is the only output modality; leave it out (or send [\"text\"])",
+    "prediction": "predicted outputs are not supported; leave it out",
+    "reasoning_effort": "not supported; a reasoning model's chat template may take a switch in chat_template_kwargs "
+                        "(e.g. {\"enable_thinking\": false})",
+    "audio": "audio output is not supported; leave it out",
+    "web_search_options": "web search is not supported; leave it out",
+    "verbosity": "not supported; leave it out",
+    "functions": "OpenAI's deprecated name; use tools",
+    "function_call": "OpenAI's deprecated name; use tool_choice",
+}
+# Chat fields of OpenAI's API this server does not implement; clients may send them in their
+# neutral form, which is accepted.
+_REFUSED_CHAT: dict[str, tuple[Any, ...]] = {
+    "store": (None, False),
+    "metadata": (None,),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ("text",)),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    "functions": (None, ()),
+    "function_call": (None,),
 }
 
 
 def _is_neutral(value: Any, neutral: Any) -> bool:
     if neutral is None or neutral == ():
         return value is None or (neutral == () and value == [])
+    if isinstance(neutral, tuple):  # a non-empty list
+        return isinstance(value, list) and tuple(value) == neutral
     return bool(value == neutral) and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 def _refused(neutral: tuple[Any, ...], why: str) -> Any:
-    schema: dict[str, Any] = {"enum": [None if v == () else v for v in neutral]}
+    values = [list(v) if isinstance(v, tuple) and v else v for v in neutral if v != ()]
+    schema: dict[str, Any] = {"enum": values}
     if () in neutral:
         schema = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
     return only(schema, why)
 
 
+def _check_neutral(table: dict[str, tuple[Any, ...]], v: Any, name: str) -> None:
+    neutral = table[name]
+    if not any(_is_neutral(v, n) for n in neutral):
+        last = list(neutral[-1]) if isinstance(neutral[-1], tuple) else neutral[-1]
+        raise ValueError(_WHY.get(name, f"not supported by this server; leave it out (or send {last!r})"))
+
+
+# chat_template_kwargs: names the template gets from the server itself (or that apply_chat_template
+# takes as its own arguments); a request may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "bos_token", "eos_token",
+    "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+    "raise_exception", "strftime_now",
+})
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_VALUE_CHARS = 4096
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = _STRICT
+    model_config = _TOP
 
     model: str = Field(min_length=1, description="the served model name (see GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="completion length limit")
+    # llama-server's name; -1 is its "no limit".
+    n_predict: int | None = Field(
+        None, ge=-1, description="llama-server's max_tokens (-1: no limit); if both are given they must agree"
+    )
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass; default 1")
     stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = Field(
@@ -248,6 +319,11 @@ class SamplingFields(BaseModel):
     guided_regex: Any = _refused(_REFUSED_NEUTRAL["guided_regex"], "vLLM's old name; use structured_outputs")
     guided_choice: Any = _refused(_REFUSED_NEUTRAL["guided_choice"], "vLLM's old name; use structured_outputs")
     guided_grammar: Any = _refused(_REFUSED_NEUTRAL["guided_grammar"], "vLLM's old name; use structured_outputs")
+    cache_prompt: bool | None = _refused(_REFUSED_NEUTRAL["cache_prompt"], _WHY["cache_prompt"])
+    priority: int | None = _refused(_REFUSED_NEUTRAL["priority"], _WHY["priority"])
+    return_tokens_as_token_ids: bool = Field(
+        False, description="vLLM's: logprobs name tokens as \"token_id:N\" instead of their text"
+    )
     user: str | None = Field(None, max_length=MAX_ID_CHARS, description="an end-user id (accepted, not used)")
     # OpenAI's hint for cache routing; we pass it to the engine as the session id (per tenant).
     prompt_cache_key: str | None = Field(
@@ -262,10 +338,15 @@ class SamplingFields(BaseModel):
     @field_validator(*_REFUSED_NEUTRAL, mode="before")
     @classmethod
     def _neutral_only(cls, v: Any, info: ValidationInfo) -> Any:
-        neutral = _REFUSED_NEUTRAL[str(info.field_name)]
-        if not any(_is_neutral(v, n) for n in neutral):
-            raise ValueError(f"not supported by this server; leave it out (or send {neutral[-1]!r})")
+        _check_neutral(_REFUSED_NEUTRAL, v, str(info.field_name))
         return None
+
+    @field_validator("n_predict")
+    @classmethod
+    def _n_predict(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("n_predict must be -1 (no limit) or at least 1")
+        return None if v == -1 else v
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -317,6 +398,60 @@ class ChatCompletionRequest(SamplingFields):
         None, description="default auto with tools, none without; required and a named function are enforced"
     )
     parallel_tool_calls: bool = Field(True, description="false: at most one call per response")
+    # vLLM's chat template controls.
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        False, description="leave the final message open and continue it (needs add_generation_prompt: false)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description=f"extra variables for the chat template (e.g. enable_thinking); at most "
+        f"{MAX_TEMPLATE_KWARGS}, scalar values",
+    )
+    echo: bool = Field(False, description="vLLM's: the answer begins with the final message's content when it is "
+                       "the assistant's (or with add_generation_prompt: false)")
+    store: bool | None = _refused(_REFUSED_CHAT["store"], _WHY["store"])
+    metadata: dict[str, str] | None = _refused(_REFUSED_CHAT["metadata"], _WHY["metadata"])
+    service_tier: str | None = _refused(_REFUSED_CHAT["service_tier"], _WHY["service_tier"])
+    modalities: list[str] | None = _refused(_REFUSED_CHAT["modalities"], _WHY["modalities"])
+    prediction: Any = _refused(_REFUSED_CHAT["prediction"], _WHY["prediction"])
+    reasoning_effort: str | None = _refused(_REFUSED_CHAT["reasoning_effort"], _WHY["reasoning_effort"])
+    audio: Any = _refused(_REFUSED_CHAT["audio"], _WHY["audio"])
+    web_search_options: Any = _refused(_REFUSED_CHAT["web_search_options"], _WHY["web_search_options"])
+    verbosity: str | None = _refused(_REFUSED_CHAT["verbosity"], _WHY["verbosity"])
+    functions: list[Any] | None = _refused(_REFUSED_CHAT["functions"], _WHY["functions"])
+    function_call: Any = _refused(_REFUSED_CHAT["function_call"], _WHY["function_call"])
+
+    @field_validator(*_REFUSED_CHAT, mode="before")
+    @classmethod
+    def _chat_neutral_only(cls, v: Any, info: ValidationInfo) -> Any:
+        _check_neutral(_REFUSED_CHAT, v, str(info.field_name))
+        return None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_alone(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message continues the final message instead of opening a new "
+                             "assistant turn; send add_generation_prompt: false with it")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} variables")
+        for key, value in v.items():
+            if not _TEMPLATE_NAME.fullmatch(key):
+                raise ValueError(f"{key[:80]!r} is not a template variable name (letters, digits, _)")
+            if key in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"{key!r} is set by the server (use the request field of that name, if any)")
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise ValueError(f"{key!r}: values must be strings, numbers, booleans or null")
+            if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
+                raise ValueError(f"{key!r}: a string value may have at most {MAX_TEMPLATE_VALUE_CHARS} characters")
+        return v
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -339,7 +474,18 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        for given in (self.max_completion_tokens, self.max_tokens, self.n_predict):
+            if given is not None:
+                return given
+        return None
+
+    def echo_text(self) -> str:
+        """What `echo` puts before the answer: the final message's content when that message is
+        the turn being answered (the assistant's, or any with add_generation_prompt false), as vLLM does."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.text()
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
@@ -378,7 +524,7 @@ class CompletionRequest(SamplingFields):
     # vLLM's field: a text prompt gets the tokenizer's special tokens (a Llama tokenizer's BOS) as
     # the tokenizer adds them by default; false sends the text alone. Token-id prompts run as given.
     add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS) to a text prompt")
-    echo: bool | None = only({"enum": [False, None]}, "not supported; false or absent")
+    echo: bool = Field(False, description="the answer begins with the prompt (its text; token ids decoded)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and the k likeliest")
     suffix: str | None = only({"enum": ["", None]}, "fill-in-the-middle is not supported")
 
@@ -394,11 +540,12 @@ class CompletionRequest(SamplingFields):
     def _unbatch(cls, v: Any) -> Any:
         return v[0] if isinstance(v, list) and isinstance(v[0], (str, list)) else v
 
-    @field_validator("echo")
+    @field_validator("logprobs")
     @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported by this server")
+    def _not_echoed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # OpenAI's echo with logprobs scores the prompt too; here that is prompt_logprobs' job.
+        if v is not None and info.data.get("echo"):
+            raise ValueError("logprobs with echo would score the prompt too; use prompt_logprobs for that")
         return v
 
     @field_validator("suffix")
@@ -409,7 +556,7 @@ class CompletionRequest(SamplingFields):
         return v
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return self.max_tokens if self.max_tokens is not None else self.n_predict
 
     @property
     def num_logprobs(self) -> int | None:
@@ -419,7 +566,8 @@ class CompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a `prompt` or chat `messages` (exactly one)."""
 
-    model_config = _STRICT
+    # Refused here, whatever --unknown-fields says: a misspelt option would change the count silently.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, min_length=1, description="the served model name; optional")
     prompt: str | None = Field(None, description="text, tokenized as /v1/completions tokenizes it")
@@ -440,7 +588,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, min_length=1, description="the served model name; optional")
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]

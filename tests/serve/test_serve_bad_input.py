@@ -83,7 +83,7 @@ CASES = [
     ("negative token id", COMPLETIONS, completion(prompt=[-1]), 400, "prompt", None),
     ("batched prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", None),
     ("prompt wrong type", COMPLETIONS, completion(prompt={"text": "x"}), 400, "prompt", None),
-    ("echo unsupported", COMPLETIONS, completion(echo=True), 400, "echo", None),
+    ("echo with logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "logprobs", None),
     ("body is a list", CHAT, [1, 2], 400, None, None),
     ("body is a string", COMPLETIONS, "hello", 400, None, None),
     ("body is null", CHAT, None, 400, None, None),

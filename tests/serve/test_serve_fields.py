@@ -58,13 +58,24 @@ EFFECT = {
     "prompt_cache_key": "test_serve_security.py::test_keys_give_tenants_their_own_salts_and_sessions",
     "cache_salt": "test_serve_security.py::test_tenants_do_not_share_cached_prompts",
     "user": "test_serve_security.py::test_identifier_fields_are_capped",
+    "add_generation_prompt":
+        "test_serve_vllm_fields.py::test_add_generation_prompt_false_renders_without_the_assistant_header",
+    "continue_final_message": "test_serve_vllm_fields.py::test_continue_final_message_continues_the_assistants_message",
+    "chat_template_kwargs": "test_serve_vllm_fields.py::test_chat_template_kwargs_reach_the_template",
+    "echo": "test_serve_vllm_fields.py::test_echo_prepends_the_prompt_or_the_final_assistant_message",
+    "return_tokens_as_token_ids": "test_serve_vllm_fields.py::test_return_tokens_as_token_ids",
+    "n_predict": "test_serve_vllm_fields.py::test_n_predict_is_max_tokens",
 }
 # Refused fields -> a value that is not their neutral one.
 NOT_NEUTRAL = {
-    "echo": True, "suffix": "and then", "best_of": 2, "use_beam_search": True,
+    "suffix": "and then", "best_of": 2, "use_beam_search": True,
     "length_penalty": 0.5, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 5, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": 'root ::= "a"',
+    "cache_prompt": False, "priority": 1, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
+    "modalities": ["audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+    "audio": {"voice": "alloy"}, "web_search_options": {}, "verbosity": "low", "functions": [{"name": "f"}],
+    "function_call": "auto",
 }
 
 
