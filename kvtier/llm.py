@@ -3,8 +3,14 @@
     from kvtier import LLM, SamplingParams
 
     with LLM("smollm2-135m", store="memory:1GB") as llm:
-        print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].text)
-        print(llm.chat([{"role": "user", "content": "Hi!"}]).text)
+        for out in llm.generate(["The capital of France is"], SamplingParams(max_tokens=8)):
+            print(out.prompt, out.outputs[0].text, out.num_cached_tokens)
+        print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
+
+Results are vLLM's shape (kvtier/outputs.py): one RequestOutput per prompt, its n samples in
+`.outputs` (CompletionOutput: text, token_ids, finish_reason, ...), kvtier's reuse figures beside
+them (prompt_tokens_reused, reused_by_tier, restore_method, ttft). `SamplingParams` defaults differ
+from vLLM's in places (its docstring says which).
 
 The keywords are the command line's options (`kvtier generate --help`, EngineOptions): the same
 defaults, checks and store. `close()` (or leaving the `with` block) drains the saves and stops the
@@ -18,9 +24,10 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kvtier.cli.engine_args import EngineOptions
-from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.models import DEFAULT_MODEL
+from kvtier.outputs import RequestOutput, group
 
 Messages = Sequence[dict[str, Any]]
 
@@ -35,18 +42,35 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Complete a prompt (text or token ids) or a list of them, batched; one output per prompt
-        (n per prompt with SamplingParams(n=...)), in order."""
-        return self.engine.generate(prompts, sampling_params)
+        """Complete a prompt (text or token ids) or a list of them, batched: one RequestOutput per
+        prompt, in order, its SamplingParams(n=...) samples in `.outputs`."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
+        batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
+        # Encoded here, once, so the outputs can carry prompt_token_ids; the engine takes ids as given.
+        ids = [self.engine.encode(p) for p in batch]
+        return self._run([p if isinstance(p, str) else None for p in batch], ids, sampling_params)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
-             tools: list[dict[str, Any]] | None = None) -> Any:
-        """Answer a conversation (a list of {"role", "content"} messages) through the model's chat
-        template: one RequestOutput; given a list of conversations, a list of them, batched."""
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Answer a conversation (a list of {"role", "content"} messages) or a list of them, batched,
+        through the model's chat template: a list of RequestOutput, one per conversation (as vLLM's
+        LLM.chat, also for a single conversation), `.prompt` the rendered template."""
         batch = bool(messages) and not isinstance(messages[0], dict)
         conversations = cast("list[Messages]", list(messages) if batch else [messages])
-        outs = self.engine.generate([self.engine.encode_chat(c, tools=tools) for c in conversations], sampling_params)
-        return outs if batch else outs[0]
+        ids = [self.engine.encode_chat(c, tools=tools) for c in conversations]
+        tok = self.engine.model.tokenizer
+        assert tok is not None  # encode_chat raised PromptError for a model without a chat template
+        texts: list[str | None] = [
+            str(tok.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False, tools=tools))
+            for c in conversations]
+        return self._run(texts, ids, sampling_params)
+
+    def _run(self, prompts: list[str | None], ids: list[list[int]],
+             sampling_params: SamplingParams | None) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        outs = self.engine.generate(cast("list[str | Sequence[int]]", ids), params)
+        return group(outs, prompts, ids, params, self.engine.model.tokenizer, sorted(self.engine.eos_ids))
 
     def close(self) -> None:
         """Drain pending saves and stop the engine's threads (later calls do nothing)."""

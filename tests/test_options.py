@@ -121,9 +121,9 @@ def test_the_top_level_api_runs_the_engine():
     with LLM("tiny-gqa", dtype="fp32", no_store=True) as llm:
         outs = llm.generate(["hello there", [5, 6, 7]], params)
         assert isinstance(llm.engine, Engine)
-        assert [len(o.output_ids) for o in outs] == [4, 4]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     with Engine(load_model("tiny-gqa", dtype="fp32")) as engine:
         assert [o.output_ids for o in engine.generate(["hello there", [5, 6, 7]], params)] == \
-            [o.output_ids for o in outs]
+            [o.outputs[0].token_ids for o in outs]
     with pytest.raises(TypeError, match="no_such_option"):
         LLM("tiny-gqa", no_such_option=1)

@@ -41,7 +41,22 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to sample and when to stop, with vLLM's `SamplingParams` meanings (engine/sampler.py applies them)."""
+    """What to sample and when to stop, with vLLM's `SamplingParams` meanings (engine/sampler.py applies them).
+
+    The defaults are vLLM's (temperature 1.0, top_p 1.0, top_k off, n 1, no logprobs) but one:
+    max_tokens is 256 where vLLM's is 16 (and vLLM's max_tokens=None, up to the context window, is
+    an error here).
+    Where kvtier is stricter or named otherwise:
+      - top_k: 0 disables it; vLLM also takes -1, which is an error here.
+      - temperature must be in [0, 2] (OpenAI's range) and repetition_penalty in (0, 2]; vLLM
+        bounds neither from above.
+      - logprobs and prompt_logprobs at most 20 (MAX_LOGPROBS), n at most 16 (MAX_N).
+      - structured (a GrammarSpec) takes the place of vLLM's guided decoding / structured outputs.
+      - stop, stop_token_ids and logit_bias are kept as tuples (lists and a dict are converted).
+      - first_logits is kvtier's own (oracle checks and benchmarks).
+    Options vLLM has and kvtier lacks (best_of, include_stop_str_in_output, skip_special_tokens,
+    bad_words, ...) are not accepted: an unknown keyword is a TypeError.
+    """
 
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
