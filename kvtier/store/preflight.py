@@ -39,7 +39,7 @@ def check_memory(spec: MemorySpec) -> None:
 
 
 def check_disk(spec: DiskSpec) -> None:
-    from kvtier.store.tiers.disk import makedirs_private
+    from kvtier.store.safe_paths import makedirs_private
 
     for path, capacity in zip(spec.paths, spec.capacities):
         try:

@@ -32,6 +32,20 @@ class LinkFound(OSError):
         super().__init__(errno.ELOOP, "a symbolic link, not followed", path)
 
 
+def makedirs_private(path: str) -> None:
+    """`os.makedirs` with every directory it creates 0700 (makedirs gives only the leaf its mode).
+    For a root the operator named only: below a root, directories are made through handles."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        makedirs_private(parent)
+    try:
+        os.mkdir(path, 0o700)  # the umask only removes bits: 0700 stays 0700
+    except FileExistsError:
+        pass
+
+
 def check_name(name: str) -> str:
     """`name` if it names an entry of a directory (no separator, not "." or ".."), else ValueError."""
     if not name or name in (".", "..") or "/" in name or "\0" in name:
@@ -168,6 +182,7 @@ class DirTree:
         self._kept: dict[tuple[str, ...], int] = {}
         self._uses: dict[int, int] = {}  # kept (or dropped) handle -> operations using it now
         self._dropped: set[int] = set()  # dropped handles still in use: closed by their last user
+        self._old_roots: list[int] = []  # roots made again after a removal: closed with the tree
         self._lock = threading.Lock()
         self._closed = False
 
@@ -254,9 +269,12 @@ class DirTree:
     def forget_removed(self, rel: tuple[str, ...]) -> bool:
         """Drop the kept handles on the way to `rel` whose directory is no longer there under its
         name (removed by another process or a clear, or replaced): the next use opens (or makes)
-        it anew, through the same checks. -> whether any was dropped."""
+        it anew, through the same checks. The root removed too is made again. -> whether any was
+        dropped."""
         idle: list[int] = []
         with self._lock:
+            if not self._root_still_there():
+                return self._make_root_again()
             gone = None
             for n in range(min(len(rel), self.keep_depth), 0, -1):  # from the deepest: a directory
                 fd = self._kept.get(rel[:n])                         # goes only once emptied
@@ -278,6 +296,32 @@ class DirTree:
             os.close(fd)
         return True
 
+    def _root_still_there(self) -> bool:
+        try:
+            return os.path.samestat(os.fstat(self.fd), os.stat(self.root))
+        except OSError:
+            return False
+
+    def _make_root_again(self) -> bool:
+        """The root was removed (a whole store deleted under a running server): make it again and
+        forget every handle below the old one. The old root's handle may be in use by another
+        operation; it is closed with the tree, not now (its number must not be reused under it)."""
+        try:
+            makedirs_private(self.root)
+            fd = os.open(self.root, DIR_FLAGS)
+        except OSError:
+            return False
+        self._old_roots.append(self.fd)
+        self.fd = fd
+        for rel in list(self._kept):
+            kept = self._kept.pop(rel)
+            if self._uses[kept]:
+                self._dropped.add(kept)  # closed by its last user
+            else:
+                del self._uses[kept]
+                os.close(kept)
+        return True
+
     def _still_there(self, fd: int, rel: tuple[str, ...]) -> bool:
         """The directory open as `fd` is the one `rel` names now (a comparison only: nothing is
         opened through what the name resolves to)."""
@@ -291,7 +335,7 @@ class DirTree:
             if self._closed:
                 return
             self._closed = True
-            fds = [*self._kept.values(), *self._dropped, self.fd]
+            fds = [*self._kept.values(), *self._dropped, self.fd, *self._old_roots]
             self._kept.clear()
             self._dropped.clear()
             self._uses.clear()

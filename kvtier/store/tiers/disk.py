@@ -53,7 +53,7 @@ import torch
 from ..format import FormatError, PackedChunk, Segment
 from ..keys import Child, lead_of
 from ..policy import EvictionPolicy
-from ..safe_paths import DirTree, LinkFound, Listing, fd_budget, lstat, open_file, walk
+from ..safe_paths import DirTree, LinkFound, Listing, fd_budget, lstat, makedirs_private, open_file, walk
 from ..staging import PAGE, aligned_empty
 from ..throttle import Emulation
 from ..validate import LEAD, child_entry, first_layer_bytes, is_key
@@ -89,20 +89,6 @@ LINK_EFFECTS = {
     "clear": "nothing through it is removed",
     "namespace": "this namespace is not stored in that directory",
 }
-
-
-def makedirs_private(path: str) -> None:
-    """`os.makedirs` with every directory it creates 0700 (makedirs gives only the leaf its mode).
-    For a root the operator named only: below a root, directories are made through handles."""
-    if os.path.isdir(path):
-        return
-    parent = os.path.dirname(path)
-    if parent and parent != path:
-        makedirs_private(parent)
-    try:
-        os.mkdir(path, PRIVATE_DIR)  # the umask only removes bits: 0700 stays 0700
-    except FileExistsError:
-        pass
 
 
 def _child_of(name: str, lead: str) -> Child | None:
