@@ -100,3 +100,28 @@ def test_serving_is_announced_only_once_the_port_listens():
     thread.join(timeout=30)
     sock.close()
     assert connected == [True]
+
+
+def test_the_planner_profile_is_saved_measured_given_or_an_estimate(tiny_gqa, tmp_path, monkeypatch):
+    """`make_engine(measure_profile=False)` (the server's start) never measures: a saved profile is
+    used, else the estimate; the factory's default still measures once and saves."""
+    from kvtier.engine.calibrate import hardware
+    from kvtier.engine.factory import make_engine
+
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured at start")
+
+    monkeypatch.setattr(hardware, "measure", no_measuring)
+    engine = make_engine(tiny_gqa, store="memory:16MB", measure_profile=False)
+    assert engine.profile_source == "estimate"
+    engine.close()
+    hardware.save_profile(hardware.estimate(tiny_gqa), hardware.profile_path(tmp_path, tiny_gqa))
+    engine = make_engine(tiny_gqa, store="memory:16MB", measure_profile=False)
+    assert engine.profile_source == "saved"
+    engine.close()
+    engine = make_engine(tiny_gqa, store="memory:16MB")  # the saved one, through the factory
+    assert engine.profile_source == "given"
+    engine.close()
+    assert make_engine(tiny_gqa).profile_source is None  # no store, no planner

@@ -260,9 +260,9 @@ class EngineOptions:
                     enable_prefix_cache=not self.no_prefix_cache, partial=self.partial(), exact=not self.fast_inexact,
                     bf16_attention=self.bf16_attention)
 
-    def build(self, reuse: ReuseConfig | None = None, **config: Any) -> Engine:
+    def build(self, reuse: ReuseConfig | None = None, measure_profile: bool = True, **config: Any) -> Engine:
         """Check the device and the store, load the model and build its engine (`config`:
-        EngineConfig overrides)."""
+        EngineConfig overrides; `measure_profile`: see `make_engine`)."""
         import torch
 
         from kvtier.engine.factory import build_engine
@@ -276,7 +276,7 @@ class EngineOptions:
             raise ValueError(_too_long(asked, self.model, limit))
         engine = build_engine(self.model, dtype=self.dtype, device=self.device,
                               store=None if self.no_store else self.store, reuse=reuse or self.reuse(),
-                              **{**self.engine_config(), **config})
+                              measure_profile=measure_profile, **{**self.engine_config(), **config})
         if asked is not None and engine.max_model_len < asked:  # a model whose limit shows only once loaded
             engine.close()
             raise ValueError(_too_long(asked, self.model, engine.max_model_len))

@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
     config = options.serve_config()
     sock = listen_socket(options.host, options.port)  # the port is ours (or one line, exit 2) before the load
     try:
-        engine = engine_options.build(reuse=engine_options.reuse(session_ttl_s=options.session_ttl))
+        # Serve at once: a machine without a saved profile is planned for on an estimate, not
+        # measured for minutes before the port answers (`kvtier profile` measures it).
+        engine = engine_options.build(reuse=engine_options.reuse(session_ttl_s=options.session_ttl),
+                                      measure_profile=False)
         app = create_app(engine, config=config)
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]

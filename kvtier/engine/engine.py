@@ -175,9 +175,16 @@ class Engine:
                  self.budget.max_batched_tokens, "dynamic" if decoder is None
                  else "through CUDA graphs" if decoder.graphs_on else "through static buffers")
         self.link: StateLink = NullStateLink()
+        # Where the restore planner's machine profile came from: "given" (measured by the factory,
+        # or the caller's), "saved" (`kvtier profile`'s), "estimate", or None without a store.
+        self.profile_source: str | None = None
         if store:
+            if profile is None:
+                profile, self.profile_source = self._saved_profile()
+            else:
+                self.profile_source = "given"
             self.link = open_store_link(model, self.runner, store, reuse or ReuseConfig(),
-                                        profile or self._saved_profile(), self.budget.max_batched_tokens, probes)
+                                        profile, self.budget.max_batched_tokens, probes)
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
         # exits without close(): a thread still in torch code at shutdown aborts the process.
         self._closer = weakref.finalize(self, self.link.close)
@@ -210,14 +217,15 @@ class Engine:
             )
         return num_blocks
 
-    def _saved_profile(self) -> HardwareProfile:
+    def _saved_profile(self) -> tuple[HardwareProfile, str]:
         """The profile `kvtier profile` (or the factory) saved for this model, else an estimate."""
         profile = load_profile(self.model, paths.home())
-        if profile is None:
-            log.info("no measured hardware profile for %s; planning with an estimate until "
-                     "`kvtier profile` measures this machine", self.model.name)
-            profile = estimate(self.model)
-        return profile
+        if profile is not None:
+            return profile, "saved"
+        log.warning("no measured hardware profile for %s on this machine: restores are planned on an estimate "
+                    "(every method stays exact); `kvtier profile --model %s` measures it (minutes on a small CPU) "
+                    "for the next start", self.model.name, self.model.name)
+        return estimate(self.model), "estimate"
 
     # ----- requests -------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:

@@ -24,12 +24,16 @@ from kvtier.store.preflight import check_store
 
 
 def make_engine(loaded: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
-                reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None, **kw: Any) -> Engine:
-    """An Engine over `loaded`, with every calibration it uses measured (or read from the cache)."""
+                reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None,
+                measure_profile: bool = True, **kw: Any) -> Engine:
+    """An Engine over `loaded`, with every calibration it uses measured (or read from the cache).
+    `measure_profile=False`: a machine without a saved hardware profile is planned for on an
+    estimate (the engine says so) instead of measured now, which takes minutes on a small CPU;
+    `kvtier profile` measures it for the next start."""
     config = config or EngineConfig()
     reuse = reuse or ReuseConfig()
     probes: ProbeCalibration | None = None
-    if store and profile is None:
+    if store and profile is None and measure_profile:
         profile = hardware.load_or_measure(loaded, paths.home(), store)
     if store and reuse.importance:
         probes = calibrate(loaded, probe_kv_heads_for(loaded.config.num_kv_heads))
@@ -40,7 +44,8 @@ def make_engine(loaded: LoadedModel, config: EngineConfig | None = None, store: 
 
 
 def build_engine(model: str, dtype: str | None = "auto", store: str | None = None, reuse: ReuseConfig | None = None,
-                 profile: HardwareProfile | None = None, device: str = "auto", **config: Any) -> Engine:
+                 profile: HardwareProfile | None = None, device: str = "auto", measure_profile: bool = True,
+                 **config: Any) -> Engine:
     """Load `model` on `device` and build its engine. `store` is a tier spec (see `kvtier store --help`).
     The device, the store's tiers and the model's name are checked first: a mistake in any of them
     is one error in a second, not after the (slow) model load."""
@@ -49,4 +54,5 @@ def build_engine(model: str, dtype: str | None = "auto", store: str | None = Non
         check_store(store)  # StoreUnusable / ConnectionError naming the tier and the fix
     resolve(model)  # ModelLoadError listing what a model may be
     loaded = load_model(model, dtype=dtype, device=dev)
-    return make_engine(loaded, EngineConfig(device=str(dev), **config), store=store, reuse=reuse, profile=profile)
+    return make_engine(loaded, EngineConfig(device=str(dev), **config), store=store, reuse=reuse, profile=profile,
+                       measure_profile=measure_profile)

@@ -43,7 +43,8 @@ async def health(ctx: ServerContext = Depends(get_context)):
     except APIError as e:
         return JSONResponse(error_body(e.message, e.type, None, e.code), e.status)
     sched = ctx.engine.scheduler
-    return r.Health(status="ok", model=ctx.model_name, waiting=len(sched.waiting), running=len(sched.running))
+    return r.Health(status="ok", model=ctx.model_name, waiting=len(sched.waiting), running=len(sched.running),
+                    profile=ctx.engine.profile_source)
 
 
 @ops_router.get(

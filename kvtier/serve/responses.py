@@ -174,6 +174,9 @@ class Health(BaseModel):
     model: str
     waiting: int
     running: int
+    # The restore planner's machine profile: "saved" (measured by `kvtier profile` or an earlier
+    # start), "given", "estimate" (not measured yet), or null without a store.
+    profile: str | None = None
 
 
 class TokenizeResponse(BaseModel):

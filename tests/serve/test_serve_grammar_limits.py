@@ -8,14 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,7 +20,6 @@ from test_grammar_limits import defs_chain, gbnf_chain, lark_chain, realistic_gr
 from kvtier.engine.grammar_limits import GrammarLimits
 from kvtier.engine.request import GrammarSpec
 from kvtier.engine.structured import Constraint
-from kvtier.testing.services import free_port
 
 from serve_testlib import TINY, Served, serve
 
@@ -32,43 +27,8 @@ ASK = [{"role": "user", "content": "Answer:"}]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[str]:
-    """`kvtier serve` in its own process (its default limits and body size)."""
-    home = tmp_path_factory.mktemp("grammar-home")
-    port = free_port()
-    log = home / "serve.log"
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", TINY, "--dtype", "fp32", "--port", str(port),
-           "--max-model-len", "256", "--kv-cache-gb", "0.05", "--no-store"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, KVTIER_HOME=str(home)), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url, proc, log)
-        yield url
-        assert proc.poll() is None, f"the server died:\n{_tail(log)}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _tail(log: Path) -> str:
-    return log.read_text()[-3000:]
-
-
-def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited:\n{_tail(log)}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the server did not come up:\n{_tail(log)}")
+def served(kvtier_process) -> str:
+    return kvtier_process.url
 
 
 def _chat(url: str, **kw) -> httpx.Response:
@@ -222,3 +182,12 @@ def test_a_request_holds_its_slot_while_its_grammar_is_built(tiny_model, monkeyp
         first.join(60)
         assert answers[0].status_code == 200, answers[0].text
         assert s.in_flight == 0
+
+
+def test_a_first_start_serves_at_once_on_an_estimate(kvtier_process):
+    """A machine without a saved profile is planned for on an estimate, not measured for minutes
+    before the port answers; /health says so, and the log names `kvtier profile`."""
+    health = httpx.get(kvtier_process.url + "/health", timeout=10).json()
+    assert health["profile"] == "estimate", health
+    assert "kvtier profile --model tiny-gqa" in kvtier_process.log.read_text()
+    assert not list((kvtier_process.home).rglob("profiles/*.json"))

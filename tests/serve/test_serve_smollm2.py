@@ -31,7 +31,7 @@ TRIP = ("I am planning a trip to Italy. What is its capital?", "Name one famous 
 
 
 def start(store: Path) -> ServerProcess:
-    # The first start on a machine also measures the hardware profile for the restore planner.
+    # The first start on a machine plans on an estimate of it (no profile measured before it answers).
     # A disk-only store: a memory tier above it would keep the newest state in the process, and a
     # restart would lose it (the tiers demote on eviction, not on shutdown). The restore method is
     # pinned: for prompts this short `auto` may rightly prefer recompute on some machines.
