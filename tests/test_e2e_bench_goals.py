@@ -95,18 +95,18 @@ def test_ratios_pair_the_contexts_where_both_peers_timed_them():
         if r["peer"] == "kvtier_memory":
             r["ttft_all_s"] = [0.8, 3.0, 3.2]  # 0.8, 1.5 and 0.8 of the same contexts' floor
     goals = evaluate_goals(rows)
-    g = _goal(goals, "fp32", "issue 27, memory")
+    g = _goal(goals, "fp32", "stretch, memory")
     assert g["met"] is True and g["value"] == pytest.approx(0.8)  # not 3.0 / 2.0: a slow hour on one context
     assert pivot(rows)[1][0][pivot(rows)[0].index("mem/floor")] == "0.80"
     del rows[5]["ttft_all_s"][-1]  # not the same contexts: the ratio of the medians
-    assert _goal(evaluate_goals(rows), "fp32", "issue 27, memory")["value"] == pytest.approx(1.5)
+    assert _goal(evaluate_goals(rows), "fp32", "stretch, memory")["value"] == pytest.approx(1.5)
 
 
 def test_issue_27_goals_hold_memory_to_0_9_and_the_cold_disk_to_the_floor():
     goals = evaluate_goals(_cell(memory=0.95, disk=1.02))
     assert _goal(goals, "fp32", "from the memory tier")["met"] is True  # 1.10 x: met
-    assert _goal(goals, "fp32", "issue 27, memory")["met"] is False
-    g = _goal(goals, "fp32", "issue 27, cold disk")
+    assert _goal(goals, "fp32", "stretch, memory")["met"] is False
+    g = _goal(goals, "fp32", "stretch, cold disk")
     assert g["met"] is False and g["value"] == pytest.approx(1.02)
     # disk/bound pairs per context too, each context's floor raised to the read bound (2 s here)
     rows = _cell(disk=1.0)
@@ -133,11 +133,11 @@ def test_a_goal_whose_interval_holds_its_target_is_listed_unresolved():
         per = {"hf_floor": [1.0] * 5,
                "kvtier_memory": [0.7, 0.8, 0.85, 0.87, 0.88] if r["history"] == 1024 else [0.6, 0.8, 0.85, 0.95, 1.2]}
         r["ttft_all_s"] = per.get(r["peer"])
-    g = _goal(evaluate_goals(rows), "fp32", "issue 27, memory")
+    g = _goal(evaluate_goals(rows), "fp32", "stretch, memory")
     assert g["met"] is True and g["value"] == pytest.approx(0.85)  # both medians meet 0.9 ...
     assert g["unresolved"] == [4096]  # ... but at 4096 the interval 0.60-1.20 holds it
     assert "H=1024: 0.850 (90% CI 0.70-0.88)" in g["detail"] and "H=4096: 0.850 (90% CI 0.60-1.20)" in g["detail"]
-    assert _goal(evaluate_goals(_cell()), "fp32", "issue 27, memory")["unresolved"] == []  # no contexts: no interval
+    assert _goal(evaluate_goals(_cell()), "fp32", "stretch, memory")["unresolved"] == []  # no contexts: no interval
 
 
 def test_goals_are_per_dtype():
