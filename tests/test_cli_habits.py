@@ -107,7 +107,6 @@ def test_help_lists_the_aliases_and_threads() -> None:
     (["--tokenizer", "org/tok"], "comes with --model"),
     (["--generation-config", "auto"], "with each request"),
     (["--enable-auto-tool-choice"], "on by default"), (["--tool-call-parser", "hermes"], "chat template"),
-    (["--reasoning-parser", "deepseek_r1"], "message content"),
 ])
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "x"], ["chat"], ["bench", "sampling"]])
 def test_a_flag_kvtier_has_no_equivalent_for_is_one_line_naming_the_alternative(

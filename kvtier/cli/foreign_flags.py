@@ -20,7 +20,6 @@ REFUSED: dict[tuple[str, ...], str] = {
                               "request",
     ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calls are on by default; the call format is picked "
                                                          "from the model's chat template",
-    ("--reasoning-parser",): "kvtier does not split out reasoning: a model's thinking stays in the message content",
 }
 _BY_FLAG = {flag: why for flags, why in REFUSED.items() for flag in flags}
 

@@ -1,7 +1,9 @@
 """Engine outputs as OpenAI choices: text, tool calls and logprobs, whole or streamed.
 
 One `ChatChoiceStream` / `CompletionChoiceStream` per sample turns each engine output into the
-chunk deltas of its choice; the whole-response builders take a sample's final output.
+chunk deltas of its choice; the whole-response builders take a sample's final output. With a
+reasoning parser, a chat sample's thinking is split off first (kvtier/serve/reasoning.py) and
+tool calls are read from the answer after it, as vLLM does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvtier.engine.engine import RequestOutput
 from kvtier.engine.sampler import TokenLogprobs
 from kvtier.serve import responses as r
 from kvtier.serve.inputs import ToolSetup
+from kvtier.serve.reasoning import ReasoningParser, ThinkSplitter
 from kvtier.serve.tools import CALL_OPEN, ToolCall, may_be_tool_call, parse_tool_calls
 
 
@@ -112,15 +115,16 @@ def read_calls(text: str, tools: ToolSetup | None, parallel: bool) -> tuple[str 
 
 
 def chat_choice(out: RequestOutput, tools: ToolSetup | None, parallel: bool, text: TokenText,
-                echo: str = "") -> r.ChatChoice:
-    """`echo`: text the answer begins with (the request's echo)."""
-    content, calls = read_calls(out.text, tools, parallel)
-    answer = content if calls else out.text
+                echo: str = "", reasoning: ReasoningParser | None = None) -> r.ChatChoice:
+    """`echo`: text the answer begins with (the request's echo). `reasoning`: the request's parser."""
+    thought, said = reasoning.split(out.text) if reasoning is not None else (None, out.text)
+    content, calls = read_calls(said or "", tools, parallel)
+    answer = content if calls else said
     if echo:
         answer = echo + (answer or "")
     return r.ChatChoice(
         index=out.index,
-        message=r.AssistantMessage(content=answer, tool_calls=_calls_out(calls) or None),
+        message=r.AssistantMessage(content=answer, reasoning_content=thought, tool_calls=_calls_out(calls) or None),
         finish_reason="tool_calls" if calls else reason(out),
         logprobs=chat_logprobs(out.logprobs, text) if out.logprobs is not None else None,
     )
@@ -141,41 +145,60 @@ def _delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
 @dataclass
 class ChatChoiceStream:
     """One sample's stream. With tools, text from where a tool call may begin is held back until
-    the sample ends; a call goes out whole, as one tool_calls delta."""
+    the sample ends; a call goes out whole, as one tool_calls delta. With a reasoning parser,
+    thinking goes out as reasoning_content as it comes, and only the answer after it is content
+    (where tool calls are looked for)."""
 
     index: int
     tools: ToolSetup | None
     parallel: bool
     text: TokenText
     logprobs: bool
-    _all: str = ""
+    reasoning: ReasoningParser | None = None
+    _all: str = ""  # the answer so far (without the thinking)
     _sent: int = 0  # characters of _all streamed as content
     _lps: list[TokenLogprobs] = field(default_factory=list)  # not yet sent
+    _split: ThinkSplitter | None = None
+
+    def __post_init__(self) -> None:
+        if self.reasoning is not None:
+            self._split = self.reasoning.splitter()
 
     def deltas(self, out: RequestOutput) -> list[r.ChatChunkChoice]:
-        self._all += out.delta_text
+        thought, said = self._split_off(out)
+        self._all += said
         self._lps += _delta_logprobs(out)
         made = []
         if not out.finished:
             end = self._safe_end()
-            if end > self._sent:
-                made.append(self._content(self._all[self._sent:end]))
+            if end > self._sent or thought:
+                made.append(self._content(self._all[self._sent:max(end, self._sent)], thought))
             return made
         content, calls = read_calls(self._all, self.tools, self.parallel)
         if calls:
             sent = self._all[: self._sent].strip()
             rest = content[len(sent):].strip() if content and content.startswith(sent) else ""
-            if rest or self._lps:
-                made.append(self._content(rest))
+            if rest or self._lps or thought:
+                made.append(self._content(rest, thought))
             made.append(r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(tool_calls=[
                 r.ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
                 for i, c in enumerate(_calls_out(calls))])))
             made.append(r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(), finish_reason="tool_calls"))
             return made
-        if len(self._all) > self._sent or self._lps:
-            made.append(self._content(self._all[self._sent:]))
+        if len(self._all) > self._sent or self._lps or thought:
+            made.append(self._content(self._all[self._sent:], thought))
         made.append(r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(), finish_reason=reason(out)))
         return made
+
+    def _split_off(self, out: RequestOutput) -> tuple[str, str]:
+        """(thinking, answer) text this output adds; at the end, what the splitter held back too."""
+        if self._split is None:
+            return "", out.delta_text
+        thought, said = self._split.feed(out.delta_text)
+        if out.finished:
+            more_thought, more_said = self._split.finish()
+            thought, said = thought + more_thought, said + more_said
+        return thought, said
 
     def _safe_end(self) -> int:
         """How much of the text can go out as content: all of it but where a tool call may begin."""
@@ -192,10 +215,12 @@ class ChatChoiceStream:
                 return len(text) - k
         return len(text)
 
-    def _content(self, piece: str) -> r.ChatChunkChoice:
+    def _content(self, piece: str, thought: str = "") -> r.ChatChunkChoice:
+        """A delta of answer text `piece` (and thinking `thought`), with the logprobs not sent yet."""
         self._sent += len(piece)
         lps, self._lps = self._lps, []
-        return r.ChatChunkChoice(index=self.index, delta=r.ChatDelta(content=piece),
+        delta = r.ChatDelta(content=piece if piece or not thought else None, reasoning_content=thought or None)
+        return r.ChatChunkChoice(index=self.index, delta=delta,
                                  logprobs=chat_logprobs(lps, self.text) if self.logprobs else None)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvtier.engine.grammar_limits import GrammarLimits
+from kvtier.serve.reasoning import PARSER_NAMES
 from kvtier.serve.tenants import DEFAULT_TENANT, check_tenant_name
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits a context window, far below a memory problem
@@ -55,6 +56,9 @@ class ServeConfig:
     # OpenAI does: a misspelt option must not pass silently); "warn" logs each unknown name once
     # and ignores it, for clients that send extras of another server's API.
     unknown_fields: str = "reject"
+    # A reasoning model's parser (kvtier/serve/reasoning.py): chat answers return its thinking as
+    # reasoning_content, apart from content. None: the thinking stays in content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -69,6 +73,8 @@ class ServeConfig:
             raise ValueError(f"stats_interval_s must be >= 0 (0: off), got {self.stats_interval_s}")
         if self.unknown_fields not in UNKNOWN_FIELDS_MODES:
             raise ValueError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELDS_MODES)}, got {self.unknown_fields!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_NAMES)}, got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.api_key is not None and self.api_keys:
