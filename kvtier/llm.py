@@ -41,15 +41,18 @@ class LLM:
         self.engine: Engine = self.options.build()
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | None = None, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete a prompt (text or token ids) or a list of them, batched: one RequestOutput per
-        prompt, in order, its SamplingParams(n=...) samples in `.outputs`."""
+        prompt, in order, its SamplingParams(n=...) samples in `.outputs`. `priority` (vLLM's):
+        one int per prompt; lower values are admitted first (a running request is not preempted
+        for them), equal ones in prompt order."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
         batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
         # Encoded here, once, so the outputs can carry prompt_token_ids; the engine takes ids as given.
         ids = [self.engine.encode(p) for p in batch]
-        return self._run([p if isinstance(p, str) else None for p in batch], ids, sampling_params)
+        return self._run([p if isinstance(p, str) else None for p in batch], ids, sampling_params, priority)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
@@ -66,10 +69,10 @@ class LLM:
             for c in conversations]
         return self._run(texts, ids, sampling_params)
 
-    def _run(self, prompts: list[str | None], ids: list[list[int]],
-             sampling_params: SamplingParams | None) -> list[RequestOutput]:
+    def _run(self, prompts: list[str | None], ids: list[list[int]], sampling_params: SamplingParams | None,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
-        outs = self.engine.generate(cast("list[str | Sequence[int]]", ids), params)
+        outs = self.engine.generate(cast("list[str | Sequence[int]]", ids), params, priority)
         return group(outs, prompts, ids, params, self.engine.model.tokenizer, sorted(self.engine.eos_ids))
 
     def close(self) -> None:

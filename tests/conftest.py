@@ -12,6 +12,9 @@ from kvtier.testing.services import RedisCluster, RedisServer, redis_binary
 
 # Under pytest-xdist (`-n 2`) each worker gets one of the two cores.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+# Servers the tests start measure nothing while idle (it would load both cores for minutes under
+# every other test); the tests of that measuring turn it on themselves.
+os.environ.setdefault("KVTIER_NO_IDLE_MEASURING", "1")
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ def checks(tmp_path, monkeypatch):
     """A fresh home and an empty in-process cache; returns the list of plans `_holds` was asked about."""
     monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
     monkeypatch.setattr(invariant, "_plans", {})
+    monkeypatch.setattr(invariant, "_pending", {})
     asked: list[invariant.RowPlan] = []
     plain = invariant._holds
 
@@ -28,10 +29,18 @@ def checks(tmp_path, monkeypatch):
     return asked
 
 
+def _refine_all() -> None:
+    for _ in invariant.refine():
+        pass
+
+
 def test_a_plan_checked_once_is_taken_from_the_file_by_the_next_process(tmp_path, monkeypatch, checks):
     w = torch.randn(256, 512)  # above the size checked at all
+    invariant._plan_for(w, None)
+    assert checks and invariant.has_pending()
+    _refine_all()  # the larger calls' checks: then the plan is kept
     plan = invariant._plan_for(w, None)
-    assert checks and (tmp_path / "linear_plans.json").exists()
+    assert not invariant.has_pending() and (tmp_path / "linear_plans.json").exists()
     checks.clear()
     monkeypatch.setattr(invariant, "_plans", {})  # a new process
     assert invariant._plan_for(w, None) == plan
@@ -48,6 +57,7 @@ def test_a_plan_checked_once_is_taken_from_the_file_by_the_next_process(tmp_path
 def test_another_machine_or_a_foreign_value_is_checked_afresh(tmp_path, monkeypatch, checks):
     w = torch.randn(256, 512)
     invariant._plan_for(w, None)
+    _refine_all()
     path = tmp_path / "linear_plans.json"
     doc = json.loads(path.read_text())
     (machine, entries), = doc.items()
@@ -66,6 +76,7 @@ def test_another_machine_or_a_foreign_value_is_checked_afresh(tmp_path, monkeypa
     monkeypatch.setattr(invariant, "_plans", {})
     checks.clear()
     invariant._plan_for(w, None)  # a torn or foreign file: checked, and the file rewritten whole
+    _refine_all()
     assert checks and "another cpu" in json.loads(path.read_text())
 
 
@@ -93,3 +104,46 @@ def test_short_calls_go_unpadded_only_where_the_check_holds(tmp_path, monkeypatc
 
     monkeypatch.setattr(invariant, "_holds", no_unpadded)
     assert invariant._plan_for(w, None).min_rows == 8
+
+
+def test_a_quick_plan_first_then_larger_calls_adopted_in_place_with_the_same_bits(tmp_path, monkeypatch, checks):
+    """A weight's first call checks calls of up to QUICK rows only (the full check of 512-row calls
+    costs 16x more); `refine` checks the larger calls a row count per slice and adopts a larger
+    plan with the same padding and pack, which gives every row the bits it had: a Linear's output
+    is the same before and after, for every row count tried, and its calls then take more rows."""
+    torch.manual_seed(0)
+    lin = invariant.Linear(512, 256, bias=False)
+    x = torch.randn(700, 512)
+    before = {m: lin(x[:m]) for m in (1, 7, 128, 129, 300, 700)}
+    quick = invariant._plans[next(iter(invariant._plans))]
+    assert quick.chunk == invariant.QUICK and checks == [p for p in invariant.CANDIDATES if p.chunk == invariant.QUICK][
+        :len(checks)]
+    slices = sum(1 for _ in invariant.refine())
+    assert slices >= 512  # a slice per row count: an idle engine is never held for a whole check
+    final = invariant._plans[next(iter(invariant._plans))]
+    assert (final.chunk, final.min_rows, final.pack_hint) == (512, quick.min_rows, quick.pack_hint)
+    for m, y in before.items():
+        assert torch.equal(lin(x[:m]), y), m
+    assert lin._plan == final  # the larger plan is in use
+    doc = json.loads((tmp_path / "linear_plans.json").read_text())
+    assert [list(v) for v in next(iter(doc.values())).values()] == [[512, quick.min_rows, quick.pack_hint]]
+
+
+def test_larger_calls_that_do_not_hold_keep_the_quick_plan(tmp_path, monkeypatch, checks):
+    monkeypatch.setattr(invariant, "_check", _failing_above(invariant._check, invariant.QUICK))
+    w = torch.randn(256, 512)
+    quick = invariant._plan_for(w, None)
+    _refine_all()
+    assert invariant._plan_for(w, None) == quick and not invariant.has_pending()
+    monkeypatch.setattr(invariant, "_plans", {})  # the next process takes it from the file, unchecked
+    checks.clear()
+    assert invariant._plan_for(w, None) == quick and checks == [] and not invariant.has_pending()
+
+
+def _failing_above(check, rows):
+    def failing(plan, *a):
+        if plan.chunk <= rows:
+            return (yield from check(plan, *a))
+        yield
+        return False
+    return failing

@@ -126,3 +126,15 @@ def test_reuse_figures_and_the_old_names_stay(llm, oracle):
     two = llm.generate([ids], SamplingParams(n=2, max_tokens=2, temperature=1.0, seed=1))[0]
     with pytest.raises(AttributeError, match="outputs"):
         _ = two.text
+
+
+def test_generate_takes_vllms_priority_list(llm, monkeypatch):
+    """One sequence at a time, the lowest value is admitted first (the shortest queue time), equal
+    values in prompt order; the outputs stay in prompt order, their answers unchanged."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16]]
+    plain = llm.generate(prompts, GREEDY)
+    monkeypatch.setattr(llm.engine.scheduler, "max_num_seqs", 1)
+    outs = llm.generate(prompts, GREEDY, priority=[2, 0, 1, 0])
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert sorted(range(len(outs)), key=lambda i: outs[i].queue_time or 0.0) == [1, 3, 2, 0]

@@ -125,3 +125,19 @@ def test_the_planner_profile_is_saved_measured_given_or_an_estimate(tiny_gqa, tm
     assert engine.profile_source == "given"
     engine.close()
     assert make_engine(tiny_gqa).profile_source is None  # no store, no planner
+
+
+def test_a_long_step_prints_a_line_every_few_seconds_without_a_terminal():
+    """Reading a GGUF's metadata and converting it take tens of seconds on a first start; where no
+    progress bar shows (a log file), a line comes at once and then every `every` seconds."""
+    import io
+    import time
+
+    from kvtier.progress import heartbeat
+
+    out = io.StringIO()
+    with heartbeat("converting x", every=0.05, out=out):
+        time.sleep(0.32)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "converting x ..." and len(lines) >= 4
+    assert all(line.startswith("converting x: still at it (") for line in lines[1:])

@@ -146,6 +146,9 @@ class EngineOptions:
                                  "flash (the fused flash kernel) or auto (gemm on CPUs with avx512_bf16 and no AMX, "
                                  "flash elsewhere); the start logs which runs and why",
                                  choices=("auto", "gemm", "flash"))
+    no_idle_measuring: bool = option(False, ENGINE, "serve on the estimate and the quick kernel checks a first start "
+                                     "makes, without measuring this machine while no request is in flight "
+                                     "(`kvtier profile` measures it; default: measured while idle, then adopted)")
     threads: int | None = option(None, ENGINE, "torch's CPU compute threads, set before the model loads. On an idle "
                                  "machine more are faster; lower it where other work keeps the cores busy (on a busy "
                                  "2-core machine one thread decoded 10x faster than two). The machine profile is "
@@ -258,7 +261,7 @@ class EngineOptions:
                     static_decode=False if self.enforce_eager else None,
                     max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs,
                     enable_prefix_cache=not self.no_prefix_cache, partial=self.partial(), exact=not self.fast_inexact,
-                    bf16_attention=self.bf16_attention)
+                    bf16_attention=self.bf16_attention, measure_when_idle=not self.no_idle_measuring)
 
     def build(self, reuse: ReuseConfig | None = None, measure_profile: bool = True, **config: Any) -> Engine:
         """Check the device and the store, load the model and build its engine (`config`:

@@ -26,6 +26,7 @@ from kvtier.serve.config import (
     UNKNOWN_FIELDS_MODES,
     ServeConfig,
 )
+from kvtier.serve.reasoning import PARSER_NAMES
 from kvtier.store.redact import redact
 
 API_KEY_ENV = "KVTIER_API_KEY"
@@ -50,6 +51,7 @@ def _port(text: str) -> int:
 
 
 SESSIONS, HTTP, GRAMMARS = "sessions", "HTTP", "structured output (grammars, regexes and JSON schemas requests send)"
+REASONING = "reasoning models"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,15 @@ class ServeOptions:
     grammar_timeout: float = option(GrammarLimits.timeout_s, GRAMMARS, "a grammar not compiled, with its first token "
                                     "mask, within this many seconds is a 400", type=positive_float, metavar="SECONDS")
 
+    reasoning_parser: str | None = option(None, REASONING, "return a reasoning model's thinking apart from its "
+                                          "answer in chat completions: the text between <think> and </think> in "
+                                          "the message's reasoning_content (streamed as reasoning_content deltas), "
+                                          "the rest in content. qwen3: a block the output opens itself (with "
+                                          "chat_template_kwargs enable_thinking false, all is content); "
+                                          "deepseek_r1: the template opened the block, so the output up to "
+                                          "</think> is thinking (DeepSeek-R1, QwQ)", choices=PARSER_NAMES,
+                                          default_text="off: the thinking stays in content")
+
     def serve_config(self) -> ServeConfig:
         """The validated server settings (the --api-keys file is read here)."""
         from kvtier.serve.api_keys import load_api_keys
@@ -122,7 +133,7 @@ class ServeOptions:
             metrics_key=self.metrics_key, max_output_entries=self.max_output_entries, unknown_fields=self.unknown_fields,
             shared_cache=self.shared_cache, max_body_bytes=self.max_body_bytes,
             default_max_tokens=self.default_max_tokens, max_queued_requests=self.max_queued_requests,
-            stats_interval_s=self.log_stats_interval,
+            stats_interval_s=self.log_stats_interval, reasoning_parser=self.reasoning_parser,
             grammar_limits=GrammarLimits(self.max_grammar_bytes, self.max_grammar_rules, self.max_grammar_depth,
                                          self.max_grammar_repeat, self.grammar_timeout),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvtier.engine.engine import Engine, RequestOutput
@@ -14,10 +15,13 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundEngine:
-    """Callers submit from any thread; `on_output` is called on the engine thread for every update."""
+    """Callers submit from any thread; `on_output` is called on the engine thread for every update.
+    After `idle_after_s` seconds without a request it measures what the engine lacks, a slice at a
+    time (`Engine.idle`): the first requests after a start, which come in a burst, find it quiet."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, idle_after_s: float = 5.0):
         self.engine = engine
+        self.idle_after_s = idle_after_s
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.steps = 0
@@ -34,8 +38,12 @@ class BackgroundEngine:
         session_id: str | None = None,
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
+        *,
+        priority: int = 0,
+        cache_prompt: bool = True,
     ) -> str:
-        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id, cache_salt, constraint)
+        rid = self.engine.add_request(prompt, params, request_id, on_output, session_id, cache_salt, constraint,
+                                      priority=priority, cache_prompt=cache_prompt)
         self._wake.set()
         return rid
 
@@ -53,11 +61,22 @@ class BackgroundEngine:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.idle.close()  # a measurement cut short removes its scratch tiers
+
+    def _serve(self) -> None:
+        busy_at = time.monotonic()
         while not self._stop.is_set():
             if not self.engine.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
+                # Quiet for a while: a slice of what a first start did not measure (engine/idle.py).
+                quiet = time.monotonic() - busy_at >= self.idle_after_s
+                if not (quiet and self.engine.idle.run_slice()):
+                    self._wake.wait(0.05)
+                    self._wake.clear()
                 continue
+            busy_at = time.monotonic()
             try:
                 self.engine.step()
                 self.steps += 1

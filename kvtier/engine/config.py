@@ -112,6 +112,11 @@ class EngineConfig:
     # Exact bf16 attention's CPU kernel (`models/exact_matmul.py`): auto, gemm or flash; None keeps
     # the process's (`exact_matmul.set_mode`, auto unless set). Process-wide, as `exact` is.
     bf16_attention: str | None = None
+    # What a first start lacks (the machine profile, the linears' larger row plans) is measured
+    # while no request is in flight, where a BackgroundEngine runs the loop (`engine/idle.py`),
+    # and adopted when complete; `kvtier serve` turns it on. False: the estimate and the quick
+    # plans stay for this process.
+    measure_when_idle: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -18,14 +18,15 @@ from kvtier.device import resolve_device
 from kvtier.engine import budget
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import fronts as front_costs
-from kvtier.engine.calibrate.hardware import estimate, load_profile
+from kvtier.engine.calibrate.hardware import estimate, load_profile, measure_slices, profile_path, save_profile
 from kvtier.engine.calibrate.probes import ProbeCalibration
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.detokenizer import Detokenizer
+from kvtier.engine.idle import IdleTask, IdleWork
 from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
 from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
 from kvtier.engine.penalties import Seen
-from kvtier.engine.request import Request, RequestMetrics, RequestStatus, RestoreReport, SamplingParams
+from kvtier.engine.request import Request, RequestMetrics, RequestStatus, RestoreReport, SamplingParams, check_priority
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.runner.static_decode import StaticDecode
 from kvtier.engine.sampler import Row, Sampled, TokenLogprobs, make_generator, sample_batch, score
@@ -176,8 +177,10 @@ class Engine:
                  else "through CUDA graphs" if decoder.graphs_on else "through static buffers")
         self.link: StateLink = NullStateLink()
         # Where the restore planner's machine profile came from: "given" (measured by the factory,
-        # or the caller's), "saved" (`kvtier profile`'s), "estimate", or None without a store.
+        # or the caller's), "saved" (`kvtier profile`'s), "estimate", "measured" (while idle,
+        # replacing the estimate), or None without a store.
         self.profile_source: str | None = None
+        self._store_spec = store
         if store:
             if profile is None:
                 profile, self.profile_source = self._saved_profile()
@@ -205,6 +208,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
         self._steps = 0
+        self.idle = IdleWork([self._offer_plans, self._offer_profile])
+        self._profile_offered = False
 
     def _num_blocks(self) -> int:
         cfg, kv_bytes = self.config, self.budget.kv_cache_bytes
@@ -223,9 +228,30 @@ class Engine:
         if profile is not None:
             return profile, "saved"
         log.warning("no measured hardware profile for %s on this machine: restores are planned on an estimate "
-                    "(every method stays exact); `kvtier profile --model %s` measures it (minutes on a small CPU) "
-                    "for the next start", self.model.name, self.model.name)
+                    "(every method stays exact) until it is measured%s; `kvtier profile --model %s` measures it at "
+                    "once (minutes on a small CPU)", self.model.name,
+                    " while no request is in flight" if self.config.measure_when_idle else "", self.model.name)
         return estimate(self.model), "estimate"
+
+    # ----- measured while idle (engine/idle.py) ---------------------------------------------
+    def _offer_plans(self) -> IdleTask | None:
+        if not self.config.measure_when_idle or not invariant.has_pending():
+            return None
+        return IdleTask("the linears' larger row plans", invariant.refine(), lambda _: None)
+
+    def _offer_profile(self) -> IdleTask | None:
+        if not self.config.measure_when_idle or self.profile_source != "estimate" or self._profile_offered:
+            return None
+        self._profile_offered = True  # once: a failed measurement is not retried every idle moment
+        return IdleTask("this machine's profile", measure_slices(self.model, self._store_spec), self._adopt_profile)
+
+    def _adopt_profile(self, profile: HardwareProfile) -> None:
+        """Plan restores on `profile` from now on, and keep it for the next start. What the store
+        keeps per layer was chosen at the start and stays for this process."""
+        save_profile(profile, profile_path(paths.home(), self.model))
+        self.link.adopt_profile(profile)
+        self.profile_source = "measured"
+        log.info("this machine's profile is measured; restores are planned on it (saved for the next start)")
 
     # ----- requests -------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:
@@ -267,11 +293,19 @@ class Engine:
         session_id: str | None = None,
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
+        *,
+        priority: int = 0,
+        cache_prompt: bool = True,
     ) -> str:
         """Queue a request (safe from any thread); it joins the batch at the next step.
         `cache_salt`: only requests with the same salt share cached or stored state.
         `constraint`: params.structured's, made already (`grammars.build`); else made here, on a
-        grammar thread while the caller waits, never on the step's."""
+        grammar thread while the caller waits, never on the step's.
+        `priority` (vLLM's): waiting requests are admitted lowest value first, equal ones in
+        arrival order; running requests are not preempted for it.
+        `cache_prompt` (llama-server's): False neither reuses cached or stored state nor leaves
+        any (same answer, computed in full)."""
+        priority = check_priority(priority)
         ids = self.encode(prompt)
         params = params or SamplingParams()
         params.check_vocab(self.model.config.vocab_size)
@@ -287,8 +321,8 @@ class Engine:
         if request_id is not None and "#" in request_id:
             raise PromptError("a request id may not contain '#': it names the samples of an n > 1 request")
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, session_id=session_id, cache_salt=cache_salt or "", source_ids=source,
-                      kept=kept)
+        req = Request(rid, ids, params, session_id=session_id, cache_salt=cache_salt or "", priority=priority,
+                      cache_prompt=bool(cache_prompt), source_ids=source, kept=kept)
         self._inbox.put(("add", (req, on_output, constraint)))
         return rid
 
@@ -440,7 +474,8 @@ class Engine:
         req = parent.req
         for i in range(1, n + 1):
             child = Request(sample_id(req.request_id, i), list(req.prompt_ids), req.params,
-                            session_id=req.session_id, cache_salt=req.cache_salt, source_ids=req.source_ids, kept=req.kept,
+                            session_id=req.session_id, cache_salt=req.cache_salt, priority=req.priority,
+                            cache_prompt=req.cache_prompt, source_ids=req.source_ids, kept=req.kept,
                             metrics=RequestMetrics(arrival=req.metrics.arrival,
                                                    first_scheduled=req.metrics.first_scheduled))
             self._live[child.request_id] = _Live(
@@ -554,15 +589,22 @@ class Engine:
 
     # ----- convenience API ------------------------------------------------------------------
     def generate(
-        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None
+        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+        priority: Sequence[int] | None = None, cache_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Run a batch of prompts to completion (continuous batching); outputs in prompt order,
-        with SamplingParams(n > 1) each prompt's n samples in index order."""
+        with SamplingParams(n > 1) each prompt's n samples in index order. `priority`: one per
+        prompt (vLLM's), the order in which they are admitted; `cache_prompt`: see add_request."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
         batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"priority has {len(priority)} values for {len(batch)} prompts")
+        # Checked before any is queued: a bad value must not leave the others running unread.
+        order = [check_priority(p) for p in priority] if priority is not None else [0] * len(batch)
         n = (params or SamplingParams()).n
-        ids = [sample_id(rid, i) for p in batch for rid in [self.add_request(p, params)] for i in range(n)]
+        ids = [sample_id(rid, i) for p, pri in zip(batch, order)
+               for rid in [self.add_request(p, params, priority=pri, cache_prompt=cache_prompt)] for i in range(n)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():

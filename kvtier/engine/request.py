@@ -29,6 +29,16 @@ class SamplingError(ValueError):
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
+# vLLM's request priority (lower is served earlier), bounded to a 32-bit int: any ordering a client
+# needs fits, and a bound keeps the value a plain machine integer wherever it is logged or stored.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
+
+def check_priority(priority: object) -> int:
+    """A request priority as the scheduler takes it (an int in [MIN_PRIORITY, MAX_PRIORITY])."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise SamplingError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+    return priority
 
 
 @dataclass(frozen=True)
@@ -212,6 +222,13 @@ class Request:
     # Partitions reuse: the device prefix cache and the store key chains start from this salt, so
     # requests with different salts (tenants) never see, evict or time each other's state.
     cache_salt: str = ""
+    # vLLM's priority: waiting requests are admitted by (priority, arrival), the lowest value first.
+    priority: int = 0
+    # llama-server's cache_prompt. False: the request neither reuses state (the device prefix cache,
+    # the store) nor leaves its own for others (its blocks are not published, nothing is saved).
+    # The answer is the same either way (a hit is bit-identical to recompute); only the cost and
+    # what the caches hold afterwards differ.
+    cache_prompt: bool = True
     restore_tried: bool = False  # the store was asked once for this (re)admission
     # Context truncation: the original prompt and the indices of it that were kept. Such state is
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.

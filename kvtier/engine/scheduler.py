@@ -7,9 +7,15 @@ waiting request whose stored prefix goes beyond the device prefix cache gets a `
 handed to the store side (`StoreSide.start`), which prepares it off the step loop; the scheduler
 itself does no I/O. The store side and the front policy are protocols with null defaults
 (`NoStore`, `NoFronts`), so a step has no "is there a store?" branches. When
-blocks run out, the most recently arrived running request is preempted: its blocks are released
-and it is recomputed later from its tokens (its full blocks usually survive in the device prefix
-cache, so resuming is cheap).
+blocks run out, the most recently admitted running request of the lowest priority (the highest
+`priority` value) is preempted: its blocks are released and it is recomputed later from its tokens
+(its full blocks usually survive in the device prefix cache, so resuming is cheap).
+
+The waiting queue is ordered by (priority, arrival), as vLLM's `--scheduling-policy priority`:
+with every priority 0 (the default) that is first-come first-served. Priority orders admission
+and picks preemption victims only: a waiting request never preempts a running one to get in (as
+in vLLM's V1 scheduler), so a running request always finishes what it started unless blocks run
+out.
 
 Plain values only: ints, token ids, hashes. No torch.
 """
@@ -84,7 +90,18 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.store.arrived(req)
-        self.waiting.append(req)
+        self._enqueue(req, ahead=False)
+
+    def _enqueue(self, req: Request, ahead: bool) -> None:
+        """Into the waiting queue by priority: after the requests of its own priority (a new
+        arrival: first-come first-served) or `ahead` of them (a preempted one: it was admitted
+        already, they not yet). Searched from the back, where a new arrival of the most common
+        priority lands: O(1) while every priority is the same."""
+        i = len(self.waiting)
+        while i and (self.waiting[i - 1].priority >= req.priority if ahead
+                     else self.waiting[i - 1].priority > req.priority):
+            i -= 1
+        self.waiting.insert(i, req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.restoring)
@@ -122,7 +139,8 @@ class Scheduler:
     def _schedule_running(self, step: _Step, decoding: list[Request], prefilling: list[Request],
                           front_tokens: int) -> None:
         """One token per decode, then recomputed fronts' share, then chunks of running prefills;
-        a request that cannot grow preempts the latest arrival not already in the step."""
+        a request that cannot grow preempts the latest admitted of the lowest priority not already
+        in the step (itself, at worst)."""
         charged = not front_tokens
         for i, req in enumerate(decoding + prefilling):
             if i == len(decoding) and not charged:
@@ -133,8 +151,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed, max(step.budget - req.attach_tokens, 1))
             while not self._grow(req, req.num_computed + n):
-                # The most recently arrived request not already in this step (`req` itself at worst).
-                victim = next(r for r in reversed(self.running) if r.request_id not in step.scheduled)
+                victim = self._victim(step)
                 self._preempt(victim)
                 step.preempted.append(victim.request_id)
                 if victim is req:
@@ -144,13 +161,27 @@ class Scheduler:
         if not charged:
             step.budget = self._charge_fronts(step.budget, front_tokens)
 
+    def _victim(self, step: _Step) -> Request:
+        """The running request to preempt: of those not already in this step, the lowest priority
+        (highest value), and of those the most recently admitted (vLLM's choice). The request
+        growing is never in the step yet, so there is always one."""
+        victim: Request | None = None
+        for r in reversed(self.running):
+            if r.request_id not in step.scheduled and (victim is None or r.priority > victim.priority):
+                victim = r
+        assert victim is not None
+        return victim
+
     def _admit_waiting(self, step: _Step, cap: int) -> None:
-        """Waiting requests in arrival order: the device prefix cache, then the store's offer (a
-        restore ticket), then a prefill chunk, while budget, blocks and the batch cap allow."""
+        """Waiting requests in queue order (priority, then arrival): the device prefix cache, then
+        the store's offer (a restore ticket), then a prefill chunk, while budget, blocks and the
+        batch cap allow."""
+        if step.preempted:
+            # Running requests gave blocks up for lack of room: none is taken for a new admission
+            # in the same step (nor the victims' own way back), whatever its priority (vLLM's rule).
+            return
         while self.waiting and step.budget > 0 and len(self.running) + len(self.restoring) < cap:
             req = self.waiting[0]
-            if req.request_id in step.preempted:
-                break  # it just gave its blocks up for lack of room: not back in the same step
             instant = None
             if req.num_computed == 0:
                 self._match_prefix(req)
@@ -177,11 +208,14 @@ class Scheduler:
             step.add(req, n)
 
     def _queued(self, n: int) -> list[Request]:
+        """The first `n` queued requests that will ask the store (cache_prompt false never does:
+        protecting or prefetching its chunks would only displace others')."""
         out: list[Request] = []
         for req in self.waiting:
             if len(out) == n:
                 break
-            out.append(req)
+            if req.cache_prompt:
+                out.append(req)
         return out
 
     @staticmethod
@@ -223,7 +257,7 @@ class Scheduler:
     def _try_restore(self, req: Request, budget: int) -> _Issued | None:
         """A ticket when the store holds more of `req`'s prefix than the device does. Its compute
         starts in this step: pay what the budget allows now, the rest in later steps."""
-        if req.restore_tried or req.params.prompt_logprobs is not None:
+        if req.restore_tried or not req.cache_prompt or req.params.prompt_logprobs is not None:
             return None
         req.restore_tried = True
         probe = self.store.offer(req)
@@ -301,8 +335,9 @@ class Scheduler:
 
     def _publish(self, req: Request) -> None:
         """Register the request's newly full blocks in the device prefix cache. Never for a
-        truncated context: its K/V are approximations and must not be reused as exact."""
-        if not self.prefix_cache or req.approximate:
+        truncated context: its K/V are approximations and must not be reused as exact. Nor for
+        cache_prompt false: its blocks go back to the pool clean, for no other request to hit."""
+        if not self.prefix_cache or req.approximate or not req.cache_prompt:
             return
         full = req.num_computed // self.pool.block_size
         if full <= req.num_published:
@@ -352,9 +387,10 @@ class Scheduler:
     def _match_prefix(self, req: Request) -> None:
         """Reuse device-cached full blocks; at least one prompt token is always computed (for logits).
         A truncated context never takes cached blocks: they would hold exact state at positions
-        its approximate rows also claim."""
+        its approximate rows also claim. Nor does cache_prompt false: it computes its whole prompt."""
         req.block_ids, req.num_computed, req.num_published = [], 0, 0
-        if not self.prefix_cache or req.kept is not None or req.params.prompt_logprobs is not None:
+        if not self.prefix_cache or not req.cache_prompt or req.kept is not None or \
+                req.params.prompt_logprobs is not None:
             return  # (prompt logprobs need every prompt token computed: a cached one has no logits)
         req.block_hashes = block_hashes(req.all_ids, self.pool.block_size, req.block_hashes, req.cache_salt)
         usable = (req.num_tokens - 1) // self.pool.block_size
@@ -400,5 +436,5 @@ class Scheduler:
         req.restore_tried = False
         req.attach_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        self._enqueue(req, ahead=True)
         self.num_preemptions += 1

@@ -32,6 +32,7 @@ from kvtier.dtypes import name_of
 from kvtier.models.config import ModelConfig
 from kvtier.models.errors import ModelLoadError
 from kvtier.models.weights import INDEX, weight_files
+from kvtier.progress import heartbeat
 
 SHARD_BYTES = 2 << 30  # safetensors files of at most ~2 GB: bounded memory while writing, and copyable
 DONE = "kvtier.json"  # written last, inside the temporary directory: its presence means complete
@@ -279,8 +280,11 @@ def metadata_dir(path: Path, home: Path) -> Path:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok = _tokenizer(path, config.model_type)
+        # transformers parses every metadata field in Python (the vocabulary's among them): some 15 s
+        # for SmolLM2's on 2 cores, once per file.
+        with heartbeat(f"reading the config and tokenizer of {path.name} (once)"):
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = _tokenizer(path, config.model_type)
     except Exception as e:
         raise ModelLoadError(
             f"cannot read GGUF {path}: {e}. The file may be corrupt or of an unsupported architecture "
@@ -355,11 +359,11 @@ def convert(path: Path, home: Path, dtype: torch.dtype) -> Path:
     width = torch.empty(0, dtype=dtype).element_size()
     gb = sum(n for _, n in source.numels()) * width / 1e9
     # Printed, not logged: the CLI shows warnings only, and a multi-GB write should never be a surprise.
-    print(f"converting {path.name} to {name_of(dtype)} safetensors: {gb:.2f} GB in {out} (once"
-          + (", cast from the float32 conversion)" if from_wider else ")"), file=sys.stderr, flush=True)
     tmp = _temporary(out)
     try:
-        write_shards(source, dtype, tmp)
+        with heartbeat(f"converting {path.name} to {name_of(dtype)} safetensors: {gb:.2f} GB in {out} (once"
+                       + (", cast from the float32 conversion)" if from_wider else ")")):
+            write_shards(source, dtype, tmp)
         for f in meta.iterdir():
             if f.name not in (DONE, "config.json"):
                 shutil.copy2(f, tmp / f.name)

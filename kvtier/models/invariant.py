@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import astuple, dataclass
 from functools import lru_cache
 
@@ -67,19 +67,27 @@ class RowPlan:
 # which streams the weights (smollm2 fp32, 2 AVX2 cores: 23 ms a step for every linear against
 # 37 ms padded to 8 rows), where AMX's bf16 kernels give rows 1..32 other bits and fall back to
 # padding. A plan is used for a weight once every row count from 1 to its chunk (and rows at an
-# offset) has been checked to give the bits one full call gives. An LM head (a wide output) is
-# checked up to 64 rows only: the check's cost grows with the square of the chunk, every process
-# pays it once, and a step rarely samples more rows. FIXED is one call shape: invariant by
-# construction, the fallback.
+# offset) has been checked to give the bits one full call gives. The check's cost grows with the
+# square of the chunk (smollm2 fp32, 2 cores: 17 s for calls of 512 rows, against 1 s for 128), so
+# a weight's first use checks calls of up to QUICK rows only, and the larger calls are checked later,
+# a row count at a time while the engine has nothing to serve (`refine`; `kvtier profile` does it
+# at once). A larger plan with the same padding and pack gives the same bits (its check covers
+# every call the quick plan makes), so it is adopted in place. An LM head (a wide output) is
+# checked up to 64 rows only: a step rarely samples more rows. FIXED is one call shape: invariant
+# by construction, the fallback.
 CANDIDATES = tuple(RowPlan(chunk, min_rows, hint) for chunk in (512, 256, 128, 64) for min_rows in (1, 8)
                    for hint in (8, 1))
 FIXED = RowPlan(chunk=32, min_rows=32)
+QUICK = 128  # the largest calls checked before a weight's first call
 _WIDE = 8192  # output features from which a weight is an LM head here
 # Below this many elements (test models) a weight's calls are cheap however padded: FIXED without a check (the
 # check's cost is mostly oneDNN building a kernel per row count, which a test model pays per process).
 _SMALL = 1 << 16
 
 _plans: dict[tuple, RowPlan] = {}
+# Weights on a quick plan whose larger calls are still to be checked: key -> (weight, bias, plan).
+_pending: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, RowPlan]] = {}
+_generation = 0  # bumped when a plan is replaced: Linear and Fused look their plans up again
 _packing = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
@@ -121,13 +129,43 @@ def _plan_for(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
         if known is not None:
             _plans[key] = known
             return known
-        tries = [p for p in CANDIDATES if (p.chunk > 64) == (weight.shape[0] < _WIDE)]
-        _plans[key] = next((p for p in tries if _holds(p, weight, _pack(weight, p.pack_hint), bias)), FIXED)
-        if _plans[key] is FIXED:
+        wide = weight.shape[0] >= _WIDE
+        tries = [p for p in CANDIDATES if (p.chunk <= 64 if wide else 64 < p.chunk <= QUICK)]
+        plan = _plans[key] = next((p for p in tries if _holds(p, weight, _pack(weight, p.pack_hint), bias)), FIXED)
+        if plan is FIXED:
             log.warning("linear %s %s: rows not invariant in calls of up to %d rows here; every call padded to "
                         "%d rows (slower)", tuple(weight.shape), weight.dtype, tries[-1].chunk, FIXED.chunk)
-        _remember(key, _plans[key])
+        if plan is FIXED or wide:
+            _remember(key, plan)
+        else:
+            _pending[key] = (weight, bias, plan)
     return _plans[key]
+
+
+def has_pending() -> bool:
+    """Whether some weight's larger calls are still to be checked (`refine`)."""
+    return bool(_pending)
+
+
+def refine() -> Generator[None, None, None]:
+    """Check larger calls for every weight on a quick plan, yielding after each row count (an
+    engine runs this while idle, so a request arriving waits for one kernel call at most). A
+    larger plan that holds replaces the quick one in place (the same bits, larger calls); what was
+    found is kept under KVTIER_HOME, so the next process starts on it."""
+    global _generation
+    while _pending:
+        key = next(iter(_pending))
+        weight, bias, quick = _pending.pop(key)
+        final = quick
+        for chunk in (c for c in dict.fromkeys(p.chunk for p in CANDIDATES) if c > quick.chunk):
+            bigger = RowPlan(chunk, quick.min_rows, quick.pack_hint)
+            if (yield from _check(bigger, weight, _pack(weight, bigger.pack_hint), bias)):
+                final = bigger
+                break
+        if final != quick and _plans.get(key) == quick:
+            _plans[key] = final
+            _generation += 1
+        _remember(key, final)
 
 
 # What the checks found is kept under KVTIER_HOME, so a process does not pay them again (3-6 s of
@@ -203,6 +241,17 @@ def _remember(key: tuple, plan: RowPlan) -> None:
 def _holds(plan: RowPlan, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
     """Every row count 1..chunk, at the start of the input and at an offset, gives the rows one
     full call gives, bit for bit."""
+    slices = _check(plan, weight, packed, bias)
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return bool(done.value)
+
+
+def _check(plan: RowPlan, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+           ) -> Generator[None, None, bool]:
+    """`_holds`, yielding after each row count."""
     g = torch.Generator().manual_seed(0)
     n = plan.chunk
     x = torch.randn(2 * n, weight.shape[1], generator=g).to(weight.dtype)  # [2 chunk, in]
@@ -211,6 +260,7 @@ def _holds(plan: RowPlan, weight: torch.Tensor, packed: torch.Tensor | None, bia
         at = (m * 7919) % n  # a different offset per count
         if not torch.equal(_call(x[at : at + m], weight, packed, bias, plan), ref[at : at + m]):
             return False
+        yield
     return True
 
 
@@ -220,7 +270,7 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _plan: RowPlan = FIXED
-    _packed_of: tuple[int, int, torch.dtype, int] | None = None
+    _packed_of: tuple[int, int, torch.dtype, int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -228,7 +278,7 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         # The thread count too: a plan holds for the count it was checked at (oneDNN may split a
         # reduction across threads by the call's shape), so a process that changes it checks again.
-        ident = (w.data_ptr(), w._version, w.dtype, torch.get_num_threads())
+        ident = (w.data_ptr(), w._version, w.dtype, torch.get_num_threads(), _generation)
         if self._packed_of != ident:
             self._plan = _plan_for(w.detach(), self.bias)
             self._packed, self._packed_of = _pack(w.detach(), self._plan.pack_hint), ident
@@ -270,7 +320,8 @@ class Fused:
 
     def _pack(self, first: int) -> "_Packed":
         parts = self.parts[first:]
-        ident = (torch.get_num_threads(), *((p.weight.data_ptr(), p.weight._version, p.weight.dtype) for p in parts))
+        ident = (torch.get_num_threads(), _generation,
+                 *((p.weight.data_ptr(), p.weight._version, p.weight.dtype) for p in parts))
         held = self._packs.get(first)
         if held is None or held[0] != ident:
             held = ident, _Packed.of(parts)

@@ -13,6 +13,7 @@ refinement: after a restore, `observe` folds the measured/predicted ratio into a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -76,6 +77,13 @@ class Planner:
         self.compute_chunk_tokens = compute_chunk_tokens  # Cake's front step (the executor's)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # the engine's per-step token budget
         self.correction: dict[Method, float] = {}
+
+    def adopt(self, profile: HardwareProfile) -> None:
+        """Predict with `profile` from now on (each tier's emulated limits stay); the online
+        correction learnt against the previous profile starts afresh."""
+        self.profile = profile
+        self.links = {name: dataclasses.replace(link, rates=profile.rates(name)) for name, link in self.links.items()}
+        self.correction = {}
 
     # ----- per-layer costs ----------------------------------------------------------------
     def _link(self, tier: str) -> TierLink:

@@ -51,6 +51,8 @@ class Generation:
         received: float | None = None,
         on_done: Callable[[], None] | None = None,
         constraint: Constraint | None = None,
+        priority: int = 0,
+        cache_prompt: bool = True,
     ) -> None:
         self.background = background
         self.request_id = request_id
@@ -69,7 +71,7 @@ class Generation:
         # Validation already happened in the handler; this can still raise PromptError/SamplingError.
         background.submit(
             list(ids), params, self._on_output, request_id=request_id, session_id=session_id, cache_salt=cache_salt,
-            constraint=constraint,
+            constraint=constraint, priority=priority, cache_prompt=cache_prompt,
         )
 
     # ----- engine thread --------------------------------------------------------------------

@@ -37,6 +37,7 @@ from kvtier.serve.inputs import (
     prepare,
     tool_setup,
 )
+from kvtier.serve.reasoning import ReasoningParser, request_parser
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvtier.serve.sse import SSE_EVENT_SCHEMA, GenerationStream, stream_events
 from kvtier.serve.tenants import cache_salt, session_id, tenant_of
@@ -89,6 +90,7 @@ async def _start(
             session_id=session_id(tenant, body.prompt_cache_key),
             cache_salt=cache_salt(tenant, body.cache_salt, shared=ctx.config.shared_cache),
             received=received, on_done=ctx.release, constraint=constraint,
+            priority=body.priority or 0, cache_prompt=body.cache_prompt is not False,
         )
     except (PromptError, SamplingError) as e:  # checked already; the engine has the last word
         ctx.release()
@@ -153,10 +155,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     engine = ctx.engine
     tools = tool_setup(engine, body)
     echo = body.echo_text()
+    reasoning: ReasoningParser | None = None  # how this request's output is split (its prompt's end says)
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
+        nonlocal reasoning
         ids = await run_in_threadpool(chat_prompt, engine, body, tools)
         grammar = grammar_spec(body, tools)
+        reasoning = request_parser(ctx.config.reasoning_parser, engine.model.tokenizer, ids, grammar is not None)
         return _prepare(ctx, ids, body, grammar), grammar
 
     text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None, body.return_tokens_as_token_ids)
@@ -167,7 +172,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     )
 
     if body.stream:
-        streams = [ChatChoiceStream(i, tools, body.parallel_tool_calls, text, body.logprobs) for i in range(body.n)]
+        streams = [ChatChoiceStream(i, tools, body.parallel_tool_calls, text, body.logprobs, reasoning)
+                   for i in range(body.n)]
         chunks = _chunker(body, streams, functools.partial(r.ChatCompletionChunk, **base))
         first = r.ChatCompletionChunk(**base, choices=[
             r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content=echo)) for i in range(body.n)
@@ -178,7 +184,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     if isinstance(outs, Response):
         return outs
     return r.ChatCompletion(
-        **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text, echo) for o in outs], usage=usage(outs),
+        **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text, echo, reasoning) for o in outs],
+        usage=usage(outs),
         prompt_logprobs=prompt_logprobs(outs[0], text),
     )
 

@@ -44,7 +44,7 @@ async def health(ctx: ServerContext = Depends(get_context)):
         return JSONResponse(error_body(e.message, e.type, None, e.code), e.status)
     sched = ctx.engine.scheduler
     return r.Health(status="ok", model=ctx.model_name, waiting=len(sched.waiting), running=len(sched.running),
-                    profile=ctx.engine.profile_source)
+                    profile=ctx.engine.profile_source, measuring=ctx.engine.idle.running)
 
 
 @ops_router.get(

@@ -66,6 +66,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # With --reasoning-parser: the model's thinking (vLLM's field); content is then the answer after it.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -97,6 +99,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: thinking, before any content
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -175,8 +178,10 @@ class Health(BaseModel):
     waiting: int
     running: int
     # The restore planner's machine profile: "saved" (measured by `kvtier profile` or an earlier
-    # start), "given", "estimate" (not measured yet), or null without a store.
+    # start), "given", "estimate" (not measured yet), "measured" (while idle, since this start),
+    # or null without a store.
     profile: str | None = None
+    measuring: str | None = None  # what is being measured while no request is in flight, if anything
 
 
 class TokenizeResponse(BaseModel):

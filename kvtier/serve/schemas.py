@@ -2,7 +2,7 @@
 
 They make the OpenAPI schema real (clients and schemathesis read it) and reject wrong types and
 out-of-range values before anything reaches the engine. Unknown fields are ignored, as OpenAI
-known fields we do not implement (beam search, priority scheduling, ...) are accepted only in
+known fields we do not implement (beam search, best_of, ...) are accepted only in
 their neutral form and otherwise refused with a 400 naming them, never silently ignored: a client
 never gets a different behaviour than it asked for without knowing. Fields no schema knows are kept
 (`model_extra`) so the handler can refuse them with a 400 naming them, as OpenAI does, or, with
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvtier.engine.request import MAX_LOGPROBS, MAX_N
+from kvtier.engine.request import MAX_LOGPROBS, MAX_N, MAX_PRIORITY, MIN_PRIORITY
 
 # Bound on the free-form identifier fields (user, prompt_cache_key, cache_salt); OpenAI's limit for
 # `user`. They are kept per request and per session, so an unbounded one would be a memory lever.
@@ -186,15 +186,9 @@ _REFUSED_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
-    # llama-server's: true (its default) is what kvtier always does.
-    "cache_prompt": (None, True),
-    "priority": (None, 0),
 }
 # Why a refused field is refused, and what to do instead, where the generic message says too little.
 _WHY = {
-    "cache_prompt": "kvtier always reuses cached prompt state, and exactly: a hit is bit-identical to computing "
-                    "the prompt again, so reuse never changes the answer; leave it out (or send true)",
-    "priority": "this server schedules first-come first-served; leave it out (or send 0)",
     "store": "stored completions are not supported; leave it out (or send false)",
     "metadata": "metadata is for stored completions, which are not supported; leave it out",
     "service_tier": "there is one service tier; leave it out (or send \"auto\" or \"default\")",
@@ -319,8 +313,18 @@ class SamplingFields(BaseModel):
     guided_regex: Any = _refused(_REFUSED_NEUTRAL["guided_regex"], "vLLM's old name; use structured_outputs")
     guided_choice: Any = _refused(_REFUSED_NEUTRAL["guided_choice"], "vLLM's old name; use structured_outputs")
     guided_grammar: Any = _refused(_REFUSED_NEUTRAL["guided_grammar"], "vLLM's old name; use structured_outputs")
-    cache_prompt: bool | None = _refused(_REFUSED_NEUTRAL["cache_prompt"], _WHY["cache_prompt"])
-    priority: int | None = _refused(_REFUSED_NEUTRAL["priority"], _WHY["priority"])
+    # llama-server's. Reuse is exact (a hit is bit-identical to computing the prompt), so false
+    # changes the cost and what the caches hold afterwards, never the answer.
+    cache_prompt: bool | None = Field(
+        None, description="llama-server's: default true; false neither reuses cached or stored prompt state nor "
+        "leaves this request's state for others (computed in full, not saved)",
+    )
+    # vLLM's (its --scheduling-policy priority); bounded to 32 bits.
+    priority: int | None = Field(
+        None, ge=MIN_PRIORITY, le=MAX_PRIORITY,
+        description="vLLM's: default 0; waiting requests are admitted lowest value first, equal ones first-come "
+        "first-served; a running request is not preempted for a waiting one",
+    )
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM's: logprobs name tokens as \"token_id:N\" instead of their text"
     )

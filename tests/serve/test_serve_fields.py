@@ -65,6 +65,8 @@ EFFECT = {
     "echo": "test_serve_vllm_fields.py::test_echo_prepends_the_prompt_or_the_final_assistant_message",
     "return_tokens_as_token_ids": "test_serve_vllm_fields.py::test_return_tokens_as_token_ids",
     "n_predict": "test_serve_vllm_fields.py::test_n_predict_is_max_tokens",
+    "priority": "test_serve_vllm_fields.py::test_priority_orders_admission",
+    "cache_prompt": "test_serve_vllm_fields.py::test_cache_prompt_false_neither_reuses_nor_saves",
 }
 # Refused fields -> a value that is not their neutral one.
 NOT_NEUTRAL = {
@@ -72,7 +74,7 @@ NOT_NEUTRAL = {
     "length_penalty": 0.5, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 5, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": 'root ::= "a"',
-    "cache_prompt": False, "priority": 1, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
+    "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "modalities": ["audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "audio": {"voice": "alloy"}, "web_search_options": {}, "verbosity": "low", "functions": [{"name": "f"}],
     "function_call": "auto",

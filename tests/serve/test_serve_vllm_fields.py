@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -157,11 +160,84 @@ def test_n_predict_is_max_tokens(tiny_server):
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-def test_cache_prompt_and_priority_are_accepted_only_as_default(tiny_server, path):
-    assert _post(tiny_server, path, cache_prompt=True, priority=0).status_code == 200
-    assert _post(tiny_server, path, cache_prompt=None, priority=None).status_code == 200
-    _refused(_post(tiny_server, path, cache_prompt=False), "cache_prompt", "bit-identical")
-    _refused(_post(tiny_server, path, priority=1), "priority", "first-come first-served")
+def test_priority_and_cache_prompt_take_their_types_and_range(tiny_server, path):
+    for ok in ({"priority": 0, "cache_prompt": True}, {"priority": None, "cache_prompt": None},
+               {"priority": -(2**31)}, {"priority": 2**31 - 1}, {"cache_prompt": False}):
+        assert _post(tiny_server, path, **ok).status_code == 200, ok
+    for bad in (2**31, -(2**31) - 1, 1.5, "1", True):
+        _refused(_post(tiny_server, path, priority=bad), "priority")
+    for bad in ("false", 0):
+        _refused(_post(tiny_server, path, cache_prompt=bad), "cache_prompt")
+
+
+def test_priority_orders_admission(tiny_model):
+    """One sequence at a time, the engine held until all five requests are queued: they run
+    lowest priority first, equal ones in arrival order."""
+    for served in serve(tiny_model, max_num_seqs=1):
+        engine, gate = served.engine, threading.Event()
+        arrived: list[str] = []  # request ids in the order the engine got them
+        finished: list[str] = []
+        add, step = engine.add_request, engine.step
+
+        def counted_add(*args, **kw):
+            arrived.append(add(*args, **kw))
+            return arrived[-1]
+
+        def held_step():
+            gate.wait()
+            outs = step()
+            finished.extend(o.request_id for o in outs if o.finished)
+            return outs
+
+        engine.add_request, engine.step = counted_add, held_step
+        priorities = [5, 0, -1, 0, -1]
+        try:
+            with ThreadPoolExecutor(len(priorities)) as pool:
+                futures = [pool.submit(_post, served, COMPLETIONS, priority=p, max_tokens=2) for p in priorities]
+                deadline = time.monotonic() + 30
+                while len(arrived) < len(priorities) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                gate.set()
+                replies = [f.result() for f in futures]
+        finally:
+            gate.set()
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        priority_of = {r.json()["id"]: p for r, p in zip(replies, priorities)}
+        assert sorted(priority_of) == sorted(arrived)
+        assert finished == sorted(arrived, key=priority_of.__getitem__)  # a stable sort: arrival breaks ties
+        assert [priority_of[rid] for rid in finished] == [-1, -1, 0, 0, 5]
+
+
+LONG_PROMPT = " ".join(f"Line {i}: a prompt long enough for several blocks." for i in range(8))
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_cache_prompt_false_neither_reuses_nor_saves(tiny_model, path):
+    """With a memory store and the prefix cache: cache_prompt false reports no cached tokens and
+    saves nothing, even when the state is there to take; the default takes it; same answers."""
+    for served in serve(tiny_model, store="memory:64MB"):
+        def ask(**fields) -> tuple[int, str]:
+            body = {"messages": [{"role": "user", "content": LONG_PROMPT}]} if path == CHAT else {"prompt": LONG_PROMPT}
+            r = _post(served, path, **body, **fields)
+            assert r.status_code == 200, r.text
+            assert served.engine.flush(30)  # stored before the next request looks
+            choice = r.json()["choices"][0]
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], \
+                choice["message"]["content"] if path == CHAT else choice["text"]
+
+        def saves() -> int:
+            return served.engine.stats().counters["saves"]
+
+        private = ask(cache_prompt=False)
+        assert private[0] == 0 and saves() == 0 and not served.engine.pool.cached
+        first = ask()
+        assert first[0] == 0 and saves() > 0  # the first request left nothing to take
+        done = saves()
+        again = ask(cache_prompt=False)
+        assert again[0] == 0 and saves() == done
+        hit = ask(cache_prompt=True)
+        assert hit[0] > 0
+        assert private[1] == first[1] == again[1] == hit[1]
 
 
 def test_the_unknown_fields_flag_reaches_the_config():

@@ -9,7 +9,9 @@ its read rates (whole chunks, and layer groups of all chunks as a restore reads 
 much of its read time hides under compute running beside it.
 
 Nothing here runs unless asked: `kvtier profile` and the engine factory call `load_or_measure`;
-an `Engine` built directly uses a saved profile or, without one, a rough estimate.
+an `Engine` built directly uses a saved profile or, without one, a rough estimate, and measures one
+a slice at a time while it has nothing to serve (`measure_slices`, `engine/idle.py`). Tiers are
+timed on scratch directories beside the store's own.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,9 +40,11 @@ from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import cache
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.runner.transfer import EqualRuns, span_runs
+from kvtier.models import invariant
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import PROFILE_VERSION, READ_GROUP_LAYERS, HardwareProfile, TierRates
 from kvtier.planning.plan import PlannedChunk
+from kvtier.progress import heartbeat
 from kvtier.store.layout import Repr, StoreNamespace
 from kvtier.store.reads import LayerGroup
 from kvtier.store.redact import redact
@@ -46,6 +52,7 @@ from kvtier.store.spec import parse_spec
 from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _sync() -> None:
@@ -54,8 +61,24 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn: Callable[[], object], repeats: int = 3, warm_up: bool = True) -> float:
-    """Median seconds of `repeats` calls (device work included), after one warm-up call unless `warm_up` is False."""
+# A measurement is a generator that yields between its timed calls and returns its result: `measure`
+# runs one through at once, and an engine with nothing to serve runs one a slice at a time while
+# it waits (`Slices`), so no slice holds a request back for longer than one timed call.
+Slices = Generator[None, None, T]
+
+
+def drive(slices: Slices[T]) -> T:
+    """Run a measurement through and return its result."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+
+
+def _timed(fn: Callable[[], object], repeats: int = 3, warm_up: bool = True) -> Slices[float]:
+    """Median seconds of `repeats` calls (device work included), after one warm-up call unless
+    `warm_up` is False; a slice per call."""
 
     def run() -> None:
         fn()
@@ -63,13 +86,19 @@ def _time(fn: Callable[[], object], repeats: int = 3, warm_up: bool = True) -> f
 
     if warm_up:
         run()
+        yield
     ts = []
     for _ in range(repeats):
         _sync()
         t = time.perf_counter()
         run()
         ts.append(time.perf_counter() - t)
+        yield
     return float(np.median(ts))
+
+
+def _time(fn: Callable[[], object], repeats: int = 3, warm_up: bool = True) -> float:
+    return drive(_timed(fn, repeats, warm_up))
 
 
 def _read_back(group: LayerGroup | None) -> LayerGroup:
@@ -164,6 +193,12 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None
                     tick: Callable[[], object] = lambda: None) -> dict:
     """Prefill steps at `points` (default: `compute_points` for the model's device) and the
     placements (`tick` after each: a progress bar)."""
+    return drive(compute_slices(model, points, tick))
+
+
+def compute_slices(model: LoadedModel, points: Sequence[tuple[int, int]] | None = None,
+                   tick: Callable[[], object] = lambda: None) -> Slices[dict]:
+    """`measure_compute` a slice at a time."""
     cfg = model.config
     if points is None:
         points = _points(model)
@@ -172,25 +207,34 @@ def measure_compute(model: LoadedModel, points: Sequence[tuple[int, int]] | None
     on_cpu = runner.device.type == "cpu"
     for s, e in points:  # the history's K/V in the pool is whatever is there: timing does not care
         item = RunItem(torch.randint(100, cfg.vocab_size, (e - s,)).tolist(), s, blocks, want_logits=False)
+        if not timed:
+            # Every linear's first call picks its row plan on a short check; the full checks of
+            # larger calls run before anything is timed, so the fit times the plans kept.
+            runner.execute([item])
+            yield
+            yield from invariant.refine()
         if e - s <= 1024 or not on_cpu or not timed:  # medians: one slow run skews the fit
-            t = _time(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)
+            t = yield from _timed(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)
         else:
             # On a CPU a step over 1024 tokens takes seconds (fp32 SmolLM2 on 2 cores: 6-10 s), so one
             # run times it well, and the points before it have run every kernel it runs (the linears
             # in calls of at most 512 rows): no warm-up. Three runs each had been 55 of the
             # 113 s that calibration took there.
-            t = _time(lambda: runner.execute([item]), repeats=1, warm_up=False)
+            t = yield from _timed(lambda: runner.execute([item]), repeats=1, warm_up=False)
         timed.append((s, e, t))
         tick()
     a, b, g, c = fit_compute(timed)
     n = _placement_tokens(model, runner, max(e for _, e in points))
-    place, project = _measure_placement(model, runner, blocks, n)
+    place, project = yield from _placement_slices(model, runner, blocks, n)
     tick()
+    h2d = _h2d_s(model, runner, n)
+    yield
     return dict(prefill_a=a, prefill_b=b, prefill_g=g, prefill_c=c, project_s=project, place_s=place,
-                h2d_s=_h2d_s(model, runner, n), points=tuple(timed))
+                h2d_s=h2d, points=tuple(timed))
 
 
-def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int], n: int) -> tuple[float, float]:
+def _placement_slices(model: LoadedModel, runner: ModelRunner, blocks: list[int], n: int
+                      ) -> Slices[tuple[float, float]]:
     """Seconds per token per layer to place stored K/V into the pool and to project stored hidden
     states into it, as a restore of `n` history tokens does on this device."""
     cfg, layers = model.config, model.config.num_layers
@@ -198,8 +242,11 @@ def _measure_placement(model: LoadedModel, runner: ModelRunner, blocks: list[int
     # of the host's random generator.
     h = torch.randn(layers, n, cfg.hidden_size, dtype=model.dtype, device=runner.device)
     slots = runner.upload(runner.slots(blocks, 0, n))
-    project = _time(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)]) / (n * layers)
-    return _place_s(model, runner, n), project
+    project = (yield from _timed(lambda: [runner.project_in(li, h[li], (0, n), slots) for li in range(layers)])) \
+        / (n * layers)
+    place = _place_s(model, runner, n)
+    yield
+    return place, project
 
 
 def _h2d_s(model: LoadedModel, runner: ModelRunner, n: int) -> float:
@@ -307,6 +354,13 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                   tick: Callable[[], object] = lambda: None) -> dict[str, TierRates]:
     """Write `chunks` KV chunks into a scratch namespace of each tier and time reading them back
     the way a restore does (alone, and beside `compute` for the overlap; `tick` after each tier)."""
+    return drive(tier_slices(model, spec, chunk_tokens, chunks, compute, tick))
+
+
+def tier_slices(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: int = 16,
+                compute: Callable[[], object] | None = None,
+                tick: Callable[[], object] = lambda: None) -> Slices[dict[str, TierRates]]:
+    """`measure_tiers` a slice at a time."""
     cfg = model.config
     # A scratch namespace: its keys can never collide with real state of this model.
     ns = StoreNamespace(f"profile-{model.fingerprint}", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -317,7 +371,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
     groups = [range(g, min(g + READ_GROUP_LAYERS, cfg.num_layers)) for g in range(0, cfg.num_layers, READ_GROUP_LAYERS)]
     runner, blocks = _runner(model, n)
     out: dict[str, TierRates] = {}
-    t_comp = _time(compute) if compute else 0.0  # once for every tier: on a CPU a second each time
+    t_comp = (yield from _timed(compute)) if compute else 0.0  # once for every tier: on a CPU a second each time
     for single in _spec_parts(spec):
         # Each tier alone, so a disk read is never served by a memory tier above it.
         name = _tier_name(single)
@@ -327,6 +381,7 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
         try:
             store.save(ids, 0, k, k, None)
             store.flush()
+            yield
             match = store.lookup(ids)
             planned = [PlannedChunk(c.key, c.start, c.end, c.tier, c.nbytes) for c in match.chunks]
             if not planned:
@@ -374,16 +429,19 @@ def measure_tiers(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks:
                 reads.close()
 
             total = n * ns.bytes_per_token()
-            t_group, t_whole = _time(read_groups, repeats=2), _time(read_whole, repeats=2)
+            t_group = yield from _timed(read_groups, repeats=2)
+            t_whole = yield from _timed(read_whole, repeats=2)
             # A call's fixed cost, net of opening the chunks (header reads), which a restore pays
             # once per chunk and which the per-byte rates below carry.
             lat = max(_time(read_small, repeats=5) - _time(lambda: read_small(False), repeats=5), 0.0) / len(planned)
+            yield
             calls = len(planned) * len(groups)
             # Per-byte time net of call latency; the floor keeps timer noise from claiming free reads.
+            overlap = _overlap(read_groups, compute, t_comp, runner.device) if compute else 1.0
+            yield
             out[name] = TierRates(chunk_bps=total / t_whole,
                                   layer_bps=total / max(t_group - lat * calls, 0.25 * t_group),
-                                  read_latency_s=lat,
-                                  overlap=_overlap(read_groups, compute, t_comp, runner.device) if compute else 1.0,
+                                  read_latency_s=lat, overlap=overlap,
                                   copy_engine=runner.transfer.is_async and name == "memory")
             store.discard(c.key for c in planned)  # only the scratch chunks: the tier may hold real state
         finally:
@@ -404,12 +462,43 @@ def _busy(model: LoadedModel) -> Callable[[], object]:
     return compute
 
 
+def _spec_slices(model: LoadedModel, spec: str | None, tick: Callable[[], object] = lambda: None
+                 ) -> Slices[dict[str, TierRates]]:
+    with _scratch_disks(spec) as scratch:
+        return (yield from tier_slices(model, scratch, compute=_busy(model), tick=tick))
+
+
+@contextmanager
+def _scratch_disks(spec: str | None) -> Iterator[str]:
+    """`spec` with each disk directory replaced by an empty one beside it (the same file system,
+    so the same rates), removed after: a store running on the real directories (a server measuring
+    while idle, another process) never sees the scratch chunks, nor a scratch tier its files.
+    Without a spec: a memory tier and a temporary disk."""
+    made: list[str] = []
+    try:
+        if spec is None:
+            made.append(tempfile.mkdtemp(prefix="kvtier-profile-"))
+            yield f"memory:1GB,disk:{made[0]}:4GB"
+            return
+        parts = []
+        for part in _spec_parts(spec):
+            disk = parse_spec(part).disk
+            if disk is None:
+                parts.append(part)
+                continue
+            for path, cap in zip(disk.paths, disk.capacities):
+                parent = Path(path).resolve().parent
+                made.append(tempfile.mkdtemp(prefix=".kvtier-profile-", dir=parent if parent.is_dir() else None))
+                parts.append(f"disk:{made[-1]}:{cap}B")
+        yield ",".join(parts)
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _measure_spec(model: LoadedModel, spec: str | None, tick: Callable[[], object] = lambda: None
                   ) -> dict[str, TierRates]:
-    if spec is not None:
-        return measure_tiers(model, spec, compute=_busy(model), tick=tick)
-    with tempfile.TemporaryDirectory() as d:
-        return measure_tiers(model, f"memory:1GB,disk:{d}:4GB", compute=_busy(model), tick=tick)
+    return drive(_spec_slices(model, spec, tick))
 
 
 def measure(model: LoadedModel, spec: str | None = None, progress: bool = False) -> HardwareProfile:
@@ -417,11 +506,19 @@ def measure(model: LoadedModel, spec: str | None = None, progress: bool = False)
     `progress`: a bar on stderr (where it is a terminal)."""
     points = _points(model)
     steps = len(points) + 1 + (len(_spec_parts(spec)) if spec is not None else 2)
-    with tqdm(total=steps, desc="measuring this machine for the planner (once)", unit="step", file=sys.stderr,
-              disable=None if progress else True) as bar:
-        compute = measure_compute(model, points, tick=bar.update)
-        return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(),
-                               tiers=_measure_spec(model, spec, tick=bar.update), **compute)
+    desc = "measuring this machine for the planner (once)"
+    quiet = not progress or sys.stderr.isatty()  # a terminal shows the bar; elsewhere a line every few seconds
+    with tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, disable=None if progress else True) as bar, \
+            (nullcontext() if quiet else heartbeat(desc)):
+        return drive(measure_slices(model, spec, tick=bar.update))
+
+
+def measure_slices(model: LoadedModel, spec: str | None = None, tick: Callable[[], object] = lambda: None
+                   ) -> Slices[HardwareProfile]:
+    """`measure` a slice at a time (`tick` after each point and tier)."""
+    compute = yield from compute_slices(model, _points(model), tick=tick)
+    tiers = yield from _spec_slices(model, spec, tick=tick)
+    return HardwareProfile(model.fingerprint, name_of(model.dtype), torch.get_num_threads(), tiers=tiers, **compute)
 
 
 def estimate(model: LoadedModel) -> HardwareProfile:

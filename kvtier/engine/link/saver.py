@@ -65,7 +65,8 @@ class Saver:
         states (None when no layer stores them)."""
         bufs: list[_Buffer | None] = []
         for r in reqs:
-            if r.approximate:  # approximate state: never saved as if it were exact
+            # Approximate state is never saved as if it were exact; cache_prompt false saves nothing.
+            if r.approximate or not r.cache_prompt:
                 bufs.append(None)
                 continue
             b = self.buffers.get(r.request_id)

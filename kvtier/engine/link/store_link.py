@@ -80,6 +80,10 @@ class StateLink(Protocol):
         """Only restores are in flight: sleep until one may be ready, or `timeout`."""
         ...
 
+    def adopt_profile(self, profile: HardwareProfile) -> None:
+        """Plan restores on `profile` from now on (measured while the engine was idle)."""
+        ...
+
     def flush(self, timeout: float | None) -> bool: ...
 
     def report(self, with_store: bool = True) -> LinkReport: ...
@@ -122,6 +126,9 @@ class NullStateLink:
         return self._step_side
 
     def idle_wait(self, timeout: float) -> None:
+        pass
+
+    def adopt_profile(self, profile: HardwareProfile) -> None:
         pass
 
     def flush(self, timeout: float | None) -> bool:
@@ -176,14 +183,16 @@ class StoreScheduling:
     def arrived(self, req: Request) -> None:
         # The prompt's chunks count as the session's from arrival on, so a chunk this request is
         # about to restore is not deleted under it because another session that saved it expired.
+        # A request that reads and saves nothing (cache_prompt false) claims none.
         if self.sessions is not None and req.session_id is not None:
-            self.sessions.arrived(req.session_id, self.store.keys_for(req.all_ids, req.cache_salt), time.monotonic(),
-                                  req.cache_salt)
+            keys = self.store.keys_for(req.all_ids, req.cache_salt) if req.cache_prompt else []
+            self.sessions.arrived(req.session_id, keys, time.monotonic(), req.cache_salt)
 
     def finished(self, req: Request) -> None:
         """A request ended (any reason): what it saved belongs to its session."""
         if self.sessions is not None and req.session_id is not None:
-            saved = self.store.keys_for(req.all_ids[: req.num_computed], req.cache_salt) if not req.approximate else []
+            saves = req.cache_prompt and not req.approximate
+            saved = self.store.keys_for(req.all_ids[: req.num_computed], req.cache_salt) if saves else []
             self.sessions.finished(req.session_id, saved, time.monotonic(), req.cache_salt)
 
     # ----- retention and look-ahead -----------------------------------------------------------
@@ -266,6 +275,7 @@ class StoreLink:
         self.restorer = Restorer(store, runner, planner, self.layout, config, self.stats)
         self._scheduler_side = StoreScheduling(store, self.restorer, self.saver, planner, config, self.stats)
         self._step_side = StoreStepping(self.restorer, self.saver, config)
+        self.planner = planner
 
     @property
     def scheduler_side(self) -> StoreScheduling:
@@ -277,6 +287,9 @@ class StoreLink:
 
     def idle_wait(self, timeout: float) -> None:
         self.restorer.wait_any(timeout)
+
+    def adopt_profile(self, profile: HardwareProfile) -> None:
+        self.planner.adopt(profile)
 
     def flush(self, timeout: float | None) -> bool:
         return self._store.flush(timeout)
