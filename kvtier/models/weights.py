@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from kvtier.progress import heartbeat
 
 INDEX = "model.safetensors.index.json"
 _SHOW_PROGRESS_BYTES = 1 << 30  # below ~1 GB a load takes a second or two: no bar
@@ -30,8 +33,9 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     total = sum(f.stat().st_size for f in files)
     show = len(files) > 1 or total > _SHOW_PROGRESS_BYTES
     state: dict[str, torch.Tensor] = {}
+    beat = heartbeat(f"loading {total / 1e9:.1f} GB of weights") if show and not sys.stderr.isatty() else nullcontext()
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", file=sys.stderr,
-              disable=None if show else True) as bar:
+              disable=None if show else True) as bar, beat:  # a bar on a terminal, else a line every few seconds
         for f in files:
             state.update(load_file(str(f)))
             bar.update(f.stat().st_size)
