@@ -30,7 +30,7 @@ from kvtier.serve.schemas import (
     SamplingFields,
     template_messages,
 )
-from kvtier.serve.tools import ToolFamily, forced_grammar, prepare_messages, tool_family
+from kvtier.serve.tools import ToolFamily, forced_grammar, prepare_messages, tag_tokens, tool_family
 
 log = logging.getLogger("kvtier.serve")
 
@@ -81,6 +81,8 @@ class ToolSetup:
     # tool_choice auto with a strict function: a grammar keeps the output to plain text or a call
     # that follows its schema, so only a call at the very start is one.
     strict: bool = False
+    # The call tags the tokenizer has as added tokens: a forced call's grammar names them as tokens.
+    tokens: frozenset[str] = frozenset()
 
     @property
     def constrained(self) -> bool:
@@ -91,8 +93,9 @@ def tool_setup(engine: Engine, body: ChatCompletionRequest) -> ToolSetup:
     template = getattr(engine.model.tokenizer, "chat_template", None)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     strict = body.tool_mode == "auto" and any(t.function.strict for t in body.tools or [])
+    constrained = body.tool_mode in ("required", "named") or strict
     return ToolSetup(body.tool_mode, tool_family(template), tuple(t["function"]["name"] for t in tools), tools,
-                     strict)
+                     strict, tag_tokens(engine.model.tokenizer) if constrained else frozenset())
 
 
 def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -> list[int]:
@@ -142,7 +145,7 @@ def grammar_spec(body: SamplingFields, tools: ToolSetup | None = None) -> tuple[
     if tools is not None and tools.constrained:
         assert isinstance(body, ChatCompletionRequest)
         name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-        grammar = forced_grammar(tools.tools, name, tools.family, optional=tools.strict)
+        grammar = forced_grammar(tools.tools, name, tools.family, optional=tools.strict, tokens=tools.tokens)
         return GrammarSpec("lark", grammar), "tools" if tools.strict else "tool_choice"
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type == "json_object":

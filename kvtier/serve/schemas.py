@@ -580,7 +580,28 @@ class TokenizeRequest(BaseModel):
         None, description="prompt only: add the tokenizer's special tokens (BOS). Default true, as /v1/completions "
         "tokenizes; with messages only false (the template places them)",
     )
+    # The chat endpoint's template controls (vLLM's /tokenize takes them too), checked as it checks them.
     add_generation_prompt: bool = Field(True, description="messages only: end with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        False, description="messages only: leave the final message open (needs add_generation_prompt: false)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="messages only: extra variables for the chat template (e.g. enable_thinking), as in "
+        "/v1/chat/completions",
+    )
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = Field(
+        None, description="messages only: the tools, laid out in the prompt as /v1/chat/completions lays them out"
+    )
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_alone(cls, v: bool, info: ValidationInfo) -> bool:
+        return ChatCompletionRequest._continue_alone(v, info)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return ChatCompletionRequest._template_kwargs(v)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -588,7 +609,23 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is not None and self.add_special_tokens:
             raise ValueError("add_special_tokens is for prompts; the chat template places special tokens itself")
+        if self.prompt is not None:
+            given = [n for n in ("continue_final_message", "chat_template_kwargs", "tools") if getattr(self, n)]
+            if given:
+                raise ValueError(f"{given[0]} is for messages (a prompt is tokenized as it is)")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
         return self
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this is (tools shown, as with tool_choice auto); checked already."""
+        assert self.messages is not None
+        return ChatCompletionRequest.model_construct(
+            model=self.model or "", messages=self.messages, tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,6 +1,7 @@
 """POST /tokenize, POST /detokenize and GET /version, in vLLM's shapes: clients count tokens or
 check what they talk to before they send. /tokenize runs the very tokenization the completion
-endpoints run (the same engine calls), so its count is what a request will cost."""
+endpoints run (the same engine calls; chat messages through the chat endpoint's own render, tools
+and template controls included), so its count is what a request will cost."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from kvtier.engine.engine import Engine, PromptError
 from kvtier.serve import responses as r
 from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
-from kvtier.serve.schemas import DetokenizeRequest, TokenizeRequest, template_messages
+from kvtier.serve.inputs import chat_prompt, tool_setup
+from kvtier.serve.schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(tags=["tokenizer"])
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -56,7 +58,8 @@ async def _off_the_loop(ctx: ServerContext, work: Callable[..., T], *args: Any) 
 def _encode(engine: Engine, body: TokenizeRequest) -> list[int]:
     try:
         if body.messages is not None:
-            return engine.encode_chat(template_messages(body.messages), body.add_generation_prompt)
+            chat = body.as_chat()
+            return chat_prompt(engine, chat, tool_setup(engine, chat))
         assert body.prompt is not None  # the request model requires one of the two
         return engine.encode(body.prompt, body.add_special_tokens is not False)  # default true
     except (PromptError, TemplateError) as e:

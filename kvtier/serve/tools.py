@@ -270,12 +270,27 @@ def _prefix_or_starts(head: str, tag: str) -> bool:
 # ----- forcing a call: llguidance grammars -------------------------------------------------------
 
 
-def forced_grammar(tools: list[dict[str, Any]], choice: str | None, family: ToolFamily, optional: bool = False) -> str:
+def tag_tokens(tokenizer: Any) -> frozenset[str]:
+    """The Hermes call tags that `tokenizer` has as added tokens (Qwen2.5's and Qwen3's do), for forced_grammar.
+
+    The grammar engine takes every added token for a special one, which a grammar names as a token: written
+    as text, the tag would be offered as its token and then refused.
+    """
+    added = getattr(tokenizer, "get_added_vocab", None)
+    if added is None:
+        return frozenset()
+    vocab = added()
+    return frozenset(tag for tag in (CALL_OPEN, CALL_CLOSE) if tag in vocab)
+
+
+def forced_grammar(tools: list[dict[str, Any]], choice: str | None, family: ToolFamily, optional: bool = False,
+                   tokens: Collection[str] = ()) -> str:
     """A Lark grammar (llguidance dialect) whose only sentences are one call in the family's format.
 
     `choice` None means tool_choice "required": a call to any of the tools; otherwise a call to that function.
     The call's JSON is checked against the tool's parameters schema by llguidance's %json rule. `optional`
-    (tool_choice "auto" with strict tools): a call, or text that does not begin like one.
+    (tool_choice "auto" with strict tools): a call, or text that does not begin like one. `tokens`: the tags
+    the tokenizer has as added tokens (tag_tokens), written as token references (`<tool_call>`), not text.
     """
     functions = [tool["function"] for tool in tools]
     if choice is not None:
@@ -288,11 +303,18 @@ def forced_grammar(tools: list[dict[str, Any]], choice: str | None, family: Tool
     # Rule names are numbered: Lark rule names are lowercase identifiers and function names need not be.
     rules = [f"call_{i}: %json {json.dumps(_call_schema(f, key), ensure_ascii=False)}" for i, f in enumerate(functions)]
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
-    start = 'start: "<tool_call>\\n" call "\\n</tool_call>"' if family == "hermes" else "start: call"
+    start = "start: call"
+    if family == "hermes":
+        start = f'start: {_tag(CALL_OPEN, tokens)} "\\n" call "\\n" {_tag(CALL_CLOSE, tokens)}'
     if optional:  # text may not begin with "<" (Hermes' tag) or, for Llama 3, "{" (a call) or "<" (its tag)
         start = start.replace("start: ", "start: TEXT | ") + "\nTEXT: " + (
             "/[^<][\\s\\S]*/" if family == "hermes" else "/[^{<][\\s\\S]*/")
     return "\n".join([start, call, *rules]) + "\n"
+
+
+def _tag(tag: str, tokens: Collection[str]) -> str:
+    """A tag in a Lark grammar: a token reference (llguidance's `<name>`) when it is one token, else text."""
+    return tag if tag in tokens else json.dumps(tag)
 
 
 def _call_schema(function: dict[str, Any], key: str) -> dict[str, Any]:
