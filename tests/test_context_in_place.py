@@ -12,7 +12,8 @@ from kvtier.engine import engine as engine_module
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner import model_runner
+from kvtier.engine.runner.backends import base, cpu_exact
+from kvtier.engine.runner.backends.cpu_exact import GatheredDecodes, KeyReads
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.loading import load_model
 
@@ -35,10 +36,10 @@ def test_a_context_read_in_place_past_its_end_gives_the_padded_copys_bits(dtype)
         runner.execute([RunItem(ids[:520], 0, blocks, want_logits=False)])
         step = [RunItem(ids[520:], 520, blocks, want_logits=True)]
         batch = runner.prepare(step)
-        assert (batch.tails[0] is not None) == (clearable is not None)
-        assert (batch.pads[0] is None) == (clearable is not None)  # no per-layer copy where in place
+        assert (batch.reads[0].tail is not None) == (clearable is not None)
+        assert (batch.reads[0].pad is None) == (clearable is not None)  # no per-layer copy where in place
         if clearable is not None:
-            assert batch.tails[0] == range(600, 640) and batch.ctx[0] == range(0, 640)
+            assert batch.reads[0].tail == range(600, 640) and batch.reads[0].ctx == range(0, 640)
         out[name] = runner.execute(step)
         assert torch.isfinite(out[name]).all()
     assert torch.equal(out["copied"], out["in place"])
@@ -54,7 +55,7 @@ def test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_
     otherwise (or, below `IN_PLACE_KEYS`, gathers every context and attends in one call): each
     row's logits are the bits of that token decoded alone (which reads `causal`'s way), with every
     slot not yet written holding NaN."""
-    monkeypatch.setattr(model_runner, "IN_PLACE_KEYS", 512 if in_place else 4096)  # the contexts are 100-700
+    monkeypatch.setattr(cpu_exact, "IN_PLACE_KEYS", 512 if in_place else 4096)  # the contexts are 100-700
     lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
     gen = torch.Generator().manual_seed(4)
     runner = ModelRunner(lm.module, 200, BS, 2048)
@@ -66,13 +67,13 @@ def test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_
         runner.execute([RunItem(ids[n][:-1], 0, blocks, want_logits=False)])
     step = [RunItem(ids[n][-1:], n - 1, blocks, want_logits=True) for n, blocks in tables.items()]
     batch = runner.prepare(step)
-    keys = batch.decode_keys
+    keys = batch.decodes
     if in_place:
-        assert keys is not None and batch.decode_slots is None  # no context gathered whole
+        assert isinstance(keys, KeyReads)  # no context gathered whole
         assert keys.in_place == (range(0, 512), None, None)
         assert keys.gathered_rows == (None, range(0, 512), None)
     else:
-        assert keys is None and batch.decode_slots is not None
+        assert isinstance(keys, GatheredDecodes)
     together = runner.execute(step)
     for r, item in enumerate(step):
         assert torch.equal(together[r], runner.execute([item])[0]), r
@@ -98,7 +99,7 @@ def test_a_restored_context_is_read_in_place_and_matches_a_fresh_prefill(store, 
 
     def spy(items):
         batch = prepare(items)
-        tails.extend(batch.tails)
+        tails.extend(r.tail for r in batch.reads)
         return batch
 
     engine.runner.prepare = spy  # type: ignore[method-assign]
@@ -130,7 +131,7 @@ def test_a_decode_after_a_shared_prefix_reads_in_place_and_matches_a_fresh_engin
 
     def spy(items):
         batch = prepare(items)
-        reads.extend(batch.ctx)
+        reads.extend(r.ctx for r in batch.reads)
         blocks.append(list(items[0].block_ids))
         return batch
 
@@ -153,7 +154,7 @@ def test_a_batch_decoding_past_its_prompts_blocks_still_reads_in_place(headroom,
     context is scattered (gathered whole on every layer) once its decode crosses 512 keys. Either
     way each token is the one its prompt decodes alone, in fp32 and bf16 (the rows' bits are
     `test_a_decode_batch_reads_whole_key_blocks_in_place_and_matches_each_decode_alone`'s)."""
-    monkeypatch.setattr(model_runner, "IN_PLACE_KEYS", 256)  # the contexts are 470-526
+    monkeypatch.setattr(cpu_exact, "IN_PLACE_KEYS", 256)  # the contexts are 470-526
     if not headroom:
         monkeypatch.setattr(engine_module, "KEY_BLOCK", 0)
     lm = load_model("tiny-gqa", dtype=dtype, tokenizer=False)
@@ -167,7 +168,7 @@ def test_a_batch_decoding_past_its_prompts_blocks_still_reads_in_place(headroom,
         with Engine(lm, config) as e:
             alone.append(e.generate([p], params)[0].output_ids)
     reads: list[tuple[bool, bool]] = []  # per decode read past 512 keys: (in place, gathered)
-    spy = model_runner.ModelRunner._key_reads
+    spy = cpu_exact.CpuExact._key_reads
 
     def counted(self, tables, ctx_len):
         keys = spy(self, tables, ctx_len)
@@ -175,7 +176,7 @@ def test_a_batch_decoding_past_its_prompts_blocks_still_reads_in_place(headroom,
                      if n > 512)
         return keys
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_key_reads", counted)
+    monkeypatch.setattr(cpu_exact.CpuExact, "_key_reads", counted)
     with Engine(lm, config) as engine:
         together = [o.output_ids for o in engine.generate(prompts, params)]
     assert together == alone
@@ -206,14 +207,16 @@ def test_a_restore_computing_layers_on_its_worker_zeroes_only_its_own_slots(dtyp
     engine = Engine(tiny_gqa, config, store=spec, reuse=reuse)
     engine.generate([ids[:40]], once)  # device-caches blocks [0, 32)
     seen: list[tuple[RunItem, range | None]] = []
-    tail = engine.runner._tail
+    attention = engine.runner.attention
+    assert isinstance(attention, cpu_exact.CpuExact)
+    tail = attention._tail
 
-    def spy(it, ctx):
-        got = tail(it, ctx)
+    def spy(it, ctx, clearable):
+        got = tail(it, ctx, clearable)
         seen.append((it, got))
         return got
 
-    engine.runner._tail = spy  # type: ignore[method-assign]
+    attention._tail = spy  # type: ignore[method-assign]
     out, got = first_logits(engine, ids, once)
     assert out.reused_by_tier.get("device") == 32 and out.reused_by_tier.get("disk") == 168
     worker = [(it, t) for it, t in seen if it.off_thread]
@@ -230,13 +233,13 @@ def test_a_long_prompt_in_a_pool_full_of_cached_prefixes_is_read_in_place(monkey
     per_block = ModelRunner.bytes_per_block(lm.module, BS)
     engine = Engine(lm, EngineConfig(kv_cache_bytes=per_block * 160, max_model_len=1024))  # 2560 slots
     reads: list[str] = []
-    real = model_runner._context
+    real = base.read_context
 
     def spy(new, cache, ctx, pad):
         reads.append("gathered" if isinstance(ctx, torch.Tensor) else "in place")
         return real(new, cache, ctx, pad)
 
-    monkeypatch.setattr(model_runner, "_context", spy)
+    monkeypatch.setattr(base, "read_context", spy)
     gen = torch.Generator().manual_seed(5)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     try:

@@ -188,7 +188,7 @@ def test_the_memory_tier_pins_an_arena_within_its_capacity(gqa_cuda):
 def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
     """Chunked prefill over a history and batched decode through varlen_attn (packed, no masks)
     give the tokens the SDPA paths (masked, padded) give."""
-    from kvtier.engine.runner import model_runner
+    from kvtier.engine.runner.backends import varlen as varlen_backend
     from kvtier.models import varlen
 
     model = load_model("tiny-gqa", dtype="bf16", device="cuda", tokenizer=False)
@@ -196,14 +196,14 @@ def test_flash_varlen_paths_agree_with_sdpa(monkeypatch):
     cfg = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=1024, max_batched_tokens=48, static_decode=False)
     ids = _ids(model)
     prompts = [ids[:150], ids[20:90], ids[5:200], ids[:33]]
-    monkeypatch.setattr(model_runner, "PACK_DECODES", True)
+    monkeypatch.setattr(varlen_backend, "PACK_DECODES", True)
     on = Engine(model, cfg)
-    if not on.runner.can_pack:
+    if not on.runner.attention.can_pack:
         pytest.skip(f"varlen_attn is not usable on this device/torch (paged={varlen.paged()})")
     got = [o.output_ids for o in on.generate(prompts, GREEDY)]
     monkeypatch.setattr(varlen, "usable", lambda *a: False)
     off = Engine(model, cfg)
-    assert not off.runner.can_pack
+    assert not off.runner.attention.can_pack
     want = [o.output_ids for o in off.generate(prompts, GREEDY)]
     for a, b in zip(got, want):
         assert sum(x == y for x, y in zip(a, b)) / len(b) >= 0.9, (a, b)

@@ -1,4 +1,4 @@
-"""The static-buffer decode step (what CUDA graphs capture, engine/runner/static_decode.py) run
+"""The static-buffer decode step (what CUDA graphs capture, engine/runner/backends/static.py) run
 eagerly on the CPU, against the engine's dynamic decode: the same logits, bit for bit, at every
 step of a ragged batch (fp32 and bf16); the paged FlexAttention backend CUDA uses, against the
 same, to rounding; and the per-device budgets (engine/budget.py)."""
@@ -12,7 +12,7 @@ from kvtier.engine import budget
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.runner.static_decode import StaticDecode, buckets, widths
+from kvtier.engine.runner.backends.static import StaticDecode, buckets, widths
 from kvtier.models import invariant
 from kvtier.models.loading import load_model
 
@@ -144,7 +144,8 @@ def test_a_nan_in_a_slot_no_decode_owns_never_reaches_their_logits(static: bool,
 def test_a_ragged_batch_goes_packed_where_the_runner_can_pack():
     """Padding every decode to the longest context wins (2-7.5x per byte on an H200) until it reads
     RAGGED times the contexts' slots; then, where varlen_attn is usable, the batch is packed."""
-    from kvtier.engine.runner.model_runner import RAGGED, RunItem, pack_decodes
+    from kvtier.engine.runner.backends.varlen import RAGGED, pack_decodes
+    from kvtier.engine.runner.model_runner import RunItem
 
     assert not pack_decodes(False, 10**9, 1)  # nothing to pack with
     assert not pack_decodes(True, RAGGED * 100, 100) and pack_decodes(True, RAGGED * 100 + 1, 100)
@@ -156,7 +157,7 @@ def test_a_ragged_batch_goes_packed_where_the_runner_can_pack():
         even = [RunItem([5], 700, list(range(50)), True), RunItem([5], 650, list(range(50, 100)), True)]
         ragged = [RunItem([5], 900, list(range(60)), True)] + [RunItem([5], 10, [60 + i], True) for i in range(7)]
         assert sd.accepts(even) and sd.accepts(ragged)  # this CPU cannot pack: the static step takes both
-        e.runner.can_pack = True
+        e.runner.attention.can_pack = True
         assert sd.accepts(even) and not sd.accepts(ragged)  # 8 x 1024 padded rows for 977 of context
     finally:
         e.close()

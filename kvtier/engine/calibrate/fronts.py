@@ -18,7 +18,7 @@ import torch
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate import cache
 from kvtier.engine.calibrate.hardware import estimate as estimate_profile
-from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ContextFeed, ModelRunner, RunItem
 from kvtier.models.loading import LoadedModel
 from kvtier.planning import optimizer
 
@@ -64,17 +64,18 @@ def measure(model: LoadedModel, points: Iterable[tuple[int, int, int, str]], rep
             for i in range(b_max):
                 runner.execute([RunItem(ids[i][:s], 0, _blocks(i, per), want_logits=False)])
             filled = s
-        dec = [RunItem([ids[i][s]], s, _blocks(i, per)[u // block_size:], want_logits=True, front=u) for i in range(b)]
+        dec = [RunItem([ids[i][s]], s, _blocks(i, per)[u // block_size:], want_logits=True, unslotted=u,
+                       context_feed=u) for i in range(b)]
         runs: list[RunItem] = []
         feed = None
         if u and src == "recompute":
-            runs = [RunItem(ids[i][:u], 0, (), want_logits=False, front_of=i) for i in range(b)]
+            runs = [RunItem(ids[i][:u], 0, (), want_logits=False, feeds=i) for i in range(b)]
         elif u:  # read back: copies of the fronts' K/V, as the swap space hands them over
-            feed = FrontFeed(0, _reader(runner, torch.cat([runner.slots(_blocks(i, per), 0, u) for i in range(b)])))
+            feed = ContextFeed(0, _reader(runner, torch.cat([runner.slots(_blocks(i, per), 0, u) for i in range(b)])))
 
-        def step(dec: list[RunItem] = dec, runs: list[RunItem] = runs, feed: FrontFeed | None = feed) -> float:
+        def step(dec: list[RunItem] = dec, runs: list[RunItem] = runs, feed: ContextFeed | None = feed) -> float:
             t = time.perf_counter()
-            runner.execute(dec + runs, fed=feed)
+            runner.execute(dec + runs, feed=feed)
             return time.perf_counter() - t
 
         step()

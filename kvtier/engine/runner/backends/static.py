@@ -1,7 +1,7 @@
 """The decode step over static buffers: the code CUDA graphs capture.
 
-A step in which every run decodes one token (no restore placing layers, no partial caching, no
-hidden states captured for saving) has shapes set by its batch size and its longest context
+A step in which every run decodes one token (no restore placing layers, no unslotted or fed
+context, no hidden states captured for saving) has shapes set by its batch size and its longest context
 alone once its inputs sit in buffers allocated up front: token ids, positions, the pool slot each
 token's K/V goes to, the context lengths and the block table. The batch is padded up to a bucket
 (1, 2, 4, 8, then steps of 8 up to 32 and of 16 beyond, as nano-vllm buckets); a padding row
@@ -26,15 +26,19 @@ import bisect
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.runner.model_runner import ModelRunner, RunItem, pack_decodes
+from kvtier.engine.runner.backends.varlen import pack_decodes
+from kvtier.engine.runner.batch import RunItem
 from kvtier.models.attention import decode_attention, exact_cpu, key_rows
 from kvtier.models.llama import LayerAttention
 from kvtier.models.paged import PageTable, paged_attention
+
+if TYPE_CHECKING:
+    from kvtier.engine.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,7 @@ class StaticDecode:
     def __init__(self, runner: ModelRunner, max_seqs: int, max_positions: int, graphs: bool | None = None) -> None:
         # A proxy: the runner holds this decoder, and a strong reference back would be a cycle
         # that keeps a closed engine's pool (and graphs) until a garbage collection.
-        self.runner = cast(ModelRunner, weakref.proxy(runner))
+        self.runner = cast("ModelRunner", weakref.proxy(runner))
         self.bs = bs = runner.block_size
         self.pages = -(-max_positions // bs)
         self.buckets = buckets(max_seqs)
@@ -86,11 +90,11 @@ class StaticDecode:
         """Whether this step is plain decoding this buffer can hold, and not so ragged that the
         runner's packed path (where it has one) reads less."""
         if not 0 < len(items) <= self.buckets[-1] or not all(
-                len(it.token_ids) == 1 and it.start > 0 and it.want_logits and not it.all_logits and not it.dropped
-                and not it.front and it.front_of is None and it.start < self.pages * self.bs for it in items):
+                len(it.token_ids) == 1 and it.start > 0 and it.want_logits and not it.all_logits and not it.unslotted
+                and not it.context_feed and it.feeds is None and it.start < self.pages * self.bs for it in items):
             return False
         size, width = self._shape(items)  # (the paged kernel gathers nothing: no padding to weigh)
-        return self.paged or not pack_decodes(self.runner.can_pack, size * width, sum(it.start + 1 for it in items))
+        return self.paged or not pack_decodes(self.runner.attention.can_pack, size * width, sum(it.start + 1 for it in items))
 
     def _shape(self, items: Sequence[RunItem]) -> tuple[int, int]:
         """The (batch, width) bucket of a step: the exact kernel's whole key pieces (`key_rows`) on the CPU."""
