@@ -3,6 +3,7 @@
 import pytest
 
 from kvtier.engine.block_pool import BlockPool, OutOfBlocks, block_hashes
+from kvtier.engine.placement import KeepRuns
 
 
 def test_allocate_release_and_lru_reuse_order():
@@ -64,10 +65,10 @@ def test_only_a_runs_own_unreached_slots_and_clean_blocks_are_clearable():
 
 
 def test_a_cpu_run_grows_into_the_free_blocks_after_its_last_one():
-    """keep_runs: a run's next blocks follow its last one while they are clean, or cached with
+    """KeepRuns: a run's next blocks follow its last one while they are clean, or cached with
     content that continues the run's own prefix or that no prefix can reach any more; then the
     stack's order. Another chain's cached block (another tenant's) is never taken out of order."""
-    pool = BlockPool(10, 2, keep_runs=True)
+    pool = BlockPool(10, 2, KeepRuns(2))
     doc = pool.allocate(2)  # [0, 1]: a document, cached
     pool.register(0, b"d0")
     pool.register(1, b"d1", b"d0")
@@ -82,7 +83,7 @@ def test_a_cpu_run_grows_into_the_free_blocks_after_its_last_one():
     assert pool.allocate(3, after=doc[-1]) == [2, 3, 6]  # the sibling, then its unreachable child; 4 is not ours
     assert list(pool.cached) == [b"d0", b"d1", b"o4", b"o5"] and list(pool.clean) == [9, 8, 7]
 
-def test_without_keep_runs_the_stack_order_stands():
+def test_without_keeping_runs_the_stack_order_stands():
     pool = BlockPool(6, 2)
     doc = pool.allocate(2)
     pool.register(1, b"d1")
@@ -96,7 +97,7 @@ def test_a_cpu_run_that_grows_makes_clean_what_its_attention_may_clear_past_its_
     """reach: past a run's new last block, the blocks its attention may zero (a key piece of 64
     slots: 4 blocks of 16) are made clean where the run could have grown into them, so `clearable`
     (which only reads) finds them clean; the walk stops at the first it may not have."""
-    pool = BlockPool(12, 16, keep_runs=True, reach=64)
+    pool = BlockPool(12, 16, KeepRuns(16, reach=64))
     doc = pool.allocate(2)  # [0, 1]
     pool.register(1, b"d1", b"d0")
     sib = pool.allocate(4)  # [2-5]: the document's last answer
@@ -113,7 +114,7 @@ def test_a_cpu_run_that_grows_makes_clean_what_its_attention_may_clear_past_its_
 def test_a_new_cpu_run_starts_where_its_whole_prompt_fits_in_a_row():
     """A prompt prefilled in chunks would otherwise start in whatever blocks the stack holds and
     soon have to grow elsewhere: its context could not be read in place."""
-    pool = BlockPool(16, 2, keep_runs=True)
+    pool = BlockPool(16, 2, KeepRuns(2))
     assert pool.allocate(2, room=2) == [0, 1]
     holes = [pool.allocate(1)[0] for _ in range(3)]  # single blocks: the stack's order
     assert holes == [2, 3, 4]
@@ -136,7 +137,7 @@ def test_a_new_cpu_run_starts_where_its_whole_prompt_fits_in_a_row():
 def test_a_new_cpu_run_leaves_the_run_before_it_headroom_to_decode_into():
     """A run placed right after another would take the blocks that run's decode grows into: its
     context would then be scattered, and gathered on every layer of every step."""
-    pool = BlockPool(20, 2, keep_runs=True, headroom=8)  # 8 tokens: 4 blocks
+    pool = BlockPool(20, 2, KeepRuns(2, headroom=8))  # 8 tokens: 4 blocks
     a = pool.allocate(3, room=3)
     assert a == [0, 1, 2]  # at block 0: nothing before it to leave room to
     b = pool.allocate(3, room=3)
@@ -147,10 +148,10 @@ def test_a_new_cpu_run_leaves_the_run_before_it_headroom_to_decode_into():
     assert c == [15, 16, 17, 18]
     d = pool.allocate(2, room=2)  # 11-14 and 19: no 2 past 4 more, so without the headroom
     assert d == [11, 12]
-    short = BlockPool(20, 2, keep_runs=True, headroom=8)
+    short = BlockPool(20, 2, KeepRuns(2, headroom=8))
     short.allocate(3, room=3)
     assert short.allocate(1) == [7]  # a one-block run too: the stack's top (3) is the headroom
-    no_headroom = BlockPool(20, 2, keep_runs=True)
+    no_headroom = BlockPool(20, 2, KeepRuns(2))
     no_headroom.allocate(3, room=3)
     assert no_headroom.allocate(3, room=3) == [3, 4, 5]
 
@@ -175,14 +176,14 @@ def test_a_new_cpu_run_in_a_pool_full_of_cached_blocks_evicts_until_a_row_opens(
     new run the least recently freed blocks wherever they lie (3 and 6), and its context would be
     gathered on every layer of every step. Evicting in the same order, but only until two free
     blocks lie in a row, gives 3 and 4: nothing fresher than 4 goes, and 6 and 1 keep their content."""
-    pool = BlockPool(8, 1, keep_runs=True)
+    pool = BlockPool(8, 1, KeepRuns(1))
     hs = _cached_in_lru_order(pool, [3, 6, 1, 4, 0, 7, 2, 5])
     assert pool.allocate(2, room=2) == [3, 4]
     assert hs[3] not in pool.cached and hs[4] not in pool.cached
     assert list(pool.evictable) == [6, 1, 0, 7, 2, 5] and all(hs[b] in pool.cached for b in pool.evictable)
     # with a block of headroom the row must be three long (0-2, once 2 goes): the run takes 0 and 1
     # and grows into 2; 3 and 4, evicted on the way but outside the row, keep their content
-    pool = BlockPool(8, 1, keep_runs=True, headroom=1)
+    pool = BlockPool(8, 1, KeepRuns(1, headroom=1))
     hs = _cached_in_lru_order(pool, [3, 6, 1, 4, 0, 7, 2, 5])
     assert pool.allocate(2, room=2) == [0, 1]
     assert list(pool.clean) == [2] and all(hs[b] in pool.cached for b in (3, 4, 5, 6, 7))
@@ -192,7 +193,7 @@ def test_a_new_cpu_run_in_a_pool_full_of_cached_blocks_evicts_until_a_row_opens(
 def test_clean_blocks_join_a_row_first_and_cost_no_eviction():
     """Clean 1 and 5 and cached blocks freed in the order 7, 2, 0, 6, ...: 0, 1, 2 is the first row
     of three; 2 and 0 go, and 7, freed before them but outside the row, keeps its content."""
-    pool = BlockPool(8, 1, keep_runs=True)
+    pool = BlockPool(8, 1, KeepRuns(1))
     hs = _cached_in_lru_order(pool, [7, 1, 2, 5, 0, 6, 3, 4], plain=(1, 5))
     assert list(pool.clean) == [1, 5]
     assert pool.allocate(3, room=3) == [0, 1, 2]
@@ -201,7 +202,7 @@ def test_clean_blocks_join_a_row_first_and_cost_no_eviction():
 
 
 def test_where_no_row_can_open_the_run_takes_blocks_in_lru_order():
-    pool = BlockPool(4, 1, keep_runs=True)
+    pool = BlockPool(4, 1, KeepRuns(1))
     hs = block_hashes(list(range(4)), 1)
     for b, h in zip(pool.allocate(4), hs):
         pool.register(b, h)

@@ -10,7 +10,7 @@ import torch
 from kvtier.engine.config import EngineConfig, PartialConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
-from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import ContextFeed, ModelRunner, RunItem
 from kvtier.planning.optimizer import ProfileCostModel
 
 BS = 16
@@ -48,12 +48,12 @@ def test_runner_front_logits_match_full_caching(model_name, request):
         feed_k, feed_v = kept_k[:, front_slots].clone(), kept_v[:, front_slots].clone()
         runner.k_cache[:, front_slots] = float("nan")
         runner.v_cache[:, front_slots] = float("nan")
-        dec = [RunItem([ids[n]], n, bl[u // BS:], want_logits=True, front=u)
+        dec = [RunItem([ids[n]], n, bl[u // BS:], want_logits=True, unslotted=u, context_feed=u)
                for ids, bl, n, u in zip(seqs, blocks, lengths, fronts)]
-        runs = [RunItem(ids[:u], 0, (), want_logits=False, front_of=i)
+        runs = [RunItem(ids[:u], 0, (), want_logits=False, feeds=i)
                 for i, (ids, u) in enumerate(zip(seqs, fronts)) if u] if boundary else []
-        feed = FrontFeed(boundary, lambda li: (feed_k[li], feed_v[li])) if boundary < layers else None
-        got = runner.execute(dec + runs, fed=feed)
+        feed = ContextFeed(boundary, lambda li: (feed_k[li], feed_v[li])) if boundary < layers else None
+        got = runner.execute(dec + runs, feed=feed)
         assert torch.isfinite(got).all()
         assert (got - full).abs().max().item() <= 1e-4, boundary
         # front rows were not written: their slots still hold NaN in every layer
@@ -62,8 +62,9 @@ def test_runner_front_logits_match_full_caching(model_name, request):
 
 def test_front_runs_must_come_last(tiny_gqa):
     runner = ModelRunner(tiny_gqa.module, 4, BS, 64)
-    with pytest.raises(ValueError, match="front runs"):
-        runner.prepare([RunItem([1] * 16, 0, (), want_logits=False, front_of=1), RunItem([5], 20, [0, 1], True, front=16)])
+    with pytest.raises(ValueError, match="feeding runs"):
+        runner.prepare([RunItem([1] * 16, 0, (), want_logits=False, feeds=1),
+                        RunItem([5], 20, [0, 1], True, unslotted=16, context_feed=16)])
 
 
 def _generate(lm, prompts, partial: PartialConfig | None, max_tokens: int = 32):
@@ -224,7 +225,7 @@ def test_the_optimiser_plans_against_the_steps_it_observes(tiny_gqa):
     assert pc.stats.steps == 1 and pc.stats.slo_misses == 1
 
     plan = pc.plan(decoding, waiting, capacity_blocks=64)  # 10 ms over: no b meets 1.5 ms
-    assert plan.cap == 2 and plan.fronts == {"a": 0, "b": 0}
+    assert plan.cap == 2 and plan.fed == {"a": 0, "b": 0}
     assert pc.plan([], waiting, capacity_blocks=64).cap == 1
     # An SLO only the first running decode meets: the second is kept, not preempted.
     tight = PartialCaching(PartialConfig(tpot_slo_s=1.15e-3, slo_headroom=1.0, cost=COST), runner, COST)

@@ -6,18 +6,18 @@ from __future__ import annotations
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.request import Request, RequestStatus, SamplingParams
 from kvtier.engine.scheduler import Scheduler
-from kvtier.engine.scheduler_api import FrontPlan
+from kvtier.engine.scheduler_api import FeedPlan
 
 
 class ScriptedPolicy:
     """Returns the scripted plans in order and records what it was asked and told."""
 
-    def __init__(self, plans: list[FrontPlan]):
+    def __init__(self, plans: list[FeedPlan]):
         self.plans = list(plans)
         self.asked: list[tuple[list[str], list[str], int]] = []
         self.released: list[tuple[str, int, int]] = []
 
-    def plan(self, decoding, waiting, capacity_blocks) -> FrontPlan:
+    def plan(self, decoding, waiting, capacity_blocks) -> FeedPlan:
         self.asked.append(([r.request_id for r in decoding], [r.request_id for r in waiting], capacity_blocks))
         return self.plans.pop(0)
 
@@ -39,12 +39,12 @@ def _decode(sched: Scheduler, out) -> None:
 def test_admissions_follow_the_cap_and_fronts_free_blocks():
     pool = BlockPool(20, 16)
     policy = ScriptedPolicy([
-        FrontPlan(cap=2),  # step 1: a and b admitted, c waits
-        FrontPlan(cap=2),  # step 2: a and b decode
-        FrontPlan(cap=3, fronts={"a": 32, "b": 16}),  # step 3: fronts free 3 blocks, c admitted
-        FrontPlan(cap=2, fronts={"a": 32, "b": 16}),  # step 4: c (the latest) preempted
+        FeedPlan(cap=2),  # step 1: a and b admitted, c waits
+        FeedPlan(cap=2),  # step 2: a and b decode
+        FeedPlan(cap=3, fed={"a": 32, "b": 16}),  # step 3: fronts free 3 blocks, c admitted
+        FeedPlan(cap=2, fed={"a": 32, "b": 16}),  # step 4: c (the latest) preempted
     ])
-    sched = Scheduler(pool, max_batched_tokens=1000, max_num_seqs=8, fronts=policy)
+    sched = Scheduler(pool, max_batched_tokens=1000, max_num_seqs=8, feeds=policy)
     for rid, n in (("a", 60), ("b", 40), ("c", 100)):
         sched.add(_req(rid, n))
 
@@ -82,8 +82,8 @@ def test_admissions_follow_the_cap_and_fronts_free_blocks():
 def test_front_never_reaches_the_newest_token():
     """A plan asking for more than a request has computed is capped at its last full block."""
     pool = BlockPool(10, 16)
-    policy = ScriptedPolicy([FrontPlan(cap=1), FrontPlan(cap=1, fronts={"a": 1000})])
-    sched = Scheduler(pool, max_batched_tokens=1000, max_num_seqs=8, fronts=policy)
+    policy = ScriptedPolicy([FeedPlan(cap=1), FeedPlan(cap=1, fed={"a": 1000})])
+    sched = Scheduler(pool, max_batched_tokens=1000, max_num_seqs=8, feeds=policy)
     sched.add(_req("a", 40))
     _decode(sched, sched.schedule())
     sched.schedule()
@@ -95,9 +95,9 @@ def test_recomputed_fronts_share_the_budget_before_prefills():
     """Fronts recomputed in a step take budget after the decodes, before the prefills: at most
     half of what is left, so a running prefill still advances."""
     pool = BlockPool(40, 16)
-    policy = ScriptedPolicy([FrontPlan(cap=1), FrontPlan(cap=2, recompute_tokens=64),
-                             FrontPlan(cap=2, recompute_tokens=1000)])
-    sched = Scheduler(pool, max_batched_tokens=200, max_num_seqs=8, fronts=policy)
+    policy = ScriptedPolicy([FeedPlan(cap=1), FeedPlan(cap=2, recompute_tokens=64),
+                             FeedPlan(cap=2, recompute_tokens=1000)])
+    sched = Scheduler(pool, max_batched_tokens=200, max_num_seqs=8, feeds=policy)
     sched.add(_req("a", 40))
     _decode(sched, sched.schedule())
     sched.add(_req("b", 400))

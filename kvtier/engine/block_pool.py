@@ -5,27 +5,9 @@ are computed is registered under the chained hash of its tokens; when its last u
 stays cached until the space is needed. Allocation takes free blocks without cached content first,
 most recently freed first (their pages are warm: the pool's host memory is mapped lazily, and a
 never-touched block costs page faults), and evicts cached blocks least recently freed first only
-when no clean block is left.
-
-With `keep_runs` (a CPU pool), a run that grows takes the blocks that follow its last one first,
-while they are free: CPU attention reads a context whose slots are consecutive in place, and
-gathers a scattered one into a copy on every layer of every step (a decode after a shared prefix
-measured 20% slower at 8K). A free block that holds cached content is taken out of LRU order only
-where that content is another continuation of the run's own prefix (the same tenant's: chains
-start at the salt), or cannot be matched any more (its parent block's content is gone). A document
-asked about again thus grows into the blocks its last question's answer had cached, and never
-into another tenant's. The blocks that the run's attention may clear past its end (`reach` slots:
-exact attention's key piece) are made clean by the same rule when it grows, so that `clearable`
-finds them clean. A new run that will need `room` blocks starts at the lowest place where that
-many clean blocks lie in a row (if there is one), so that its prompt's later chunks follow on, and
-`headroom` clean blocks after whatever block lies before that place, so that a run there can go on
-growing in place while it decodes (where no such place is left, without the headroom). Where
-the clean blocks never lie that many in a row (a server whose pool has filled with cached
-prefixes), cached blocks are evicted least recently freed first until a row of `room` and the
-headroom opens, and only the ones inside it go: a long context in a full pool is still read in
-place, and can grow in place. All
-of this happens in `allocate`, on the scheduler's thread; `clearable`, which
-restores also call from their own thread, only reads.
+when no clean block is left. Which blocks a run gets first is the pool's `Placement`
+(placement.py: anywhere on a device, in rows on a CPU). `allocate` runs on the scheduler's
+thread; `clearable`, which restores also call from their own thread, only reads.
 """
 
 from __future__ import annotations
@@ -33,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from kvtier.engine.placement import AnyBlocks, Placement
 
 
 def chain_root(salt: str = "") -> bytes:
@@ -66,21 +50,18 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, keep_runs: bool = False, reach: int = 0,
-                 headroom: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, placement: Placement | None = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise the memory budget")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keep_runs = keep_runs
-        self.reach_blocks = -(-reach // block_size)  # blocks a run's attention may clear past its end
-        self.headroom_blocks = -(-headroom // block_size)  # clean blocks a new run leaves to the run before it
+        self.placement: Placement = placement or AnyBlocks()
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.parent_of: list[bytes | None] = [None] * num_blocks  # a cached block's parent's hash (None: a chain's first)
         self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
-        # ref 0, no content: a stack (popitem takes the last in), from which a run's next block
-        # can also be taken out of order
+        # ref 0, no content: a stack (popitem takes the last in), from which a placement can also
+        # take blocks out of order
         self.clean: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached content: LRU first
         self.hits = 0
@@ -105,110 +86,35 @@ class BlockPool:
         return blocks
 
     def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
-        """`n` blocks; with `keep_runs`, those following block `after` (the run's last) first, while
-        `_spare` lets the run have them; a new run (no `after`) that will need `room` blocks starts
-        where that many clean blocks lie in a row, if any do (past the headroom of the run before
-        them, where there is room for it), so that it can grow in place."""
+        """`n` blocks for a run whose last block is `after` (None: a new run that will need `room`
+        blocks): the placement's first, then the clean stack's top, then least recently freed."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
-        out: list[int] = []
-        if self.keep_runs:
-            # (with headroom, a one-block run too: the stack's top may be another run's headroom)
-            if after is None and (max(room, n) > 1 or self.headroom_blocks):
-                start = self._clean_extent(max(room, n), self.headroom_blocks)
-                for extra in (self.headroom_blocks, 0) if start is None and self.evictable else ():
-                    # its own headroom after it here: the run's next turn or decode grows into it
-                    start = self._evicting_extent(max(room, n) + extra)
-                    if start is not None:
-                        self._clear_row(start, start + max(room, n) + extra, n)
-                        break
-                if start is not None:
-                    out = list(range(start, start + n))
-                    for b in out:
-                        del self.clean[b]
-                    after = out[-1]
-            if after is not None:
-                b = after + 1
-                while len(out) < n and b < self.num_blocks and self._spare(b, self.hash_of[after]):
-                    del self.clean[b]
-                    out.append(b)
-                    b += 1
-                if len(out) == n:  # the run ends at b - 1: past it, what its attention may clear made clean
-                    for c in range(b, min(b + self.reach_blocks, self.num_blocks)):
-                        if not self._spare(c, None):
-                            break
+        out = self.placement.place(self, n, after, room)
         for _ in range(n - len(out)):
             if self.clean:
                 b, _ = self.clean.popitem()
             else:  # evict the least recently freed cached block
                 b = next(iter(self.evictable))
-                self._drop(b)
+                self.drop(b)
                 del self.clean[b]
             out.append(b)
         for b in out:
             self.ref[b] = 1
         return out
 
-    def _clean_extent(self, n: int, gap: int = 0) -> int | None:
-        """The first block of the lowest `n` clean blocks in a row that follow `gap` more clean
-        blocks after the block before them (none at block 0, which has nothing before it); else of
-        the lowest `n` in a row; None if there are none. (One walk over the clean blocks, sorted,
-        once per new run: this module stays free of numpy and torch.)"""
-        first, last, plain = 0, -2, None
-        for b in sorted(self.clean):
-            if b != last + 1:
-                first = b  # a row of clean blocks starts here
-            last = b
-            if plain is None and b - first + 1 == n:
-                plain = first
-            lead = gap if first else 0
-            if b - first + 1 == lead + n:
-                return first + lead
-        return plain
+    def take(self, blocks: Iterable[int]) -> None:
+        """Clean blocks a placement hands to a run: out of the clean stack."""
+        for b in blocks:
+            del self.clean[b]
 
-    def _evicting_extent(self, n: int) -> int | None:
-        """Where `n` free blocks in a row open up if cached blocks are evicted least recently freed
-        first, as plain LRU would, but only until such a row exists: the first block of that row
-        (the cached blocks in it are the ones to evict, none fresher than the last one taken);
-        None if the free blocks never lie `n` in a row. Rows of free blocks are kept as intervals,
-        merged as each block joins: O(clean + evicted) per new run."""
-        end_of: dict[int, int] = {}  # first block of a row of free blocks -> its last
-        start_of: dict[int, int] = {}  # and back
-        for b in itertools.chain(self.clean, self.evictable):  # the clean ones first: they cost nothing
-            lo = start_of.pop(b - 1, b)
-            hi = end_of.pop(b + 1, b)
-            end_of.pop(lo, None)
-            start_of.pop(hi, None)
-            end_of[lo], start_of[hi] = hi, lo
-            if hi - lo + 1 >= n:
-                return max(lo, b - n + 1)  # a row through b: it was the freshest block to go
-        return None
+    def bury(self, blocks: Iterable[int]) -> None:
+        """Clean blocks moved to the bottom of the clean stack, so that other runs take them last."""
+        first = list(blocks)
+        moved = set(first)
+        self.clean = dict.fromkeys(itertools.chain(first, (b for b in self.clean if b not in moved)))
 
-    def _clear_row(self, lo: int, hi: int, taken: int) -> None:
-        """Blocks [lo, hi) made clean (their cached content evicted) for a run taking the first
-        `taken` now and growing into the rest: those go to the bottom of the clean stack, so that
-        other runs take them last."""
-        for b in range(lo, hi):
-            if self.hash_of[b] is not None:
-                self._drop(b)
-        later = range(lo + taken, hi)
-        self.clean = dict.fromkeys(itertools.chain(later, (b for b in self.clean if not lo + taken <= b < hi)))
-
-    def _spare(self, b: int, last: bytes | None) -> bool:
-        """Whether free block `b` may go to a run whose last block's content hashes to `last`; if
-        so it is made clean. Clean blocks may; a cached one only if it continues the very same
-        prefix (its parent is `last`) or is unreachable (its parent's content is gone)."""
-        if self.ref[b]:
-            return False
-        if self.hash_of[b] is None:
-            return True
-        parent = self.parent_of[b]
-        if parent is None or (parent != last and parent in self.cached):
-            return False
-        self._drop(b)
-        return True
-
-    def _drop(self, b: int) -> None:
+    def drop(self, b: int) -> None:
         """Cached block `b` (ref 0) made clean: its content forgotten."""
         h = self.hash_of[b]
         assert h is not None

@@ -7,7 +7,7 @@ step, as one HF forward does, and the pool takes what the device has left, as vL
 `--gpu-memory-utilization` does: that share of the device's memory, less what is in use now (the
 weights), a step's activations at the token budget and two slots of a restore's staging ring for
 a whole context (the ring never grows past them). Decode steps go through static buffers
-and CUDA graphs on CUDA (engine/runner/static_decode.py); elsewhere they stay dynamic.
+and CUDA graphs on CUDA (engine/runner/backends/static.py); elsewhere they stay dynamic.
 Anything set in `EngineConfig` wins over these defaults.
 """
 

@@ -20,8 +20,8 @@ import torch
 
 from kvtier.engine.config import PartialConfig
 from kvtier.engine.request import Request
-from kvtier.engine.runner.model_runner import FrontFeed, ModelRunner, RunItem
-from kvtier.engine.scheduler_api import FrontPlan, FrontPolicy, NoFronts
+from kvtier.engine.runner.model_runner import ContextFeed, ModelRunner, RunItem
+from kvtier.engine.scheduler_api import FeedPlan, FeedPolicy, NoFeeds
 from kvtier.planning import optimizer
 
 RESIDUAL_WEIGHT = 0.05  # the residual's moving average spans about the last 20 decode steps
@@ -83,7 +83,7 @@ class FrontSwap:
         if k is not None and v is not None:
             self.used -= k.nbytes + v.nbytes
 
-    def feed(self, rids: Sequence[str], boundary: int, device: torch.device) -> FrontFeed:
+    def feed(self, rids: Sequence[str], boundary: int, device: torch.device) -> ContextFeed:
         """Layers >= boundary of these requests' fronts, back to back in `rids` order, on `device`.
         On CUDA this copy is synchronous for now; a copy stream ahead of the layers (as restores
         do) is where the paper's swap/compute overlap would go."""
@@ -95,7 +95,7 @@ class FrontSwap:
                 time.sleep((k.nbytes + v.nbytes) / self.bandwidth)
             return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
 
-        return FrontFeed(boundary, kv)
+        return ContextFeed(boundary, kv)
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,13 @@ class StepFronts:
     """One step's fronts as the runner takes them: front runs to append, and the feed."""
 
     runs: tuple[RunItem, ...]
-    feed: FrontFeed | None
+    feed: ContextFeed | None
     boundary: int
     front_tokens: int
 
 
-class Fronts(FrontPolicy, Protocol):
-    """The front policy as the engine sees it: the scheduler's half (FrontPolicy: the cap and each
+class Fronts(FeedPolicy, Protocol):
+    """The front policy as the engine sees it: the scheduler's half (FeedPolicy: the cap and each
     decode's front) and the step's half (front runs and feed, the step's time, summaries)."""
 
     def step_fronts(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts: ...
@@ -124,7 +124,7 @@ class Fronts(FrontPolicy, Protocol):
 NO_FRONTS = StepFronts((), None, 0, 0)
 
 
-class FullCaching(NoFronts):
+class FullCaching(NoFeeds):
     """Partial caching off: every running request keeps all its KV (the null Fronts)."""
 
     def step_fronts(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts:
@@ -161,11 +161,11 @@ class PartialCaching:
         self._inflight: tuple[list[tuple[int, int]], StepFronts] | None = None
 
     # ----- the scheduler's side ---------------------------------------------------------------
-    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan:
+    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FeedPlan:
         bs = self.block_size
         if self.cfg.policy == "fixed":
             fronts = {r.request_id: int(self.cfg.ratio * r.num_tokens) // bs * bs for r in decoding}
-            return FrontPlan(cap=1 << 30, fronts=fronts, recompute_tokens=self._recomputed(decoding, fronts))
+            return FeedPlan(cap=1 << 30, fed=fronts, recompute_tokens=self._recomputed(decoding, fronts))
         # FCFS: the running decodes, then the queue (admitted in full: a prompt has no front).
         slo = self.cfg.tpot_slo_s * self.cfg.slo_headroom if self.cfg.tpot_slo_s is not None else None
         cands = list(decoding) + list(waiting)[: max(0, 4 * len(decoding) + 8)]
@@ -184,11 +184,11 @@ class PartialCaching:
         self.stats.solves += 1
         self.stats.solve_s += time.perf_counter() - t
         if not d.feasible:  # not even one sequence fits: admit nobody; blocks run out -> preemption
-            return FrontPlan(cap=len(decoding), fronts={})
+            return FeedPlan(cap=len(decoding), fed={})
         self.stats.last_predicted_s = d.predicted_s
         # b below the running decodes: the scheduler preempts the latest (cheaper than their fronts)
         fronts = {r.request_id: u for r, u in zip(cands, d.fronts)}
-        return FrontPlan(cap=d.b, fronts=fronts, recompute_tokens=self._recomputed(decoding[: d.b], fronts))
+        return FeedPlan(cap=d.b, fed=fronts, recompute_tokens=self._recomputed(decoding[: d.b], fronts))
 
     def _recomputed(self, decoding: Sequence[Request], fronts: dict[str, int]) -> int:
         """Front tokens this step will recompute: those the swap space cannot serve (a front
@@ -243,7 +243,7 @@ class PartialCaching:
     def _fronts_for(self, items: Sequence[RunItem], reqs: Sequence[Request]) -> StepFronts:
         """Every front comes from the swap space when all are there and reading beats
         recomputing; otherwise the boundary (recomputed layers) follows the cost model."""
-        fronted = [(i, r) for i, (it, r) in enumerate(zip(items, reqs)) if it.front]
+        fronted = [(i, r) for i, (it, r) in enumerate(zip(items, reqs)) if it.context_feed]
         tokens = sum(r.front for _, r in fronted)
         if not fronted:
             return NO_FRONTS
@@ -253,7 +253,7 @@ class PartialCaching:
         boundary = optimizer.choose_boundary(rec, read, self.layers) if swapped else self.layers
         if swapped and self.cfg.recompute_layers is not None:
             boundary = min(self.cfg.recompute_layers, self.layers)
-        runs = tuple(RunItem(r.all_ids[: r.front], 0, (), want_logits=False, front_of=i)
+        runs = tuple(RunItem(r.all_ids[: r.front], 0, (), want_logits=False, feeds=i)
                      for i, r in fronted) if boundary else ()
         feed = None
         if boundary < self.layers:

@@ -234,14 +234,14 @@ class Request:
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.
     source_ids: list[int] | None = None
     kept: list[int] | None = None
-    # Importance-only restore (IMPRESS): its prefix came back in part (approximate state), and
-    # `dropped` prefix tokens are left out of its pool slots: position p >= the prefix sits in
-    # slot p - dropped (RoPE still at p).
+    # An importance-only restore brought its prefix back in part: its state is approximate.
     restored_by_importance: bool = False
-    dropped: int = 0
-    # Partial caching (eLLM): the first `front` positions (whole blocks) have no slots; each decode
-    # step gets their K/V back (recomputed, or from the front swap space). Slot of p: p - front.
-    front: int = 0
+    # Positions [0, unslotted) have no pool slot: position p sits in slot p - unslotted (RoPE still
+    # at p). An approximate restore leaves prefix tokens out for good; a feed policy releases a
+    # decode's leading positions (whole blocks), whose K/V each step then brings back from outside
+    # the pool: those are the first `fed` (fed <= unslotted; never both kinds at once).
+    unslotted: int = 0
+    fed: int = 0
     num_published: int = 0  # full blocks already registered in the device prefix cache
     attach_tokens: int = 0  # restore compute its next chunk carries (placement beside the new tokens)
     _all: list[int] = field(default_factory=list, repr=False)
@@ -270,4 +270,19 @@ class Request:
 
     def make_exact(self) -> None:
         """Its state is being recomputed from its tokens: nothing approximate remains."""
-        self.restored_by_importance, self.dropped = False, 0
+        self.restored_by_importance, self.unslotted = False, self.fed
+
+    def feed_from(self, upto: int) -> None:
+        """Positions [fed, upto) leave its slots too: from now on they are fed each step."""
+        self.unslotted += upto - self.fed
+        self.fed = upto
+
+    # The partial-caching room's names (engine/partial.py, its tests): `front` is what is fed,
+    # `dropped` what an approximate restore left out.
+    @property
+    def front(self) -> int:
+        return self.fed
+
+    @property
+    def dropped(self) -> int:
+        return self.unslotted - self.fed

@@ -5,8 +5,8 @@ restore is ready computes its new tokens here, carrying the restore's placement 
 compute of restores still preparing, then waiting requests fill what is left of the budget. A
 waiting request whose stored prefix goes beyond the device prefix cache gets a `RestoreTicket`,
 handed to the store side (`StoreSide.start`), which prepares it off the step loop; the scheduler
-itself does no I/O. The store side and the front policy are protocols with null defaults
-(`NoStore`, `NoFronts`), so a step has no "is there a store?" branches. When
+itself does no I/O. The store side and the feed policy are protocols with null defaults
+(`NoStore`, `NoFeeds`), so a step has no "is there a store?" branches. When
 blocks run out, the most recently admitted running request of the lowest priority (the highest
 `priority` value) is preempted: its blocks are released and it is recomputed later from its tokens
 (its full blocks usually survive in the device prefix cache, so resuming is cheap).
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from kvtier.engine.block_pool import BlockPool, block_hashes
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.scheduler_api import (
-    FrontPlan,
-    FrontPolicy,
-    NoFronts,
+    FeedPlan,
+    FeedPolicy,
+    NoFeeds,
     NoStore,
     RestoreTicket,
     ScheduledChunk,
@@ -69,14 +69,14 @@ class _Step:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batched_tokens: int, max_num_seqs: int, store: StoreSide | None = None,
-                 prefix_cache: bool = True, fronts: FrontPolicy | None = None, defer_instant: bool = False):
+                 prefix_cache: bool = True, feeds: FeedPolicy | None = None, defer_instant: bool = False):
         """`defer_instant`: while requests decode, an instant restore is prepared on the restore
         worker instead of in the step (see _try_restore); right where a decode step is short beside
         a restore's host work (an asynchronous device: 3.5 ms against ~20 ms on an H200), wrong
         where it is long (a CPU step of 60 ms and more would then delay the restore by a step)."""
         self.pool = pool
         self.defer_instant = defer_instant
-        self.fronts: FrontPolicy = fronts or NoFronts()
+        self.feeds: FeedPolicy = feeds or NoFeeds()
         self.store: StoreSide = store or NoStore()
         self.prefix_cache = prefix_cache
         self.max_batched_tokens = max_batched_tokens
@@ -114,10 +114,10 @@ class Scheduler:
         step = _Step(self.max_batched_tokens)
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILL]
-        plan = self._plan_fronts(decoding, prefilling, step.preempted)
+        plan = self._plan_feeds(decoding, prefilling, step.preempted)
         self._schedule_running(step, decoding, prefilling, plan.recompute_tokens)
         if self.restoring:
-            # Restores compute on the same cores (recomputed layers, Cake's front): their work
+            # Restores compute on the same cores (recomputed layers, Cake's first layers): their work
             # counts against the budget like a prefill that arrived before the queue.
             step.budget -= self.store.charge(max(step.budget, 0))
         self._admit_waiting(step, min(self.max_num_seqs, plan.cap))
@@ -137,14 +137,14 @@ class Scheduler:
         return tuple(aborted)
 
     def _schedule_running(self, step: _Step, decoding: list[Request], prefilling: list[Request],
-                          front_tokens: int) -> None:
-        """One token per decode, then recomputed fronts' share, then chunks of running prefills;
+                          fed_tokens: int) -> None:
+        """One token per decode, then recomputed feeds' share, then chunks of running prefills;
         a request that cannot grow preempts the latest admitted of the lowest priority not already
         in the step (itself, at worst)."""
-        charged = not front_tokens
+        charged = not fed_tokens
         for i, req in enumerate(decoding + prefilling):
             if i == len(decoding) and not charged:
-                step.budget, charged = self._charge_fronts(step.budget, front_tokens), True
+                step.budget, charged = self._charge_feeds(step.budget, fed_tokens), True
             if step.budget <= 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
@@ -159,7 +159,7 @@ class Scheduler:
             if req in self.running:
                 step.add(req, n)
         if not charged:
-            step.budget = self._charge_fronts(step.budget, front_tokens)
+            step.budget = self._charge_feeds(step.budget, fed_tokens)
 
     def _victim(self, step: _Step) -> Request:
         """The running request to preempt: of those not already in this step, the lowest priority
@@ -219,33 +219,33 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _charge_fronts(budget: int, tokens: int) -> int:
-        """Recomputed fronts take budget after the decodes and before prefills, at most half of
+    def _charge_feeds(budget: int, tokens: int) -> int:
+        """Recomputed feeds take budget after the decodes and before prefills, at most half of
         what is left, so running prefills still advance."""
         return budget - min(tokens, max(budget, 0) // 2)
 
-    def _plan_fronts(self, decoding: list[Request], prefilling: list[Request], preempted: list[str]) -> FrontPlan:
-        """Ask the front policy for this step's cap and fronts; grow the decodes' fronts to them
-        (releasing those blocks). Fronts only grow: a request keeps its front until it finishes
-        or is preempted. Blocks that prefills and restores hold or still need are not offered.
+    def _plan_feeds(self, decoding: list[Request], prefilling: list[Request], preempted: list[str]) -> FeedPlan:
+        """Ask the feed policy for this step's cap and feeds; grow the decodes' fed positions to
+        them (releasing those blocks). Feeds only grow: a request keeps them until it finishes or
+        is preempted. Blocks that prefills and restores hold or still need are not offered.
         Decodes past the cap (FCFS: the latest arrivals) are preempted."""
-        held = sum(-(-(r.num_tokens - r.dropped) // self.pool.block_size) for r in prefilling + self.restoring)
-        plan = self.fronts.plan(decoding, list(self.waiting), max(self.pool.num_blocks - held, 0))
+        held = sum(self._blocks_for(r, r.num_tokens) for r in prefilling + self.restoring)
+        plan = self.feeds.plan(decoding, list(self.waiting), max(self.pool.num_blocks - held, 0))
         for req in decoding[max(plan.cap, 1):][::-1]:
             self._preempt(req)
             preempted.append(req.request_id)
-        if not plan.fronts:
-            return plan  # no front grows this step (always so with partial caching off)
+        if not plan.fed:
+            return plan  # nothing more is fed this step (always so without a feed policy)
         bs = self.pool.block_size
         for req in decoding[: max(plan.cap, 1)]:
-            want = min(plan.fronts.get(req.request_id, 0), (req.num_computed - 1) // bs * bs)
-            if want <= req.front or req.approximate:
+            want = min(plan.fed.get(req.request_id, 0), (req.num_computed - 1) // bs * bs)
+            if want <= req.fed or req.approximate:
                 continue
-            self.fronts.release(req, want)
-            n = (want - req.front) // bs
+            self.feeds.release(req, want)
+            n = (want - req.fed) // bs
             self.pool.release(req.block_ids[:n])
             req.block_ids = req.block_ids[n:]
-            req.front = want
+            req.feed_from(want)
         return plan
 
     def _admit(self, req: Request, status: RequestStatus, into: list[Request]) -> None:
@@ -272,7 +272,7 @@ class Scheduler:
             req.metrics.note_reuse("device", req.num_computed)
         if probe.target <= req.num_computed or probe.order is None:
             return None
-        req.restored_by_importance, req.dropped = probe.lossy, probe.dropped  # before growing: no slots for dropped
+        req.restored_by_importance, req.unslotted = probe.lossy, probe.unslotted  # before growing: those have no slots
         if not self._grow(req, probe.target + 1):
             req.make_exact()
             return None  # not enough blocks now: prefill normally instead
@@ -344,7 +344,7 @@ class Scheduler:
             return
         req.block_hashes = block_hashes(req.all_ids[: full * self.pool.block_size], self.pool.block_size,
                                         req.block_hashes, req.cache_salt)
-        first = req.front // self.pool.block_size  # block ids start at the front
+        first = req.unslotted // self.pool.block_size  # block ids start past the unslotted positions
         for i in range(max(req.num_published, first), full):
             self.pool.register(req.block_ids[i - first], req.block_hashes[i], req.block_hashes[i - 1] if i else None)
         req.num_published = full
@@ -357,7 +357,7 @@ class Scheduler:
         device cache)."""
         bs = self.pool.block_size
         full, tail = divmod(parent.num_computed, bs)
-        if parent.front or parent.dropped or parent.approximate or (tail and not self.pool.num_free) or \
+        if parent.unslotted or parent.approximate or (tail and not self.pool.num_free) or \
                 len(self.running) + len(self.restoring) >= self.max_num_seqs:
             return None
         self.pool.share(parent.block_ids[:full])
@@ -412,8 +412,8 @@ class Scheduler:
         return True
 
     def _blocks_for(self, req: Request, num_tokens: int) -> int:
-        """Blocks holding a request's first `num_tokens` positions (dropped and front ones are not in its slots)."""
-        return -(-(num_tokens - req.dropped - req.front) // self.pool.block_size)
+        """Blocks holding a request's first `num_tokens` positions (unslotted ones are not in its slots)."""
+        return -(-(num_tokens - req.unslotted) // self.pool.block_size)
 
     def abort(self, req: Request) -> bool:
         """End a request at the client's wish. -> False while a restore still writes into its
@@ -431,8 +431,8 @@ class Scheduler:
         req.block_ids = []
         req.num_computed = 0
         req.num_published = 0
-        req.front = 0
-        req.make_exact()  # recomputed from its tokens
+        req.unslotted = req.fed = 0  # recomputed from its tokens, all of them in slots
+        req.make_exact()
         req.restore_tried = False
         req.attach_tokens = 0
         req.status = RequestStatus.PREEMPTED

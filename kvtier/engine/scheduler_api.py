@@ -1,5 +1,5 @@
 """The scheduler's vocabulary: the records it hands out and takes in, and the two protocols it
-calls while it schedules (its store side and the front policy), each with a null implementation.
+calls while it schedules (its store side and the feed policy), each with a null implementation.
 
 Plain values only. No torch.
 """
@@ -51,6 +51,11 @@ class StoreOffer:
     lossy: bool = False  # an importance-only restore: the request's state becomes approximate
     dropped: int = 0  # prefix tokens the restore leaves out of the pool (importance-only)
 
+    @property
+    def unslotted(self) -> int:
+        """Positions the restored request holds no pool slot for (`Request.unslotted`)."""
+        return self.dropped
+
 
 @dataclass(frozen=True)
 class RestoreTicket:
@@ -86,36 +91,37 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
-class FrontPlan:
-    """One step's partial caching decision: at most `cap` running sequences, and the uncached front
-    (positions, whole blocks) each decoding request should have at least."""
+class FeedPlan:
+    """One step's feed policy decision: at most `cap` running sequences, and for each decoding
+    request the leading positions (whole blocks) fed from outside the pool, at least."""
 
     cap: int
-    fronts: dict[str, int] = field(default_factory=dict)
-    # Front tokens recomputed this step (not read back): their compute shares the step's token
+    fed: dict[str, int] = field(default_factory=dict)
+    # Fed tokens recomputed this step (not read back): their compute shares the step's token
     # budget, after the decodes and before any prefill (else TTFT would pay for them).
     recompute_tokens: int = 0
 
 
-class FrontPolicy(Protocol):
-    """Partial token-wise caching (eLLM): decides the batch cap and the decodes' fronts."""
+class FeedPolicy(Protocol):
+    """Decides the batch cap and which leading positions of each decode leave the pool, their
+    K/V fed back into every step instead (partial token-wise caching, engine/partial.py)."""
 
-    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan: ...
+    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FeedPlan: ...
 
     def release(self, req: Request, upto: int) -> None:
-        """Positions [req.front, upto) leave the pool (their blocks are released right after):
-        keep them elsewhere if the policy serves fronts from there."""
+        """Positions [req.fed, upto) leave the pool (their blocks are released right after):
+        keep them elsewhere if the policy feeds them from there."""
         ...
 
 
-class NoFronts:
-    """Partial caching off: every running request keeps all its KV."""
+class NoFeeds:
+    """No feed policy: every running request keeps all its KV."""
 
-    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FrontPlan:
-        return FrontPlan(cap=1 << 30)
+    def plan(self, decoding: Sequence[Request], waiting: Sequence[Request], capacity_blocks: int) -> FeedPlan:
+        return FeedPlan(cap=1 << 30)
 
     def release(self, req: Request, upto: int) -> None:
-        raise AssertionError("no fronts are planned without partial caching")
+        raise AssertionError("nothing is fed without a feed policy")
 
 
 class StoreSide(Protocol):

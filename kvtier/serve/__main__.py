@@ -1,5 +1,7 @@
+"""`python -m kvtier.serve`: the same as `kvtier serve`."""
+
 import sys
 
-from kvtier.cli.serve import main
+from kvtier.cli.main import main
 
-sys.exit(main())
+sys.exit(main(["serve", *sys.argv[1:]]))

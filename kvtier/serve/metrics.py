@@ -22,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.engine.background import BackgroundEngine
-from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.engine import Engine, RequestOutput
 
 log = logging.getLogger("kvtier.serve")
@@ -56,12 +55,6 @@ def token_buckets(max_model_len: int) -> tuple[float, ...]:
                 return tuple(out)
             out.append(float(m * scale))
         scale *= 10
-
-
-def kv_cache_usage(pool: BlockPool) -> float:
-    """Share of the device KV blocks in use, 0 to 1 (free and cached-but-evictable blocks count as
-    free, as vLLM's kv_cache_usage_perc does)."""
-    return 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
 
 
 def tier_rank(tier: str) -> tuple[int, str]:
@@ -230,11 +223,6 @@ def reused_by_method(out: RequestOutput) -> dict[str, int]:
     return by_method
 
 
-def engine_store(engine: Engine) -> Any:
-    """The engine's TieredStore when it runs with one, else None."""
-    return engine.link.store
-
-
 class EngineCollector(Collector):
     """Reads engine, pool and store state at scrape time (plain ints; safe across threads)."""
 
@@ -245,7 +233,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         bg, name = self.background, self.model_name
         eng: Engine = bg.engine
-        sched, pool = eng.scheduler, eng.pool
+        st = eng.stats(with_store=False)  # the store's own statistics come through store_metrics
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
@@ -257,37 +245,37 @@ class EngineCollector(Collector):
             c.add_metric([name], value)
             return c
 
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", len(sched.waiting))
-        yield gauge("num_requests_running", "Requests in the running batch", len(sched.running))
-        yield gauge("kv_cache_usage_perc", "Share of device KV blocks in use (1 means 100 percent)", kv_cache_usage(pool))
-        yield gauge("kv_blocks_free", "Free device KV blocks (cached ones included)", pool.num_free)
-        yield gauge("kv_blocks_total", "Device KV blocks in the pool", pool.num_blocks)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", st.waiting)
+        yield gauge("num_requests_running", "Requests in the running batch", st.running)
+        yield gauge("kv_cache_usage_perc", "Share of device KV blocks in use (1 means 100 percent)", st.kv_usage)
+        yield gauge("kv_blocks_free", "Free device KV blocks (cached ones included)", st.kv_blocks_free)
+        yield gauge("kv_blocks_total", "Device KV blocks in the pool", st.kv_blocks_total)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the device prefix cache (in full blocks)",
-                      pool.queries * pool.block_size)
+                      st.prefix_cache_queries * st.block_size)
         yield counter("prefix_cache_hits", "Prompt tokens found in the device prefix cache (in full blocks)",
-                      pool.hits * pool.block_size)
-        yield counter("num_preemptions", "Requests preempted for lack of KV blocks", sched.num_preemptions)
+                      st.prefix_cache_hits * st.block_size)
+        yield counter("num_preemptions", "Requests preempted for lack of KV blocks", st.preemptions)
         yield counter("engine_steps", "Engine steps run", bg.steps)
         yield counter("engine_step_errors", "Engine steps that raised (their requests were failed)", bg.errors)
         yield gauge("engine_alive", "1 while the engine step loop runs", int(bg.alive))
-        counters = eng.stats(with_store=False).counters
+        counters = st.counters
         yield counter("restores", "Requests whose prompt prefix was restored from the store", counters.get("restores", 0))
         yield counter("restore_failures", "Store restores that failed (the prefix was recomputed)",
                       counters.get("restore_failures", 0))
         yield counter("saves", "Chunks of request state handed to the store's writer", counters.get("saves", 0))
-        st = eng.partial.summary() or {}  # partial token-wise caching (eLLM); zeros when it is off
-        yield gauge("partial_batch", "Decoding requests in the latest step (b)", st.get("last_b", 0))
+        partial = st.partial or {}  # partial token-wise caching; zeros when it is off
+        yield gauge("partial_batch", "Decoding requests in the latest step (b)", partial.get("last_b", 0))
         yield gauge("partial_uncached_ratio", "Uncached share of the latest step's decoding tokens (r)",
-                    st.get("last_ratio", 0.0))
+                    partial.get("last_ratio", 0.0))
         yield gauge("partial_recomputed_layers", "Front layers recomputed in the latest step (the rest read back)",
-                    st.get("last_boundary", 0))
+                    partial.get("last_boundary", 0))
         yield counter("partial_recomputed_tokens", "Uncached front tokens recomputed, summed over decode steps",
-                      st.get("recomputed_tokens", 0))
+                      partial.get("recomputed_tokens", 0))
         yield counter("partial_swapped_tokens", "Uncached front tokens read back from host memory, summed over steps",
-                      st.get("swapped_tokens", 0))
-        yield counter("partial_slo_misses", "Decode steps slower than the TPOT SLO", st.get("slo_misses", 0))
-        yield gauge("partial_swap_bytes", "Host memory holding uncached fronts", st.get("swap_bytes", 0))
-        yield from store_metrics(engine_store(eng), name)
+                      partial.get("swapped_tokens", 0))
+        yield counter("partial_slo_misses", "Decode steps slower than the TPOT SLO", partial.get("slo_misses", 0))
+        yield gauge("partial_swap_bytes", "Host memory holding uncached fronts", partial.get("swap_bytes", 0))
+        yield from store_metrics(eng.store, name)
 
 
 # Per-tier families: (name, kind, doc, the key in the tier's stats(), default).

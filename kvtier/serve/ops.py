@@ -42,8 +42,8 @@ async def health(ctx: ServerContext = Depends(get_context)):
         ctx.running()
     except APIError as e:
         return JSONResponse(error_body(e.message, e.type, None, e.code), e.status)
-    sched = ctx.engine.scheduler
-    return r.Health(status="ok", model=ctx.model_name, waiting=len(sched.waiting), running=len(sched.running),
+    st = ctx.engine.stats(with_store=False)
+    return r.Health(status="ok", model=ctx.model_name, waiting=st.waiting, running=st.running,
                     profile=ctx.engine.profile_source, measuring=ctx.engine.idle.running)
 
 

@@ -6,7 +6,8 @@
 Throughputs are the interval's prompt tokens (counted at each request's first token) and generated
 tokens over its length; the reuse shares are where the prompt tokens of the requests that finished
 in the interval came from. Nothing is logged for an idle interval (no tokens, nothing running or
-waiting). It reads the plain totals ServerMetrics keeps and the engine's queues on the event loop.
+waiting). It reads the plain totals ServerMetrics keeps and the engine's snapshot (`Engine.stats`)
+on the event loop.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.engine.engine import Engine
-from kvtier.serve.metrics import ServerMetrics, engine_store, kv_cache_usage, tier_rank
+from kvtier.serve.metrics import ServerMetrics, tier_rank
 
 log = logging.getLogger("kvtier.stats")
 
@@ -37,14 +38,11 @@ class StatsSnapshot:
 
 
 def snapshot(metrics: ServerMetrics, engine: Engine, now: float | None = None) -> StatsSnapshot:
-    t = metrics.totals
-    store = engine_store(engine)
-    tiers = ("device", *(tier.name for tier in getattr(store, "tiers", ()) or ()))
+    t, st = metrics.totals, engine.stats(with_store=False)
     return StatsSnapshot(
         time=time.monotonic() if now is None else now, prompt_tokens=t.prompt_tokens,
-        generation_tokens=t.generation_tokens, running=len(engine.scheduler.running),
-        waiting=len(engine.scheduler.waiting), kv_usage=kv_cache_usage(engine.pool),
-        reused_by_tier=dict(t.reused_by_tier), computed=t.prompt_tokens_computed, tiers=tiers,
+        generation_tokens=t.generation_tokens, running=st.running, waiting=st.waiting, kv_usage=st.kv_usage,
+        reused_by_tier=dict(t.reused_by_tier), computed=t.prompt_tokens_computed, tiers=("device", *st.tiers),
     )
 
 
