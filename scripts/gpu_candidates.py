@@ -1,8 +1,8 @@
-"""The measurements that choose the GPU data paths of issues 27 and 28, on one GPU, in one run.
+"""The measurements that choose the GPU data paths of the restore copies and decode attention, on one GPU, in one run.
 
     python scripts/gpu_candidates.py OUT.json [--quick]
 
-Copies (issue 27): a restore of N tokens of llama3-8b-shaped bf16 KV (32 layers, 8 KV heads x 128)
+Copies: a restore of N tokens of llama3-8b-shaped bf16 KV (32 layers, 8 KV heads x 128)
 from a pinned host arena of 64-token chunks into a paged device pool (16-token blocks, scattered),
 by each candidate:
   peak            one contiguous pinned copy of the same bytes (the bound)
@@ -15,14 +15,14 @@ by each candidate:
                   unified addressing), 2 x layers kernels
 Each row: device time (CUDA events, median), host time to enqueue, GB/s, host-issued operations.
 
-Paged decode attention (issue 28): one layer's decode step, B sequences x T tokens of context in a
+Paged decode attention: one layer's decode step, B sequences x T tokens of context in a
 paged pool, by
   gather_sdpa     gather each sequence's K/V out of the pool, SDPA (grouped heads)
   packed_varlen   gather into packed rows, varlen_attn (today's decode path)
   flex_pageP      FlexAttention over the pool in place, a block mask over the page table (page P)
 each against gather_sdpa's output (max abs difference) and timed (median of CUDA-event times).
 
-A prefill chunk continuing a history (issue 28, build item 3): gathered for varlen_attn (today),
+A prefill chunk continuing a history : gathered for varlen_attn (today),
 gathered for SDPA with a bottom-right causal mask, or FlexAttention over the pool in place.
 """
 

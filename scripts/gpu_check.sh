@@ -10,17 +10,14 @@
 # FORWARD_MODES, FORWARD_PREFILL, FORWARD_CONTINUATION, FORWARD_BATCH, FORWARD_CONTEXT, FORWARD_SAVING_ALL=1,
 # SKIP_TESTS=1, PROBES=1 (exactness and the copy and attention candidates, about 60 s), SKIP_BENCH=1,
 # SKIP_MHA=1, HF_COMPILED=auto (add HF's torch.compile decode peer to the forward rows: about a
-# minute more, issue 28's peer; off by default so the defaults fit one call),
+# minute more; off by default so the defaults fit one call),
 # COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1,
 # PROFILE=1 (scripts/gpu_profile.py: where a kv restore's, a restoring step's and a saving decode step's
 # time goes, about 170 s; PROFILE_TARGETS picks some of "restore restoring saving"; py-spy is used where
 # it is on PATH, e.g. from a py-spy wheel in .whl/).
-# Timings on an H200 (2026-11-27): 32 s of tests, 135 s for llama3-8b at 8K and 16K (14 s of it the
-# one-time hardware profile), 80 s for llama2-7b at 8K, about 50 s for the forward rows at batch 1;
-# the defaults (smollm2-shape's forward with saving and restoring rows at batch 1 and 32, exact mode)
-# fit one 10-minute call: they took 436 s there (37 s of tests, about 170 s of
-# forward rows, 220 s for the two models' restore tables). Issue 28's whole forward sweep wants a
-# call of its own:
+# The defaults (smollm2-shape's forward with saving and restoring rows at batch 1 and 32, exact mode)
+# fit one 10-minute call on an H200 (docs/benchmarks.md, "On an NVIDIA H200", has the parts' times).
+# The whole forward sweep wants a call of its own:
 #   SKIP_TESTS=1 SKIP_BENCH=1 SKIP_MHA=1 HF_COMPILED=auto FORWARD_MODELS="smollm2-shape llama3-8b llama2-7b" \
 #     FORWARD_MODES=exact,eager FORWARD_PREFILL=4096,16384 FORWARD_BATCH=1,8,32 scripts/gpu_check.sh
 set -uo pipefail
@@ -45,7 +42,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -n "${PROBES:-}" ]; then
-  # Restores against recompute, bitwise; the copy and paged-attention candidates (issues 27/28).
+  # Restores against recompute, bitwise; the copy and paged-attention candidates.
   $PY scripts/gpu_exactness.py "$OUT/exactness.json" 2>&1 | tee "$OUT/exactness.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   $PY scripts/gpu_candidates.py "$OUT/candidates.json" 2>&1 | tee "$OUT/candidates.log"
@@ -75,10 +72,10 @@ if [ -n "${COPY_AB:-}" ]; then  # the staging DMA as plain copies instead of one
   KVTIER_BATCHED_COPY=0 restore restore_unbatched --model "${MODELS:-llama3-8b}" --context 8192 --methods kv --no-baselines
 fi
 if [ -z "${SKIP_FORWARD:-}" ]; then
-  # Issue 28: per shape, prefill beside HF; decode at batch 1, 8 and 32 with 8K contexts beside HF
+  # Per shape, prefill beside HF; decode at batch 1, 8 and 32 with 8K contexts beside HF
   # eager and HF with a static cache under torch.compile; every row against the roofline measured in
   # the same run; mode eager = the same engine without static buffers and CUDA graphs. Saving rows
-  # and the TBT while contexts restore (issues 27 and 28) on the first shape only.
+  # and the TBT while contexts restore on the first shape only.
   saving="--saving --restoring"
   for model in ${FORWARD_MODELS:-smollm2-shape}; do
     $PY -m kvtier bench forward --device cuda --dtype bf16 --model "$model" --modes "${FORWARD_MODES:-exact}" \

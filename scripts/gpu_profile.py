@@ -1,4 +1,4 @@
-"""Where a GPU restore's and a saving decode's time goes (issue 27): host Python and device kernels.
+"""Where a GPU restore's and a saving decode's time goes: host Python and device kernels.
 
     python scripts/gpu_profile.py OUT_DIR [restore|restoring|saving ...]     (default: all)
 
@@ -123,8 +123,8 @@ def profiled(out: Path, name: str, fn: Callable[[], object], before: Callable[[]
 def _profile(loaded, spec: str) -> HardwareProfile:
     """This machine's profile, measured once (as `kvtier bench restore` and a server plan with).
     An Engine built without one plans with a saved profile or, with none saved yet, a rough
-    estimate: the fifth H200 lease's profiled kv restores (run first, nothing saved) took
-    0.086-0.098 s against the bench's 0.045, likely for that."""
+    estimate, under which profiled kv restores (run first, nothing saved) measured about twice the
+    bench's time."""
     return load_or_measure(loaded, home(), spec)
 
 

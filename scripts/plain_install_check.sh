@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the wheel and the sdist (`python -m build`), install the wheel into a fresh venv (declared
-# dependencies only, no extras), then run the commands a new user runs first. torch is pinned to the
+# dependencies only, no extras), then run the commands a new user runs first, and check that no
+# benchmark library (matplotlib, httpx: the kvtier[bench] extra) came with it. torch is pinned to the
 # CPU build first (left to pip, `torch>=2.11` pulls CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,13 @@ cd "$KVTIER_HOME"  # not the checkout: the installed package must be what runs
     --store "memory:64MB,disk:$KVTIER_HOME/store:256MB" >/dev/null
 "$VENV/bin/kvtier" serve --help >/dev/null
 "$VENV/bin/kvtier" bench load --help >/dev/null
+# The benchmarks' libraries are the kvtier[bench] extra: none of them comes with a plain install, and a
+# bench that needs one says how to get it in one line.
+$PY -c "import importlib.util as u, sys; m = [m for m in ('matplotlib', 'httpx') if u.find_spec(m)]; sys.exit(f'a plain install pulled {m}' if m else 0)"
+if "$VENV/bin/kvtier" bench load --url http://127.0.0.1:9 --duration 1 2>"$KVTIER_HOME/bench.err"; then
+  echo "bench load ran without httpx"; exit 1
+fi
+grep -q "pip install 'kvtier\[bench\]'" "$KVTIER_HOME/bench.err" || { cat "$KVTIER_HOME/bench.err"; exit 1; }
 $PY -c "from kvtier import LLM, Engine, SamplingParams, load_model"
 echo "plain install (wheel and sdist built, wheel installed): ok"
 rm -rf "$KVTIER_HOME" "$VENV" "$DIST"

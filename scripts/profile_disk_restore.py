@@ -28,7 +28,7 @@ from kvtier.store.reads import PlannedReads
 
 def time_opening() -> list[float]:
     """From now on, every restore's opening of its chunks (`PlannedReads.open`) appends its
-    seconds to the list returned (cold_disk_ab.py uses it too)."""
+    seconds to the list returned."""
     opening: list[float] = []
     plain_open = PlannedReads.open
 

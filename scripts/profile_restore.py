@@ -27,7 +27,7 @@ RULES = [
     ("pool placement", "project_in"), ("chunk header parse", "parse_header"), ("chunk header parse", "_header_from_doc"),
     ("checksum", "check_segment"), ("checksum", "crc32"), ("decode read bytes", "decode"),
     ("disk read", "_FileReader"), ("attention", "causal_attention"), ("attention", "_history_then_own"),
-    ("attention", "_decode_attention"), ("gather context", "run_layer"), ("mlp / o_proj", "finish (kvtier/models"),
+    ("attention", "attend_decodes"), ("gather context", "run_layer"), ("mlp / o_proj", "finish (kvtier/models"),
     ("qkv projection", "qkv (kvtier/models"), ("logits", "logits (kvtier/models"), ("store lookup", "lookup (kvtier/store"),
     ("waiting", "wait ("), ("waiting", "get (queue"), ("waiting", "_wait_for_tstate_lock"), ("waiting", "sleep"),
     ("idle worker", "_worker (concurrent"), ("the profiling script itself", "<module>"),

@@ -8,10 +8,10 @@ cost (direct-I/O page pinning, CRC-32C, Python) comes out of the compute's time,
 that are runnable wait for a core. This shows the bound on a cold restore that overlap cannot hide.
 The rows "(in opening)" and "(in reading)" are the thread CPU spent inside the restore's
 `PlannedReads.open` and `.read` calls, parts of the rows above them (thread CPU is steadier than
-wall time on a VM whose speed drifts). `--variant` runs under one of `cold_disk_variants.py`'s
-ideas instead of the shipped code.
+wall time on a VM whose speed drifts).
+To compare with another revision, run it under scripts/ab.py.
 
-    cd scripts && python restore_threads.py [--history 4096] [--dtype bf16] [--contexts 6] [--variant plain]
+    cd scripts && python restore_threads.py [--history 4096] [--dtype bf16] [--contexts 6]
         [--json out.json]
 """
 
@@ -102,15 +102,8 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=4096)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--contexts", type=int, default=6)
-    ap.add_argument("--variant", default="plain", help="a cold_disk_variants.py variant (default: %(default)s)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if args.variant != "plain":
-        import cold_disk_variants  # scripts/ is on the path of a script run from it
-
-        if args.variant not in cold_disk_variants.VARIANTS:
-            ap.error(f"--variant: one of {', '.join(cold_disk_variants.VARIANTS)}")
-        cold_disk_variants.use(args.variant)
     count_calls(SPENT)
     model = load_model("smollm2-135m", dtype=args.dtype)
     freeze_startup_heap()  # as the server does: no full collection over torch's modules in a timing

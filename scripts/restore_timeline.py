@@ -18,7 +18,6 @@ import tempfile
 import time
 
 import torch
-from profile_disk_restore import cold_restore, save_context  # scripts/ is on the path of a script run from it
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
@@ -27,6 +26,7 @@ from kvtier.engine.restore import layerwise
 from kvtier.heap import freeze_startup_heap
 from kvtier.models.loading import load_model
 from kvtier.store.reads import PlannedReads
+from profile_disk_restore import cold_restore, save_context  # scripts/ is on the path of a script run from it
 
 Event = tuple[str, str, float, float, int]  # (what, layers, start, end, bytes)
 EVENTS: list[Event] = []

@@ -81,7 +81,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "store/**/*.py": ("kvtier.engine", "kvtier.planning", "kvtier.models") + ABOVE_ENGINE,
     "planning/**/*.py": ("kvtier.engine", "kvtier.models") + ABOVE_ENGINE,
     **{core: BESIDE_CORE + ABOVE_ENGINE for core in CORE},
-    "engine/runner/*.py": ("kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
+    "engine/runner/**/*.py": ("kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
                            "kvtier.engine.partial", "kvtier.engine.engine", "kvtier.engine.factory",
                            "kvtier.engine.scheduler") + ABOVE_ENGINE,
     "engine/restore/*.py": ("kvtier.engine.link", "kvtier.engine.calibrate", "kvtier.engine.partial",
@@ -127,3 +127,91 @@ def test_the_map_covers_every_file():
     covered = {p for pattern in FORBIDDEN for p in PACKAGE.glob(pattern)}
     missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p not in covered]
     assert not missing, f"no layering rule for {missing}"
+
+
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    return (PACKAGE.parent.joinpath(*parts).with_suffix(".py").exists()
+            or PACKAGE.parent.joinpath(*parts, "__init__.py").exists())
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _file_imports(path: Path) -> set[str]:
+    """The kvtier modules a file imports, at any depth: `from a import b` is an edge to the module
+    a.b where b is a submodule, else to a (whose __init__ then runs for b)."""
+    pkg = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base)
+    return {m for m in found if m.startswith("kvtier") and _is_module(m)}
+
+
+def import_cycles() -> list[list[str]]:
+    """The package's file import cycles (top-level, function-level and TYPE_CHECKING imports alike)."""
+    return cycles_of({_module_name(p): _file_imports(p) - {_module_name(p)} for p in PACKAGE.rglob("*.py")})
+
+
+def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+KNOWN_CYCLES: list[list[str]] = []
+
+
+def test_no_import_cycles():
+    """No two files import each other, directly or around a loop, at any depth of the file (a lazy
+    import inside a function is still a dependency: the two files cannot be understood apart)."""
+    cycles = [c for c in import_cycles() if c not in KNOWN_CYCLES]
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_cycles():
+    """The checker itself: loops of any length are found, a chain into one is not part of it, and
+    `from pkg import submodule` is an edge to the submodule."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": {"f"}}
+    assert cycles_of(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert "kvtier.cli.engine_args" in _file_imports(PACKAGE / "cli" / "store.py")
+    assert "kvtier.engine.factory" in _file_imports(PACKAGE / "cli" / "engine_args.py")  # inside a function

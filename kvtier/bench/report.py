@@ -16,6 +16,14 @@ def markdown_rows(head: Sequence[str], body: Sequence[Sequence[str]]) -> list[st
             + ["| " + " | ".join(cells) + " |" for cells in body])
 
 
+def goal_rows(goals: Sequence[dict], numbers: str = "numbers") -> list[str]:
+    """The goals as a markdown table (goal, met, the goal's `summary`), after a blank line; none: []."""
+    if not goals:
+        return []
+    return [""] + markdown_rows(["goal", "met", numbers], [[g["goal"], "yes" if g["met"] else "**no**", g["summary"]]
+                                                          for g in goals])
+
+
 def markdown_table(rows: list[tuple[str, str]]) -> str:
     """A two-column (metric, value) markdown table, the metric column padded to one width."""
     width = max(len(k) for k, _ in rows)
@@ -44,8 +52,14 @@ def mib(v: float | None) -> str:
 
 
 def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
-    import matplotlib
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless); without matplotlib
+    (a plain install), one line naming the `kvtier[bench]` extra and exit 1."""
+    from kvtier.bench import missing_extra
+
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise (missing_extra(e, "a figure") or e) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,7 +3,7 @@
 "Today's sampler" is the per-row host sampler the engine had at commit 70df16f (kvtier/engine/
 sampler.py there): the step's logits copied to the host once, then each row sampled on its own
 (temperature, top-k, top-p, `torch.multinomial` from a host generator). Its code is kept below,
-trimmed to what it did, as the baseline; `HostSamplerEngine` is the engine with `_sample` (the one
+trimmed to what it did, as the baseline; `HostSampler` is the engine's `sample_rows` (the one
 place a step's rows are sampled) calling it. It cannot apply penalties, logit_bias, min_p,
 logprobs or grammars, so those rows have no baseline ("-").
 
@@ -28,7 +28,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import GrammarSpec, SamplingParams
 from kvtier.engine.runner.model_runner import ModelRunner
-from kvtier.engine.sampler import Sampled
+from kvtier.engine.sampler import Row, Sampled
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.text import stdlib_text
 
@@ -93,31 +94,30 @@ def host_sampler_can(params: SamplingParams) -> bool:
             and params.structured is None and params.min_tokens == 0 and not params.stop_token_ids)
 
 
-class HostSamplerEngine(Engine):
-    """The engine with today's sampler: every row of a step sampled on the host, one by one, from a
-    host generator per request (as at 70df16f). Refuses requests it cannot sample faithfully."""
+class HostSampler:
+    """Today's sampler as the engine's `sample_rows`: every row of a step sampled on the host, one
+    by one, from a host generator per request (as at 70df16f). Refuses rows it cannot sample
+    faithfully."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._host_generators: dict[str, torch.Generator | None] = {}
+    def __init__(self) -> None:
+        # Keyed by the engine's own generator for the request: one host generator per request,
+        # forgotten with it.
+        self._host: weakref.WeakKeyDictionary[torch.Generator, torch.Generator | None] = weakref.WeakKeyDictionary()
 
-    def _sample(self, logits: torch.Tensor | None, draws: list[tuple[str, int]]) -> dict[str, Sampled]:
-        if not draws or logits is None:
-            return {}
-        for rid in [r for r in self._host_generators if r not in self._live]:  # finished since the last step
-            del self._host_generators[rid]
+    def __call__(self, logits: torch.Tensor, rows: Sequence[Row], stop_ids: Collection[int]) -> list[Sampled]:
         params, gens = [], []
-        for rid, _ in draws:
-            p = self._live[rid].req.params
+        for row in rows:
+            p = row.params
             if not host_sampler_can(p):
                 raise ValueError(f"the {BASELINE_COMMIT} host sampler cannot sample {p}")
-            if rid not in self._host_generators:
-                self._host_generators[rid] = host_make_generator(p)
+            gen = None
+            if row.generator is not None:
+                if row.generator not in self._host:
+                    self._host[row.generator] = host_make_generator(p)
+                gen = self._host[row.generator]
             params.append(p)
-            gens.append(self._host_generators[rid])
-        at = torch.tensor([row for _, row in draws], device=logits.device)
-        tokens = host_sample_rows(logits.index_select(0, at), params, gens)
-        return {rid: Sampled(t, None) for (rid, _), t in zip(draws, tokens)}
+            gens.append(gen)
+        return [Sampled(t, None) for t in host_sample_rows(logits, params, gens)]
 
 
 # ----- rows -----------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def measure(loaded: LoadedModel, batches: Sequence[int], tokens: int, prompt_len
     """One table row per (batch, row): the median run of each sampler that can run it."""
     prompts = prompts_for(loaded, max(batches), prompt_len)
     cfg = _engine_config(loaded, max(batches), prompt_len + tokens + 16)
-    engines: dict[str, Engine] = {"batched": Engine(loaded, cfg), "host": HostSamplerEngine(loaded, cfg)}
+    engines: dict[str, Engine] = {"batched": Engine(loaded, cfg), "host": Engine(loaded, cfg, sample_rows=HostSampler())}
     out = []
     try:
         for b in batches:

@@ -13,14 +13,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from kvtier import paths
 from kvtier.cli.options import add_options, from_args, option
-from kvtier.cli.store import default_store_spec, spec_type
 from kvtier.device import DEVICE_HELP
 from kvtier.dtypes import canonical
 from kvtier.engine.config import DEFAULT_CHUNK_TOKENS
 from kvtier.models import DEFAULT_MODEL
 from kvtier.planning.plan import METHOD_CHOICES
-from kvtier.store.spec import SPEC_HELP
+from kvtier.store.spec import SPEC_HELP, SpecError, parse_spec
 
 if TYPE_CHECKING:
     from kvtier.engine.config import ImpressConfig, PartialConfig, ReuseConfig
@@ -71,6 +71,19 @@ def dtype_name(text: str) -> str:
     that is neither kvtier's nor vLLM's is left for the choices check to refuse."""
     name = text.strip().lower()
     return _DTYPE_SYNONYMS.get(name, name)
+
+
+def default_store_spec(home: str | None = None) -> str:
+    """--store's default: 2GB of memory over a 20GB disk tier under the kvtier home."""
+    return f"memory:2GB,disk:{home or paths.home()}/store:20GB"
+
+
+def spec_type(text: str) -> str:
+    try:
+        parse_spec(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def max_threads() -> int:

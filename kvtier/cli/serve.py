@@ -195,9 +195,3 @@ def _auth_note(config: ServeConfig) -> str:
     tenants = "1 tenant" if len(keys) == 1 else f"{len(keys)} tenants"
     return f" (API key required; {tenants}{', shared cache' if config.shared_cache else ''})"
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvtier.serve`: the same as `kvtier serve`."""
-    from kvtier.cli.main import main as kvtier_main
-
-    return kvtier_main(["serve", *(sys.argv[1:] if argv is None else argv)])

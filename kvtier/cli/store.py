@@ -1,6 +1,5 @@
-"""`kvtier store stats|verify|clear` and the shared `--store SPEC` option.
-
-This is the CLI layer; the home directory comes from kvtier.paths.
+"""`kvtier store stats|verify|clear`, with the engine commands' `--store SPEC` option
+(kvtier.cli.engine_args declares it; the home directory comes from kvtier.paths).
 """
 from __future__ import annotations
 
@@ -8,28 +7,15 @@ import argparse
 import json
 import sys
 
-from kvtier import paths
-from kvtier.store.spec import SpecError, parse_spec
+from kvtier.cli.engine_args import TITLES, EngineOptions, default_store_spec, spec_type
+from kvtier.cli.options import add_options
 
-
-def default_store_spec(home: str | None = None) -> str:
-    return f"memory:2GB,disk:{home or paths.home()}/store:20GB"
-
-
-def spec_type(text: str) -> str:
-    try:
-        parse_spec(text)
-    except SpecError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+__all__ = ["add_store_argument", "default_store_spec", "register", "spec_type"]
 
 
 def add_store_argument(parser: argparse.ArgumentParser) -> None:
     """Add `--store SPEC` (default: memory:2GB plus a 20GB disk tier under the kvtier home), the
     engine commands' option (kvtier.cli.engine_args.EngineOptions.store)."""
-    from kvtier.cli.engine_args import TITLES, EngineOptions
-    from kvtier.cli.options import add_options
-
     add_options(parser, EngineOptions, only=("store",), titles=TITLES)
 
 

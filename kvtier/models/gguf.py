@@ -280,8 +280,8 @@ def metadata_dir(path: Path, home: Path) -> Path:
     from transformers import AutoConfig
 
     try:
-        # transformers parses every metadata field in Python (the vocabulary's among them): some 15 s
-        # for SmolLM2's on 2 cores, once per file.
+        # transformers parses every metadata field in Python (the vocabulary's among them): seconds
+        # for a small model's file, so once per file.
         with heartbeat(f"reading the config and tokenizer of {path.name} (once)"):
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             tok = _tokenizer(path, config.model_type)
@@ -304,7 +304,7 @@ def metadata_dir(path: Path, home: Path) -> Path:
 def tokenizer_dir(path: Path, home: Path, model_type: str) -> Path:
     """The tokenizer of a GGUF file whose architecture the caller knows, read once: all a preset needs.
     Parsing the config besides (transformers reads every metadata field, 49K tokens among them, in
-    Python) took 5-7 s of a preset's first start on 2 cores; the tokenizer alone takes under one."""
+    Python) took most of a preset's first start; the tokenizer alone takes a fraction of it."""
     cache = GgufCache.of(path, home)
     for out in (cache.meta, cache.tokenizer):  # a full conversion's directory holds the same tokenizer
         if (out / DONE).exists():
@@ -325,7 +325,7 @@ def _tokenizer(path: Path, model_type: str) -> Any:
     """The tokenizer AutoTokenizer reads from the file, parsing it once.
 
     AutoTokenizer parses a GGUF's whole metadata again for the config, which is only needed to pick
-    the tokenizer class (7 s for SmolLM2's on 2 cores, half of a preset's first start). A model type
+    the tokenizer class (about half of a preset's first start). A model type
     with no class of its own (llama) gets the generic fast tokenizer there: built directly, the same
     files. Other types name their class, which skips that parse too."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -17,8 +17,8 @@ candidate passes, every call is padded to exactly `FIXED.chunk` rows (one shape:
 construction, slower).
 
 Linears that read the same input (q, k and v; gate and up) run as one call over their weights
-concatenated (`Fused`): at a step's sizes a oneDNN call costs some 20 us beside its arithmetic on
-two cores, so three narrow GEMMs cost twice one GEMM of their combined width.
+concatenated (`Fused`): at a step's sizes a oneDNN call's fixed cost is as large as its arithmetic,
+so three narrow GEMMs cost about twice one GEMM of their combined width.
 
 CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`, one call per linear.
 """
@@ -64,11 +64,11 @@ class RowPlan:
 
 # Candidate plans, fastest first: larger calls pay the per-call overhead less often, and short
 # calls unpadded where that holds: a decode of one sequence then runs oneDNN's one-row kernel,
-# which streams the weights (smollm2 fp32, 2 AVX2 cores: 23 ms a step for every linear against
-# 37 ms padded to 8 rows), where AMX's bf16 kernels give rows 1..32 other bits and fall back to
+# which streams the weights (faster than padding to 8 rows: docs/benchmarks.md, "one-row linears
+# unpadded"), where AMX's bf16 kernels give rows 1..32 other bits and fall back to
 # padding. A plan is used for a weight once every row count from 1 to its chunk (and rows at an
 # offset) has been checked to give the bits one full call gives. The check's cost grows with the
-# square of the chunk (smollm2 fp32, 2 cores: 17 s for calls of 512 rows, against 1 s for 128), so
+# square of the chunk (seconds for calls of 512 rows on a small CPU, an order more than for 128), so
 # a weight's first use checks calls of up to QUICK rows only, and the larger calls are checked later,
 # a row count at a time while the engine has nothing to serve (`refine`; `kvtier profile` does it
 # at once). A larger plan with the same padding and pack gives the same bits (its check covers
@@ -168,8 +168,8 @@ def refine() -> Generator[None, None, None]:
         _remember(key, final)
 
 
-# What the checks found is kept under KVTIER_HOME, so a process does not pay them again (3-6 s of
-# every start with smollm2): keyed by the weight's shape, dtype, bias and threads, and by all that
+# What the checks found is kept under KVTIER_HOME, so a process does not pay them again (seconds of
+# every start): keyed by the weight's shape, dtype, bias and threads, and by all that
 # decides which kernels oneDNN runs (torch's version, which bundles it; the CPU's model and flags;
 # an ISA cap in the environment), so another machine or build checks afresh. Only a plan that is
 # one of this module's candidates is taken from the file; anything else there is ignored.

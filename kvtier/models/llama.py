@@ -107,7 +107,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # Given its (uninitialised) weight: built under the meta device, the default init's normal_
-        # runs through torch._refs, whose first call imports torch._dynamo (3 s of every process start).
+        # runs through torch._refs, whose first call imports torch._dynamo (seconds of every process start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))

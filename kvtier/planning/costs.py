@@ -29,8 +29,8 @@ class TierRates:
     overlap: float = 1.0
     # The host touches none of the bytes: they lie in pinned host memory (the memory tier) and a
     # GPU's copy engine moves them. What a read takes from the compute there is the host's fixed
-    # work per call, not a share of its time: with the share the calibration's small reads showed
-    # (0.39 and 0.66 on an H200), 8K-16K restores were predicted at up to 1.45x their time.
+    # work per call, not a share of its time: with the share the calibration's small reads showed,
+    # long restores on a GPU were predicted well above their measured time (docs/benchmarks.md).
     # `overlap` is then only reported. Disk and Redis reads still check and copy every byte.
     copy_engine: bool = False
 

@@ -356,7 +356,8 @@ class Planner:
         of them all take the least predicted time in sum, among stored K/V (layer-wise loading, or
         Cake) and HCache's bubble-free partition for each of those lengths. The long histories
         weigh most, as they do in what restores cost; a single 1024-token probe let launch-bound
-        steps hide that hidden states win on an MHA model from 4K tokens on (an H200, llama2-7b)."""
+        steps hide that hidden states win on an MHA model at longer histories (docs/benchmarks.md,
+        "On an NVIDIA H200")."""
         n = self.shape.num_layers
         if method is Method.HIDDEN:
             return (Repr.HIDDEN,) * n

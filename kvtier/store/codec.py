@@ -46,8 +46,8 @@ def decode(data: torch.Tensor, storage: str, shape: tuple[int, ...], compute: st
             return t.to(out_dtype)
         if not copy:
             return t
-        # empty+copy_ rather than clone(): clone of small tensors was ~100x slower here with
-        # two intra-op threads on a busy 2-core machine; copy_ takes the plain memcpy path.
+        # empty+copy_ rather than clone(): clone of small tensors is far slower with intra-op
+        # threads on a busy machine; copy_ takes the plain memcpy path.
         return torch.empty(shape, dtype=out_dtype).copy_(t)
     if scale is None:
         raise ValueError("int8 part without its scales")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 # Tokens per stored chunk, by default (LMCache's size). What a restore pays per chunk (an open, a
-# header, a read per layer group, its checks) falls with the chunk's size: a cold 4096-token restore
-# from disk took 0.628 s in chunks of 256 against 0.716 s in chunks of 64 (HF's floor 0.591 s,
-# docs/benchmarks.md). Reuse does not get coarser with it: a chunk is reused in part, in steps of
+# header, a read per layer group, its checks) falls with the chunk's size, so a cold restore from
+# disk is faster in chunks of 256 than of 64 (docs/benchmarks.md, "Measurements behind the
+# defaults"). Reuse does not get coarser with it: a chunk is reused in part, in steps of
 # PREFIX_GRANULE tokens, where a prompt stops or parts inside it.
 DEFAULT_CHUNK_TOKENS = 256
 

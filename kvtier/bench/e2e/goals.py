@@ -108,7 +108,7 @@ RATIO_GOALS = (
               1.0, lambda h: h < LONG_H),
     RatioGoal("from Redis: TTFT <= 0.9 x hf_load_redis", "redis/hf_redis", 0.9),
     RatioGoal("kvtier_recompute <= 1.0 x hf_recompute", "recompute/hf", 1.0),
-    # Issue 27's CPU goals, stricter than the ones above.
+    # The CPU stretch goals: at or under HF's floor, stricter than the ones above.
     RatioGoal("stretch, memory: TTFT <= 0.9 x hf_floor at every H", "mem/floor", 0.9),
     RatioGoal("stretch, cold disk after a restart: TTFT <= 1.0 x hf_floor at every H", "disk/floor", 1.0),
 )

@@ -22,7 +22,7 @@ Each such ratio comes with a 90% interval for its median; where that interval ho
 goal's line says the run cannot tell (more --contexts narrow it).
 Every peer's first token is checked against its family's recompute. Once the models are loaded the
 heap is frozen, as `kvtier serve` freezes it (kvtier/heap.py): a full collection over torch's
-modules (~190 ms on 2 cores) does not land inside one peer's timing. Goals are judged from the rows
+modules (a noticeable pause) does not land inside one peer's timing. Goals are judged from the rows
 only (`evaluate_goals`), so `report` re-judges a saved JSON. bf16 rows only mean something on a CPU with
 native bf16 (avx512_bf16 / amx_bf16); `meta.cpu_native_bf16` says whether this one has it.
 """
@@ -56,6 +56,7 @@ from kvtier.bench.common import (
 from kvtier.bench.e2e.goals import RATIOS, cells_of, evaluate_goals, ratio, ttft_of
 from kvtier.bench.e2e.peers import HF_PEERS, KV_PEERS, PEER_TIER, PEERS, PLOT_STYLE
 from kvtier.bench.hf import HFPeers
+from kvtier.bench.report import markdown_rows, pyplot, save_figure
 from kvtier.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -106,8 +107,7 @@ def markdown(rows: Sequence[dict], goals: Sequence[dict], meta: dict | None = No
              "Ratios: median over the contexts of each context's numerator / denominator; disk/bound = "
              "kvtier_disk_cold / max(hf_floor, bytes restored / raw cold disk read bandwidth).", ""]
     head, body = pivot(rows)
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(b) + " |" for b in body]
+    lines += markdown_rows(head, body)
     lines += ["", "kvtier rows (restore method, tokens reused by tier, bytes restored, engine-measured TTFT):", "",
               "| dtype | H | peer | method | reused by tier | MB restored | out.ttft s | first token match |",
               "|---|---|---|---|---|---|---|---|"]
@@ -138,10 +138,7 @@ def rich_table(rows: Sequence[dict]):
 
 def plot(rows: Sequence[dict], path: str) -> None:
     """Grouped bars: one panel per dtype, groups by H, one bar per peer, log y."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cells = cells_of(rows)
     dtypes = list(dict.fromkeys(k[0] for k in cells))
@@ -165,9 +162,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ----- measurement --------------------------------------------------------------------------------

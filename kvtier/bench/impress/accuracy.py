@@ -53,8 +53,8 @@ def variant_name(selection: str, ratio: float, granule: bool = False, window: in
 
 def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PROBE_GRANULE_TOKENS) -> dict[str, ImpressPolicy]:
     """The rows: full KV; per ratio and pooling window the importance restore choosing tokens and
-    whole granules, its probes voting by majority (impress: the paper's reading, the defaults
-    before issue 31) or summing their importance (impress-sum), the probes' sum without the
+    whole granules, its probes voting by majority (impress: the paper's reading, the earlier
+    defaults) or summing their importance (impress-sum), the probes' sum without the
     threshold's fallback (probes-sum), and H2O over every key; at 0.25
     the probes without the threshold, each KV head's query heads as the only scorers, and the
     blind references."""

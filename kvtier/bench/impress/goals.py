@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from kvtier.bench.goals import Goal, Item, evaluate, figure, one
 
 KINDS = ("impress", "impress-g")  # the probes' majority vote, single tokens or whole granules, no pooling
-TODAY = "impress"  # the defaults before issue 31: single tokens, the majority vote, no pooling
+TODAY = "impress"  # the earlier defaults: single tokens, the majority vote, no pooling
 
 
 def kind_name(selection: str, granule: bool = False, window: int = 1) -> str:

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
         before = _timed(engine, root, held)
     with _engine(loaded, spec, hist + new, args.ratio) as engine:
         _timed(engine, root, warm)
-        store = engine.link.store
+        store = engine.store
         assert store is not None
         report = store.reorder()
         after = _timed(engine, root, held)

@@ -25,6 +25,7 @@ from kvtier.bench.impress import admission as impress_admission
 from kvtier.bench.impress import reorder as impress_reorder
 from kvtier.bench.impress.goals import default_kind, ttft_goals
 from kvtier.bench.impress.layout import CHUNK, namespace
+from kvtier.bench.report import pyplot, save_figure
 from kvtier.engine.config import ImportanceSelection, ImportanceUnit, ImpressConfig
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
 from kvtier.engine.restore.impress_prefill import impress_prefill
@@ -60,7 +61,7 @@ class EngineRow:
 
 
 def _engine_rows() -> dict[str, EngineRow]:
-    """The selections before issue 31 (single tokens or whole granules, the probes' majority vote,
+    """The earlier selections (single tokens or whole granules, the probes' majority vote,
     no pooling) and the engine's defaults."""
     c = ImpressConfig()
     return {"recompute": EngineRow("recompute"), "kv": EngineRow("kv"), "cake": EngineRow("cake"),
@@ -182,16 +183,13 @@ def _table(doc: dict, mode: str) -> str:
 
 
 def _plot(doc: dict, mode: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     if mode == "accuracy":
         fig = plt.figure(figsize=(11, 4))
         impress_accuracy.plot(doc, fig)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     if mode == "reorder":
@@ -213,7 +211,7 @@ def _plot(doc: dict, mode: str, path: str) -> None:
     if mode == "ttft":
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def cmd(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ import torch
 
 from kvtier.bench.common import machine_info
 from kvtier.bench.partial.goals import evaluate_goals
+from kvtier.bench.report import goal_rows, markdown_rows, pyplot, save_figure
 from kvtier.bench.stats import quantile_round
 from kvtier.engine.calibrate.fronts import cost_model, held_out_error
 from kvtier.engine.config import EngineConfig, PartialConfig, PartialPolicy, ReuseConfig
@@ -89,9 +90,10 @@ def replay(engine: Engine, arrivals: list[Arrival], slo_s: float | None, max_sec
         for o in engine.step():
             last[o.request_id] = o
             tokens += len(o.delta_ids)
-        used = engine.pool.num_blocks - engine.pool.num_free
+        now_st = engine.stats(with_store=False)
+        used = now_st.kv_blocks_total - now_st.kv_blocks_free
         peak_blocks = max(peak_blocks, used)
-        series.append((time.perf_counter() - t0, len(engine.scheduler.running), used))
+        series.append((time.perf_counter() - t0, now_st.running, used))
     span = time.perf_counter() - t0 - arrivals[0].at
     cut = engine.has_work() or bool(pending)
     for rid in added:
@@ -182,19 +184,12 @@ def _cell(v: Any) -> str:
 
 
 def markdown(rows: list[dict], goals: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    if goals:
-        lines += ["", "| goal | met | value |", "|---|---|---|"]
-        lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['summary']} |" for g in goals]
-    return "\n".join(lines)
+    body = [[_cell(r.get(c)) for c in COLUMNS] for r in rows]
+    return "\n".join(markdown_rows(COLUMNS, body) + goal_rows(goals, "value"))
 
 
 def plot(series: dict[str, list], rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(18, 4.5))
     for key, s in series.items():
@@ -220,7 +215,7 @@ def plot(series: dict[str, list], rows: list[dict], path: str) -> None:
     a3.invert_yaxis()
     a3.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def cmd(args: argparse.Namespace) -> int:

@@ -243,7 +243,7 @@ class RestoreBench:
     def warm_up(self, loaded, profile, info: Context) -> None:
         """One throwaway run of the first cell's first method, not recorded: the process's first
         engine pays one-time costs (allocator, kernels, thread pools) that --warmup, per method,
-        does not absorb (the first cell measured recompute 3.5x slower than later in the run)."""
+        does not absorb (without it, the first cell's recompute measured several times slower than later)."""
         from kvtier.engine.config import ReuseConfig
 
         cfg = self.cfg
@@ -276,7 +276,7 @@ class RestoreBench:
         shape = ModelShape(n, ns.layer_bytes_per_token(Repr.KV), ns.layer_bytes_per_token(Repr.HIDDEN))
         em = parse_spec(tier_spec(tier, bw, self.workdir, self.redis_url(), "x")).tiers()[0][1]
         # Recompute is predicted in the engine's own steps (16K tokens on a GPU: with the planner's
-        # default 2048 it was predicted at 1.46x its time on an H200, four steps' fixed cost too many).
+        # default 2048 a GPU's recompute was predicted well over its time, four steps' fixed cost too many).
         steps = step_tokens(EngineConfig(), loaded.module.lm_head.weight.device)
         planner = Planner(profile, shape, links(profile, [(tier, em.bandwidth, em.latency)]), prefill_chunk_tokens=steps)
         chunks = [PlannedChunk("", a, a + cfg.chunk_tokens, tier, 0) for a in range(0, info.hist, cfg.chunk_tokens)]

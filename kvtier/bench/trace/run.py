@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.common import write_json_atomic
+from kvtier.bench.report import goal_rows, markdown_rows, pyplot, save_figure
 from kvtier.bench.stats import quantile_linear
 from kvtier.bench.trace.goals import evaluate_goals
 from kvtier.dtypes import name_of
@@ -184,7 +185,7 @@ def replay(engine, workload, max_model_len: int, log=print) -> tuple[list[TurnRe
     gen = sum(r.output_tokens for r in records)
     totals = dict(wall_s=wall, steps=steps, turns=len(records), truncated_turns=truncated,
                   generated_tokens=gen, throughput_tok_s=gen / wall if wall > 0 else 0.0,
-                  preemptions=engine.scheduler.num_preemptions)
+                  preemptions=engine.stats(with_store=False).preemptions)
     return records, totals
 
 
@@ -381,12 +382,7 @@ def table_cells(r: dict) -> list[str]:
 
 
 def markdown(rows: list[dict], goals: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
-    if goals:
-        lines += ["", "| goal | met | numbers |", "|---|---|---|"]
-        lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['summary']} |" for g in goals]
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_rows(COLUMNS, [table_cells(r) for r in rows]) + goal_rows(goals)) + "\n"
 
 
 def print_table(rows: list[dict], goals: list[dict]) -> None:
@@ -405,10 +401,7 @@ def print_table(rows: list[dict], goals: list[dict]) -> None:
 
 
 def plot(requests: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     workloads = [w for w in dict.fromkeys(r["workload"] for r in requests) if not w.endswith("sequential")]
@@ -437,8 +430,7 @@ def plot(requests: list[dict], path: str) -> None:
             ax.legend(fontsize=7, loc="lower right")
     fig.suptitle("TTFT distributions (CDF) per configuration")
     fig.tight_layout(rect=(0, 0, 1, 0.98))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_json(path: str, rows: list[dict], goals: list[dict], meta: dict, requests: list[dict]) -> None:

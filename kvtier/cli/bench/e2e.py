@@ -3,42 +3,50 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from kvtier.bench.common import csv_arg
 from kvtier.bench.e2e.peers import PEERS
-from kvtier.cli.bench.options import Target, add_command
+from kvtier.cli.bench.options import Target, add_bench_options, add_command
+from kvtier.cli.options import option
 from kvtier.engine.config import DEFAULT_CHUNK_TOKENS
 
 
+@dataclass(frozen=True)
+class E2EOptions:
+    """`kvtier bench e2e`'s flags: one field each (kvtier.cli.bench.options.add_bench_options)."""
+
+    model: str = option("smollm2-135m", "", "model preset, name or path (default: %(default)s)")
+    dtype: list[str] = option("fp32,bf16", "", "comma-separated compute dtypes (default: %(default)s)", type=csv_arg)
+    history: list[int] = option("1024,4096,8128", "", "comma-separated history lengths H; H + new tokens must fit the "
+                                "model's window (smollm2: H <= 8128) (default: %(default)s)",
+                                type=lambda t: [int(x) for x in csv_arg(t)])
+    new_tokens: int = option(64, "", "new tokens after the history (default: %(default)s)")
+    contexts: int = option(3, "", "timed random contexts per cell, plus one warm-up (default: %(default)s)")
+    tiers: list[str] = option("memory,disk,redis", "", "tiers to measure (default: %(default)s)", type=csv_arg)
+    peers: list[str] = option(",".join(PEERS), "", "subset of peers (default: %(default)s)", type=csv_arg)
+    method: str = option("auto", "", "kvtier restore method, as ReuseConfig(method=...) takes it: auto, kv, hidden, "
+                         "bubblefree, cake, recompute (default: %(default)s)")
+    chunk_tokens: int = option(DEFAULT_CHUNK_TOKENS, "", "tokens per stored chunk of the kvtier peers' stores "
+                               "(larger: fewer, larger reads from disk; see docs/benchmarks.md) (default: %(default)s)")
+    kv_cache: str = option("4GB", "", "Engine KV budget (default: %(default)s)")
+    max_batched_tokens: int | None = option(None, "", "Engine per-step token budget (default: the EngineConfig "
+                                            "default)")
+    fast_inexact: bool = option(False, "", "kvtier engines with the plain kernels (EngineConfig.exact=False), to "
+                                "compare with the exact default")
+    bf16_attention: str = option("auto", "", "kvtier engines' exact bf16 attention kernel "
+                                 "(EngineConfig.bf16_attention) (default: %(default)s)",
+                                 choices=("auto", "gemm", "flash"))
+    workdir: str = option("out/e2e-work", "", "disk tier and HF files; wiped at start (default: %(default)s)")
+    redis_url: str | None = option(None, "", "Redis server (default: %(default)s = start a private redis-server)")
+    json: str | None = option(None, "", "JSON output, rewritten after every row (default: %(default)s)")
+    markdown: str | None = option(None, "", "markdown table + goals (default: %(default)s)")
+    plot: str | None = option(None, "", "PNG of TTFT per peer (default: %(default)s)")
+    seed: int = option(0, "", "seed of the random contexts (default: %(default)s)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
-    a("--dtype", type=csv_arg, default="fp32,bf16", help="comma-separated compute dtypes (default: %(default)s)")
-    a("--history", type=lambda t: [int(x) for x in csv_arg(t)], default="1024,4096,8128",
-      help="comma-separated history lengths H; H + new tokens must fit the model's window "
-           "(smollm2: H <= 8128) (default: %(default)s)")
-    a("--new-tokens", type=int, default=64, help="new tokens after the history (default: %(default)s)")
-    a("--contexts", type=int, default=3, help="timed random contexts per cell, plus one warm-up (default: %(default)s)")
-    a("--tiers", type=csv_arg, default="memory,disk,redis", help="tiers to measure (default: %(default)s)")
-    a("--peers", type=csv_arg, default=",".join(PEERS), help="subset of peers (default: %(default)s)")
-    a("--method", default="auto", help="kvtier restore method, as ReuseConfig(method=...) takes it: auto, kv, "
-                                       "hidden, bubblefree, cake, recompute (default: %(default)s)")
-    a("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
-      help="tokens per stored chunk of the kvtier peers' stores (larger: fewer, larger reads from disk; "
-           "see docs/benchmarks.md) (default: %(default)s)")
-    a("--kv-cache", default="4GB", help="Engine KV budget (default: %(default)s)")
-    a("--max-batched-tokens", type=int, default=None,
-      help="Engine per-step token budget (default: the EngineConfig default)")
-    a("--fast-inexact", action="store_true",
-      help="kvtier engines with the plain kernels (EngineConfig.exact=False), to compare with the exact default")
-    a("--bf16-attention", default="auto", choices=("auto", "gemm", "flash"),
-      help="kvtier engines' exact bf16 attention kernel (EngineConfig.bf16_attention) (default: %(default)s)")
-    a("--workdir", default="out/e2e-work", help="disk tier and HF files; wiped at start (default: %(default)s)")
-    a("--redis-url", default=None, help="Redis server (default: %(default)s = start a private redis-server)")
-    a("--json", default=None, help="JSON output, rewritten after every row (default: %(default)s)")
-    a("--markdown", default=None, help="markdown table + goals (default: %(default)s)")
-    a("--plot", default=None, help="PNG of TTFT per peer (default: %(default)s)")
-    a("--seed", type=int, default=0, help="seed of the random contexts (default: %(default)s)")
+    add_bench_options(p, E2EOptions)
 
 
 def _add_report(p: argparse.ArgumentParser) -> None:

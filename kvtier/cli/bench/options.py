@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.cli.engine_args import DTYPE_CHOICES, dtype_name
+from kvtier.cli.options import fields_of
 
 
 def add_dtype_argument(p: argparse._ActionsContainer, default: str = "auto") -> None:
@@ -18,6 +20,30 @@ def add_dtype_argument(p: argparse._ActionsContainer, default: str = "auto") -> 
     p.add_argument("--dtype", default=default, type=dtype_name, choices=DTYPE_CHOICES,
                    help="compute dtype; auto = bf16 on a GPU or a CPU with native bf16, else fp32 "
                         "(default: %(default)s)")
+
+
+_PLAIN: dict[str, Callable[[str], object]] = {"int": int, "float": float}
+
+
+def add_bench_options(p: argparse.ArgumentParser, cls: type) -> dict[str, argparse._ActionsContainer]:
+    """A flag per field of a benchmark's options dataclass (fields made with kvtier.cli.options.option;
+    an on/off field is a store_true flag; an int or float field
+    without a `type` parses as its annotation says), in argument groups by the fields' `group` ("" = none).
+    Unlike the engine's options, a benchmark's take no $KVTIER_* variable and no --config file: a
+    bench run is what its command line says. Returns the groups by name, for flags added by hand."""
+    groups: dict[str, argparse._ActionsContainer] = {"": p}
+    for name, (f, opt) in fields_of(cls).items():
+        g = groups.get(opt.group) or groups.setdefault(opt.group, p.add_argument_group(opt.group))
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        flag = "--" + name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            g.add_argument(flag, *opt.aliases, action="store_true", help=opt.help)
+            continue
+        shown = "" if "default" in opt.help else f" (default: {opt.default_text or '%(default)s'})"
+        kind = opt.type or _PLAIN.get(str(f.type).removesuffix(" | None"), str)  # int and float from the annotation
+        g.add_argument(flag, *opt.aliases, default=default, type=kind, choices=opt.choices, metavar=opt.metavar,
+                       help=opt.help + shown)
+    return groups
 
 
 def split_commas(text: str) -> list[str]:
@@ -49,7 +75,19 @@ class Target:
     function: str
 
     def __call__(self, args: argparse.Namespace) -> int:
-        return int(getattr(importlib.import_module(self.module), self.function)(args) or 0)
+        return int(getattr(bench_module(self.module), self.function)(args) or 0)
+
+
+def bench_module(name: str):
+    """Import a benchmark module; a library of the `kvtier[bench]` extra it lacks is one line and exit 1."""
+    from kvtier.bench import missing_extra
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if (exit_ := missing_extra(e, f"`kvtier bench {name.split('.')[2]}`")) is not None:
+            raise exit_ from None
+        raise
 
 
 def add_command(bench_subparsers: argparse._SubParsersAction, name: str,

@@ -3,33 +3,50 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from kvtier.cli.bench.options import Target, add_command, add_dtype_argument, float_list, split_commas
+from kvtier.cli.bench.options import (
+    Target,
+    add_bench_options,
+    add_command,
+    add_dtype_argument,
+    float_list,
+    split_commas,
+)
+from kvtier.cli.options import option
+
+
+@dataclass(frozen=True)
+class PartialBenchOptions:
+    """`kvtier bench partial`'s flags: one field each (kvtier.cli.bench.options.add_bench_options)."""
+
+    models: list[str] = option(lambda: ["smollm2-135m", "mha-small"], "", "models or presets, comma list (default: "
+                               "smollm2-135m,mha-small)", type=split_commas)
+    requests: int = option(24, "", "requests per policy and rate")
+    rates: list[float] = option(lambda: [0.5, 1.0], "", "Poisson arrival rates, requests/s (comma list)",
+                                type=float_list)
+    prompt_min: int = option(256, "", "shortest prompt, tokens")
+    prompt_max: int = option(512, "", "longest prompt, tokens")
+    mean_output: int = option(128, "", "mean output tokens (log-normal, ShareGPT's spread)")
+    budget_share: float = option(0.25, "", "KV budget as a share of the peak demand")
+    slo_x: float = option(1.5, "", "TPOT SLO as a multiple of the unloaded decode step")
+    ratios: list[float] = option(lambda: [0.2, 0.4, 0.6], "", "fixed uncached shares to compare", type=float_list)
+    swap_mbps: float | None = option(None, "", "also read fronts back at this emulated MB/s")
+    policies: list[str] | None = option(None, "", "run only these (the ample-memory runs always run: they set the "
+                                        "budget)", type=split_commas)
+    max_batched_tokens: int = option(256, "", "per-step token budget (prefill chunks)")
+    duration: float = option(90.0, "", "seconds each policy runs at most after the first arrival (then running "
+                             "requests are aborted)")
+    recalibrate: bool = option(False, "", "measure the cost model again")
+    seed: int = option(0, "", "seeds arrivals, lengths and prompts")
+    threads: int | None = option(None, "", "torch threads (default: all cores)")
+    json: str | None = option(None, "", "write rows and goals to this JSON file")
+    plot: str | None = option(None, "", "write concurrency over time and throughput to this PNG")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", type=split_commas, default=["smollm2-135m", "mha-small"],
-                   help="models or presets, comma list (default: smollm2-135m,mha-small)")
+    add_bench_options(p, PartialBenchOptions)
     add_dtype_argument(p)
-    p.add_argument("--requests", type=int, default=24, help="requests per policy and rate")
-    p.add_argument("--rates", type=float_list, default=[0.5, 1.0], help="Poisson arrival rates, requests/s (comma list)")
-    p.add_argument("--prompt-min", type=int, default=256, help="shortest prompt, tokens")
-    p.add_argument("--prompt-max", type=int, default=512, help="longest prompt, tokens")
-    p.add_argument("--mean-output", type=int, default=128, help="mean output tokens (log-normal, ShareGPT's spread)")
-    p.add_argument("--budget-share", type=float, default=0.25, help="KV budget as a share of the peak demand")
-    p.add_argument("--slo-x", type=float, default=1.5, help="TPOT SLO as a multiple of the unloaded decode step")
-    p.add_argument("--ratios", type=float_list, default=[0.2, 0.4, 0.6], help="fixed uncached shares to compare")
-    p.add_argument("--swap-mbps", type=float, default=None, help="also read fronts back at this emulated MB/s")
-    p.add_argument("--policies", type=split_commas, default=None,
-                   help="run only these (the ample-memory runs always run: they set the budget)")
-    p.add_argument("--max-batched-tokens", type=int, default=256, help="per-step token budget (prefill chunks)")
-    p.add_argument("--duration", type=float, default=90.0,
-                   help="seconds each policy runs at most after the first arrival (then running requests are aborted)")
-    p.add_argument("--recalibrate", action="store_true", help="measure the cost model again")
-    p.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompts")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--json", default=None, help="write rows and goals to this JSON file")
-    p.add_argument("--plot", default=None, help="write concurrency over time and throughput to this PNG")
 
 
 run = Target("kvtier.bench.partial.run", "cmd")

@@ -3,36 +3,44 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from kvtier.bench.restore.methods import METHODS
-from kvtier.cli.bench.options import add_command, add_dtype_argument
+from kvtier.cli.bench.options import add_bench_options, add_command, add_dtype_argument, bench_module
+from kvtier.cli.options import option
 from kvtier.device import add_device_argument
 
 
+@dataclass(frozen=True)
+class RestoreBenchOptions:
+    """`kvtier bench restore`'s flags: one field each (kvtier.cli.bench.options.add_bench_options)."""
+
+    model: str = option("smollm2-135m", "", "comma-separated model names (default: %(default)s)")
+    storage_dtype: str = option("", "", "comma-separated storage dtypes (int8, fp16, bf16, fp32); empty = the compute "
+                                "dtype (lossless)")
+    context: str = option("1024,4096,8192", "", "comma-separated history lengths (default: %(default)s)")
+    new_tokens: int = option(64, "", "new tokens after the history, at most one chunk (default: %(default)s)")
+    tier: str = option("memory,disk,redis", "", "comma-separated tiers: memory, disk, redis")
+    bandwidth: str = option("none,500MB/s,100MB/s,20MB/s", "", "comma-separated read limits; anything but none is "
+                            "emulated")
+    methods: str = option(",".join(METHODS), "", "comma-separated subset of " + ",".join(METHODS))
+    no_baselines: bool = option(False, "", "skip the HF transformers baselines")
+    repeats: int = option(3, "", "timed runs per method and cell (default: 3)")
+    warmup: int = option(1, "", "untimed runs of each method per model/context")
+    greedy_tokens: int = option(8, "", "greedy tokens compared after each restore")
+    chunk_tokens: int = option(64, "", "tokens per stored chunk (default: %(default)s)")
+    workdir: str = option("out/restore-work", "", "disk tier directory (wiped at start)")
+    redis_url: str | None = option(None, "", "redis server to use (default: start a private redis-server)")
+    json: str | None = option(None, "", "rows, goals and meta as JSON, rewritten after every cell")
+    markdown: str | None = option(None, "", "markdown tables and goals")
+    plot: str | None = option(None, "", "PNG path of TTFT vs bandwidth per method")
+    seed: int = option(0, "", "seed of the random contexts (default: %(default)s)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="comma-separated model names (default: %(default)s)")
     add_dtype_argument(p, default="bf16")
     add_device_argument(p)
-    p.add_argument("--storage-dtype", default="", help="comma-separated storage dtypes (int8, fp16, bf16, fp32); "
-                                                       "empty = the compute dtype (lossless)")
-    p.add_argument("--context", default="1024,4096,8192", help="comma-separated history lengths (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=64,
-                   help="new tokens after the history, at most one chunk (default: %(default)s)")
-    p.add_argument("--tier", default="memory,disk,redis", help="comma-separated tiers: memory, disk, redis")
-    p.add_argument("--bandwidth", default="none,500MB/s,100MB/s,20MB/s",
-                   help="comma-separated read limits; anything but none is emulated")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    p.add_argument("--no-baselines", action="store_true", help="skip the HF transformers baselines")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method and cell (default: 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each method per model/context")
-    p.add_argument("--greedy-tokens", type=int, default=8, help="greedy tokens compared after each restore")
-    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: %(default)s)")
-    p.add_argument("--workdir", default="out/restore-work", help="disk tier directory (wiped at start)")
-    p.add_argument("--redis-url", default=None, help="redis server to use (default: start a private redis-server)")
-    p.add_argument("--json", default=None, help="rows, goals and meta as JSON, rewritten after every cell")
-    p.add_argument("--markdown", default=None, help="markdown tables and goals")
-    p.add_argument("--plot", default=None, help="PNG path of TTFT vs bandwidth per method")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random contexts (default: %(default)s)")
+    add_bench_options(p, RestoreBenchOptions)
     sub = p.add_subparsers(dest="sub")  # `report` re-renders a JSON file (markdown, plot, goals)
     rp = sub.add_parser("report", help="re-render markdown/plot/goals from JSON written by runs; with several "
                                        "files, a later file's row replaces an earlier one of the same cell and method")
@@ -64,8 +72,7 @@ def options_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.restore import run as bench
-
+    bench = bench_module("kvtier.bench.restore.run")
     if args.sub == "report":
         return bench.report(args.json_in, args.json, args.markdown, args.plot)
     return bench.cmd_restore(options_from_args(args))

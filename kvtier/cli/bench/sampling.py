@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from kvtier.cli.bench.options import Target, add_command, int_list
+from kvtier.cli.bench.options import Target, add_bench_options, add_command, int_list
 from kvtier.cli.engine_args import add_model_arguments, positive_int
+from kvtier.cli.options import option
+
+
+@dataclass(frozen=True)
+class SamplingBenchOptions:
+    """`kvtier bench sampling`'s flags: one field each (kvtier.cli.bench.options.add_bench_options)."""
+
+    batch: list[int] = option(lambda: [1, 8], "", "batch sizes: that many prompts decoded together (comma list, "
+                              "default: 1,8)", type=int_list)
+    tokens: int = option(64, "", "max_tokens per request; all of them but the JSON row's, which may end sooner "
+                         "(default: %(default)s)", type=positive_int)
+    prompt_len: int = option(64, "", "tokens per prompt (default: %(default)s)", type=positive_int)
+    repeats: int = option(3, "", "timed runs of every row after one warm-up; medians are reported (default: "
+                          "%(default)s)", type=positive_int)
+    seed: int = option(0, "", "request i is seeded seed + i (default: %(default)s)")
+    out: str = option("out/sampling", "", "folder for sampling.json, sampling.md and sampling.png (default: "
+                      "%(default)s)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_bench_options(p, SamplingBenchOptions)
     add_model_arguments(p)
-    p.add_argument("--batch", type=int_list, default=[1, 8],
-                   help="batch sizes: that many prompts decoded together (comma list, default: 1,8)")
-    p.add_argument("--tokens", type=positive_int, default=64,
-                   help="max_tokens per request; all of them but the JSON row's, which may end sooner "
-                        "(default: %(default)s)")
-    p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="timed runs of every row after one warm-up; medians are reported (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="request i is seeded seed + i (default: %(default)s)")
-    p.add_argument("--out", default="out/sampling",
-                   help="folder for sampling.json, sampling.md and sampling.png (default: %(default)s)")
 
 
 run = Target("kvtier.bench.sampling", "cmd")

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from kvtier.cli.bench.options import Target, add_command
+from kvtier.cli.bench.options import Target, add_bench_options, add_command
+from kvtier.cli.options import option
+
+
+@dataclass(frozen=True)
+class StoreBenchOptions:
+    """`kvtier bench store`'s flags: one field each (kvtier.cli.bench.options.add_bench_options)."""
+
+    tokens: int = option(4096, "", "context length written and read per tier")
+    chunk_tokens: int = option(64, "", "tokens per stored chunk (default: %(default)s)")
+    capacity: str = option("4GB", "", "memory and disk tier capacity")
+    dir: str | None = option(None, "", "directory for the disk tier (default: a temp dir under /tmp)")
+    disk_opts: str = option("", "", "extra disk spec options, e.g. ':bw=500MB/s:lat=100us'")
+    redis: str | None = option(None, "", "also benchmark this redis URL, e.g. redis://127.0.0.1:6379")
+    reps: int = option(3, "", "repetitions (the median is reported)")
+    sealed: bool = option(False, "", "run every tier twice, without and with a store secret (BLAKE3 digests + HMAC): "
+                          "the cost of authenticated state")
+    json: str | None = option(None, "", "write results as JSON", metavar="FILE")
+    markdown: str | None = option(None, "", "write a markdown table", metavar="FILE")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4096, help="context length written and read per tier")
-    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: %(default)s)")
-    p.add_argument("--capacity", default="4GB", help="memory and disk tier capacity")
-    p.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir under /tmp)")
-    p.add_argument("--disk-opts", default="", help="extra disk spec options, e.g. ':bw=500MB/s:lat=100us'")
-    p.add_argument("--redis", default=None, help="also benchmark this redis URL, e.g. redis://127.0.0.1:6379")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (the median is reported)")
-    p.add_argument("--sealed", action="store_true",
-                   help="run every tier twice, without and with a store secret (BLAKE3 digests + HMAC): "
-                        "the cost of authenticated state")
-    p.add_argument("--json", metavar="FILE", default=None, help="write results as JSON")
-    p.add_argument("--markdown", metavar="FILE", default=None, help="write a markdown table")
+    add_bench_options(p, StoreBenchOptions)
 
 
 run = Target("kvtier.bench.store", "cmd_bench_store")

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from kvtier.cli.bench.options import Target, add_command, add_dtype_argument
+from kvtier.cli.bench.options import Target, add_bench_options, add_command, add_dtype_argument
+from kvtier.cli.options import option
+
+
+@dataclass(frozen=True)
+class TruncationOptions:
+    """`kvtier bench truncation`'s flags: one field each (kvtier.cli.bench.options.add_bench_options)."""
+
+    model: str = option("smollm2-135m", "", "model preset, name or path (default: %(default)s)")
+    context: int = option(512, "", "tokens before truncation")
+    limit: int = option(384, "", "context window the history must fit into")
+    continuation: int = option(128, "", "tokens whose perplexity is measured")
+    keep_prefix: int = option(16, "", "first tokens always kept (default: %(default)s)")
+    drop_ratio: float = option(0.5, "", "share of the rest dropped when the history must shrink (default: %(default)s)")
+    windows: int = option(6, "", "text windows averaged (default: %(default)s)")
+    json: str | None = option(None, "", "rows and mean perplexities as JSON")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
+    add_bench_options(p, TruncationOptions)
     add_dtype_argument(p, default="fp32")
-    p.add_argument("--context", type=int, default=512, help="tokens before truncation")
-    p.add_argument("--limit", type=int, default=384, help="context window the history must fit into")
-    p.add_argument("--continuation", type=int, default=128, help="tokens whose perplexity is measured")
-    p.add_argument("--keep-prefix", type=int, default=16, help="first tokens always kept (default: %(default)s)")
-    p.add_argument("--drop-ratio", type=float, default=0.5, help="share of the rest dropped when the history must shrink (default: %(default)s)")
-    p.add_argument("--windows", type=int, default=6, help="text windows averaged (default: %(default)s)")
-    p.add_argument("--json", default=None, help="rows and mean perplexities as JSON")
 
 
 run = Target("kvtier.bench.truncation", "cmd")

@@ -544,8 +544,8 @@ class DiskTier(Tier):
     def open_chunks(self, expects: Sequence[Expect]) -> list[OpenChunk | None]:
         """The I/O threads open the files and read their first pages (system calls: the GIL is
         free); then this thread parses and checks the headers. Parsing on the I/O threads as well
-        made them queue behind each other for the GIL (64 chunks opened in 31 ms on four threads
-        against 21 ms here), and parsing here while they still read was slower (26 ms). With
+        made them queue behind each other for the GIL, and parsing here while they still read was
+        slower too (both measured slower than this; scripts/profile_disk_restore.py shows it). With
         io_uring, this thread opens the files and the first pages come in one submission."""
         keys = [e.key for e in expects]
         sizes = [head_bytes(e) for e in expects] if self.read_ahead else [HEAD_BYTES] * len(expects)

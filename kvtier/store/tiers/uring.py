@@ -2,10 +2,9 @@
 
 The disk tier's other way, four threads each calling `preadv` per chunk, spends much of its CPU
 outside the reads themselves: a thread blocks per read, wakes per read, and takes the GIL back per
-read, on the two cores the new tokens compute on. For a cold 4096-token restore (576 reads) its
-threads took 68 ms of CPU and waited 151 ms for a core; through one ring per layer group the
-reader thread takes ~39 ms, its CRC-32C checks included (scripts/restore_threads.py,
-docs/benchmarks.md). The kernel does the same direct I/O either way.
+read, on the two cores the new tokens compute on. Through one ring per layer group the reader
+thread takes about half that CPU, its CRC-32C checks included (scripts/restore_threads.py shows
+where a restore's CPU goes; docs/benchmarks.md, "io_uring for disk reads"). The kernel does the same direct I/O either way.
 
 The `liburing` binding's waits hold the GIL, so a ring never blocks in it: completions raise an
 eventfd, and the wait is a read of that eventfd (`os.eventfd_read` releases the GIL). The reads
