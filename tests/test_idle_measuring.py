@@ -18,6 +18,12 @@ from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def few_points(monkeypatch):
+    """Short prefill steps to time: what is tested is how the measurement runs, not its fit."""
+    monkeypatch.setattr(hardware, "COMPUTE_POINTS", ((0, 64), (0, 256), (256, 320), (64, 128)))
+
+
 def _engine(model, tmp_path, measure: bool) -> Engine:
     return Engine(model, EngineConfig(max_model_len=512, kv_cache_bytes=1 << 24, measure_when_idle=measure),
                   store=f"memory:16MB,disk:{tmp_path / 'store'}:64MB")
@@ -100,7 +106,7 @@ def test_nothing_is_measured_unless_turned_on_or_where_a_profile_is_saved(tiny_g
         hardware.save_profile(hardware.estimate(tiny_gqa), hardware.profile_path(tmp_path, tiny_gqa))
     engine = _engine(tiny_gqa, tmp_path, measure=measure)
     try:
-        assert engine.idle.run_slice() is False
+        assert engine.idle_slice() is False
         assert engine.profile_source == ("saved" if measure else "estimate")
     finally:
         engine.close()

@@ -72,7 +72,7 @@ class BackgroundEngine:
             if not self.engine.has_work():
                 # Quiet for a while: a slice of what a first start did not measure (engine/idle.py).
                 quiet = time.monotonic() - busy_at >= self.idle_after_s
-                if not (quiet and self.engine.idle.run_slice()):
+                if not (quiet and self.engine.idle_slice()):
                     self._wake.wait(0.05)
                     self._wake.clear()
                 continue

@@ -96,7 +96,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # thread-safe entry point
         self._ids = itertools.count()
         self._steps = 0
-        self.idle = IdleWork([self._offer_plans, self._offer_profile])
+        self.idle = IdleWork()
         self._profile_offered = False
 
     def _pool_and_runner(self, num_blocks: int) -> tuple[BlockPool, ModelRunner]:
@@ -161,6 +161,10 @@ class Engine:
         return estimate(self.model), "estimate"
 
     # ----- measured while idle (engine/idle.py) ---------------------------------------------
+    def idle_slice(self) -> bool:
+        """One slice of what this start did not measure; False when there is nothing to measure."""
+        return self.idle.run_slice((self._offer_plans, self._offer_profile))
+
     def _offer_plans(self) -> IdleTask | None:
         if not self.config.measure_when_idle or not invariant.has_pending():
             return None
@@ -300,6 +304,7 @@ class Engine:
 
     def close(self) -> None:
         """Drain pending saves and stop the restore and writer threads (once; later calls do nothing)."""
+        self.idle.close()
         self._closer()
 
     def __enter__(self) -> "Engine":

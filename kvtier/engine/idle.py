@@ -25,21 +25,22 @@ class IdleTask:
 
 
 class IdleWork:
-    """Tasks offered by `sources` (each returns a task when it has one, else None), run one slice
-    per call; a task that raises is logged and dropped (the engine keeps serving without it)."""
+    """Tasks offered by the sources a call passes (each returns a task when it has one, else None),
+    run one slice per call; a task that raises is logged and dropped (the engine keeps serving
+    without it). The sources are passed per call, not held: bound methods of the engine kept here
+    would make a reference cycle, and a closed engine must be freed without the collector."""
 
-    def __init__(self, sources: Sequence[Callable[[], IdleTask | None]] = ()) -> None:
-        self._sources = list(sources)
+    def __init__(self) -> None:
         self._task: IdleTask | None = None
 
     @property
     def running(self) -> str | None:
         return self._task.name if self._task is not None else None
 
-    def run_slice(self) -> bool:
+    def run_slice(self, sources: Sequence[Callable[[], IdleTask | None]]) -> bool:
         """One slice of the current task (or the next one offered); False when there is none."""
         if self._task is None:
-            self._task = next((t for src in self._sources if (t := src()) is not None), None)
+            self._task = next((t for src in sources if (t := src()) is not None), None)
             if self._task is None:
                 return False
             log.info("measuring %s while idle", self._task.name)

@@ -117,7 +117,7 @@ class Scheduler:
         plan = self._plan_feeds(decoding, prefilling, step.preempted)
         self._schedule_running(step, decoding, prefilling, plan.recompute_tokens)
         if self.restoring:
-            # Restores compute on the same cores (recomputed layers, Cake's first layers): their work
+            # Restores compute on the same cores (recomputed layers, layers computed while others load): their work
             # counts against the budget like a prefill that arrived before the queue.
             step.budget -= self.store.charge(max(step.budget, 0))
         self._admit_waiting(step, min(self.max_num_seqs, plan.cap))

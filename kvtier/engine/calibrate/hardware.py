@@ -392,42 +392,9 @@ def tier_slices(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: i
             targets = ([runner.pool_target(int(runner.slots(blocks, c.start, c.start + 1)[0])) for c in planned]
                        if runner.k_cache.device.type == "cpu" else None)
 
-            def read_groups() -> None:
-                """As a restore reads: layer groups of every chunk, on to the device where copies
-                are asynchronous (the memory tier's whole chunks as address arrays, as a restore
-                hands them over)."""
-                copies = runner.transfer.is_async
-                reads = store.planned_reads(planned)
-                reads.open()
-                for layers in groups:
-                    group = _read_back(reads.read(layers, ("k", "v"), into=targets, spans=chunk_tokens if copies else 0))
-                    if copies:  # no targets there: every part is in a buffer or a span
-                        # One DMA run per chunk (its layers' K and V lie back to back).
-                        runs, size = span_runs([x for p in group.parts.values() for x in p if x is not None])
-                        sp, equal = group.spans, None
-                        if sp is not None and len(sp.chunks):
-                            at = size + np.arange(len(sp.chunks), dtype=np.int64) * sp.nbytes
-                            equal = EqualRuns(sp.buffers, sp.buffer, sp.offsets, at, sp.nbytes)
-                            size += len(sp.chunks) * sp.nbytes
-                        stage = torch.empty(size, dtype=torch.uint8, device=runner.device)
-                        runner.transfer.sync(runner.transfer.to_stage(stage, runs, equal))
-                    reads.release(group)
-                reads.close()
+            read_groups = _group_reads(store, planned, runner, groups, targets, chunk_tokens)
 
-            def read_whole() -> None:
-                reads = store.planned_reads(planned)
-                reads.open()
-                for j in range(len(planned)):
-                    reads.release(_read_back(reads.read(range(cfg.num_layers), ("k", "v"), only=[j])))
-                reads.close()
-
-            def read_small(read: bool = True) -> None:
-                reads = store.planned_reads(planned)
-                reads.open()
-                if read:
-                    reads.release(_read_back(reads.read([0], ("k",))))
-                reads.close()
-
+            read_whole, read_small = _chunk_reads(store, planned, cfg.num_layers)
             total = n * ns.bytes_per_token()
             t_group = yield from _timed(read_groups, repeats=2)
             t_whole = yield from _timed(read_whole, repeats=2)
@@ -448,6 +415,55 @@ def tier_slices(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: i
             store.close()
             tick()
     return out
+
+
+def _group_reads(store: TieredStore, planned: list[PlannedChunk], runner: ModelRunner, groups: list[range],
+                 targets: list | None, chunk_tokens: int) -> Callable[[], None]:
+    """A read as a restore reads: layer groups of every chunk, on to the device where copies are
+    asynchronous (the memory tier's whole chunks as address arrays, as a restore hands them over)."""
+
+    def read_groups() -> None:
+        copies = runner.transfer.is_async
+        reads = store.planned_reads(planned)
+        reads.open()
+        for layers in groups:
+            group = _read_back(reads.read(layers, ("k", "v"), into=targets, spans=chunk_tokens if copies else 0))
+            if copies:  # no targets there: every part is in a buffer or a span
+                # One DMA run per chunk (its layers' K and V lie back to back).
+                runs, size = span_runs([x for p in group.parts.values() for x in p if x is not None])
+                sp, equal = group.spans, None
+                if sp is not None and len(sp.chunks):
+                    at = size + np.arange(len(sp.chunks), dtype=np.int64) * sp.nbytes
+                    equal = EqualRuns(sp.buffers, sp.buffer, sp.offsets, at, sp.nbytes)
+                    size += len(sp.chunks) * sp.nbytes
+                stage = torch.empty(size, dtype=torch.uint8, device=runner.device)
+                runner.transfer.sync(runner.transfer.to_stage(stage, runs, equal))
+            reads.release(group)
+        reads.close()
+
+    return read_groups
+
+
+def _chunk_reads(store: TieredStore, planned: list[PlannedChunk], layers: int
+                 ) -> tuple[Callable[[], None], Callable[..., None]]:
+    """Reads of each chunk whole, and of one layer's keys (or only opening the chunks: their
+    difference is a call's fixed cost)."""
+
+    def read_whole() -> None:
+        reads = store.planned_reads(planned)
+        reads.open()
+        for j in range(len(planned)):
+            reads.release(_read_back(reads.read(range(layers), ("k", "v"), only=[j])))
+        reads.close()
+
+    def read_small(read: bool = True) -> None:
+        reads = store.planned_reads(planned)
+        reads.open()
+        if read:
+            reads.release(_read_back(reads.read([0], ("k",))))
+        reads.close()
+
+    return read_whole, read_small
 
 
 def _busy(model: LoadedModel) -> Callable[[], object]:
