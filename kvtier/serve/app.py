@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -43,20 +43,47 @@ def create_app(
         metrics_public=metrics_public, shared_cache=shared_cache, max_body_bytes=max_body_bytes,
         default_max_tokens=default_max_tokens, max_queued_requests=max_queued_requests,
     )
+    ctx = _context(engine, config)
+    app = FastAPI(
+        title="kvtier",
+        summary="OpenAI-compatible API over the kvtier engine",
+        version=_version(),
+        lifespan=_lifespan(ctx),
+        # curl users often omit the header; a missing Content-Type is read as JSON.
+        strict_content_type=False,
+    )
+    app.state.kvtier = ctx
+    install_error_handlers(app)
+    app.include_router(completions_router)
+    app.include_router(models_router)
+    app.include_router(ops_router)
+    app.include_router(tokenizer_router)
+    _add_middleware(app, config, ctx.metrics)
+    _finish_openapi(app, ctx)
+    return app
+
+
+def _context(engine: Engine | BackgroundEngine, config: ServeConfig) -> ServerContext:
+    """The state every route shares, with the engine's grammar limits set from `config`. A
+    BackgroundEngine is the caller's to close, so the context does not own it."""
     core = engine.engine if isinstance(engine, BackgroundEngine) else engine
     core.grammars.limits = config.grammar_limits
     metrics = ServerMetrics(config.served_model_name or core.model.name, core.max_model_len)
     if isinstance(engine, BackgroundEngine):
         ctx = ServerContext(engine.engine, config, metrics, background=engine, owns_background=False)
         metrics.attach(engine)
-    else:
-        ctx = ServerContext(engine, config, metrics)
+        return ctx
+    return ServerContext(engine, config, metrics)
+
+
+def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Startup and shutdown: the step loop (when the app owns it) and the periodic stats log."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.start()
-        interval = config.stats_interval_s
-        stats = asyncio.create_task(run_stats_log(metrics, ctx.engine, interval)) if interval > 0 else None
+        interval = ctx.config.stats_interval_s
+        stats = asyncio.create_task(run_stats_log(ctx.metrics, ctx.engine, interval)) if interval > 0 else None
         try:
             yield
         finally:
@@ -68,20 +95,10 @@ def create_app(
                 ctx.background.close()
                 ctx.engine.close()  # drain pending saves into the store before the process exits
 
-    app = FastAPI(
-        title="kvtier",
-        summary="OpenAI-compatible API over the kvtier engine",
-        version=_version(),
-        lifespan=lifespan,
-        # curl users often omit the header; a missing Content-Type is read as JSON.
-        strict_content_type=False,
-    )
-    app.state.kvtier = ctx
-    install_error_handlers(app)
-    app.include_router(completions_router)
-    app.include_router(models_router)
-    app.include_router(ops_router)
-    app.include_router(tokenizer_router)
+    return lifespan
+
+
+def _add_middleware(app: FastAPI, config: ServeConfig, metrics: ServerMetrics) -> None:
     # add_middleware wraps: the last added runs first. Order: metrics -> API key -> body limit,
     # so unauthenticated callers are refused before their body is read, and every answer is counted.
     # The auth middleware runs without keys too: it is what names every request's tenant.
@@ -89,8 +106,6 @@ def create_app(
     app.add_middleware(AuthMiddleware, keys=config.tenant_keys, open_paths=config.open_paths,
                        metrics_key=config.metrics_key, metrics_refusal=config.metrics_refusal)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
-    _finish_openapi(app, ctx)
-    return app
 
 
 def _version() -> str:

@@ -191,6 +191,17 @@ def prepare(
     """Check the prompt against the context window and build the sampling parameters."""
     window = engine.max_model_len
     ids = list(ids)
+    truncated = _check_prompt(engine, ids, body)
+    _check_token_limits(body, window)
+    max_tokens = _max_tokens(body, len(ids), window, truncated, requested, default_max_tokens)
+    check_output_budget(body, max_tokens, min(len(ids), window), max_output_entries)
+    bias = _logit_bias(body, engine.model.config.vocab_size)
+    return Prepared(ids, _sampling_params(body, max_tokens, bias, structured))
+
+
+def _check_prompt(engine: Engine, ids: list[int], body: SamplingFields) -> bool:
+    """A 400 if the prompt cannot be served; -> whether the engine will truncate it."""
+    window = engine.max_model_len
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     # An engine configured to truncate keeps the start and the newest part of an overlong prompt,
     # leaving at most half the window for the completion; otherwise an overlong prompt is an error.
@@ -207,6 +218,11 @@ def prepare(
             engine.validate(ids)
     except PromptError as e:
         raise APIError(400, str(e), param=param) from e
+    return truncated
+
+
+def _check_token_limits(body: SamplingFields, window: int) -> None:
+    """A 400 if the completion-length fields disagree, or any of them alone exceeds the window."""
     n_predict = body.n_predict
     for name in ("max_tokens", "max_completion_tokens"):  # llama-server's name must agree with OpenAI's
         other = getattr(body, name, None)
@@ -220,21 +236,28 @@ def prepare(
                 400, f"{name}={value} cannot fit this model's context window of {window} tokens",
                 param=name, code="context_length_exceeded",
             )
-    room = window // 2 if truncated else window - len(ids)
+
+
+def _max_tokens(body: SamplingFields, prompt_len: int, window: int, truncated: bool, requested: int | None,
+                default_max_tokens: int | None) -> int:
+    """The completion's token limit: the request's if it fits beside the prompt (else a 400), or
+    the room left, capped by the server's default."""
+    room = window // 2 if truncated else window - prompt_len
     if requested is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif requested > room:
+        return room if default_max_tokens is None else min(default_max_tokens, room)
+    if requested > room:
         name = next(n for n in ("max_completion_tokens", "max_tokens", "n_predict") if getattr(body, n, None) is not None)
         raise APIError(
             400,
-            f"this model's maximum context length is {window} tokens; you requested {len(ids) + requested} "
-            f"({len(ids)} in the prompt, {requested} for the completion); lower {name} or shorten the prompt",
+            f"this model's maximum context length is {window} tokens; you requested {prompt_len + requested} "
+            f"({prompt_len} in the prompt, {requested} for the completion); lower {name} or shorten the prompt",
             param=name, code="context_length_exceeded",
         )
-    else:
-        max_tokens = requested
-    check_output_budget(body, max_tokens, min(len(ids), window), max_output_entries)
-    vocab = engine.model.config.vocab_size
+    return requested
+
+
+def _logit_bias(body: SamplingFields, vocab: int) -> dict[int, float]:
+    """`logit_bias` keyed by token id; a 400 if it or `stop_token_ids` names a token outside the vocabulary."""
     try:
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     except ValueError:
@@ -242,8 +265,14 @@ def prepare(
     for name, ids_given in (("logit_bias", bias), ("stop_token_ids", body.stop_token_ids or ())):
         if any(not 0 <= t < vocab for t in ids_given):
             raise APIError(400, f"token ids must be in [0, {vocab})", param=name)
+    return bias
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int, bias: dict[int, float],
+                     structured: GrammarSpec | None) -> SamplingParams:
+    """The request's sampling fields with OpenAI's defaults filled in."""
     try:
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -265,4 +294,3 @@ def prepare(
         )
     except SamplingError as e:  # the schema already checks ranges; this is the engine's last word
         raise APIError(400, str(e)) from e
-    return Prepared(ids, params)

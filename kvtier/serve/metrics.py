@@ -86,15 +86,19 @@ class ServerMetrics:
         self.model_name = model_name
         self.totals = Totals()
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        m = ["model_name"]
+        self._add_histograms(max_model_len)
+        self._add_counters()
 
-        def hist(name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, [*m, *labels], buckets=buckets, registry=r)
+    # Every family lives in this app's own registry and is labelled by `model_name` first, as vLLM's are.
+    def _hist(self, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> Histogram:
+        return Histogram(PREFIX + name, doc, ["model_name", *labels], buckets=buckets, registry=self.registry)
 
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*m, *labels], registry=r)
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, ["model_name", *labels], registry=self.registry)
 
+    def _add_histograms(self, max_model_len: int) -> None:
+        """Per-request distributions: latencies, phases, sizes and restore times."""
+        hist = self._hist
         self.ttft = hist("time_to_first_token_seconds",
                          "Request received to first generated token (includes tokenization and queueing)",
                          ["endpoint"], _TTFT_BUCKETS)
@@ -124,6 +128,10 @@ class ServerMetrics:
             "restore_duration_seconds",
             "A restore from the store: its start to the end of the first step of the request's new tokens",
             ["method", "tier"], _RESTORE_BUCKETS)
+
+    def _add_counters(self) -> None:
+        """Running totals: HTTP answers, finished and rejected requests, tokens by where they came from."""
+        counter = self._counter
         self.http_requests = counter("http_requests", "HTTP requests by path and status code", ["path", "code"])
         self.request_success = counter(
             "request_success",
@@ -145,8 +153,8 @@ class ServerMetrics:
             "importance_prefix_tokens_skipped", "Stored prefix tokens an importance restore (impress) left out of attention")
         for plain in (self.prompt_tokens, self.generation_tokens, self.prompt_tokens_computed, self.prefix_attended,
                       self.prefix_skipped):
-            plain.labels(model_name)  # exported as 0 from the start, so rate() has a first point
-        self.rejected.labels(model_name, "queue_full")
+            plain.labels(self.model_name)  # exported as 0 from the start, so rate() has a first point
+        self.rejected.labels(self.model_name, "queue_full")
 
     def attach(self, background: BackgroundEngine) -> None:
         self.registry.register(EngineCollector(background, self.model_name))

@@ -172,8 +172,47 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     into a chunk. `order` ([layers, tokens]) stores layer l's K/V rows as tokens order[l]. With a
     sealing `seal` the segments get BLAKE3 digests and the header an HMAC tag."""
     alg = seal.digest_alg
+    tokens, pieces = _encode_parts(ns, layers, order)
+    seg_meta = [(l, p, b.numel(), checksum(b, alg), d, s, _granule_digests(b, s, p, ns.granule_tokens, alg))
+                for l, p, b, d, s in pieces]
+    doc_base = {
+        "key": key, "parent": parent, "index": index, "start": start, "tokens": tokens,
+        "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
+        "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs], "digest": alg,
+    }
+    if prefix:
+        doc_base["prefix"] = list(prefix)
+    if order is not None:
+        doc_base["order"] = order.tolist()
+    segments, total = _place_segments(doc_base, seg_meta, alg)
+    doc = {**doc_base, "segments": [[s.layer, s.part, s.offset, s.nbytes, s.digest, s.dtype,
+                                     list(s.shape)] + ([list(s.granules)] if s.granules else []) for s in segments]}
+    hjson = json.dumps(doc).encode()
+    hjson += b" " * (segments[0].offset - PREAMBLE.size - len(hjson))  # pad up to the payload
+    flags = SEALED if seal.sealed else 0
+    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(hjson), zlib.crc32(hjson),
+                        seal.tag(_tagged(FORMAT_VERSION, flags, hjson)))
+    bufs: list[bytes | memoryview] = [pre + hjson]
+    for (_, _, b, _, _), seg in zip(pieces, segments):
+        bufs.append(b.numpy().data)
+        if _pad(seg.nbytes):
+            bufs.append(bytes(_pad(seg.nbytes)))
+    header = _header_from_doc(doc, total)
+    return PackedChunk(header, tuple(bufs))
+
+
+# (layer, part, encoded bytes, stored dtype, stored shape): one segment's payload before placing.
+_Piece = tuple[int, str, torch.Tensor, str, tuple[int, ...]]
+# (layer, part, nbytes, digest, dtype, shape, granule digests): one segment before its offset is known.
+_SegMeta = tuple[int, str, int, int, str, tuple[int, ...], tuple[int, ...]]
+
+
+def _encode_parts(ns: StoreNamespace, layers: Mapping[int, Mapping[str, torch.Tensor]],
+                  order: torch.Tensor | None) -> tuple[int, list[_Piece]]:
+    """Every layer's parts encoded in the storage dtype, in payload order, after checking each
+    part's shape; -> (the chunk's tokens, the pieces)."""
     tokens = -1
-    pieces: list[tuple[int, str, torch.Tensor, str, tuple[int, ...]]] = []
+    pieces: list[_Piece] = []
     if ns.probe_kv_heads:  # every layer's probe keys first: one ranged read fetches them all
         for layer, rep in enumerate(ns.layer_reprs):
             if rep is Repr.KV:
@@ -198,19 +237,14 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
                 pieces.append((layer, part + suffix, buf, dtype, shape))
     if tokens < 0:
         raise ValueError("nothing to store: every layer is Repr.NONE")
+    return tokens, pieces
+
+
+def _place_segments(doc_base: dict[str, object], seg_meta: Sequence[_SegMeta],
+                    alg: str) -> tuple[list[Segment], int]:
+    """Each segment's aligned offset after the header; -> (the segments, the chunk's total size)."""
     # Offsets depend on the header length, which depends on the offsets' digits: fix the header
     # size first with a generous reservation, then fill it in.
-    seg_meta = [(l, p, b.numel(), checksum(b, alg), d, s, _granule_digests(b, s, p, ns.granule_tokens, alg))
-                for l, p, b, d, s in pieces]
-    doc_base = {
-        "key": key, "parent": parent, "index": index, "start": start, "tokens": tokens,
-        "partial": partial, "ns": store_digest, "model": ns.model_fingerprint, "compute": ns.compute_dtype,
-        "storage": ns.storage_dtype, "reprs": [r.value for r in ns.layer_reprs], "digest": alg,
-    }
-    if prefix:
-        doc_base["prefix"] = list(prefix)
-    if order is not None:
-        doc_base["order"] = order.tolist()
     big = 2**128 if alg == BLAKE3 else 2**32  # the widest digest, for the reservation
     reserve = len(json.dumps({**doc_base, "segments": [[l, p, 10**12, 10**12, big, d, list(s)] + ([[big] * len(g)] if g else [])
                                                         for l, p, _, _, d, s, g in seg_meta]}))
@@ -220,21 +254,7 @@ def pack(ns: StoreNamespace, store_digest: str, key: str, parent: str, index: in
     for l, p, n, crc, d, s, g in seg_meta:
         segments.append(Segment(l, p, offset, n, crc, d, tuple(s), g))
         offset += n + _pad(n)
-    total = offset
-    doc = {**doc_base, "segments": [[s.layer, s.part, s.offset, s.nbytes, s.digest, s.dtype,
-                                     list(s.shape)] + ([list(s.granules)] if s.granules else []) for s in segments]}
-    hjson = json.dumps(doc).encode()
-    hjson += b" " * (segments[0].offset - PREAMBLE.size - len(hjson))  # pad up to the payload
-    flags = SEALED if seal.sealed else 0
-    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(hjson), zlib.crc32(hjson),
-                        seal.tag(_tagged(FORMAT_VERSION, flags, hjson)))
-    bufs: list[bytes | memoryview] = [pre + hjson]
-    for (_, _, b, _, _), seg in zip(pieces, segments):
-        bufs.append(b.numpy().data)
-        if _pad(seg.nbytes):
-            bufs.append(bytes(_pad(seg.nbytes)))
-    header = _header_from_doc(doc, total)
-    return PackedChunk(header, tuple(bufs))
+    return segments, offset
 
 
 def _granule_digests(buf: torch.Tensor, shape: tuple[int, ...], part: str, granule_tokens: int,

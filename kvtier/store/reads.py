@@ -130,35 +130,43 @@ class PlannedReads:
             idx = [i for i in rest if self.tiers[i] is tier]
             if self._views(tier, idx, layers, parts, decoded, group):
                 continue
-            opened = [self.opened[i] for i in idx]
-            runs = []
-            for oc in opened:
-                try:
-                    runs.append(oc.plan_read(layers, parts))
-                except fmt.FormatError as e:
-                    tier.discard_corrupt(oc.expect.key, str(e))
-                    self.release(group)
-                    return None
-            outs = self._staging_for(tier, opened, runs, group)
-            # Straight into the pool only where the stored rows are the pool's (token order, compute dtype).
-            dests = [into[i] if into and oc.header.storage_dtype == oc.header.compute_dtype and oc.header.order is None
-                     else None for i, oc in zip(idx, opened)]
-            got = tier.read_runs(opened, runs, outs, dests)
-            if got is None:
+            if not self._read_tier(tier, idx, layers, parts, into, raw, decoded, group):
                 self.release(group)
                 return None
-            for i, oc, segs, r in zip(idx, opened, got, runs):
-                group.nbytes += sum(s.nbytes for run in r for s in run)
-                h = oc.header
-                if raw and h.storage_dtype != h.compute_dtype and h.order is None:
-                    decoded[i] = {q: fmt.stored_run(h, segs, layers, q)
-                                  for q in (p + s for p in parts for s in ("", ".scale")) if (layers[0], q) in segs}
-                    continue
-                decoded[i] = {p: fmt.in_token_order(h, layers, p, fmt.decode_run(h, segs, layers, p))
-                              if (layers[0], p) in segs else None for p in parts}
         names = list(parts) + sorted({q for d in decoded.values() for q in d} - set(parts))  # + raw chunks' scales
         group.parts = {p: [decoded[i].get(p) for i in wanted] for p in names}
         return group
+
+    def _read_tier(self, tier: Tier, idx: list[int], layers: tuple[int, ...], parts: Sequence[str],
+                   into: Sequence[PoolTarget | None] | None, raw: bool, decoded: dict, group: LayerGroup) -> bool:
+        """Read `layers` of the chunks `idx` from `tier` in one batched call (into their pool slots
+        where allowed, else staging) and decode them into `decoded`. False if a header's plan or the
+        read fails (a chunk whose plan fails is discarded from the tier as corrupt)."""
+        opened = [self.opened[i] for i in idx]
+        runs = []
+        for oc in opened:
+            try:
+                runs.append(oc.plan_read(layers, parts))
+            except fmt.FormatError as e:
+                tier.discard_corrupt(oc.expect.key, str(e))
+                return False
+        outs = self._staging_for(tier, opened, runs, group)
+        # Straight into the pool only where the stored rows are the pool's (token order, compute dtype).
+        dests = [into[i] if into and oc.header.storage_dtype == oc.header.compute_dtype and oc.header.order is None
+                 else None for i, oc in zip(idx, opened)]
+        got = tier.read_runs(opened, runs, outs, dests)
+        if got is None:
+            return False
+        for i, oc, segs, r in zip(idx, opened, got, runs):
+            group.nbytes += sum(s.nbytes for run in r for s in run)
+            h = oc.header
+            if raw and h.storage_dtype != h.compute_dtype and h.order is None:
+                decoded[i] = {q: fmt.stored_run(h, segs, layers, q)
+                              for q in (p + s for p in parts for s in ("", ".scale")) if (layers[0], q) in segs}
+                continue
+            decoded[i] = {p: fmt.in_token_order(h, layers, p, fmt.decode_run(h, segs, layers, p))
+                          if (layers[0], p) in segs else None for p in parts}
+        return True
 
     def _spans(self, layers: tuple[int, ...], wanted: Sequence[int], width: int,
                kind: tuple[str, ...]) -> tuple[Spans, list[int]]:
