@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -503,7 +504,7 @@ def _scratch_disks(spec: str | None) -> Iterator[str]:
                 parts.append(part)
                 continue
             for path, cap in zip(disk.paths, disk.capacities):
-                parent = Path(path).resolve().parent
+                parent = Path(os.path.abspath(path)).parent  # beside the directory as named, links not followed
                 made.append(tempfile.mkdtemp(prefix=".kvtier-profile-", dir=parent if parent.is_dir() else None))
                 parts.append(f"disk:{made[-1]}:{cap}B")
         yield ",".join(parts)
