@@ -270,7 +270,7 @@ def test_auto_stores_kv_where_cake_beats_the_bubble_free_partition(tiny_gqa):
     assert pl.choose_layout(None, "disk", 64) == (Repr.KV,) * n
 
 
-# What an H200 measured for llama2-7b in bf16 (docs/gpu/h200-2026-11-27-lease5/call1_restore_mha.json).
+# What an H200 measured for llama2-7b in bf16 (docs/gpu/h200-2026-11-27-d/call1_restore_mha.json).
 # Its reads' overlap (0.00, taken before the calibration's fix) no longer counts: a copy engine moves
 # the bytes, and a read takes its host work per call from the compute.
 H200_LLAMA2 = HardwareProfile("llama2-7b", "bfloat16", 16, prefill_a=1.219e-05, prefill_b=1.325e-09,
