@@ -71,6 +71,9 @@ class Engine:
             raise ValueError(f"EngineConfig.device is {config.device} but the model is on {self.device}; "
                              f"load it with load_model(..., device={config.device!r})")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:  # the CLI refuses it
+            log.warning("max_model_len=%d is past %s's context window: using %d", config.max_model_len, model.name,
+                        cfg.max_position_embeddings)
         self.budget = budget.choose(config, cfg, model.module.dtype, self.device, self.max_model_len)
         self.pool, self.runner = self._pool_and_runner(self._num_blocks())
         self.link: StateLink = NullStateLink()
