@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.dtypes import canonical
+from kvtier.planning.blend import BlendOptions
 from kvtier.planning.optimizer import ProfileCostModel
 from kvtier.planning.plan import AUTO, METHOD_CHOICES, Method
 from kvtier.store.keys import DEFAULT_CHUNK_TOKENS
@@ -202,6 +203,9 @@ class ReuseConfig:
     # then stores in the importance layout (exact methods read it as usual).
     allow_lossy: bool = False
     impress: ImpressConfig = field(default_factory=ImpressConfig)
+    # Blended restores of marked documents (lossy, opt-in): the options requests blend with; None:
+    # no request blends (planning/blend.py, docs/blend.md).
+    blend: BlendOptions | None = None
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # which chunks the memory and disk tiers give up first
     # The store secret shared by the servers of one store: chunks are sealed (HMAC) and only sealed
     # ones are read (store/seal.py). Unsealed: the store trusts whoever can write to it.

@@ -19,6 +19,7 @@ import torch
 from kvtier import paths
 from kvtier.device import resolve_device
 from kvtier.engine import budget, prompts
+from kvtier.engine import documents as documents_
 from kvtier.engine.assembly import FinishReason, Outputs, RequestOutput, SampleRows, StepHooks, sample_id
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.calibrate import fronts as front_costs
@@ -42,6 +43,7 @@ from kvtier.models import exact_matmul, invariant
 from kvtier.models.attention import exact_cpu
 from kvtier.models.exact_attention import KEY_BLOCK, PIECE
 from kvtier.models.loading import LoadedModel
+from kvtier.planning.blend import BlendOptions
 from kvtier.planning.costs import HardwareProfile
 from kvtier.planning.truncation import TruncationConfig
 
@@ -82,6 +84,8 @@ class Engine:
         # replacing the estimate), or None without a store.
         self.profile_source: str | None = None
         self._store_spec = store
+        # Blending marked documents: the options requests blend with, None where it is off.
+        self.blend = (reuse or ReuseConfig()).blend
         if store:
             self.link = self._open_link(store, reuse or ReuseConfig(), profile, probes)
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
@@ -117,7 +121,8 @@ class Engine:
         # Set after construction until the runner's constructor takes them (engine/runner is its own room).
         runner.staging_bytes = self.budget.staging_bytes
         # The pool, not the engine: the runner holds no reference back to the engine.
-        runner.clearable = lambda run, slots: pool.clearable(run.block_ids, slots.start, slots.stop, not run.off_thread)
+        runner.clearable = lambda run, slots: not run.placed_ahead and \
+            pool.clearable(run.block_ids, slots.start, slots.stop, not run.off_thread)
         if self.budget.static_decode:
             runner.decoder = StaticDecode(runner, config.max_num_seqs, self.max_model_len)
         decoder = runner.decoder
@@ -210,6 +215,9 @@ class Engine:
         *,
         priority: int = 0,
         cache_prompt: bool = True,
+        documents: Sequence[str | Sequence[int]] | None = None,
+        segments: Sequence[tuple[int, int]] = (),
+        blend: bool | BlendOptions | None = None,
     ) -> str:
         """Queue a request (safe from any thread); it joins the batch at the next step.
         `cache_salt`: only requests with the same salt share cached or stored state.
@@ -218,9 +226,14 @@ class Engine:
         `priority` (vLLM's): waiting requests are admitted lowest value first, equal ones in
         arrival order; running requests are not preempted for it.
         `cache_prompt` (llama-server's): False neither reuses cached or stored state nor leaves
-        any (same answer, computed in full)."""
+        any (same answer, computed in full).
+        `documents` (texts or ids, in prompt order; or `segments`, spans of its ids) mark what a
+        blended restore may load from state computed alone (engine/documents.py); `blend`: None
+        blends them where the engine allows it (`ReuseConfig.blend`), False never, True or
+        BlendOptions asks to (an error where blending is off). Blended state is approximate."""
         priority = check_priority(priority)
-        ids = self.encode(prompt)
+        ids, spans = documents_.mark(self.encode, prompt, documents, segments)
+        options = documents_.blend_options(blend, self.blend, self._store_spec is not None, spans)
         params = params or SamplingParams()
         params.check_vocab(self.model.config.vocab_size)
         if constraint is None and params.structured is not None:
@@ -231,7 +244,8 @@ class Engine:
             raise PromptError("a request id may not contain '#': it names the samples of an n > 1 request")
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, session_id=session_id, cache_salt=cache_salt or "", priority=priority,
-                      cache_prompt=bool(cache_prompt), source_ids=source, kept=kept)
+                      cache_prompt=bool(cache_prompt), source_ids=source, kept=kept,
+                      segments=spans if kept is None and options else (), blend=options if kept is None else None)
         self._inbox.put(("add", (req, on_output, constraint)))
         return rid
 
@@ -330,20 +344,25 @@ class Engine:
     def generate(
         self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
         priority: Sequence[int] | None = None, cache_prompt: bool = True,
+        documents: Sequence[Sequence[str | Sequence[int]] | None] | None = None, blend: bool | BlendOptions | None = None,
     ) -> list[RequestOutput]:
         """Run a batch of prompts to completion (continuous batching); outputs in prompt order,
         with SamplingParams(n > 1) each prompt's n samples in index order. `priority`: one per
-        prompt (vLLM's), the order in which they are admitted; `cache_prompt`: see add_request."""
+        prompt (vLLM's), the order in which they are admitted; `cache_prompt`: see add_request;
+        `documents`: one list (or None) per prompt, and `blend`, see add_request."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
         batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
-        if priority is not None and len(priority) != len(batch):
-            raise ValueError(f"priority has {len(priority)} values for {len(batch)} prompts")
+        for name, per in (("priority", priority), ("documents", documents)):
+            if per is not None and len(per) != len(batch):
+                raise ValueError(f"{name} has {len(per)} values for {len(batch)} prompts")
         # Checked before any is queued: a bad value must not leave the others running unread.
         order = [check_priority(p) for p in priority] if priority is not None else [0] * len(batch)
         n = (params or SamplingParams()).n
-        ids = [sample_id(rid, i) for p, pri in zip(batch, order)
-               for rid in [self.add_request(p, params, priority=pri, cache_prompt=cache_prompt)] for i in range(n)]
+        docs = documents if documents is not None else [None] * len(batch)
+        ids = [sample_id(rid, i) for p, pri, d in zip(batch, order, docs)
+               for rid in [self.add_request(p, params, priority=pri, cache_prompt=cache_prompt, documents=d, blend=blend)]
+               for i in range(n)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.planning.blend import BlendOptions
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, nothing on the device
@@ -166,6 +168,10 @@ class RestoreReport:
     # Importance-only restores: of the restored prefix, the tokens each layer attended to (None: all).
     prefix_attended: int | None = None
     host_s: float | None = None  # host time in the restore's own code: prepare() and the placements
+    # Blended restores: prompt tokens loaded from segments computed alone (approximate), and
+    # tokens the restore recomputed (None: not blended).
+    blended_tokens: int | None = None
+    recomputed_tokens: int | None = None
 
 
 @dataclass
@@ -234,8 +240,12 @@ class Request:
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.
     source_ids: list[int] | None = None
     kept: list[int] | None = None
-    # An importance-only restore brought its prefix back in part: its state is approximate.
-    restored_by_importance: bool = False
+    # A lossy restore (importance-only, blended) brought its prefix back: its state is approximate.
+    restored_lossy: bool = False
+    # Marked documents: prompt spans [a, b) a blended restore may load from state computed alone,
+    # and how (None: the request does not blend; planning/blend.py).
+    segments: tuple[tuple[int, int], ...] = ()
+    blend: BlendOptions | None = None
     # Positions [0, unslotted) have no pool slot: position p sits in slot p - unslotted (RoPE still
     # at p). An approximate restore leaves prefix tokens out for good; a feed policy releases a
     # decode's leading positions (whole blocks), whose K/V each step then brings back from outside
@@ -265,12 +275,12 @@ class Request:
     @property
     def approximate(self) -> bool:
         """Its K/V are not those of its tokens computed in full (a truncated context, or a prefix
-        restored by importance): never saved, published or reused as exact state."""
-        return self.kept is not None or self.restored_by_importance
+        restored by importance or blended): never saved, published or reused as exact state."""
+        return self.kept is not None or self.restored_lossy
 
     def make_exact(self) -> None:
         """Its state is being recomputed from its tokens: nothing approximate remains."""
-        self.restored_by_importance, self.unslotted = False, self.fed
+        self.restored_lossy, self.unslotted = False, self.fed
 
     def feed_from(self, upto: int) -> None:
         """Positions [fed, upto) leave its slots too: from now on they are fed each step."""

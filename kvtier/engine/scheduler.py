@@ -272,7 +272,7 @@ class Scheduler:
             req.metrics.note_reuse("device", req.num_computed)
         if probe.target <= req.num_computed or probe.order is None:
             return None
-        req.restored_by_importance, req.unslotted = probe.lossy, probe.unslotted  # before growing: those have no slots
+        req.restored_lossy, req.unslotted = probe.lossy, probe.unslotted  # before growing: those have no slots
         if not self._grow(req, probe.target + 1):
             req.make_exact()
             return None  # not enough blocks now: prefill normally instead

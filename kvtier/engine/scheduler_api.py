@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.engine.request import Request
+from kvtier.planning.blend import BlendPlan
 from kvtier.planning.plan import Plan
 
 
@@ -33,6 +34,7 @@ class RestoreOrder:
     plan: Plan
     source: tuple[int, ...] | None = None  # truncated context: the stored token each restored position takes
     tier_tokens: Mapping[str, int] = field(default_factory=dict)  # restored tokens by the tier they are read from
+    blend: BlendPlan | None = None  # a blended restore's layout (plan.method is BLEND)
 
 
 @dataclass(frozen=True)

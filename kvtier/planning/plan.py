@@ -20,14 +20,17 @@ class Method(str, enum.Enum):
     BUBBLEFREE = "bubblefree"  # per-layer mix of hidden with KV load or token recompute (HCache §4.1)
     CAKE = "cake"  # compute chunks from the front while loading KV chunks from the back
     IMPRESS = "impress"  # only the prefix tokens the new tokens' queries need (lossy; opt-in only)
+    # Marked documents' state computed alone, moved to their positions, a few tokens recomputed
+    # (lossy; asked for per request, planning/blend.py): never a restore method to choose.
+    BLEND = "blend"
 
     @property
     def exact(self) -> bool:
-        return self is not Method.IMPRESS
+        return self not in (Method.IMPRESS, Method.BLEND)
 
 
 AUTO = "auto"  # a request for the planner's choice, not a method a plan carries
-METHOD_CHOICES = (AUTO,) + tuple(m.value for m in Method)
+METHOD_CHOICES = (AUTO,) + tuple(m.value for m in Method if m is not Method.BLEND)
 EXACT_METHODS = tuple(m for m in Method if m.exact)
 
 

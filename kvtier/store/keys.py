@@ -59,9 +59,14 @@ def store_digest(namespace_digest: str, chunk_tokens: int, key_id: str = "") -> 
     return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
 
 
-def salted_root(root: str, salt: str) -> str:
+def salted_root(root: str, salt: str, space: str = "") -> str:
     """The chain root of one cache partition (a tenant, a request's `cache_salt`): chains under
-    different salts share no key, so their requests never see, evict or time each other's chunks."""
+    different salts share no key, so their requests never see, evict or time each other's chunks.
+    `space` names a key space apart from the exact chains (blended segments' approximate state):
+    its roots are hashed under another prefix, so no salt, and no exact lookup, ever reaches them."""
+    if space:
+        raw = f"kvtier-space:{space}:{root}:".encode() + salt.encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(raw, digest_size=16).hexdigest()
     if not salt:
         return root
     raw = f"kvtier-salt:{root}:".encode() + salt.encode("utf-8", "surrogatepass")

@@ -17,6 +17,7 @@ class SaveJob:
     v: torch.Tensor | None  # same as k
     h: torch.Tensor | None  # [layers or hidden_layers, end-start, hidden]
     salt: str = ""  # the request's cache partition (keys.salted_root)
+    space: str = ""  # a key space apart from the exact chains (keys.salted_root); "" for them
 
     @property
     def end(self) -> int:

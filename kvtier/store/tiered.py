@@ -133,10 +133,10 @@ class TieredStore:
                                "only stats, verify and clear are available")
         return self.namespace
 
-    def _root(self, salt: str = "") -> str:
+    def _root(self, salt: str = "", space: str = "") -> str:
         self._ns()  # raises in admin mode
         assert self.root is not None  # set whenever there is a namespace
-        return salted_root(self.root, salt)
+        return salted_root(self.root, salt, space)
 
     def _expect(self, key: str, span: tuple[int, int] | None = None) -> Expect:
         """What a chunk read under this store's namespace must be (validate.py); `span`: the
@@ -153,10 +153,11 @@ class TieredStore:
         return next(t for t in self.tiers if t.name == name)
 
     # --- lookup and reads ---------------------------------------------------------------------
-    def lookup(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
+    def lookup(self, token_ids: Sequence[int], salt: str = "", space: str = "") -> PrefixMatch:
+        """The longest stored prefix of `token_ids` under `salt`, in the exact chains or in `space`."""
         ns = self._ns()
         try:
-            return longest_prefix(self._root(salt), token_ids, self.chunk_tokens, self.tiers,
+            return longest_prefix(self._root(salt, space), token_ids, self.chunk_tokens, self.tiers,
                                   ns.layer_reprs, self._size_of, self._prefix_of)
         except Exception as e:  # noqa: BLE001 - tiers turn their own failures into misses; this is the
             # last line: a lookup is a hint, and a failing one must cost a recompute, not a request
@@ -333,10 +334,11 @@ class TieredStore:
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, token_ids: Sequence[int], start: int, k: torch.Tensor | None,
-             v: torch.Tensor | None, h: torch.Tensor | None, salt: str = "") -> None:
-        """Hand a host snapshot of tokens [start, len(token_ids)) to the background writer."""
+             v: torch.Tensor | None, h: torch.Tensor | None, salt: str = "", space: str = "") -> None:
+        """Hand a host snapshot of tokens [start, len(token_ids)) to the background writer
+        (`space`: keyed apart from the exact chains, keys.salted_root)."""
         ns = self._ns()
-        job = SaveJob(tuple(int(t) for t in token_ids), int(start), k, v, h, salt)
+        job = SaveJob(tuple(int(t) for t in token_ids), int(start), k, v, h, salt, space)
         check_job(ns, job)
         self.counters["saves"] += 1
         self.writer.submit(job, job_nbytes(job))
@@ -361,7 +363,7 @@ class TieredStore:
             self._write_job(job)
 
     def _write_job(self, job: SaveJob) -> None:
-        ns, root = self._ns(), self._root(job.salt)
+        ns, root = self._ns(), self._root(job.salt, job.space)
         for span in chunk_spans(root, job.token_ids, self.chunk_tokens):
             if span.end <= job.start:
                 continue

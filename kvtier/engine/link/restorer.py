@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from kvtier.engine.config import ReuseConfig
 from kvtier.engine.link.stats import LinkStats
 from kvtier.engine.request import Request, RestoreReport
+from kvtier.engine.restore.blend import BlendRestore
 from kvtier.engine.restore.impress import ImpressRestore
 from kvtier.engine.restore.impress_policy import ImpressPolicy
 from kvtier.engine.restore.job import RestoreJob
 from kvtier.engine.restore.layerwise import Restore, RestoreMiss
+from kvtier.engine.restore.segments import SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.scheduler_api import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
+from kvtier.planning.blend import BlendOptions, plan_blend
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr
@@ -74,6 +77,8 @@ class Restorer:
             self.allowed = {Method.HIDDEN: self.layout, Method.BUBBLEFREE: self.layout}
         else:
             self.allowed = {Method.BUBBLEFREE: self.layout}
+        # Blended restores load K/V or hidden states in every layer (none where a layer keeps nothing).
+        self.segments = SegmentStates(store, runner, self.layout, config.save) if Repr.NONE not in self.layout else None
 
     # ----- the scheduler's side -----------------------------------------------------------------
     def offer(self, req: Request) -> StoreOffer:
@@ -81,6 +86,10 @@ class Restorer:
         restore. Restoring is capped so one prompt token is left to compute, and at the tokens the
         store's state matches (the chunk holding the cap is read whole and restored up to it). When filling holes,
         device-cached tokens beyond what the store holds are not kept, so their state is captured."""
+        if req.blend is not None and req.segments and not req.output_ids and self.segments is not None:
+            blended = self._offer_blend(req, req.blend)
+            if blended is not None:
+                return blended
         if self.config.fixed_method is Method.RECOMPUTE:
             return StoreOffer(0, req.num_computed)
         if req.kept is not None:
@@ -138,6 +147,27 @@ class Restorer:
         new = req.num_tokens - end
         return StoreOffer(req.num_tokens - 1, 0, RestoreOrder(plan, None, tiers), new, lossy=True,
                      dropped=end - self.importance.kept(end))
+
+    def _offer_blend(self, req: Request, options: BlendOptions) -> StoreOffer | None:
+        """Blend the prompt past its exact prefix (the device's, then the store's exact chain):
+        its marked segments loaded at their positions, the rest recomputed by the restore, all
+        but the last token, which the request's step computes. None: no segment left to load."""
+        keep, end = req.num_computed, req.num_tokens - 1
+        match = self.store.lookup(req.all_ids, req.cache_salt)
+        exact_end = min(match.num_tokens, end)
+        chunks = [c for c in match.chunks if c.end > keep and c.start < exact_end] if exact_end > keep else []
+        if not chunks:
+            exact_end = keep
+        blend = plan_blend(req.prompt_ids, req.segments, keep, exact_end, options)
+        if blend is None:
+            return None
+        plan = Plan(Method.BLEND, self.layout, end,
+                    tuple(PlannedChunk(c.key, c.start, c.end, c.tier, c.nbytes) for c in chunks), 0.0, 0.0,
+                    background_tokens=blend.recomputed_tokens)
+        tiers: dict[str, int] = {}
+        for c in chunks:
+            tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, exact_end) - max(c.start, keep)
+        return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True)
 
     def _instant(self, plan: Plan) -> bool:
         """A layer-wise plan over memory the store holds (views, no waiting) with no compute
@@ -202,6 +232,10 @@ class Restorer:
 
     def _job_for(self, req: Request, ticket: RestoreTicket) -> RestoreJob:
         plan = ticket.order.plan
+        if plan.method is Method.BLEND:
+            assert ticket.order.blend is not None and self.segments is not None  # set by _offer_blend
+            return BlendRestore(plan, ticket.order.blend, self.segments, self.store, self.runner, req.all_ids,
+                                req.block_ids, req.cache_salt)
         if plan.method is Method.IMPRESS:
             return ImpressRestore(plan, self.importance, self.store, self.runner, req.all_ids, req.block_ids)
         return Restore(plan, self.store, self.runner, req.all_ids, req.block_ids, ticket.start, ticket.order.source,
@@ -270,11 +304,17 @@ class Restorer:
             self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + n
         seconds = time.perf_counter() - job.started
         tl = stats.timeline
+        blended = job.restore.blended
         job.req.metrics.restore = RestoreReport(method, job.plan.describe_layout(), job.plan.predicted_s,
                                                 job.plan.ideal_s, seconds, stats.bytes_read, stats.wait_s,
                                                 tl.copy_s if tl else None, tl.compute_s if tl else None,
                                                 tl.overlap if tl else None, stats.prefix_attended,
-                                                stats.prepare_s + stats.place_s + stats.wait_s)
+                                                stats.prepare_s + stats.place_s + stats.wait_s,
+                                                blended.loaded if blended else None,
+                                                blended.recomputed if blended else None)
+        if blended is not None:
+            self.stats.blended_tokens += blended.loaded
+            self.stats.blend_recomputed_tokens += blended.recomputed
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
         imp = job.restore.impress

@@ -16,6 +16,8 @@ class LinkStats:
     prefetches: int = 0  # chunks the look-ahead copied up into the memory tier
     restore_tokens_charged: int = 0  # restore compute paid out of step budgets, in prefill tokens
     sessions_expired: int = 0  # idle sessions whose state was deleted
+    blended_tokens: int = 0  # prompt tokens blended restores loaded from segments computed alone
+    blend_recomputed_tokens: int = 0  # prompt tokens blended restores recomputed
 
     def as_dict(self, saves: int) -> dict[str, int]:
         return dict(asdict(self), saves=saves)

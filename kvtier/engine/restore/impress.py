@@ -39,6 +39,8 @@ def chunk_ratios(kept: list[torch.Tensor], chunks: Sequence[tuple[str, int, int]
 
 
 class ImpressRestore:
+    blended = None  # (RestoreJob) an importance restore blends nothing
+
     def __init__(self, plan: Plan, policy: ImpressPolicy, store: TieredStore, runner: ModelRunner,
                  token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
         self.plan, self.policy, self.store, self.runner = plan, policy, store, runner

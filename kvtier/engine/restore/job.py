@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvtier.engine.restore.blend import BlendStats
 from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.restore.layerwise import RestoreStats
 
@@ -14,6 +15,11 @@ class RestoreJob(Protocol):
     start: int  # the first position it writes: a failure recomputes from here
     # What an importance-only restore chose (the planner learns from it); None for exact restores.
     impress: ImpressStats | None
+
+    @property
+    def blended(self) -> BlendStats | None:
+        """What a blended restore loaded and recomputed; None for the others."""
+        ...
 
     def prepare(self) -> None:
         """On the restore worker (or inline for an instant restore): open reads, compute what the

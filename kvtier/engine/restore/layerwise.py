@@ -283,6 +283,7 @@ class Restore:
     `source`, for a truncated context, maps each restored position to the stored token it takes."""
 
     impress: ImpressStats | None = None  # (RestoreJob) an exact restore chooses no tokens
+    blended = None  # (RestoreJob) nor blends
 
     def __init__(self, plan: Plan, store: TieredStore, runner: ModelRunner, token_ids: Sequence[int],
                  block_ids: Sequence[int], start: int = 0, source: Sequence[int] | None = None,

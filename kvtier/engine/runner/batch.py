@@ -43,6 +43,10 @@ class RunItem:
     # only its own slots may be zeroed for an in-place read, never a clean block, which the
     # scheduler may meanwhile hand to a request whose step writes it.
     off_thread: bool = False
+    # Its request's slots past the run already hold state placed for later positions (a blended
+    # restore lays loaded rows out before computing the runs between them): never zeroed for an
+    # in-place read.
+    placed_ahead: bool = False
 
     @property
     def slot_start(self) -> int:

@@ -1,0 +1,127 @@
+"""Segment state for blended restores: a document's per-layer state computed alone, stored and read
+by its content.
+
+A segment is computed alone from position 0 (its own causal attention, the exact kernels), and its
+K (rotated at positions [0, n)), V and, for hidden-state layers, layer inputs are saved through the
+store's writer like any chunk chain: sealed, validated on read, evicted by the tiers' policies. Its
+chain starts at a root of the blend key space (`keys.salted_root(space=...)`), salted by the
+tenant: the exact chains' lookups never reach it, and no tenant reads another's segments. The
+store's namespace already names the model, the layout, the storage dtype and the numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.engine.runner.model_runner import ModelRunner
+from kvtier.models.llama import LayerAttention
+from kvtier.store.layout import Repr
+from kvtier.store.tiered import TieredStore
+
+# The blend key space (keys.salted_root): segments computed alone from position 0 with nothing
+# before them. A different compile context would be a different space.
+SPACE = "blend-segment:alone"
+
+
+@dataclass(frozen=True)
+class SegmentState:
+    """A segment's state per layer: k (rotated at positions [0, n)) and v [n, kv_heads, hd] where
+    the layer stores K/V, h [n, hidden] (the layer's input) where it stores hidden states."""
+
+    k: tuple[torch.Tensor | None, ...]
+    v: tuple[torch.Tensor | None, ...]
+    h: tuple[torch.Tensor | None, ...]
+    stored: bool  # read from the store (else computed here)
+    nbytes: int  # bytes read (0 when computed)
+
+
+class _Alone(LayerAttention):
+    """One segment attending causally to itself at positions [0, n), each layer's input, rotated K
+    and V kept (the exact kernels: the same bits in any batch)."""
+
+    def __init__(self, runner: ModelRunner, n: int, layout: Sequence[Repr]) -> None:
+        self.causal = runner.attention.causal
+        self.cos, self.sin = runner.rope.span(0, n)
+        self.layout = layout
+        self.k: list[torch.Tensor | None] = [None] * len(layout)
+        self.v: list[torch.Tensor | None] = [None] * len(layout)
+        self.h: list[torch.Tensor | None] = [None] * len(layout)
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+    def enter(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        if self.layout[li] is Repr.HIDDEN:
+            self.h[li] = h
+        return h
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.layout[li] is Repr.KV:
+            self.k[li], self.v[li] = k, v
+        return self.causal(q, k, v, 0)
+
+
+class SegmentStates:
+    """Reads a segment's state from the store, or computes it alone and saves it."""
+
+    def __init__(self, store: TieredStore, runner: ModelRunner, layout: Sequence[Repr], save: bool = True) -> None:
+        if Repr.NONE in layout:
+            raise ValueError("blended restores need K/V or hidden states in every layer")
+        self.store, self.runner, self.layout, self.save = store, runner, tuple(layout), save
+
+    def get(self, tokens: Sequence[int], salt: str) -> SegmentState:
+        state = self.read(tokens, salt)
+        return state if state is not None else self.compute(tokens, salt)
+
+    def read(self, tokens: Sequence[int], salt: str) -> SegmentState | None:
+        """The whole segment's state from the store; None if any part of it is missing or fails
+        its checks (a miss: it is computed instead)."""
+        match = self.store.lookup(tokens, salt, SPACE)
+        if match.num_tokens < len(tokens):
+            return None
+        n = len(self.layout)
+        parts: list[dict[str, list[torch.Tensor]]] = [{"k": [], "v": [], "h": []} for _ in range(n)]
+        nbytes = 0
+        for c in match.chunks:
+            states = self.store.read_layers(c, range(n), copy=False)
+            if states is None:
+                return None
+            nbytes += c.nbytes
+            for s in states:
+                for p in ("k", "v", "h"):
+                    t = getattr(s, p)
+                    if t is not None:
+                        parts[s.layer][p].append(t[: min(c.end, len(tokens)) - c.start])
+        dev, dtype = self.runner.device, self.runner.k_cache.dtype
+
+        def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
+            if not ts:
+                return None
+            t = ts[0] if len(ts) == 1 else torch.cat(ts)
+            return t.to(dev, dtype)
+
+        k, v, h = (tuple(joined(parts[li][p]) for li in range(n)) for p in ("k", "v", "h"))
+        for li, rep in enumerate(self.layout):
+            need = (k[li], v[li]) if rep is Repr.KV else (h[li],)
+            if any(t is None or t.shape[0] != len(tokens) for t in need):
+                return None
+        return SegmentState(k, v, h, True, nbytes)
+
+    @torch.inference_mode()
+    def compute(self, tokens: Sequence[int], salt: str) -> SegmentState:
+        """The segment's state computed alone (and handed to the store's writer)."""
+        model, n = self.runner.model, len(tokens)
+        alone = _Alone(self.runner, n, self.layout)
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.runner.device)
+        model.run_layers(model.embed(ids), alone)
+        if self.save:
+            def stack(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+                have = [t for t in ts if t is not None]
+                return torch.stack(have).cpu() if have else None
+
+            self.store.save(tokens, 0, stack(alone.k), stack(alone.v), stack(alone.h), salt, SPACE)
+        return SegmentState(tuple(alone.k), tuple(alone.v), tuple(alone.h), False, 0)

@@ -1,0 +1,184 @@
+"""Blended restores (non-prefix reuse) in the engine: every token recomputed equals an exact
+prefill bit for bit; the plan and the bits do not depend on the batch; tenants never see each
+other's segments; blended state never serves an exact lookup; hostile segment bytes are misses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.prompts import PromptError
+from kvtier.engine.request import SamplingParams
+from kvtier.engine.restore.segments import SPACE
+from kvtier.models.loading import load_model
+from kvtier.planning.blend import BlendOptions
+
+N = 300
+SEGMENTS = ((20, 120), (125, 260))  # two documents, text between and after them
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, first_logits=True)
+EVERY_TOKEN = BlendOptions(link_tokens=10**6)
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def model(request):
+    return load_model("tiny-gqa", dtype=request.param, tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+
+
+def _ids(model, seed: int = 3, n: int = N) -> list[int]:
+    return torch.randint(3, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(model, store: str = "memory:256MB", **reuse) -> Engine:
+    return Engine(model, store=store, reuse=ReuseConfig(chunk_tokens=64, blend=BlendOptions(), **reuse))
+
+
+def _blend(engine: Engine, ids, options=None, salt: str | None = None, segments=SEGMENTS):
+    rid = engine.add_request(ids, GREEDY, cache_salt=salt, segments=segments, blend=options or True)
+    final = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final[rid]
+
+
+def test_every_token_recomputed_is_an_exact_prefill_bit_for_bit(model):
+    ids = _ids(model)
+    with Engine(model) as plain:
+        want = plain.generate([ids], GREEDY)[0]
+    with _engine(model) as engine:
+        computed = _blend(engine, ids, EVERY_TOKEN)  # segments computed alone here, then saved
+        assert engine.flush(30)
+        stored = _blend(engine, ids, EVERY_TOKEN)  # read back from the store
+    for out in (computed, stored):
+        assert out.restore is not None and out.restore.method == "blend"
+        assert out.restore.recomputed_tokens == N - 1 and out.restore.blended_tokens == 0
+        assert torch.equal(out.first_logits, want.first_logits)
+        assert out.output_ids == want.output_ids
+    assert computed.restore.bytes_read == 0 and stored.restore.bytes_read > 0
+
+
+def test_the_default_blend_loads_the_segments_and_recomputes_the_rest(fp32):
+    ids = _ids(fp32)
+    with _engine(fp32) as engine:
+        first = _blend(engine, ids)
+        assert engine.flush(30)
+        again = _blend(engine, ids)
+    k = BlendOptions().link_tokens
+    loaded = sum(b - a - k for a, b in SEGMENTS)
+    for out in (first, again):
+        assert out.restore.blended_tokens == loaded
+        assert out.restore.recomputed_tokens == N - 1 - loaded
+        assert out.prompt_tokens_reused == 0  # nothing exact was reused
+    assert torch.equal(first.first_logits, again.first_logits)  # stored state is the state computed alone
+
+
+@pytest.mark.parametrize("options", [BlendOptions(), BlendOptions(mode="cacheblend", ratio=0.2)],
+                         ids=["legolink", "cacheblend"])
+def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, options):
+    ids, other = _ids(fp32), _ids(fp32, seed=9, n=200)
+    with _engine(fp32) as engine:
+        alone = _blend(engine, ids, options)
+        assert engine.flush(30)
+        again = _blend(engine, ids, options)
+        # In a batch: another request prefilling and decoding beside it.
+        engine.add_request(other, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        batched = _blend(engine, ids, options)
+    for out in (again, batched):
+        assert out.restore.recomputed_tokens == alone.restore.recomputed_tokens
+        assert out.restore.blended_tokens == alone.restore.blended_tokens
+        assert torch.equal(out.first_logits, alone.first_logits)
+        assert out.output_ids == alone.output_ids
+
+
+def test_tenants_never_see_each_others_segments(fp32):
+    ids = _ids(fp32)
+    with _engine(fp32) as engine:
+        _blend(engine, ids, salt="tenant-a")
+        assert engine.flush(30)
+        b = _blend(engine, ids, salt="tenant-b")
+        a = _blend(engine, ids, salt="tenant-a")
+        store = engine.store
+        seg = ids[SEGMENTS[0][0]:SEGMENTS[0][1]]
+        assert store.lookup(seg, "tenant-a", SPACE).num_tokens == len(seg)
+        assert store.lookup(seg, "", SPACE).num_tokens == 0
+    assert b.restore.bytes_read == 0  # tenant b computed the segments alone: it found none of a's
+    assert a.restore.bytes_read > 0
+    assert torch.equal(a.first_logits, b.first_logits)
+
+
+def test_a_blended_request_never_serves_an_exact_lookup(fp32):
+    ids = _ids(fp32)
+    with Engine(fp32) as plain:
+        want = plain.generate([ids], GREEDY)[0]
+    with _engine(fp32) as engine:
+        _blend(engine, ids)
+        assert engine.flush(30)
+        store = engine.store
+        assert store.lookup(ids).num_tokens == 0  # nothing saved under the prompt's exact keys
+        seg = ids[SEGMENTS[0][0]:SEGMENTS[0][1]]
+        assert store.lookup(seg).num_tokens == 0  # segment state lies in its own key space
+        exact = engine.generate([ids], GREEDY)[0]  # the same prompt, not blending
+    assert exact.prompt_tokens_reused == 0 and exact.restore is None  # no device block, no stored chunk
+    assert torch.equal(exact.first_logits, want.first_logits)
+
+
+@pytest.mark.parametrize("where", ["device", "store"])
+def test_the_exact_prefix_comes_from_the_device_or_the_store_exactly(fp32, tmp_path, where):
+    ids = _ids(fp32)
+    head = ids[:128] + _ids(fp32, seed=5, n=50)  # an exact request sharing the first 128 tokens
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(fp32, store) as engine:
+        engine.generate([head], SamplingParams(max_tokens=1, temperature=0.0))
+        assert engine.flush(30)
+        if where == "device":
+            out = _blend(engine, ids, EVERY_TOKEN)
+    if where == "store":
+        with _engine(fp32, store) as engine:  # a fresh device: the prefix comes from the disk
+            out = _blend(engine, ids, EVERY_TOKEN)
+    with Engine(fp32) as plain:
+        want = plain.generate([ids], GREEDY)[0]
+    assert out.prompt_tokens_reused == 128  # exact: the device's whole blocks, or the stored chunks
+    assert out.reused_by_tier == ({"device": 128} if where == "device" else {"disk": 128})
+    assert torch.equal(out.first_logits, want.first_logits)
+
+
+def test_hostile_segment_bytes_are_misses(fp32, tmp_path):
+    ids = _ids(fp32)
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(fp32, store) as engine:
+        want = _blend(engine, ids)
+        assert engine.flush(30)
+    files = [p for p in (tmp_path / "d").rglob("*") if p.is_file() and p.stat().st_size > 4096]
+    assert files
+    for p in files:  # flip bytes in every stored chunk's payload
+        raw = bytearray(p.read_bytes())
+        for i in range(len(raw) - 2048, len(raw), 97):
+            raw[i] ^= 0xFF
+        p.write_bytes(bytes(raw))
+    with _engine(fp32, store) as engine:
+        out = _blend(engine, ids)
+    assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone again
+    assert torch.equal(out.first_logits, want.first_logits)
+
+
+def test_blending_is_refused_with_a_message_where_it_is_off(fp32):
+    ids = _ids(fp32)
+    with Engine(fp32) as no_store:
+        with pytest.raises(PromptError, match="needs a store"):
+            no_store.add_request(ids, GREEDY, segments=SEGMENTS, blend=True)
+    with Engine(fp32, store="memory:64MB") as off:
+        with pytest.raises(PromptError, match="--blend"):
+            off.add_request(ids, GREEDY, segments=SEGMENTS, blend=True)
+        off.add_request(ids, GREEDY, segments=SEGMENTS)  # not asked: marked documents just prefill
+    with _engine(fp32) as engine:
+        with pytest.raises(PromptError, match="document 1 does not occur"):
+            engine.add_request(ids, GREEDY, documents=[ids[20:40], [1, 2, 3]])
+        with pytest.raises(PromptError, match="segment"):
+            engine.add_request(ids, GREEDY, segments=[(10, 5)])
