@@ -24,10 +24,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kvtier.cli.engine_args import EngineOptions
+from kvtier.engine.documents import mark
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.models import DEFAULT_MODEL
 from kvtier.outputs import RequestOutput, group
+from kvtier.planning.blend import BlendOptions
 
 Messages = Sequence[dict[str, Any]]
 
@@ -42,17 +44,29 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | None = None, *,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 documents: Sequence[str | Sequence[int]] | Sequence[Sequence[str | Sequence[int]]] | None = None,
+                 blend: bool | BlendOptions | None = None) -> list[RequestOutput]:
         """Complete a prompt (text or token ids) or a list of them, batched: one RequestOutput per
         prompt, in order, its SamplingParams(n=...) samples in `.outputs`. `priority` (vLLM's):
         one int per prompt; lower values are admitted first (a running request is not preempted
-        for them), equal ones in prompt order."""
+        for them), equal ones in prompt order. `documents`: the texts (or ids) in the prompt a
+        blended restore may load from state computed alone (one list per prompt for a batch),
+        with `blend` as `Engine.add_request` takes it (LLM(..., blend=True) allows blending)."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         # `single` tells a lone prompt from a batch; mypy cannot narrow the union on prompts[0].
         batch = cast("list[str | Sequence[int]]", [prompts] if single else list(prompts))
-        # Encoded here, once, so the outputs can carry prompt_token_ids; the engine takes ids as given.
-        ids = [self.engine.encode(p) for p in batch]
-        return self._run([p if isinstance(p, str) else None for p in batch], ids, sampling_params, priority)
+        per = cast("list[Sequence[str | Sequence[int]] | None]",
+                   [None] * len(batch) if documents is None else [documents] if single else list(documents))
+        if len(per) != len(batch):
+            raise ValueError(f"documents has {len(per)} lists for {len(batch)} prompts")
+        # Encoded here, once, so the outputs can carry prompt_token_ids; the engine takes ids as given
+        # (a document's ids, located again in them).
+        marked = [mark(self.engine.encode, p, d, ()) for p, d in zip(batch, per)]
+        ids = [m[0] for m in marked]
+        docs = [[i[a:b] for a, b in spans] if d is not None else None for (i, spans), d in zip(marked, per)]
+        return self._run([p if isinstance(p, str) else None for p in batch], ids, sampling_params, priority,
+                         docs, blend)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
@@ -69,10 +83,16 @@ class LLM:
             for c in conversations]
         return self._run(texts, ids, sampling_params)
 
+    def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
+        """Store each document's state computed alone, for blended requests -> (found stored, computed)."""
+        return self.engine.precompile(documents, cache_salt)
+
     def _run(self, prompts: list[str | None], ids: list[list[int]], sampling_params: SamplingParams | None,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None, documents: Sequence[Sequence[Sequence[int]] | None] | None = None,
+             blend: bool | BlendOptions | None = None) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
-        outs = self.engine.generate(cast("list[str | Sequence[int]]", ids), params, priority)
+        outs = self.engine.generate(cast("list[str | Sequence[int]]", ids), params, priority,
+                                    documents=documents, blend=blend)
         return group(outs, prompts, ids, params, self.engine.model.tokenizer, sorted(self.engine.eos_ids))
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from kvtier.store.spec import SPEC_HELP, SpecError, parse_spec
 if TYPE_CHECKING:
     from kvtier.engine.config import ImpressConfig, PartialConfig, ReuseConfig
     from kvtier.engine.engine import Engine
+    from kvtier.planning.blend import BlendOptions
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 # vLLM's --dtype names for the same dtypes (its choices: auto, half, float16, bfloat16, float, float32).
@@ -208,6 +209,18 @@ class EngineOptions:
                                        "layer (probes), probe heads first and every key only where they disagree "
                                        "(impress, the paper: more bytes), or every key and every head (h2o: more bytes, closer to "
                                        "full accuracy on models with few KV heads)", choices=("impress", "probes", "h2o"))
+    blend: bool = option(False, STORE, "blend marked documents (chat content parts, documents=[...], or parts "
+                         "between --blend-separator in a plain prompt): their state computed alone is loaded at any "
+                         "position and a few tokens recomputed (lossy, so off by default; a request's `blend` field "
+                         "turns it off or asks for other options; docs/blend.md)")
+    blend_mode: str = option("legolink", STORE, "with --blend: what is recomputed besides the new tokens: the first "
+                             "--blend-link-tokens of each document (legolink), the --blend-ratio share of loaded "
+                             "tokens whose keys deviate most at layer 1 (cacheblend), or nothing (naive)",
+                             choices=("legolink", "cacheblend", "naive"))
+    blend_link_tokens: int = option(16, STORE, "legolink: leading tokens of each document recomputed",
+                                    type=non_negative_int, metavar="K")
+    blend_ratio: float = option(0.15, STORE, "cacheblend: share of the loaded tokens recomputed", type=ratio,
+                                metavar="R")
     eviction_policy: str = option("lru", STORE, "what the memory and disk tiers give up first; score: accesses x the "
                                   "share of a chunk importance restores needed, admitted to memory only above the "
                                   "lowest held", choices=("lru", "lfu", "fifo", "score"))
@@ -253,7 +266,18 @@ class EngineOptions:
         return ReuseConfig(method=self.restore_method, allow_lossy=self.allow_lossy, chunk_tokens=self.chunk_tokens,
                            storage_dtype=storage, min_restore_tokens=self.min_restore_tokens,
                            eviction_policy=EvictionPolicy(self.eviction_policy), impress=self.impress(),
-                           seal=load_secret(self.store_secret, self.store_secret_file), **extra)
+                           seal=load_secret(self.store_secret, self.store_secret_file), blend=self.blend_options(),
+                           **extra)
+
+    def blend_options(self) -> BlendOptions | None:
+        from kvtier.planning.blend import BlendOptions
+
+        if not self.blend:
+            for name, default in (("blend_mode", "legolink"), ("blend_link_tokens", 16), ("blend_ratio", 0.15)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"--{name.replace('_', '-')} sets how requests blend: add --blend")
+            return None
+        return BlendOptions(mode=self.blend_mode, link_tokens=self.blend_link_tokens, ratio=self.blend_ratio)
 
     def partial(self) -> PartialConfig | None:
         from kvtier.engine.config import PartialConfig, PartialPolicy

@@ -183,10 +183,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _command_registrations() -> list[Callable[[argparse._SubParsersAction], object]]:
+    from kvtier.cli.precompile import register as register_precompile
     from kvtier.cli.serve import register as register_serve
     from kvtier.cli.store import register as register_store
 
-    return [register_serve, register_store, register_profile]
+    return [register_serve, register_store, register_profile, register_precompile]
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

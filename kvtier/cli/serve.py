@@ -51,7 +51,7 @@ def _port(text: str) -> int:
 
 
 SESSIONS, HTTP, GRAMMARS = "sessions", "HTTP", "structured output (grammars, regexes and JSON schemas requests send)"
-REASONING = "reasoning models"
+REASONING, BLENDING = "reasoning models", "blending (--blend)"
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,11 @@ class ServeOptions:
                                           "</think> is thinking (DeepSeek-R1, QwQ)", choices=PARSER_NAMES,
                                           default_text="off: the thinking stays in content")
 
+    blend_separator: str | None = option(None, BLENDING, "with --blend: "
+                                         "in a completions text prompt, the parts between the first and the last "
+                                         "part this string separates are documents (the string is taken out)",
+                                         metavar="TEXT", default_text="none")
+
     def serve_config(self) -> ServeConfig:
         """The validated server settings (the --api-keys file is read here)."""
         from kvtier.serve.api_keys import load_api_keys
@@ -134,6 +139,7 @@ class ServeOptions:
             shared_cache=self.shared_cache, max_body_bytes=self.max_body_bytes,
             default_max_tokens=self.default_max_tokens, max_queued_requests=self.max_queued_requests,
             stats_interval_s=self.log_stats_interval, reasoning_parser=self.reasoning_parser,
+            blend_separator=self.blend_separator,
             grammar_limits=GrammarLimits(self.max_grammar_bytes, self.max_grammar_rules, self.max_grammar_depth,
                                          self.max_grammar_repeat, self.grammar_timeout),
         )

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.structured import Constraint
+from kvtier.planning.blend import BlendOptions
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,11 @@ class BackgroundEngine:
         *,
         priority: int = 0,
         cache_prompt: bool = True,
+        segments: Sequence[tuple[int, int]] = (),
+        blend: bool | BlendOptions | None = None,
     ) -> str:
         rid = self.engine.add_request(prompt, params, request_id, on_output, session_id, cache_salt, constraint,
-                                      priority=priority, cache_prompt=cache_prompt)
+                                      priority=priority, cache_prompt=cache_prompt, segments=segments, blend=blend)
         self._wake.set()
         return rid
 

@@ -249,6 +249,14 @@ class Engine:
         self._inbox.put(("add", (req, on_output, constraint)))
         return rid
 
+    def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
+        """Compute and store each document's state alone, so blended requests find it (safe from
+        any thread; the saves go through the store's writer) -> (found stored, computed)."""
+        docs = [self.encode(d) for d in documents]
+        for d in docs:
+            self.validate(d)
+        return self.link.precompile(docs, cache_salt or "")
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 

@@ -18,6 +18,7 @@ from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.engine import RequestOutput
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.structured import Constraint
+from kvtier.planning.blend import BlendOptions
 from kvtier.serve.metrics import ServerMetrics
 
 
@@ -53,6 +54,8 @@ class Generation:
         constraint: Constraint | None = None,
         priority: int = 0,
         cache_prompt: bool = True,
+        segments: Sequence[tuple[int, int]] = (),
+        blend: bool | BlendOptions | None = None,
     ) -> None:
         self.background = background
         self.request_id = request_id
@@ -71,7 +74,7 @@ class Generation:
         # Validation already happened in the handler; this can still raise PromptError/SamplingError.
         background.submit(
             list(ids), params, self._on_output, request_id=request_id, session_id=session_id, cache_salt=cache_salt,
-            constraint=constraint, priority=priority, cache_prompt=cache_prompt,
+            constraint=constraint, priority=priority, cache_prompt=cache_prompt, segments=segments, blend=blend,
         )
 
     # ----- engine thread --------------------------------------------------------------------

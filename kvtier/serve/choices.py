@@ -39,6 +39,8 @@ def usage(outs: Sequence[RequestOutput]) -> r.Usage:
         prompt_tokens_details=r.PromptTokensDetails(
             cached_tokens=first.prompt_tokens_reused,
             attended_prefix_tokens=first.restore.prefix_attended if first.restore else None,
+            blended_tokens=first.restore.blended_tokens if first.restore else None,
+            recomputed_tokens=first.restore.recomputed_tokens if first.restore else None,
         ),
     )
 

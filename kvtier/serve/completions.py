@@ -91,6 +91,7 @@ async def _start(
             cache_salt=cache_salt(tenant, body.cache_salt, shared=ctx.config.shared_cache),
             received=received, on_done=ctx.release, constraint=constraint,
             priority=body.priority or 0, cache_prompt=body.cache_prompt is not False,
+            segments=prepared.segments, blend=prepared.blend,
         )
     except (PromptError, SamplingError) as e:  # checked already; the engine has the last word
         ctx.release()
@@ -112,9 +113,10 @@ async def _finish(gen: Generation, request: Request) -> list[RequestOutput] | Re
 
 
 def _prepare(ctx: ServerContext, ids: Sequence[int], body: ChatCompletionRequest | CompletionRequest,
-             grammar: Grammar | None) -> Prepared:
+             grammar: Grammar | None, segments: tuple[tuple[int, int], ...] = ()) -> Prepared:
     return prepare(ctx.engine, ids, body, body.requested_max_tokens(), ctx.config.default_max_tokens,
-                   grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries)
+                   grammar[0] if grammar else None, max_output_entries=ctx.config.max_output_entries,
+                   segments=segments)
 
 
 async def _token_text(engine: Engine, logprobs: bool, as_ids: bool) -> TokenText:
@@ -159,10 +161,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
         nonlocal reasoning
-        ids = await run_in_threadpool(chat_prompt, engine, body, tools)
+        ids, spans = await run_in_threadpool(chat_prompt, engine, body, tools)
         grammar = grammar_spec(body, tools)
         reasoning = request_parser(ctx.config.reasoning_parser, engine.model.tokenizer, ids, grammar is not None)
-        return _prepare(ctx, ids, body, grammar), grammar
+        return _prepare(ctx, ids, body, grammar, spans), grammar
 
     text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None, body.return_tokens_as_token_ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -201,9 +203,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     engine = ctx.engine
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
-        ids = await run_in_threadpool(completion_prompt, engine, body)
+        ids, spans = await run_in_threadpool(completion_prompt, engine, body, ctx.config.blend_separator)
         grammar = grammar_spec(body)
-        return _prepare(ctx, ids, body, grammar), grammar
+        return _prepare(ctx, ids, body, grammar, spans), grammar
 
     echo = _echoed_prompt(engine, body)
     text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None,

@@ -59,6 +59,10 @@ class ServeConfig:
     # A reasoning model's parser (kvtier/serve/reasoning.py): chat answers return its thinking as
     # reasoning_content, apart from content. None: the thinking stays in content.
     reasoning_parser: str | None = None
+    # With the engine's blending on: in a plain (completions) text prompt, the parts between the
+    # first and the last part this string separates are documents; it is taken out of the prompt.
+    # None: plain prompts mark no document.
+    blend_separator: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -73,6 +77,8 @@ class ServeConfig:
             raise ValueError(f"stats_interval_s must be >= 0 (0: off), got {self.stats_interval_s}")
         if self.unknown_fields not in UNKNOWN_FIELDS_MODES:
             raise ValueError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELDS_MODES)}, got {self.unknown_fields!r}")
+        if self.blend_separator is not None and not self.blend_separator:
+            raise ValueError("blend_separator must not be empty (leave it unset for no separator)")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSER_NAMES:
             raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_NAMES)}, got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key:

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from jinja2 import TemplateError
 from pydantic import BaseModel
@@ -21,6 +21,8 @@ from pydantic import BaseModel
 from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
 from kvtier.engine.structured import Constraint, GrammarError, too_slow
+from kvtier.planning.blend import BlendOptions
+from kvtier.serve.blend_inputs import Spans, blend_asked, content_parts, marked_chat, marked_completion, marks
 from kvtier.serve.budget import check_output_budget
 from kvtier.serve.errors import APIError
 from kvtier.serve.schemas import (
@@ -68,6 +70,8 @@ def check_unknown_fields(body: BaseModel, mode: str) -> None:
 class Prepared:
     ids: list[int]
     params: SamplingParams
+    segments: Spans = ()  # the documents' spans a blended restore may load
+    blend: bool | BlendOptions | None = None  # the request's `blend` (None: as the server says)
 
 
 @dataclass(frozen=True)
@@ -98,15 +102,19 @@ def tool_setup(engine: Engine, body: ChatCompletionRequest) -> ToolSetup:
                      strict, tag_tokens(engine.model.tokenizer) if constrained else frozenset())
 
 
-def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -> list[int]:
+def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -> tuple[list[int], Spans]:
+    """The chat prompt's ids, and its documents' spans where the server blends (blend_inputs.py)."""
     template = getattr(engine.model.tokenizer, "chat_template", None)
     # tool_choice "none": the model is not shown the tools, so it cannot call one.
     messages, tools_arg = prepare_messages(template_messages(body.messages),
                                            tools.tools if tools.mode != "none" else None, template)
     try:
+        parts = content_parts(body) if marks(engine, body) else []
+        if parts:
+            return marked_chat(engine, lambda: _render_chat(engine, messages, tools_arg, body, tokenize=False), parts)
         if not body.continue_final_message and not body.chat_template_kwargs:
-            return engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools_arg)
-        return _render_chat(engine, messages, tools_arg, body)
+            return engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools_arg), ()
+        return _render_chat(engine, messages, tools_arg, body), ()
     except (PromptError, TemplateError) as e:
         # Templates may reject a conversation shape (e.g. roles that do not alternate).
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
@@ -117,25 +125,37 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -
         raise APIError(400, f"cannot continue the final message: {e}", param="continue_final_message") from e
 
 
+@overload
 def _render_chat(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 body: ChatCompletionRequest) -> list[int]:
+                 body: ChatCompletionRequest) -> list[int]: ...
+@overload
+def _render_chat(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 body: ChatCompletionRequest, tokenize: Literal[False]) -> str: ...
+def _render_chat(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 body: ChatCompletionRequest, tokenize: bool = True) -> list[int] | str:
     """The chat template with vLLM's controls: the final message left open, and the request's
     own template variables (the schema keeps them off the template's reserved names)."""
     tok = engine.model.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise PromptError(f"model {engine.model.name} has no chat template")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                  continue_final_message=body.continue_final_message, tokenize=True, tools=tools,
+    out = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message, tokenize=tokenize, tools=tools,
                                   **(body.chat_template_kwargs or {}))
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    if not tokenize:
+        return str(out)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def completion_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
+def completion_prompt(engine: Engine, body: CompletionRequest, separator: str | None = None) -> tuple[list[int], Spans]:
+    """The prompt's ids, and its documents' spans where the server blends and `separator` marks them."""
     prompt = body.prompt
     try:
+        marked = marked_completion(engine, body, separator)
+        if marked is not None:
+            return marked
         if isinstance(prompt, str):
-            return engine.encode(prompt, body.add_special_tokens)
-        return engine.encode(list(prompt))  # type: ignore[arg-type]
+            return engine.encode(prompt, body.add_special_tokens), ()
+        return engine.encode(list(prompt)), ()  # type: ignore[arg-type]
     except PromptError as e:
         raise APIError(400, str(e), param="prompt") from e
 
@@ -186,7 +206,7 @@ async def build_constraint(engine: Engine, spec: tuple[GrammarSpec, str] | None)
 
 def prepare(
     engine: Engine, ids: Sequence[int], body: SamplingFields, requested: int | None, default_max_tokens: int | None,
-    structured: GrammarSpec | None = None, max_output_entries: int = 0,
+    structured: GrammarSpec | None = None, max_output_entries: int = 0, segments: Spans = (),
 ) -> Prepared:
     """Check the prompt against the context window and build the sampling parameters."""
     window = engine.max_model_len
@@ -196,7 +216,7 @@ def prepare(
     max_tokens = _max_tokens(body, len(ids), window, truncated, requested, default_max_tokens)
     check_output_budget(body, max_tokens, min(len(ids), window), max_output_entries)
     bias = _logit_bias(body, engine.model.config.vocab_size)
-    return Prepared(ids, _sampling_params(body, max_tokens, bias, structured))
+    return Prepared(ids, _sampling_params(body, max_tokens, bias, structured), segments, blend_asked(engine, body))
 
 
 def _check_prompt(engine: Engine, ids: list[int], body: SamplingFields) -> bool:

@@ -15,6 +15,10 @@ class PromptTokensDetails(BaseModel):
     # kvtier: with --restore-method impress, the restored prefix tokens each layer attended to (the
     # rest were left out: an approximation); null when every cached token was attended to.
     attended_prefix_tokens: int | None = None
+    # kvtier: a blended request's prompt tokens loaded from documents' state computed alone (an
+    # approximation), and those it recomputed; null when it did not blend.
+    blended_tokens: int | None = None
+    recomputed_tokens: int | None = None
 
 
 class Usage(BaseModel):

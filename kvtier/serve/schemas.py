@@ -54,6 +54,15 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="usage (so far) in every chunk, as vLLM offers")
 
 
+class BlendField(BaseModel):
+    """A request's own blend options (kvtier's; the server's --blend-* flags are the defaults)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["legolink", "cacheblend", "naive"] = "legolink"
+    link_tokens: int = Field(16, ge=0, le=4096, description="legolink: leading tokens of each document recomputed")
+    ratio: float = Field(0.15, ge=0.0, le=1.0, description="cacheblend: share of the loaded tokens recomputed")
+
+
 class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
@@ -318,6 +327,13 @@ class SamplingFields(BaseModel):
     cache_prompt: bool | None = Field(
         None, description="llama-server's: default true; false neither reuses cached or stored prompt state nor "
         "leaves this request's state for others (computed in full, not saved)",
+    )
+    # kvtier's: blended restores of marked documents (chat content parts; in a plain prompt, the
+    # parts between the server's --blend-separator), lossy and allowed by the server's --blend.
+    blend: bool | BlendField | None = Field(
+        None, description="kvtier's: with the server's --blend, marked documents (the text parts of a message's "
+        "content list) are loaded from state computed alone and a few tokens recomputed (lossy). Default: as the "
+        "server says; false: never; true or {mode, link_tokens, ratio}: blend (a 400 where the server does not)",
     )
     # vLLM's (its --scheduling-policy priority); bounded to 32 bits.
     priority: int | None = Field(

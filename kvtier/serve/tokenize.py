@@ -59,7 +59,7 @@ def _encode(engine: Engine, body: TokenizeRequest) -> list[int]:
     try:
         if body.messages is not None:
             chat = body.as_chat()
-            return chat_prompt(engine, chat, tool_setup(engine, chat))
+            return chat_prompt(engine, chat, tool_setup(engine, chat))[0]  # as a generation marks its documents
         assert body.prompt is not None  # the request model requires one of the two
         return engine.encode(body.prompt, body.add_special_tokens is not False)  # default true
     except (PromptError, TemplateError) as e:

@@ -23,6 +23,7 @@ MINIMAL = {"chat": {"model": TINY, "messages": [{"role": "user", "content": "hi"
 
 # Honoured fields -> the test that checks what they do (tests/serve/<file>::<function>).
 EFFECT = {
+    "blend": "test_serve_blend.py::test_content_parts_blend_and_usage_says_how_much",
     "model": "test_serve_bad_input.py::test_bad_json_body",
     "messages": "test_serve_openai.py::test_chat",
     "prompt": "test_serve_openai.py::test_completions_token_ids",

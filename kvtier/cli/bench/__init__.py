@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cli.bench import e2e, forward, impress, load, partial, restore, sampling, store, trace, truncation
+from kvtier.cli.bench import blend, e2e, forward, impress, load, partial, restore, sampling, store, trace, truncation
 
-COMMANDS = (forward, store, restore, trace, truncation, load, e2e, impress, partial, sampling)
+COMMANDS = (forward, store, restore, trace, truncation, load, e2e, impress, partial, sampling, blend)
 
 
 def register_all(bench_subparsers: argparse._SubParsersAction) -> None:

@@ -88,6 +88,11 @@ class StateLink(Protocol):
 
     def report(self, with_store: bool = True) -> LinkReport: ...
 
+    def precompile(self, documents: Sequence[Sequence[int]], salt: str) -> tuple[int, int]:
+        """Store each document's state computed alone for blended restores (those stored already
+        are left as they are) -> (found stored, computed)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -136,6 +141,9 @@ class NullStateLink:
 
     def report(self, with_store: bool = True) -> LinkReport:
         return LinkReport()
+
+    def precompile(self, documents: Sequence[Sequence[int]], salt: str) -> tuple[int, int]:
+        raise ValueError("precompiling documents needs a store (start the engine with one, e.g. --store memory:4GB)")
 
     def close(self) -> None:
         pass
@@ -301,10 +309,22 @@ class StoreLink:
                           stored_bytes_per_token=self._store.namespace.bytes_per_token() if self._store.namespace else 0,
                           store=self._store.stats() if with_store else None)
 
+    def precompile(self, documents: Sequence[Sequence[int]], salt: str) -> tuple[int, int]:
+        segments = self.restorer.segments
+        if segments is None:
+            raise ValueError("blended restores need K/V or hidden states in every layer; this store's layout keeps "
+                             f"none for some ({', '.join(r.value for r in self.layout)})")
+        stored = 0
+        for doc in documents:
+            if segments.read(doc, salt) is not None:
+                stored += 1
+            else:
+                segments.compute(doc, salt)
+        return stored, len(documents) - stored
+
     def close(self) -> None:
         self.restorer.close()
         self._store.close()
-
 
 def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: ReuseConfig, profile: HardwareProfile,
                     prefill_chunk_tokens: int, calibration: ProbeCalibration | None = None) -> StoreLink:

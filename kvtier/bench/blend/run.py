@@ -1,0 +1,289 @@
+"""`kvtier bench blend`: blended restores (non-prefix reuse of documents' state computed alone:
+naive, EPIC/LegoLink, CacheBlend) against a full prefill and exact prefix reuse, on MuSiQue
+questions with ten retrieved passages each, in a shuffled order.
+
+Every row runs on the same token ids per question: `full` (nothing reused, the reference),
+`prefix` (exact prefix reuse after a request with the passages in another order), `naive`,
+`legolink-K` and `cacheblend-R`. Columns: the share of the prompt computed, first-token agreement
+with full (Wilson 95%), mean KL(full || row) of the first token's distribution (bootstrap 95%),
+leading output tokens equal to full's, answer token F1 against full's answer and the gold ones,
+TTFT from a memory store and, for full and the default legolink and cacheblend rows, from a cold
+disk, each beside its roofline (bench/roofline's rates measured in the same run; the disk's read
+bandwidth measured cold on the store's own files).
+
+Data: MuSiQue (Trivedi et al., TACL 2022, CC BY 4.0), the first 100 of the CacheBlend paper's 150
+questions, read from --data (never copied into the repository). --synthetic (or a model without a
+tokenizer) runs random ids laid out the same way, for random-weight models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.blend import data as blend_data
+from kvtier.bench.blend.ideal import FlopModel, ideal, row_flops
+from kvtier.bench.blend.metrics import Sample, best_f1, kl_first, leading_equal, summarize, token_f1
+from kvtier.bench.blend.report import plot, table
+from kvtier.bench.common import drop_page_cache, machine_info, read_bandwidth, write_json_atomic
+from kvtier.bench.roofline import Rates, measure
+from kvtier.engine import prompts as prompts_
+from kvtier.engine.config import ReuseConfig
+from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.request import SamplingParams
+from kvtier.models.loading import LoadedModel, load_model
+from kvtier.planning.blend import BlendMode, BlendOptions
+
+PREFIX_SALT = "bench-prefix"  # the prefix row's own chains: the blended rows never see them
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    blend: BlendOptions | None  # None: an exact row (full, prefix)
+
+
+def row_specs(link_tokens: Sequence[int], ratios: Sequence[float]) -> list[RowSpec]:
+    return ([RowSpec("naive", BlendOptions(mode="naive"))]
+            + [RowSpec(f"legolink-{k}", BlendOptions(link_tokens=k)) for k in link_tokens]
+            + [RowSpec(f"cacheblend-{r:g}", BlendOptions(mode="cacheblend", ratio=r)) for r in ratios])
+
+
+def disk_specs() -> list[RowSpec]:
+    """The rows timed from a cold disk: full and the engine's default legolink and cacheblend."""
+    d = BlendOptions()
+    return [RowSpec("full", None), RowSpec(f"legolink-{d.link_tokens}", d),
+            RowSpec(f"cacheblend-{d.ratio:g}", BlendOptions(mode="cacheblend", ratio=d.ratio))]
+
+
+def _serve(engine: Engine, ids: Sequence[int], spans: Sequence[tuple[int, int]], params: SamplingParams,
+           blend: BlendOptions | bool, cache_prompt: bool = True, salt: str | None = None) -> RequestOutput:
+    """One request alone in the engine, run to its end."""
+    rid = engine.add_request(list(ids), params, cache_salt=salt, cache_prompt=cache_prompt, segments=spans,
+                             blend=blend)
+    while True:
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return out
+
+
+def _computed(out: RequestOutput) -> int:
+    """Prompt tokens the row computed: a blend's recomputed ones and the last, else those not reused."""
+    r = out.restore
+    if r is not None and r.method == "blend" and r.recomputed_tokens is not None:
+        return r.recomputed_tokens + 1
+    return out.prompt_tokens - out.prompt_tokens_reused
+
+
+def _answer(out: RequestOutput, synthetic: bool) -> str:
+    """The answer as text; random ids' answers as their ids (F1 then counts shared ids)."""
+    return " ".join(map(str, out.output_ids)) if synthetic else out.text
+
+
+def _sample(p: blend_data.Prompt, out: RequestOutput, full: RequestOutput, synthetic: bool) -> Sample:
+    assert out.first_logits is not None and full.first_logits is not None  # SamplingParams(first_logits=True)
+    answer = _answer(out, synthetic)
+    computed = _computed(out)
+    return Sample(question=p.index, recomputed_share=computed / out.prompt_tokens,
+                  first_token_equal=out.output_ids[:1] == full.output_ids[:1],
+                  kl=kl_first(full.first_logits, out.first_logits),
+                  leading_equal=leading_equal(out.output_ids, full.output_ids),
+                  f1_full=token_f1(answer, _answer(full, synthetic)), f1_gold=best_f1(answer, p.answers),
+                  ttft_s=out.ttft or float("nan"), bytes_read=out.restore.bytes_read if out.restore else 0,
+                  recomputed_tokens=computed, text=answer)
+
+
+@dataclass
+class Context:
+    """What every pass needs: the model, its FLOP model, the measured rates, the settings."""
+
+    loaded: LoadedModel
+    args: argparse.Namespace
+    synthetic: bool
+    fm: FlopModel
+    rates: Rates
+    params: SamplingParams
+
+
+def _engine(ctx: Context, store: str) -> Engine:
+    return Engine(ctx.loaded, store=store, reuse=ReuseConfig(chunk_tokens=ctx.args.chunk_tokens, blend=BlendOptions()))
+
+
+def _with_ideal(s: Sample, ctx: Context, p: blend_data.Prompt, blend: BlendOptions | None, bandwidth: float) -> dict:
+    flops = row_flops(ctx.fm, p.ids, p.spans, blend, s.recomputed_tokens)
+    i = ideal(s.bytes_read, flops, bandwidth, ctx.rates)
+    return asdict(s) | dict(flops=flops, ideal_read_s=i.read_s, ideal_compute_s=i.compute_s, ideal_s=i.seconds)
+
+
+def _prefix_row(engine: Engine, p: blend_data.Prompt, params: SamplingParams) -> RequestOutput:
+    """Exact prefix reuse as a server gets it: a request with the passages in another order
+    served and saved first, then this prompt (its own salt: the blended rows never reuse it)."""
+    _serve(engine, p.warm_ids, (), SamplingParams(max_tokens=1, temperature=0.0), blend=False, salt=PREFIX_SALT)
+    engine.flush(600)
+    return _serve(engine, p.ids, p.spans, params, blend=False, salt=PREFIX_SALT)
+
+
+def _warm_up(engine: Engine, p: blend_data.Prompt) -> None:
+    """A short untimed request first: a fresh engine's first step pays one-time costs no row should."""
+    _serve(engine, p.ids[:64], (), SamplingParams(max_tokens=2, temperature=0.0), blend=False, cache_prompt=False)
+
+
+def _question(ctx: Context, engine: Engine, p: blend_data.Prompt, specs: Sequence[RowSpec], timed: bool) -> dict:
+    """Every row on one question from the memory store -> its raw record."""
+    engine.precompile(list(p.documents))  # untimed: the documents' state computed alone, stored
+    engine.flush(600)
+    full = _serve(engine, p.ids, p.spans, ctx.params, blend=False, cache_prompt=False)
+    bw = ctx.rates.bandwidth
+    rows = {"full": _with_ideal(_sample(p, full, full, ctx.synthetic), ctx, p, None, bw)}
+    for spec in specs:
+        assert spec.blend is not None
+        out = _serve(engine, p.ids, p.spans, ctx.params, blend=spec.blend)
+        rows[spec.name] = _with_ideal(_sample(p, out, full, ctx.synthetic), ctx, p, spec.blend, bw)
+        rows[spec.name]["method"] = out.restore.method if out.restore else None
+    if timed:
+        rows["prefix"] = _with_ideal(_sample(p, _prefix_row(engine, p, ctx.params), full, ctx.synthetic), ctx, p,
+                                     None, bw)
+    return dict(index=p.index, question=p.question, answers=list(p.answers), prompt_tokens=len(p.ids), rows=rows)
+
+
+def _progress(i: int, n: int, rec: dict, seconds: float) -> None:
+    rows = rec["rows"]
+    said = "  ".join(f"{k} {v['kl']:.3g}" for k, v in rows.items() if k != "full")
+    print(f"[{i + 1}/{n}] q{rec['index']} {rec['prompt_tokens']} tokens, full TTFT {rows['full']['ttft_s']:.1f} s, "
+          f"{seconds:.0f} s in all; KL: {said}", flush=True)
+
+
+def memory_pass(ctx: Context, prompts: Sequence[blend_data.Prompt], specs: Sequence[RowSpec]) -> list[dict]:
+    records = []
+    with _engine(ctx, ctx.args.store) as engine:
+        if prompts:
+            _warm_up(engine, prompts[0])
+        for i, p in enumerate(prompts):
+            t0 = time.perf_counter()
+            records.append(_question(ctx, engine, p, specs, i < ctx.args.speed_n))
+            _progress(i, len(prompts), records[-1], time.perf_counter() - t0)
+    return records
+
+
+def disk_pass(ctx: Context, prompts: Sequence[blend_data.Prompt]) -> tuple[list[dict], float | None]:
+    """The disk rows on the first --speed-n questions, the page cache evicted before each request
+    -> (raw records, the disk's cold read bandwidth over the store's files)."""
+    prompts = prompts[: ctx.args.speed_n]
+    if not prompts:
+        return [], None
+    root = Path(ctx.args.dir or tempfile.mkdtemp(prefix="kvtier-blend-"))
+    out: list[tuple[blend_data.Prompt, RowSpec, Sample]] = []
+    with _engine(ctx, f"disk:{root}/store:{ctx.args.disk_size}") as engine:
+        _warm_up(engine, prompts[0])
+        for p in prompts:
+            engine.precompile(list(p.documents))
+            engine.flush(600)
+            full = None
+            for spec in disk_specs():
+                drop_page_cache(root)
+                o = _serve(engine, p.ids, p.spans, ctx.params, blend=spec.blend or False,
+                           cache_prompt=spec.blend is not None)
+                full = full or o
+                out.append((p, spec, _sample(p, o, full, ctx.synthetic)))
+                print(f"  cold disk q{p.index} {spec.name}: TTFT {o.ttft or 0:.2f} s, read "
+                      f"{out[-1][2].bytes_read / 1e6:.0f} MB", flush=True)
+    bandwidth = read_bandwidth(f for f in root.rglob("*") if f.is_file())
+    return [dict(row=spec.name, **_with_ideal(s, ctx, p, spec.blend, bandwidth)) for p, spec, s in out], bandwidth
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summary_rows(records: Sequence[dict], disk: Sequence[dict], specs: Sequence[RowSpec]) -> list[dict]:
+    """One row per method: its fidelity and memory TTFT over the questions, its cold-disk TTFT."""
+    names = ["full", "prefix", *(s.name for s in specs)]
+    blends = {s.name: s.blend for s in specs}
+    rows = []
+    for name in names:
+        raw = [r["rows"][name] for r in records if name in r["rows"]]
+        if not raw:
+            continue
+        fields = set(Sample.__dataclass_fields__)
+        row = dict(row=name, **summarize([Sample(**{k: v for k, v in x.items() if k in fields}) for x in raw]))
+        b = blends.get(name)
+        row.update(mode=BlendMode(b.mode).value if b else name, link_tokens=b.link_tokens if b else None,
+                   ratio=b.ratio if b else None, ideal_s=_median([x["ideal_s"] for x in raw]),
+                   ideal_read_s=_median([x["ideal_read_s"] for x in raw]),
+                   ideal_compute_s=_median([x["ideal_compute_s"] for x in raw]))
+        cold = [d for d in disk if d["row"] == name]
+        row["disk"] = dict(n=len(cold), ttft_s=_median([d["ttft_s"] for d in cold]),
+                           ideal_s=_median([d["ideal_s"] for d in cold]),
+                           bytes_read=_median([d["bytes_read"] for d in cold])) if cold else None
+        rows.append(row)
+    return rows
+
+
+def _prompts(loaded: LoadedModel, args: argparse.Namespace, synthetic: bool) -> list[blend_data.Prompt]:
+    if synthetic:
+        return [blend_data.synthetic_prompt(loaded.config.vocab_size, args.offset + i, args.seed, args.passage_tokens)
+                for i in range(args.n)]
+    questions = blend_data.load_questions(blend_data.data_path(args.data), args.offset, args.n)
+
+    def encode(prompt: str | Sequence[int]) -> list[int]:  # the engine's own (Engine.encode)
+        return prompts_.encode(loaded, prompt)
+
+    return [blend_data.text_prompt(encode, loaded.tokenizer, q, args.offset + i, args.seed)
+            for i, q in enumerate(questions)]
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """The whole benchmark -> its JSON document; None where the data is absent (skipped)."""
+    synthetic = args.synthetic
+    path = blend_data.data_path(args.data)
+    if not synthetic and not path.is_file():
+        print(f"skipped: no MuSiQue data at {path} (give --data PATH or set ${blend_data.DATA_ENV}; "
+              "--synthetic runs random ids)")
+        return None
+    loaded = load_model(args.model, dtype=args.dtype, tokenizer=not synthetic)
+    if loaded.tokenizer is None and not synthetic:
+        print(f"{args.model} has no tokenizer: running random ids (--synthetic)")
+        synthetic = True
+    torch.manual_seed(0)
+    prompts = _prompts(loaded, args, synthetic)
+    device = next(loaded.module.parameters()).device
+    # Random ids are for tests: one timed run per rate (a second or two) instead of five.
+    rates = measure(device, loaded.dtype, repeats=1 if synthetic else 5)
+    ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module), rates,
+                  SamplingParams(max_tokens=args.max_tokens, temperature=0.0, first_logits=True))
+    specs = row_specs(args.link_tokens, args.ratios)
+    records = memory_pass(ctx, prompts, specs)
+    disk, disk_bw = disk_pass(ctx, prompts)
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "replot")} | dict(synthetic=synthetic)
+    return dict(bench="blend", model=args.model, dtype=args.dtype, settings=settings,
+                data=None if synthetic else dict(path=str(path), attribution=blend_data.ATTRIBUTION),
+                machine=machine_info(), date=time.strftime("%Y-%m-%d"),
+                rates=dict(flops=ctx.rates.flops, memory_bandwidth=ctx.rates.bandwidth, disk_bandwidth=disk_bw,
+                           source="bench/roofline.measure (a matmul in the compute dtype, a device copy); the disk's "
+                                  "cold read of the store's files (bench/common.read_bandwidth); ideal = max(bytes "
+                                  "read / bandwidth, FLOPs / matmul rate)"),
+                rows=summary_rows(records, disk, specs), questions=records, disk=disk)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    if args.replot:  # a figure from an earlier run's JSON
+        doc = json.loads(Path(args.replot).read_text())
+        plot(doc, args.plot or str(Path(args.replot).with_suffix(".png")))
+        return 0
+    doc = run(args)
+    if doc is None:
+        return 0
+    print(table(doc))
+    if args.json:
+        write_json_atomic(args.json, doc)
+    if args.plot:
+        plot(doc, args.plot)
+    return 0

@@ -1,0 +1,69 @@
+"""`kvtier precompile FILE...`: store documents' state computed alone, so blended requests (a
+server's --blend) load it at any position from the first time they meet them.
+
+Each text file is one document; a `.jsonl` file holds one per line (a JSON string, or an object
+with a "text" field). Give the engine options the server runs with (model, dtype, store, restore
+method): the state is stored under that model's and layout's namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvtier.cli.engine_args import EngineOptions, add_engine_arguments
+
+MAX_DOCUMENT_BYTES = 16 << 20  # a document is read whole: a larger file is refused, not loaded
+
+
+def read_documents(paths: list[str]) -> list[str]:
+    """The documents in `paths` (see the module docstring); a ValueError names a bad file or line."""
+    docs: list[str] = []
+    for name in paths:
+        path = Path(name)
+        if path.stat().st_size > MAX_DOCUMENT_BYTES and path.suffix != ".jsonl":
+            raise ValueError(f"{name}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB; split it into documents")
+        if path.suffix != ".jsonl":
+            docs.append(path.read_text(encoding="utf-8"))
+            continue
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                text = item.get("text") if isinstance(item, dict) else item
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"{name}:{n}: a JSON string or an object with a non-empty \"text\" field")
+                docs.append(text)
+    return [d for d in docs if d.strip()]
+
+
+def cmd_precompile(args: argparse.Namespace) -> int:
+    try:
+        docs = read_documents(args.files)
+    except (OSError, ValueError) as e:
+        print(f"kvtier precompile: {e}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    stored = computed = 0
+    # Planned on the saved profile or an estimate, as `kvtier serve` starts: the store's layout
+    # (and with it the namespace the documents are stored under) is chosen the same way.
+    with EngineOptions.from_args(args).build(measure_profile=False) as engine:  # saves drained, threads stopped
+        for doc in tqdm(docs, desc="documents", unit="doc", disable=None):
+            found, made = engine.precompile([doc], args.cache_salt)
+            stored, computed = stored + found, computed + made
+        engine.flush()
+    print(f"{len(docs)} documents: {computed} computed and stored, {stored} stored already")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("precompile", help="store documents' state computed alone, for blended requests (--blend)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", metavar="FILE", help="a text file (one document) or a .jsonl file (one per line)")
+    p.add_argument("--cache-salt", default=None, help="the cache partition the documents are for (a tenant's salt)")
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_precompile)

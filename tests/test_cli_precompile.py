@@ -1,0 +1,22 @@
+"""`kvtier precompile`: documents' state computed alone and stored, found stored the next time
+(another process would read the same disk tier); bad input files are refused naming the line."""
+from __future__ import annotations
+
+from kvtier.cli.main import main
+
+
+def test_documents_are_stored_once_and_found_after(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("a first document about rivers and bridges")
+    (tmp_path / "b.jsonl").write_text('"a second document"\n\n{"text": "a third document"}\n')
+    args = ["precompile", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--model", "tiny-gqa",
+            "--dtype", "fp32", "--store", f"disk:{tmp_path}/store:64MB"]
+    assert main(args) == 0
+    assert "3 documents: 3 computed and stored, 0 stored already" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "3 documents: 0 computed and stored, 3 stored already" in capsys.readouterr().out
+
+
+def test_a_bad_line_is_refused_with_its_place(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('"fine"\n{"txt": "no text field"}\n')
+    assert main(["precompile", str(tmp_path / "bad.jsonl"), "--model", "tiny-gqa", "--no-store"]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
