@@ -182,3 +182,14 @@ def test_blending_is_refused_with_a_message_where_it_is_off(fp32):
             engine.add_request(ids, GREEDY, documents=[ids[20:40], [1, 2, 3]])
         with pytest.raises(PromptError, match="segment"):
             engine.add_request(ids, GREEDY, segments=[(10, 5)])
+
+
+def test_the_samples_of_an_n_request_blend_alike(fp32):
+    ids = _ids(fp32)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2)
+    with _engine(fp32) as engine:
+        engine.precompile([ids[a:b] for a, b in SEGMENTS])
+        outs = engine.generate([ids], params, documents=[[ids[a:b] for a, b in SEGMENTS]], blend=True)
+    assert [o.restore.method for o in outs] == ["blend", "blend"]
+    assert outs[0].output_ids == outs[1].output_ids
+    assert outs[0].restore.blended_tokens == outs[1].restore.blended_tokens > 0

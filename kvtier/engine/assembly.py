@@ -297,6 +297,7 @@ class Outputs:
             child = Request(sample_id(req.request_id, i), list(req.prompt_ids), req.params,
                             session_id=req.session_id, cache_salt=req.cache_salt, priority=req.priority,
                             cache_prompt=req.cache_prompt, source_ids=req.source_ids, kept=req.kept,
+                            segments=req.segments, blend=req.blend,  # a blended parent's samples blend alike
                             metrics=RequestMetrics(arrival=req.metrics.arrival,
                                                    first_scheduled=req.metrics.first_scheduled))
             self.live[child.request_id] = Live(
