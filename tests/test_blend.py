@@ -79,17 +79,23 @@ def test_the_default_blend_loads_the_segments_and_recomputes_the_rest(fp32):
     assert torch.equal(first.first_logits, again.first_logits)  # stored state is the state computed alone
 
 
-@pytest.mark.parametrize("options", [BlendOptions(), BlendOptions(mode="cacheblend", ratio=0.2)],
-                         ids=["legolink", "cacheblend"])
-def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, options):
-    ids, other = _ids(fp32), _ids(fp32, seed=9, n=200)
+GAPS = ((20, 120), (121, 200), (201, 260))  # one-token runs between documents
+
+
+@pytest.mark.parametrize("options,segments", [(BlendOptions(), SEGMENTS),
+                                              (BlendOptions(mode="cacheblend", ratio=0.2), SEGMENTS),
+                                              (BlendOptions(mode="naive"), GAPS)],
+                         ids=["legolink", "cacheblend", "naive-one-token-gaps"])
+def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, options, segments):
+    ids = _ids(fp32)
     with _engine(fp32) as engine:
-        alone = _blend(engine, ids, options)
+        alone = _blend(engine, ids, options, segments=segments)
         assert engine.flush(30)
-        again = _blend(engine, ids, options)
-        # In a batch: another request prefilling and decoding beside it.
-        engine.add_request(other, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        batched = _blend(engine, ids, options)
+        again = _blend(engine, ids, options, segments=segments)
+        # In a batch: other requests prefilling and decoding beside it.
+        for seed in (9, 10):
+            engine.add_request(_ids(fp32, seed=seed, n=200), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        batched = _blend(engine, ids, options, segments=segments)
     for out in (again, batched):
         assert out.restore.recomputed_tokens == alone.restore.recomputed_tokens
         assert out.restore.blended_tokens == alone.restore.blended_tokens

@@ -41,7 +41,8 @@ class RunItem:
     feeds: int | None = None
     # Run off the scheduler's thread (a restore computing layers on its worker): past its context
     # only its own slots may be zeroed for an in-place read, never a clean block, which the
-    # scheduler may meanwhile hand to a request whose step writes it.
+    # scheduler may meanwhile hand to a request whose step writes it. Nor does it batch as a decode
+    # or go through the static decoder: both read through buffers the step thread reuses.
     off_thread: bool = False
     # Its request's slots past the run already hold state placed for later positions (a blended
     # restore lays loaded rows out before computing the runs between them): never zeroed for an

@@ -179,7 +179,9 @@ class ModelRunner:
         if any(f and not later for f, later in zip(feeding, feeding[1:])):
             raise ValueError("feeding runs must come after every other run of a step")
         lens = [len(it.token_ids) for it in items]
-        rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0)
+        # Runs off the step's thread never batch as decodes: the decode batch reads through buffers
+        # the backend keeps between steps, which the step thread may be using at the same time.
+        rows = tuple(i for i, (it, n) in enumerate(zip(items, lens)) if n == 1 and it.start > 0 and not it.off_thread)
         if len(rows) < 2 and not any(items[i].context_feed for i in rows):
             rows = ()
         ctx = tuple(None if it.start == 0 or i in rows else self._context(it.block_ids, it.slot_start + n)
@@ -240,7 +242,7 @@ class ModelRunner:
         Feeding runs come after every other run; with `feed` they leave the batch at its boundary
         and the fed context's remaining layers come from it.
         """
-        hooked = capture is not None or before_layer is not None or feed is not None
+        hooked = capture is not None or before_layer is not None or feed is not None or any(it.off_thread for it in items)
         if self.decoder is not None and not hooked and layers is None and not every_token and self.decoder.accepts(items):
             return self.decoder.run(items)
         model = self.model
