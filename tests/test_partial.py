@@ -120,9 +120,9 @@ def test_pool_holds_only_the_cached_tail(tiny_gqa):
         while eng.has_work():
             eng.step()
             for req in eng.scheduler.running:
-                if req.front:
-                    seen.append((req.front, len(req.block_ids), req.num_computed))
-                    assert len(req.block_ids) == -(-(req.num_computed - req.front) // BS)
+                if req.fed:
+                    seen.append((req.fed, len(req.block_ids), req.num_computed))
+                    assert len(req.block_ids) == -(-(req.num_computed - req.fed) // BS)
                     assert eng.pool.num_free == eng.pool.num_blocks - len(req.block_ids)
         assert seen and max(f for f, _, _ in seen) >= 48
 

@@ -22,7 +22,7 @@ class ScriptedPolicy:
         return self.plans.pop(0)
 
     def release(self, req: Request, upto: int) -> None:
-        self.released.append((req.request_id, req.front, upto))
+        self.released.append((req.request_id, req.fed, upto))
 
 
 def _req(rid: str, n: int) -> Request:
@@ -63,7 +63,7 @@ def test_admissions_follow_the_cap_and_fronts_free_blocks():
 
     out = sched.schedule()
     assert policy.released == [("a", 0, 32), ("b", 0, 16)]  # told before the blocks went
-    assert (a.front, b.front) == (32, 16)
+    assert (a.fed, b.fed) == (32, 16)
     assert (len(a.block_ids), len(b.block_ids)) == (2, 2)  # 62 - 32 -> 2 blocks, 42 - 16 -> 2 blocks
     assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 100)]
     assert pool.num_free == 20 - 2 - 2 - 7
@@ -72,10 +72,10 @@ def test_admissions_follow_the_cap_and_fronts_free_blocks():
     out = sched.schedule()
     assert out.preempted == ("c",)
     c = sched.requests["c"]
-    assert c.status == RequestStatus.PREEMPTED and c.block_ids == [] and c.front == 0
+    assert c.status == RequestStatus.PREEMPTED and c.block_ids == [] and c.fed == 0
     assert [r.request_id for r in sched.waiting] == ["c"]
     assert [(ch.request_id, ch.num_tokens) for ch in out.chunks] == [("a", 1), ("b", 1)]
-    assert (a.front, b.front) == (32, 16)  # fronts never shrink
+    assert (a.fed, b.fed) == (32, 16)  # fronts never shrink
     assert pool.num_free == 20 - 2 - 2
 
 
@@ -88,7 +88,7 @@ def test_front_never_reaches_the_newest_token():
     _decode(sched, sched.schedule())
     sched.schedule()
     a = sched.requests["a"]
-    assert a.front == 32 and a.num_computed == 40 and len(a.block_ids) == 1
+    assert a.fed == 32 and a.num_computed == 40 and len(a.block_ids) == 1
 
 
 def test_recomputed_fronts_share_the_budget_before_prefills():

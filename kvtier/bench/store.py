@@ -159,7 +159,7 @@ def _raw_disk(s: _Stored) -> list[dict]:
 
 def _raw_redis(s: _Stored) -> list[dict]:
     tier = s.tier
-    rkeys = [tier._c(c.key) for c in s.match.chunks]
+    rkeys = [tier.value_key(c.key) for c in s.match.chunks]
     return [s.row("raw: GET of the same values", median_of(lambda: [tier.client.get(r) for r in rkeys], s.reps), "")]
 
 

@@ -117,14 +117,13 @@ class Engine:
         if exact:
             log.info("exact attention: %s", exact_matmul.why(self.model.dtype, cfg.num_heads, cfg.num_kv_heads,
                                                             cfg.head_dim))
-        runner = ModelRunner(self.model.module, num_blocks, config.block_size, self.max_model_len)
-        # Set after construction until the runner's constructor takes them (engine/runner is its own room).
-        runner.staging_bytes = self.budget.staging_bytes
-        # The pool, not the engine: the runner holds no reference back to the engine.
-        runner.clearable = lambda run, slots: not run.placed_ahead and \
-            pool.clearable(run.block_ids, slots.start, slots.stop, not run.off_thread)
-        if self.budget.static_decode:
-            runner.decoder = StaticDecode(runner, config.max_num_seqs, self.max_model_len)
+        max_seqs, window = config.max_num_seqs, self.max_model_len
+        runner = ModelRunner(
+            self.model.module, num_blocks, config.block_size, window, staging_bytes=self.budget.staging_bytes,
+            # The pool, not the engine: the runner holds no reference back to the engine.
+            clearable=lambda run, slots: not run.placed_ahead and
+            pool.clearable(run.block_ids, slots.start, slots.stop, not run.off_thread),
+            decoder=(lambda r: StaticDecode(r, max_seqs, window)) if self.budget.static_decode else None)
         decoder = runner.decoder
         log.info("KV pool %.2f GiB (%s): %d blocks of %d tokens; %d tokens per step; decode %s",
                  self.budget.kv_cache_bytes / (1 << 30), self.budget.source, num_blocks, config.block_size,

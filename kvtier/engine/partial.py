@@ -194,8 +194,8 @@ class PartialCaching:
         """Front tokens this step will recompute: those the swap space cannot serve (a front
         that grows now is swapped out as it grows, if there is room)."""
         if self.swap is None:
-            return sum(max(fronts.get(r.request_id, 0), r.front) for r in decoding)
-        return sum(r.front for r in decoding if r.front and self.swap.held(r.request_id) != r.front)
+            return sum(max(fronts.get(r.request_id, 0), r.fed) for r in decoding)
+        return sum(r.fed for r in decoding if r.fed and self.swap.held(r.request_id) != r.fed)
 
     def planning_cost(self) -> optimizer.ProfileCostModel:
         """The cost model the optimiser solves with: the fitted one, its per-step term moved by the
@@ -206,16 +206,16 @@ class PartialCaching:
         return optimizer.solve_enumerate(self.planning_cost(), wl)
 
     def release(self, req: Request, upto: int) -> None:
-        """Copy positions [req.front, upto) to the swap space while it has room (else the front
+        """Copy positions [req.fed, upto) to the swap space while it has room (else the front
         is recomputed every step)."""
         if self.swap is None:
             return
         rid = req.request_id
-        if self.swap.held(rid) != req.front:  # stale (preempted and readmitted) or never swapped
+        if self.swap.held(rid) != req.fed:  # stale (preempted and readmitted) or never swapped
             self.swap.drop(rid)
-            if req.front:
+            if req.fed:
                 return
-        n = upto - req.front
+        n = upto - req.fed
         slots = self.runner.slots(req.block_ids, 0, n)  # the first n slot positions are [front, upto)
         nbytes = 2 * self.layers * n * self.runner.k_cache[0, 0].nbytes
         if not self.swap.room(nbytes):
@@ -236,7 +236,7 @@ class PartialCaching:
         """Front runs and feed for a step's items (decodes with fronts among them); the step is
         held until observe() reports its time."""
         fronts = self._fronts_for(items, reqs)
-        dec = [(r.num_tokens, r.front) for it, r in zip(items, reqs) if len(it.token_ids) == 1 and it.start > 0]
+        dec = [(r.num_tokens, r.fed) for it, r in zip(items, reqs) if len(it.token_ids) == 1 and it.start > 0]
         self._inflight = (dec, fronts)
         return fronts
 
@@ -244,16 +244,16 @@ class PartialCaching:
         """Every front comes from the swap space when all are there and reading beats
         recomputing; otherwise the boundary (recomputed layers) follows the cost model."""
         fronted = [(i, r) for i, (it, r) in enumerate(zip(items, reqs)) if it.context_feed]
-        tokens = sum(r.front for _, r in fronted)
+        tokens = sum(r.fed for _, r in fronted)
         if not fronted:
             return NO_FRONTS
-        swapped = self.swap is not None and all(self.swap.held(r.request_id) == r.front for _, r in fronted)
-        rec = sum(self.cost.recompute_s(r.front) for _, r in fronted) / self.layers
-        read = sum(self.cost.swap_s(r.front) for _, r in fronted) / self.layers if swapped else float("inf")
+        swapped = self.swap is not None and all(self.swap.held(r.request_id) == r.fed for _, r in fronted)
+        rec = sum(self.cost.recompute_s(r.fed) for _, r in fronted) / self.layers
+        read = sum(self.cost.swap_s(r.fed) for _, r in fronted) / self.layers if swapped else float("inf")
         boundary = optimizer.choose_boundary(rec, read, self.layers) if swapped else self.layers
         if swapped and self.cfg.recompute_layers is not None:
             boundary = min(self.cfg.recompute_layers, self.layers)
-        runs = tuple(RunItem(r.all_ids[: r.front], 0, (), want_logits=False, feeds=i)
+        runs = tuple(RunItem(r.all_ids[: r.fed], 0, (), want_logits=False, feeds=i)
                      for i, r in fronted) if boundary else ()
         feed = None
         if boundary < self.layers:

@@ -286,13 +286,3 @@ class Request:
         """Positions [fed, upto) leave its slots too: from now on they are fed each step."""
         self.unslotted += upto - self.fed
         self.fed = upto
-
-    # The partial-caching room's names (engine/partial.py, its tests): `front` is what is fed,
-    # `dropped` what an approximate restore left out.
-    @property
-    def front(self) -> int:
-        return self.fed
-
-    @property
-    def dropped(self) -> int:
-        return self.unslotted - self.fed

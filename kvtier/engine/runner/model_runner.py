@@ -50,7 +50,15 @@ class ModelRunner:
     backend's (`self.attention`, chosen once from the device, dtype and exact mode)."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_positions: int,
-                 transfer: Transfer | None = None):
+                 transfer: Transfer | None = None, *, staging_bytes: int = 0,
+                 clearable: Callable[[RunItem, range], bool] | None = None,
+                 decoder: Callable[[ModelRunner], StepDecoder] | None = None):
+        """`staging_bytes`: device memory a restore's staging ring may take (0: no limit).
+        `clearable(run, slots)`: whether the pool slots past a run's context, to its last key
+        piece's end, hold nothing anyone reads (`BlockPool.clearable`, the owner of the blocks):
+        the step then zeroes them and reads the context in place (exact CPU attention) instead of
+        copying it into a padded buffer every layer; None: never. `decoder`: makes the whole-step
+        path plain decode steps go through (static buffers; CUDA graphs on CUDA)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -89,15 +97,9 @@ class ModelRunner:
         self.attention: AttentionBackend[Any] = choose(PoolSpec(device, model.dtype, cfg.num_heads, cfg.num_kv_heads,
                                                                 cfg.head_dim, block_size, self.zero_slot))
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
-        # Plain decode steps through static buffers (CUDA graphs on CUDA): set by the engine.
-        self.decoder: StepDecoder | None = None
-        # Device memory a restore's staging ring may take (0: no limit): set by the engine's budget.
-        self.staging_bytes = 0
-        # Whether a run's context may be read in place past its end (exact CPU attention): given the
-        # run and the pool slots past its context to its last key piece's end, True where nothing
-        # anyone reads lies there (`BlockPool.clearable`): the step zeroes them instead of copying
-        # the whole context into a padded buffer every layer. Set by the engine, which owns the blocks.
-        self.clearable: Callable[[RunItem, range], bool] | None = None
+        self.staging_bytes = staging_bytes
+        self.clearable = clearable
+        self.decoder: StepDecoder | None = decoder(self) if decoder is not None else None
 
     def _fault_in(self, slots: int) -> None:
         """Map the host pages of the first `slots` slots of every layer now (one write per page):

@@ -144,6 +144,10 @@ class RedisTier(Tier):
     def _c(self, key: str) -> str:
         return f"{self.spec.prefix}:{self.ns}:c:{key}"
 
+    def value_key(self, key: str) -> str:
+        """The Redis key a chunk's value lies under (a raw GET of it is the tier's floor)."""
+        return self._c(key)
+
     def _p(self, parent: str, lead: str = "") -> str:
         return f"{self.spec.prefix}:{self.ns}:p:{parent}" + (f":{lead}" if lead else "")
 
