@@ -19,21 +19,28 @@ approximate: never saved, published to the device prefix cache or served as exac
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
-from kvtier.engine.restore.segments import SegmentState, SegmentStates
+from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.planning.blend import BlendMode, BlendPlan, merged, subtract
+from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Plan
+from kvtier.store.index import PrefixMatch
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,16 +56,61 @@ class BlendStats:
 
 
 @dataclass(frozen=True)
-class _Rows:
-    """Stored rows placed at their prompt positions: per layer k/v (or h), the rows' pool slots,
-    and how far each row's K is rotated (0 for the exact part)."""
+class _Source:
+    """Rows [`rows`] of one stored or computed state placed at prompt `positions` (pool `slots`),
+    K rotated by `shift` more positions (0 for the exact part); `layer(l)` gives layer l's parts."""
 
-    k: tuple[torch.Tensor | None, ...]  # per layer [rows, kv_heads, hd]
-    v: tuple[torch.Tensor | None, ...]
-    h: tuple[torch.Tensor | None, ...]  # per layer [rows, hidden]
-    slots: torch.Tensor  # [rows]
-    positions: torch.Tensor  # [rows] prompt positions
-    shift: torch.Tensor  # [rows] new position - stored position
+    layer: Callable[[int], Parts]
+    rows: torch.Tensor | None  # [n] rows of the state to place (None: all of them, in order)
+    slots: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n] prompt positions
+    shift: torch.Tensor  # [n] new position - stored position
+
+
+class _LoadFailed(RestoreMiss):
+    """A stored document's state failed a read or a check while the restore ran."""
+
+
+def _computed(st: SegmentState, li: int) -> Parts:
+    return st.k[li], st.v[li], st.h[li]
+
+
+class _Loader:
+    """Stored segments read a group of layers at a time on a thread of its own, so that reads from
+    a disk or Redis overlap the recompute, which places each layer as it reaches it."""
+
+    def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int) -> None:
+        self.states, self.found = states, list(found)
+        self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
+        self.data: list[dict[int, Parts]] = [{} for _ in self.found]
+        self.ready = [threading.Event() for _ in range(layers)]
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="kvtier-blend-io", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for g in self.groups:
+                for i, (match, n) in enumerate(self.found):
+                    got = self.states.read_layers(match, n, g)
+                    if got is None:
+                        raise _LoadFailed("a stored document's state could not be read intact")
+                    self.data[i].update(got)
+                for li in g:
+                    self.ready[li].set()
+        except Exception as e:  # a layer never read must fail the restore, never pass
+            self.error = f"{type(e).__name__}: {e}"
+            for ev in self.ready:
+                ev.set()
+
+    def layer(self, i: int, li: int) -> Parts:
+        self.ready[li].wait()
+        if self.error is not None:
+            raise _LoadFailed(self.error)
+        return self.data[i][li]
+
+    def close(self) -> None:
+        self.thread.join()
 
 
 class BlendRestore:
@@ -74,7 +126,8 @@ class BlendRestore:
         self.blended = BlendStats()
         self._prepared = threading.Event()
         self._error: str | None = None
-        self._rows: list[_Rows] = []
+        self._sources: list[_Source] = []
+        self._loader: _Loader | None = None
 
     # ----- RestoreJob -------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -89,7 +142,9 @@ class BlendRestore:
             self._error = str(e) or type(e).__name__
             raise RestoreMiss(self._error) from e
         finally:
-            self._rows = []
+            if self._loader is not None:
+                self._loader.close()
+            self._sources, self._loader = [], None
             self.stats.seconds = time.perf_counter() - t0
             self._prepared.set()
 
@@ -114,26 +169,31 @@ class BlendRestore:
 
     # ----- the work ---------------------------------------------------------------------------
     def _prepare(self) -> None:
+        try:
+            self._blend(stored=True)
+        except _LoadFailed as e:  # a stored document failed its checks: a miss, so computed alone instead
+            log.warning("blended restore: %s; computing the documents alone", e)
+            if self._loader is not None:
+                self._loader.close()
+            self._sources, self._loader = [], None
+            self.stats, self.blended = RestoreStats(), BlendStats()
+            self._blend(stored=False)
+
+    def _blend(self, stored: bool) -> None:
         b = self.blend
         if b.exact_end > b.start:
-            self._rows.append(self._exact_rows())
+            self._sources.append(self._exact_source())
             self.blended.exact = b.exact_end - b.start
-        runs = list(b.runs)
-        loaded = b.loaded
-        states = [self._segment(s.tokens) for s in b.segments]
-        t_read = time.perf_counter()
-        self._rows += [self._segment_rows(s.position, st, loaded) for s, st in zip(b.segments, states)]
-        self.stats.prepare_s = time.perf_counter() - t_read
+        self._segment_sources(stored)
         layers = len(self.layout)
+        runs = list(b.runs)
         placed = 0
-        if b.options.mode is BlendMode.CACHEBLEND:
+        if b.options.mode is BlendMode.CACHEBLEND:  # the check needs every layer up to it placed
             for li in range(layers):
                 self._place(li)
             placed = layers
-            runs = merged(runs + self._chosen(loaded))
-        if self._error is not None:
-            raise RestoreMiss(self._error)
-        self.blended.loaded = sum(e - a for a, e in subtract(loaded, runs))
+            runs = merged(runs + self._chosen(b.loaded))
+        self.blended.loaded = sum(e - a for a, e in subtract(b.loaded, runs))
         self.blended.recomputed = sum(e - a for a, e in runs)
         if not runs:  # every row loaded: place them all
             for li in range(placed, layers):
@@ -142,18 +202,35 @@ class BlendRestore:
         items = [RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True, placed_ahead=True)
                  for a, e in runs]
         self.runner.execute(items, before_layer=None if placed == layers else self._place)
+        if self._error is not None:  # aborted meanwhile
+            raise RestoreMiss(self._error)
 
-    def _segment(self, tokens: Sequence[int]) -> SegmentState:
-        st = self.states.get(tokens, self.salt)
-        if st.stored:
+    def _segment_sources(self, stored: bool) -> None:
+        """Each segment's rows the plan loads: computed alone here where the store lacks it (or
+        not `stored`: read nothing; saved either way), else read by the loader a group of layers
+        at a time."""
+        found: list[tuple[PrefixMatch, int]] = []
+        for s in self.blend.segments:
+            match = self.states.find(s.tokens, self.salt) if stored else None
+            if match is None:
+                st = self.states.compute(s.tokens, self.salt)
+                self.blended.segments_computed += 1
+                self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(_computed, st)))
+                continue
+            i = len(found)
+            found.append((match, len(s.tokens)))
             self.blended.segments_stored += 1
-            self.stats.chunks_loaded += 1
-            self.stats.bytes_read += st.nbytes
-        else:
-            self.blended.segments_computed += 1
-        return st
+            self.stats.chunks_loaded += len(match.chunks)
+            self.stats.bytes_read += sum(c.nbytes for c in match.chunks)
+            self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i)))
+        if found:
+            self._loader = _Loader(self.states, found, len(self.layout))
 
-    def _exact_rows(self) -> _Rows:
+    def _layer_read(self, i: int, li: int) -> Parts:
+        assert self._loader is not None  # made with the sources that read through it
+        return self._loader.layer(i, li)
+
+    def _exact_source(self) -> _Source:
         """[start, exact_end) from the plan's exact chunks, at their own positions."""
         b, n = self.blend, len(self.layout)
         parts: list[dict[str, list[torch.Tensor]]] = [{"k": [], "v": [], "h": []} for _ in range(n)]
@@ -166,50 +243,47 @@ class BlendRestore:
                 raise RestoreMiss(f"chunk {c.key[:12]} could not be read intact")
             self.stats.bytes_read += c.nbytes
             self.stats.chunks_loaded += 1
-            for s in states:
+            for st in states:
                 for p in ("k", "v", "h"):
-                    t = getattr(s, p)
+                    t = getattr(st, p)
                     if t is not None:
-                        parts[s.layer][p].append(t[lo - c.start : hi - c.start])
+                        parts[st.layer][p].append(t[lo - c.start : hi - c.start])
         if sum(t.shape[0] for t in parts[0]["k"] + parts[0]["h"]) != b.exact_end - b.start:
             raise RestoreMiss("the exact chunks do not cover the planned prefix")
         dev, dtype = self.runner.device, self.runner.k_cache.dtype
-        k, v, h = (tuple(torch.cat(parts[li][p]).to(dev, dtype) if parts[li][p] else None for li in range(n))
-                   for p in ("k", "v", "h"))
+        by_layer = [tuple(torch.cat(parts[li][p]).to(dev, dtype) if parts[li][p] else None for p in ("k", "v", "h"))
+                    for li in range(n)]
         positions = torch.arange(b.start, b.exact_end)
-        return self._rows_at(k, v, h, positions, torch.zeros_like(positions))
+        return self._source(lambda li: cast(Parts, by_layer[li]), None, positions, torch.zeros_like(positions))
 
-    def _segment_rows(self, position: int, st: SegmentState, loaded: Sequence[tuple[int, int]]) -> _Rows:
-        """The segment's rows at `position` that the plan loads."""
-        n = len(st.k[0]) if st.k[0] is not None else len(st.h[0])  # type: ignore[arg-type]
-        spans = [(max(a, position), min(e, position + n)) for a, e in loaded if a < position + n and e > position]
+    def _segment_source(self, position: int, n: int, layer: Callable[[int], Parts]) -> _Source:
+        """A segment of `n` tokens at `position`: the rows of it the plan loads."""
+        spans = [(max(a, position), min(e, position + n)) for a, e in self.blend.loaded
+                 if a < position + n and e > position]
         rows = torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans else torch.zeros(0, dtype=torch.long)
-        dev_rows = rows.to(self.runner.device)
+        return self._source(layer, self.runner.upload(rows), rows + position, torch.full_like(rows, position))
 
-        def pick(ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-            return tuple(None if t is None else t.index_select(0, dev_rows) for t in ts)
-
-        return self._rows_at(pick(st.k), pick(st.v), pick(st.h), rows + position, torch.full_like(rows, position))
-
-    def _rows_at(self, k, v, h, positions: torch.Tensor, shift: torch.Tensor) -> _Rows:
+    def _source(self, layer: Callable[[int], Parts], rows: torch.Tensor | None, positions: torch.Tensor,
+                shift: torch.Tensor) -> _Source:
         slots = self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions)
         up = self.runner.upload
-        return _Rows(k, v, h, up(slots), up(positions), up(shift))
+        return _Source(layer, rows, up(slots), up(positions), up(shift))
 
     def _place(self, li: int) -> None:
         """Layer `li` of every source's rows into the pool at their positions."""
         runner = self.runner
-        for r in self._rows:
-            if not r.slots.numel():
+        for src in self._sources:
+            if not src.slots.numel():
                 continue
+            k, v, h = src.layer(li)
+            if src.rows is not None:
+                k, v, h = (None if t is None else t.index_select(0, src.rows) for t in (k, v, h))
             if self.layout[li] is Repr.HIDDEN:
-                h = r.h[li]
-                assert h is not None  # SegmentStates / the exact read checked every layer's part
-                runner.project_in(li, h, r.positions, r.slots)
+                assert h is not None  # the reads checked every layer's part
+                runner.project_in(li, h, src.positions, src.slots)
             else:
-                k, v = r.k[li], r.v[li]
                 assert k is not None and v is not None
-                runner.shift_in(li, k, v, r.shift, r.slots)
+                runner.shift_in(li, k, v, src.shift, src.slots)
 
     def _chosen(self, loaded: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """cacheblend: run the layers up to the check layer over the whole blended region, and pick

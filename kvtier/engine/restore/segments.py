@@ -18,8 +18,12 @@ import torch
 
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.llama import LayerAttention
+from kvtier.store.index import PrefixMatch
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
+
+# A layer's parts: k, v [n, kv_heads, hd] where it stores K/V, h [n, hidden] where hidden states.
+Parts = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 # The blend key space (keys.salted_root): segments computed alone from position 0 with nothing
 # before them. A different compile context would be a different space.
@@ -77,25 +81,36 @@ class SegmentStates:
         state = self.read(tokens, salt)
         return state if state is not None else self.compute(tokens, salt)
 
+    def find(self, tokens: Sequence[int], salt: str) -> PrefixMatch | None:
+        """The stored chunks holding the whole segment; None where any part is missing."""
+        match = self.store.lookup(tokens, salt, SPACE)
+        return match if match.num_tokens >= len(tokens) else None
+
     def read(self, tokens: Sequence[int], salt: str) -> SegmentState | None:
         """The whole segment's state from the store; None if any part of it is missing or fails
         its checks (a miss: it is computed instead)."""
-        match = self.store.lookup(tokens, salt, SPACE)
-        if match.num_tokens < len(tokens):
+        match = self.find(tokens, salt)
+        if match is None:
             return None
-        n = len(self.layout)
-        parts: list[dict[str, list[torch.Tensor]]] = [{"k": [], "v": [], "h": []} for _ in range(n)]
-        nbytes = 0
+        layers = self.read_layers(match, len(tokens), range(len(self.layout)))
+        if layers is None:
+            return None
+        k, v, h = (tuple(layers[li][p] for li in range(len(self.layout))) for p in range(3))
+        return SegmentState(k, v, h, True, sum(c.nbytes for c in match.chunks))
+
+    def read_layers(self, match: PrefixMatch, n: int, layers: range) -> dict[int, Parts] | None:
+        """`layers` of a segment of `n` tokens from its stored chunks: per layer (k, v, h) on the
+        pool's device (None where the layer stores no such part); None on a failed read or check."""
+        parts: dict[int, dict[str, list[torch.Tensor]]] = {li: {"k": [], "v": [], "h": []} for li in layers}
         for c in match.chunks:
-            states = self.store.read_layers(c, range(n), copy=False)
+            states = self.store.read_layers(c, layers, copy=False)
             if states is None:
                 return None
-            nbytes += c.nbytes
             for s in states:
                 for p in ("k", "v", "h"):
                     t = getattr(s, p)
                     if t is not None:
-                        parts[s.layer][p].append(t[: min(c.end, len(tokens)) - c.start])
+                        parts[s.layer][p].append(t[: min(c.end, n) - c.start])
         dev, dtype = self.runner.device, self.runner.k_cache.dtype
 
         def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -104,12 +119,13 @@ class SegmentStates:
             t = ts[0] if len(ts) == 1 else torch.cat(ts)
             return t.to(dev, dtype)
 
-        k, v, h = (tuple(joined(parts[li][p]) for li in range(n)) for p in ("k", "v", "h"))
-        for li, rep in enumerate(self.layout):
-            need = (k[li], v[li]) if rep is Repr.KV else (h[li],)
-            if any(t is None or t.shape[0] != len(tokens) for t in need):
+        out = {li: (joined(parts[li]["k"]), joined(parts[li]["v"]), joined(parts[li]["h"])) for li in layers}
+        for li in layers:
+            k, v, h = out[li]
+            need = (k, v) if self.layout[li] is Repr.KV else (h,)
+            if any(t is None or t.shape[0] != n for t in need):
                 return None
-        return SegmentState(k, v, h, True, nbytes)
+        return out
 
     @torch.inference_mode()
     def compute(self, tokens: Sequence[int], salt: str) -> SegmentState:
