@@ -155,13 +155,14 @@ def test_the_exact_prefix_comes_from_the_device_or_the_store_exactly(fp32, tmp_p
     assert torch.equal(out.first_logits, want.first_logits)
 
 
-def test_documents_read_from_a_disk_on_their_thread_give_the_bits_computed_alone(fp32, tmp_path):
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_documents_read_from_a_tier_on_their_thread_give_the_bits_computed_alone(fp32, tmp_path, request, tier):
     ids = _ids(fp32)
-    store = f"disk:{tmp_path}/d:64MB"
+    store = f"disk:{tmp_path}/d:64MB" if tier == "disk" else request.getfixturevalue("redis_url")
     with _engine(fp32, store) as engine:
         computed = _blend(engine, ids)
         assert engine.flush(30)
-    with _engine(fp32, store) as engine:  # a fresh process's view: only the disk holds them
+    with _engine(fp32, store) as engine:  # a fresh process's view: only the tier holds them
         read = _blend(engine, ids)
     assert read.restore.bytes_read > 0 and computed.restore.bytes_read == 0
     assert torch.equal(read.first_logits, computed.first_logits)
