@@ -45,6 +45,9 @@ def content_parts(body: ChatCompletionRequest) -> list[str]:
 def marked_chat(engine: Engine, render: Callable[[], str], parts: list[str]) -> tuple[list[int], Spans]:
     """The rendered chat prompt with its content `parts` marked: each tokenized alone. A part the
     template does not render as given (trimmed, escaped) is left unmarked."""
+    if len(parts) > documents.MAX_DOCUMENTS:
+        raise APIError(400, f"at most {documents.MAX_DOCUMENTS} content parts are documents to blend, got {len(parts)}; "
+                       "join some, or send blend: false", param="messages")
     text = render()
     found, at = [], 0
     for p in parts:  # in order, each after the one before, as encode_marked looks them up

@@ -59,3 +59,8 @@ def test_asking_to_blend_where_the_server_does_not_is_a_400_naming_the_flag(tiny
     r = _chat(tiny_server.url, blend=True)
     assert r.status_code == 400 and r.json()["error"]["param"] == "blend" and "--blend" in r.text
     assert _chat(tiny_server.url).status_code == 200  # content parts without --blend: a plain prompt
+
+
+def test_too_many_content_parts_to_blend_is_a_400_naming_messages(blend_server):
+    r = _chat(blend_server.url, ["x"] * 1025)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "1024" in r.text
