@@ -300,7 +300,7 @@ class ModelRunner:
     @torch.inference_mode()
     def project_in(self, layer: int, h: torch.Tensor, positions: torch.Tensor | tuple[int, int],
                    slots: torch.Tensor) -> None:
-        """Rebuild K/V of `layer` from stored layer inputs h [n, hidden] (HCache), rotate K at
+        """Rebuild K/V of `layer` from stored layer inputs h [n, hidden], rotate K at
         `positions` (a tensor, or a (start, end) span) and write both into the pool at `slots`.
         h and the index tensors are on the pool's device."""
         k, v = self.model.layers[layer].kv(h.to(self.k_cache.dtype))  # [n, kv_heads, hd] before RoPE
