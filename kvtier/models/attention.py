@@ -67,6 +67,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     return out[0].transpose(0, 1)  # [n, heads, hd]
 
 
+def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 rows: int = 256) -> torch.Tensor:
+    """Queries at any positions (sorted or not) attend to the keys at or before their own:
+    q [m, heads, hd] at `positions` [m], k/v [ctx, kv_heads, hd] at positions [0, ctx). Queries go
+    `rows` at a time (bounded scores); one call per piece, so the bits depend on these rows and keys
+    alone, never on a batch. -> [m, heads, hd]."""
+    kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, kv_heads, ctx, hd]
+    keys = torch.arange(k.shape[0], device=k.device)
+    gqa = q.shape[1] != k.shape[1]
+    out = []
+    with _eager_backends(q):
+        for a in range(0, q.shape[0], rows):
+            qh = q[a : a + rows].transpose(0, 1).unsqueeze(0)  # [1, heads, r, hd]
+            mask = keys[None, :] <= positions[a : a + rows, None]  # [r, ctx]
+            out.append(F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One decoding token per row attends to its padded context: q [n, heads, hd], k/v
     [n, kv_heads, width, hd], mask [n, 1, 1, width] (True where a key is real) -> [n, heads, hd].

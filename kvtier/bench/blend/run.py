@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,13 +104,12 @@ def _sample(p: blend_data.Prompt, out: RequestOutput, full: RequestOutput, synth
 
 @dataclass
 class Context:
-    """What every pass needs: the model, its FLOP model, the measured rates, the settings."""
+    """What every pass needs: the model, its FLOP model, the settings."""
 
     loaded: LoadedModel
     args: argparse.Namespace
     synthetic: bool
     fm: FlopModel
-    rates: Rates
     params: SamplingParams
 
 
@@ -117,10 +117,16 @@ def _engine(ctx: Context, store: str) -> Engine:
     return Engine(ctx.loaded, store=store, reuse=ReuseConfig(chunk_tokens=ctx.args.chunk_tokens, blend=BlendOptions()))
 
 
-def _with_ideal(s: Sample, ctx: Context, p: blend_data.Prompt, blend: BlendOptions | None, bandwidth: float) -> dict:
-    flops = row_flops(ctx.fm, p.ids, p.spans, blend, s.recomputed_tokens)
-    i = ideal(s.bytes_read, flops, bandwidth, ctx.rates)
-    return asdict(s) | dict(flops=flops, ideal_read_s=i.read_s, ideal_compute_s=i.compute_s, ideal_s=i.seconds)
+def _raw(s: Sample, ctx: Context, p: blend_data.Prompt, blend: BlendOptions | None) -> dict:
+    """A sample as the JSON keeps it, with the FLOPs its first token took (its ideal comes later)."""
+    return asdict(s) | dict(flops=row_flops(ctx.fm, p.ids, p.spans, blend, s.recomputed_tokens))
+
+
+def fill_ideals(raws: Sequence[dict], bandwidth: float, rates: Rates) -> None:
+    """Each sample's roofline, its reads at `bandwidth` (the memory copy's or the disk's)."""
+    for r in raws:
+        i = ideal(r["bytes_read"], r["flops"], bandwidth, rates)
+        r.update(ideal_read_s=i.read_s, ideal_compute_s=i.compute_s, ideal_s=i.seconds)
 
 
 def _prefix_row(engine: Engine, p: blend_data.Prompt, params: SamplingParams) -> RequestOutput:
@@ -141,16 +147,14 @@ def _question(ctx: Context, engine: Engine, p: blend_data.Prompt, specs: Sequenc
     engine.precompile(list(p.documents))  # untimed: the documents' state computed alone, stored
     engine.flush(600)
     full = _serve(engine, p.ids, p.spans, ctx.params, blend=False, cache_prompt=False)
-    bw = ctx.rates.bandwidth
-    rows = {"full": _with_ideal(_sample(p, full, full, ctx.synthetic), ctx, p, None, bw)}
+    rows = {"full": _raw(_sample(p, full, full, ctx.synthetic), ctx, p, None)}
     for spec in specs:
         assert spec.blend is not None
         out = _serve(engine, p.ids, p.spans, ctx.params, blend=spec.blend)
-        rows[spec.name] = _with_ideal(_sample(p, out, full, ctx.synthetic), ctx, p, spec.blend, bw)
+        rows[spec.name] = _raw(_sample(p, out, full, ctx.synthetic), ctx, p, spec.blend)
         rows[spec.name]["method"] = out.restore.method if out.restore else None
     if timed:
-        rows["prefix"] = _with_ideal(_sample(p, _prefix_row(engine, p, ctx.params), full, ctx.synthetic), ctx, p,
-                                     None, bw)
+        rows["prefix"] = _raw(_sample(p, _prefix_row(engine, p, ctx.params), full, ctx.synthetic), ctx, p, None)
     return dict(index=p.index, question=p.question, answers=list(p.answers), prompt_tokens=len(p.ids), rows=rows)
 
 
@@ -161,16 +165,16 @@ def _progress(i: int, n: int, rec: dict, seconds: float) -> None:
           f"{seconds:.0f} s in all; KL: {said}", flush=True)
 
 
-def memory_pass(ctx: Context, prompts: Sequence[blend_data.Prompt], specs: Sequence[RowSpec]) -> list[dict]:
-    records = []
+def memory_pass(ctx: Context, prompts: Sequence[blend_data.Prompt], specs: Sequence[RowSpec]) -> Iterator[dict]:
+    """Each question's raw record, as it is done (a long run's JSON is written after each)."""
     with _engine(ctx, ctx.args.store) as engine:
         if prompts:
             _warm_up(engine, prompts[0])
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
-            records.append(_question(ctx, engine, p, specs, i < ctx.args.speed_n))
-            _progress(i, len(prompts), records[-1], time.perf_counter() - t0)
-    return records
+            record = _question(ctx, engine, p, specs, i < ctx.args.speed_n)
+            _progress(i, len(prompts), record, time.perf_counter() - t0)
+            yield record
 
 
 def disk_pass(ctx: Context, prompts: Sequence[blend_data.Prompt]) -> tuple[list[dict], float | None]:
@@ -196,7 +200,7 @@ def disk_pass(ctx: Context, prompts: Sequence[blend_data.Prompt]) -> tuple[list[
                 print(f"  cold disk q{p.index} {spec.name}: TTFT {o.ttft or 0:.2f} s, read "
                       f"{out[-1][2].bytes_read / 1e6:.0f} MB", flush=True)
     bandwidth = read_bandwidth(f for f in root.rglob("*") if f.is_file())
-    return [dict(row=spec.name, **_with_ideal(s, ctx, p, spec.blend, bandwidth)) for p, spec, s in out], bandwidth
+    return [dict(row=spec.name, **_raw(s, ctx, p, spec.blend)) for p, spec, s in out], bandwidth
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -240,6 +244,31 @@ def _prompts(loaded: LoadedModel, args: argparse.Namespace, synthetic: bool) -> 
             for i, q in enumerate(questions)]
 
 
+def _best(a: Rates, b: Rates) -> Rates:
+    """The faster of two measurements of each rate: the one other work on the machine disturbed least."""
+    return Rates(max(a.bandwidth, b.bandwidth), max(a.flops, b.flops))
+
+
+def _document(ctx: Context, path: Path, records: list[dict], disk: list[dict], disk_bw: float | None,
+              rates: Sequence[Rates], specs: Sequence[RowSpec]) -> dict:
+    """The JSON document: settings, machine, rates, rows, every question's raw values."""
+    best = _best(*rates)
+    fill_ideals([r for rec in records for r in rec["rows"].values()], best.bandwidth, best)
+    fill_ideals(disk, disk_bw or float("nan"), best)
+    settings = {k: v for k, v in vars(ctx.args).items() if k not in ("func", "replot")} | dict(synthetic=ctx.synthetic)
+    machine = machine_info() | dict(loadavg_end=[round(x, 2) for x in os.getloadavg()])
+    return dict(bench="blend", model=ctx.args.model, dtype=ctx.args.dtype, settings=settings,
+                data=None if ctx.synthetic else dict(path=str(path), attribution=blend_data.ATTRIBUTION),
+                machine=machine, date=time.strftime("%Y-%m-%d"),
+                rates=dict(flops=best.flops, memory_bandwidth=best.bandwidth, disk_bandwidth=disk_bw,
+                           measured=[asdict(r) for r in rates],
+                           source="bench/roofline.measure (a matmul in the compute dtype, a device copy; the faster "
+                                  "of a measurement before and one after the rows); the disk's cold read of the "
+                                  "store's files (bench/common.read_bandwidth); ideal = max(bytes read / bandwidth, "
+                                  "FLOPs / matmul rate)"),
+                rows=summary_rows(records, disk, specs), questions=records, disk=disk)
+
+
 def run(args: argparse.Namespace) -> dict | None:
     """The whole benchmark -> its JSON document; None where the data is absent (skipped)."""
     synthetic = args.synthetic
@@ -255,22 +284,19 @@ def run(args: argparse.Namespace) -> dict | None:
     torch.manual_seed(0)
     prompts = _prompts(loaded, args, synthetic)
     device = next(loaded.module.parameters()).device
-    # Random ids are for tests: one timed run per rate (a second or two) instead of five.
-    rates = measure(device, loaded.dtype, repeats=1 if synthetic else 5)
-    ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module), rates,
+    repeats = 1 if synthetic else 5  # random ids are for tests: a second or two, not five runs per rate
+    before = measure(device, loaded.dtype, repeats)
+    ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module),
                   SamplingParams(max_tokens=args.max_tokens, temperature=0.0, first_logits=True))
     specs = row_specs(args.link_tokens, args.ratios)
-    records = memory_pass(ctx, prompts, specs)
     disk, disk_bw = disk_pass(ctx, prompts)
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "replot")} | dict(synthetic=synthetic)
-    return dict(bench="blend", model=args.model, dtype=args.dtype, settings=settings,
-                data=None if synthetic else dict(path=str(path), attribution=blend_data.ATTRIBUTION),
-                machine=machine_info(), date=time.strftime("%Y-%m-%d"),
-                rates=dict(flops=ctx.rates.flops, memory_bandwidth=ctx.rates.bandwidth, disk_bandwidth=disk_bw,
-                           source="bench/roofline.measure (a matmul in the compute dtype, a device copy); the disk's "
-                                  "cold read of the store's files (bench/common.read_bandwidth); ideal = max(bytes "
-                                  "read / bandwidth, FLOPs / matmul rate)"),
-                rows=summary_rows(records, disk, specs), questions=records, disk=disk)
+    records: list[dict] = []
+    for record in memory_pass(ctx, prompts, specs):
+        records.append(record)
+        if args.json:  # what is done so far, should the run be stopped early
+            write_json_atomic(args.json, _document(ctx, path, records, disk, disk_bw, (before, before), specs))
+    after = measure(device, loaded.dtype, repeats)
+    return _document(ctx, path, records, disk, disk_bw, (before, after), specs)
 
 
 def cmd(args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.models.attention import attention_at
+from kvtier.models.llama import LayerAttention
 from kvtier.planning.blend import BlendMode, BlendPlan, merged, subtract
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Plan
@@ -111,6 +113,40 @@ class _Loader:
 
     def close(self) -> None:
         self.thread.join()
+
+
+class _Scattered(LayerAttention):
+    """The recomputed runs of a blend as one pass through the layers: their rows at their own
+    positions, each layer's K/V written to the request's slots first, then every row attends to
+    the request's keys at or before its position (`attention_at`). Only this request's rows and
+    keys enter it, so its bits do not depend on what else the engine runs."""
+
+    def __init__(self, runner: ModelRunner, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], end: int,
+                 place: Callable[[int], None] | None) -> None:
+        self.runner, self.place = runner, place
+        pos = torch.cat([torch.arange(a, e) for a, e in runs])  # [m] positions, ascending
+        context = runner.slots(block_ids, 0, end)  # [end] pool slot of every position before the last
+        self.positions = pos
+        self.slots, self.context, self.dev_pos = (runner.upload(t) for t in (context.index_select(0, pos), context, pos))
+        self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
+
+    def ids(self, token_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([token_ids[p] for p in self.positions.tolist()], dtype=torch.long)
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+    def enter(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        if self.place is not None:
+            self.place(li)
+        return h
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.runner.k_cache[li], self.runner.v_cache[li]  # [slots, kv_heads, hd]
+        kc.index_copy_(0, self.slots, k)
+        vc.index_copy_(0, self.slots, v)
+        return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.dev_pos)
 
 
 class BlendRestore:
@@ -199,9 +235,16 @@ class BlendRestore:
             for li in range(placed, layers):
                 self._place(li)
             return
-        items = [RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True, placed_ahead=True)
-                 for a, e in runs]
-        self.runner.execute(items, before_layer=None if placed == layers else self._place)
+        place = None if placed == layers else self._place
+        if len(runs) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
+            a, e = runs[0]
+            item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
+                           placed_ahead=True)
+            self.runner.execute([item], before_layer=place)
+        else:  # runs scattered across the prompt: one pass over all their rows
+            model = self.runner.model
+            scattered = _Scattered(self.runner, self.block_ids, runs, self.blend.end, place)
+            model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
         if self._error is not None:  # aborted meanwhile
             raise RestoreMiss(self._error)
 
