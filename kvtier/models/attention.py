@@ -12,6 +12,7 @@ invariant on a GPU).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,21 +68,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     return out[0].transpose(0, 1)  # [n, heads, hd]
 
 
-def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                 rows: int = 256) -> torch.Tensor:
-    """Queries at any positions (sorted or not) attend to the keys at or before their own:
-    q [m, heads, hd] at `positions` [m], k/v [ctx, kv_heads, hd] at positions [0, ctx). Queries go
-    `rows` at a time (bounded scores); one call per piece, so the bits depend on these rows and keys
-    alone, never on a batch. -> [m, heads, hd]."""
+def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int],
+                 rows: int = 64) -> torch.Tensor:
+    """Queries at ascending positions attend to the keys at or before their own: q [m, heads, hd]
+    at `positions` (m ints), k/v [ctx, kv_heads, hd] at positions [0, ctx). Queries go `rows` at a
+    time, each piece over the keys up to its last position only (bounded scores, no work past
+    it); the bits depend on these rows and keys alone, never on a batch. -> [m, heads, hd]."""
     kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, kv_heads, ctx, hd]
+    at = torch.as_tensor(list(positions), device=k.device)
     keys = torch.arange(k.shape[0], device=k.device)
     gqa = q.shape[1] != k.shape[1]
     out = []
     with _eager_backends(q):
         for a in range(0, q.shape[0], rows):
+            n = int(positions[min(a + rows, q.shape[0]) - 1]) + 1  # keys this piece can see
             qh = q[a : a + rows].transpose(0, 1).unsqueeze(0)  # [1, heads, r, hd]
-            mask = keys[None, :] <= positions[a : a + rows, None]  # [r, ctx]
-            out.append(F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
+            mask = keys[None, :n] <= at[a : a + rows, None]  # [r, n]
+            out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
+                                                      enable_gqa=gqa)[0].transpose(0, 1))
     return torch.cat(out) if len(out) > 1 else out[0]
 
 

@@ -126,7 +126,7 @@ class _Scattered(LayerAttention):
         self.runner, self.place = runner, place
         pos = torch.cat([torch.arange(a, e) for a, e in runs])  # [m] positions, ascending
         context = runner.slots(block_ids, 0, end)  # [end] pool slot of every position before the last
-        self.positions = pos
+        self.positions, self.at = pos, pos.tolist()
         self.slots, self.context, self.dev_pos = (runner.upload(t) for t in (context.index_select(0, pos), context, pos))
         self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
 
@@ -146,7 +146,7 @@ class _Scattered(LayerAttention):
         kc, vc = self.runner.k_cache[li], self.runner.v_cache[li]  # [slots, kv_heads, hd]
         kc.index_copy_(0, self.slots, k)
         vc.index_copy_(0, self.slots, v)
-        return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.dev_pos)
+        return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.at)
 
 
 class BlendRestore:
