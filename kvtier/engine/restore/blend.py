@@ -304,7 +304,9 @@ class BlendRestore:
         spans = [(max(a, position), min(e, position + n)) for a, e in self.blend.loaded
                  if a < position + n and e > position]
         rows = torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans else torch.zeros(0, dtype=torch.long)
-        return self._source(layer, self.runner.upload(rows), rows + position, torch.full_like(rows, position))
+        # Stored K is rotated at offset + row: moved to position + row.
+        return self._source(layer, self.runner.upload(rows), rows + position,
+                            torch.full_like(rows, position - self.states.offset))
 
     def _source(self, layer: Callable[[int], Parts], rows: torch.Tensor | None, positions: torch.Tensor,
                 shift: torch.Tensor) -> _Source:

@@ -1,9 +1,11 @@
 """Segment state for blended restores: a document's per-layer state computed alone, stored and read
 by its content.
 
-A segment is computed alone from position 0 (its own causal attention, the exact kernels), and its
-K (rotated at positions [0, n)), V and, for hidden-state layers, layer inputs are saved through the
-store's writer like any chunk chain: sealed, validated on read, evicted by the tiers' policies. Its
+A segment is computed alone after a fixed compile context (by default none: it starts at position
+0; the model's BOS token before it blended worse on MuSiQue, docs/blend.md), with its own causal
+attention and the exact kernels. Its K (rotated at positions [c, c + n) after a context of c tokens), V and, for
+hidden-state layers, layer inputs are saved, the context's rows with them, as the chain of the
+context's and the segment's tokens, through the store's writer like any chunk chain: sealed, validated on read, evicted by the tiers' policies. Its
 chain starts at a root of the blend key space (`keys.salted_root(space=...)`), salted by the
 tenant: the exact chains' lookups never reach it, and no tenant reads another's segments. The
 store's namespace already names the model, the layout, the storage dtype and the numerics.
@@ -25,9 +27,9 @@ from kvtier.store.tiered import TieredStore
 # A layer's parts: k, v [n, kv_heads, hd] where it stores K/V, h [n, hidden] where hidden states.
 Parts = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
-# The blend key space (keys.salted_root): segments computed alone from position 0 with nothing
-# before them. A different compile context would be a different space.
-SPACE = "blend-segment:alone"
+# The blend key space (keys.salted_root); the compile context leads each chain, so a different one
+# gives other keys.
+SPACE = "blend-segment"
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,18 @@ class _Alone(LayerAttention):
 class SegmentStates:
     """Reads a segment's state from the store, or computes it alone and saves it."""
 
-    def __init__(self, store: TieredStore, runner: ModelRunner, layout: Sequence[Repr], save: bool = True) -> None:
+    def __init__(self, store: TieredStore, runner: ModelRunner, layout: Sequence[Repr], save: bool = True,
+                 context: Sequence[int] | None = None) -> None:
+        """`context`: the compile context's token ids (none by default)."""
         if Repr.NONE in layout:
             raise ValueError("blended restores need K/V or hidden states in every layer")
         self.store, self.runner, self.layout, self.save = store, runner, tuple(layout), save
+        self.context = tuple(context or ())
+
+    @property
+    def offset(self) -> int:
+        """The position a segment's first row was computed at (its K is rotated there)."""
+        return len(self.context)
 
     def get(self, tokens: Sequence[int], salt: str) -> SegmentState:
         state = self.read(tokens, salt)
@@ -83,8 +93,9 @@ class SegmentStates:
 
     def find(self, tokens: Sequence[int], salt: str) -> PrefixMatch | None:
         """The stored chunks holding the whole segment; None where any part is missing."""
-        match = self.store.lookup(tokens, salt, SPACE)
-        return match if match.num_tokens >= len(tokens) else None
+        chain = self.context + tuple(tokens)
+        match = self.store.lookup(chain, salt, SPACE)
+        return match if match.num_tokens >= len(chain) else None
 
     def read(self, tokens: Sequence[int], salt: str) -> SegmentState | None:
         """The whole segment's state from the store; None if any part of it is missing or fails
@@ -99,10 +110,14 @@ class SegmentStates:
         return SegmentState(k, v, h, True, sum(c.nbytes for c in match.chunks))
 
     def read_layers(self, match: PrefixMatch, n: int, layers: range) -> dict[int, Parts] | None:
-        """`layers` of a segment of `n` tokens from its stored chunks: per layer (k, v, h) on the
-        pool's device (None where the layer stores no such part); None on a failed read or check."""
+        """`layers` of a segment of `n` tokens from its stored chunks (the context's rows left
+        out): per layer (k, v, h) on the pool's device (None where the layer stores no such part);
+        None on a failed read or check."""
+        lo, hi = self.offset, self.offset + n  # the segment's rows of the stored chain
         parts: dict[int, dict[str, list[torch.Tensor]]] = {li: {"k": [], "v": [], "h": []} for li in layers}
         for c in match.chunks:
+            if c.end <= lo or c.start >= hi:
+                continue
             states = self.store.read_layers(c, layers, copy=False)
             if states is None:
                 return None
@@ -110,7 +125,7 @@ class SegmentStates:
                 for p in ("k", "v", "h"):
                     t = getattr(s, p)
                     if t is not None:
-                        parts[s.layer][p].append(t[: min(c.end, n) - c.start])
+                        parts[s.layer][p].append(t[max(lo, c.start) - c.start : min(c.end, hi) - c.start])
         dev, dtype = self.runner.device, self.runner.k_cache.dtype
 
         def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -130,14 +145,15 @@ class SegmentStates:
     @torch.inference_mode()
     def compute(self, tokens: Sequence[int], salt: str) -> SegmentState:
         """The segment's state computed alone (and handed to the store's writer)."""
-        model, n = self.runner.model, len(tokens)
-        alone = _Alone(self.runner, n, self.layout)
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.runner.device)
+        model, chain, c = self.runner.model, self.context + tuple(tokens), self.offset
+        alone = _Alone(self.runner, len(chain), self.layout)
+        ids = torch.tensor(chain, dtype=torch.long, device=self.runner.device)
         model.run_layers(model.embed(ids), alone)
         if self.save:
             def stack(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
                 have = [t for t in ts if t is not None]
                 return torch.stack(have).cpu() if have else None
 
-            self.store.save(tokens, 0, stack(alone.k), stack(alone.v), stack(alone.h), salt, SPACE)
-        return SegmentState(tuple(alone.k), tuple(alone.v), tuple(alone.h), False, 0)
+            self.store.save(chain, 0, stack(alone.k), stack(alone.v), stack(alone.h), salt, SPACE)
+        k, v, h = (tuple(None if t is None else t[c:] for t in ts) for ts in (alone.k, alone.v, alone.h))
+        return SegmentState(k, v, h, False, 0)
