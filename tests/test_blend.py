@@ -53,15 +53,16 @@ def test_every_token_recomputed_is_an_exact_prefill_bit_for_bit(model):
     with Engine(model) as plain:
         want = plain.generate([ids], GREEDY)[0]
     with _engine(model) as engine:
-        computed = _blend(engine, ids, EVERY_TOKEN)  # segments computed alone here, then saved
-        assert engine.flush(30)
-        stored = _blend(engine, ids, EVERY_TOKEN)  # read back from the store
-    for out in (computed, stored):
-        assert out.restore is not None and out.restore.method == "blend"
-        assert out.restore.recomputed_tokens == N - 1 and out.restore.blended_tokens == 0
-        assert torch.equal(out.first_logits, want.first_logits)
-        assert out.output_ids == want.output_ids
-    assert computed.restore.bytes_read == 0 and stored.restore.bytes_read > 0
+        engine.precompile([ids[a:b] for a, b in SEGMENTS])
+        out = _blend(engine, ids, EVERY_TOKEN)
+        again = engine.generate([ids], GREEDY)[0]  # not blending: its prefix is the device's
+    assert out.restore is not None and out.restore.method == "blend"
+    assert out.restore.recomputed_tokens == N - 1 and out.restore.blended_tokens == 0
+    assert out.restore.bytes_read == 0  # nothing loaded: no document read
+    assert torch.equal(out.first_logits, want.first_logits)
+    assert out.output_ids == want.output_ids
+    # A blended request publishes nothing, whatever its options.
+    assert again.prompt_tokens_reused == 0 and torch.equal(again.first_logits, want.first_logits)
 
 
 def test_the_default_blend_loads_the_segments_and_recomputes_the_rest(fp32):

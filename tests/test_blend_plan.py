@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.engine import documents
 from kvtier.engine.prompts import PromptError
-from kvtier.planning.blend import BlendOptions, find_segments, merged, plan_blend, subtract
+from kvtier.planning.blend import BlendOptions, find_segments, merged, pieces, plan_blend, subtract
 
 PROMPT = list(range(100))
 SEGMENTS = [(10, 40), (45, 80)]
@@ -43,6 +43,8 @@ def test_a_segment_ending_the_prompt_leaves_its_last_token_to_the_step():
 def test_span_arithmetic():
     assert merged([(5, 9), (0, 2), (2, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
     assert subtract([(0, 10), (20, 30)], [(2, 4), (8, 22)]) == [(0, 2), (4, 8), (22, 30)]
+    assert subtract([(0, 10)], [(0, 10)]) == [] and subtract([(5, 6)], [(0, 2), (9, 12)]) == [(5, 6)]
+    assert pieces([(0, 5), (10, 20), (30, 31)], 4) == [[(0, 4)], [(4, 5), (10, 13)], [(13, 17)], [(17, 20), (30, 31)]]
 
 
 def test_documents_are_found_by_their_ids_in_order_and_only_aligned():
@@ -67,9 +69,6 @@ def test_text_documents_are_tokenized_alone_and_spanned():
     assert ids == _encode("sys|alpha|beta|q") and spans == ((4, 9), (10, 14))
     text, docs = documents.split_separated("sys##alpha##beta##q?", "##")
     assert (text, docs) == ("sysalphabetaq?", ["alpha", "beta"])
-    assert documents.content_parts([{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                 {"type": "text", "text": "b"}]},
-                                    {"role": "user", "content": "q"}]) == ["a", "b"]
     with pytest.raises(PromptError, match="document 1"):
         documents.mark(_encode, "sys|alpha", ["alpha", "gamma"], ())
     with pytest.raises(PromptError, match="not both"):

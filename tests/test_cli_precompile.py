@@ -2,6 +2,8 @@
 (another process would read the same disk tier); bad input files are refused naming the line."""
 from __future__ import annotations
 
+import pytest
+
 from kvtier.cli.main import main
 
 
@@ -20,3 +22,19 @@ def test_a_bad_line_is_refused_with_its_place(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('"fine"\n{"txt": "no text field"}\n')
     assert main(["precompile", str(tmp_path / "bad.jsonl"), "--model", "tiny-gqa", "--no-store"]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_a_document_past_the_window_is_named_and_the_rest_stored(tmp_path, capsys):
+    (tmp_path / "docs.jsonl").write_text('"short"\n"' + "word " * 400 + '"\n')
+    args = ["precompile", str(tmp_path / "docs.jsonl"), "--model", "tiny-gqa", "--max-model-len", "64",
+            "--store", f"disk:{tmp_path}/store:64MB"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "document 1:" in captured.err and "1 computed and stored, 0 stored already, 1 refused" in captured.out
+
+
+def test_blend_without_a_store_is_refused():
+    from kvtier.cli.engine_args import EngineOptions
+
+    with pytest.raises(ValueError, match="--no-store"):
+        EngineOptions(model="tiny-gqa", blend=True, no_store=True).reuse()

@@ -277,6 +277,8 @@ class EngineOptions:
                 if getattr(self, name) != default:
                     raise ValueError(f"--{name.replace('_', '-')} sets how requests blend: add --blend")
             return None
+        if self.no_store:
+            raise ValueError("--blend loads documents' state from the store: drop --no-store")
         return BlendOptions(mode=self.blend_mode, link_tokens=self.blend_link_tokens, ratio=self.blend_ratio)
 
     def partial(self) -> PartialConfig | None:

@@ -48,16 +48,22 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         return 2
     from tqdm import tqdm
 
-    stored = computed = 0
+    stored = computed = refused = 0
     # Planned on the saved profile or an estimate, as `kvtier serve` starts: the store's layout
     # (and with it the namespace the documents are stored under) is chosen the same way.
     with EngineOptions.from_args(args).build(measure_profile=False) as engine:  # saves drained, threads stopped
-        for doc in tqdm(docs, desc="documents", unit="doc", disable=None):
-            found, made = engine.precompile([doc], args.cache_salt)
+        for i, doc in enumerate(tqdm(docs, desc="documents", unit="doc", disable=None)):
+            try:
+                found, made = engine.precompile([doc], args.cache_salt)
+            except ValueError as e:  # PromptError too: a document too long is named, the rest go on
+                print(f"kvtier precompile: document {i}: {e}", file=sys.stderr)
+                refused += 1
+                continue
             stored, computed = stored + found, computed + made
         engine.flush()
-    print(f"{len(docs)} documents: {computed} computed and stored, {stored} stored already")
-    return 0
+    print(f"{len(docs)} documents: {computed} computed and stored, {stored} stored already"
+          + (f", {refused} refused" if refused else ""))
+    return 1 if refused else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,13 +5,12 @@ them) is tokenized on its own, so the document's tokens are the same wherever it
 merge with a neighbour's; in a prompt of token ids a document's ids are searched for. Three ways
 in: `documents=[...]` (texts or token ids, in prompt order), a separator string between the parts
 of a plain prompt (the parts between the first and the last separated part are documents), and
-the text parts of chat messages' content lists. Runs on the caller's thread.
+the text parts of chat messages' content lists (serve/blend_inputs.py). Runs on the caller's thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kvtier.engine.prompts import PromptError
 from kvtier.planning.blend import BlendOptions, check_segments, find_segments
@@ -66,17 +65,6 @@ def locate(prompt: Sequence[int], documents: Sequence[Sequence[int]]) -> list[tu
     if missing:
         raise PromptError(f"document {missing[0]} does not occur in the prompt's token ids (after the document before it)")
     return [s for s in found if s is not None]
-
-
-def content_parts(messages: Sequence[dict[str, Any]]) -> list[str]:
-    """The text parts of the messages' content lists (OpenAI content parts), in order."""
-    out = []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            out += [p["text"] for p in content
-                    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and p["text"]]
-    return out
 
 
 def mark(encode: Callable[[str | Sequence[int]], list[int]], prompt: str | Sequence[int],

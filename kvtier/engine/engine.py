@@ -88,6 +88,10 @@ class Engine:
         self.blend = (reuse or ReuseConfig()).blend
         if store:
             self.link = self._open_link(store, reuse or ReuseConfig(), profile, probes)
+            if self.blend is not None and "none" in self.link.report(with_store=False).layout:
+                self.link.close()
+                raise ValueError("blending loads K/V or hidden states in every layer, and this store keeps none for "
+                                 "some: use --restore-method kv (or a layout without none)")
         # Drain saves and stop the store's threads when the engine is dropped or the interpreter
         # exits without close(): a thread still in torch code at shutdown aborts the process.
         self._closer = weakref.finalize(self, self.link.close)

@@ -21,6 +21,7 @@ Torch-free.
 from __future__ import annotations
 
 import enum
+import functools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,7 +100,7 @@ class BlendPlan:
         """Static recompute only; cacheblend's chosen tokens come on top."""
         return sum(b - a for a, b in self.runs)
 
-    @property
+    @functools.cached_property
     def loaded(self) -> tuple[tuple[int, int], ...]:
         """Segment rows [a, b) (prompt positions) loaded rather than recomputed."""
         return tuple(subtract([(s.position + s.first, s.position + s.last) for s in self.segments], self.runs))
@@ -121,19 +122,39 @@ def merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def subtract(spans: Sequence[tuple[int, int]], cut: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The positions of `spans` outside `cut` (both sorted and disjoint), as sorted spans."""
+    """The positions of `spans` outside `cut` (both sorted and disjoint), as sorted spans; one
+    merge over both lists."""
     out = []
+    j = 0
     for a, b in spans:
-        pos = a
-        for c, d in cut:
-            if d <= pos or c >= b:
-                continue
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        pos, i = a, j
+        while i < len(cut) and cut[i][0] < b:
+            c, d = cut[i]
             if c > pos:
                 out.append((pos, c))
             pos = max(pos, d)
+            i += 1
         if pos < b:
             out.append((pos, b))
     return out
+
+
+def pieces(runs: Sequence[tuple[int, int]], rows: int) -> list[list[tuple[int, int]]]:
+    """`runs` (sorted) cut into groups of at most `rows` positions each, in order; a long run is split."""
+    groups: list[list[tuple[int, int]]] = [[]]
+    left = rows
+    for a, b in runs:
+        while a < b:
+            if left == 0:
+                groups.append([])
+                left = rows
+            e = min(b, a + left)
+            groups[-1].append((a, e))
+            left -= e - a
+            a = e
+    return [g for g in groups if g]
 
 
 def check_segments(segments: Sequence[tuple[int, int]], n_tokens: int) -> tuple[tuple[int, int], ...]:

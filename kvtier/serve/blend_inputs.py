@@ -8,6 +8,7 @@ not blend is a 400 naming the field. Runs in the request's thread-pool task, off
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from kvtier.engine import documents
@@ -29,7 +30,8 @@ def blend_asked(engine: Engine, body: SamplingFields) -> bool | BlendOptions | N
                        "the field", param="blend")
     if asked is True:
         return True
-    return BlendOptions(mode=asked.mode, link_tokens=asked.link_tokens, ratio=asked.ratio)
+    given = {k: v for k, v in asked.model_dump().items() if v is not None}
+    return dataclasses.replace(engine.blend, **given)
 
 
 def marks(engine: Engine, body: SamplingFields) -> bool:

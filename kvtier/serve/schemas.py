@@ -55,12 +55,13 @@ class StreamOptions(BaseModel):
 
 
 class BlendField(BaseModel):
-    """A request's own blend options (kvtier's; the server's --blend-* flags are the defaults)."""
+    """A request's own blend options (kvtier's); what it leaves out is the server's (--blend-*)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    mode: Literal["legolink", "cacheblend", "naive"] = "legolink"
-    link_tokens: int = Field(16, ge=0, le=4096, description="legolink: leading tokens of each document recomputed")
-    ratio: float = Field(0.15, ge=0.0, le=1.0, description="cacheblend: share of the loaded tokens recomputed")
+    mode: Literal["legolink", "cacheblend", "naive"] | None = None
+    link_tokens: int | None = Field(None, ge=0, le=4096, description="legolink: leading tokens of each document "
+                                    "recomputed")
+    ratio: float | None = Field(None, ge=0.0, le=1.0, description="cacheblend: share of the loaded tokens recomputed")
 
 
 class TextPart(BaseModel):

@@ -167,6 +167,8 @@ class Restorer:
         tiers: dict[str, int] = {}
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, exact_end) - max(c.start, keep)
+        # Lossy even where every row is recomputed (an exact prefill's bits): a blended request's
+        # state is never published or saved, whatever its options.
         return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True)
 
     def _instant(self, plan: Plan) -> bool:
@@ -235,7 +237,7 @@ class Restorer:
         if plan.method is Method.BLEND:
             assert ticket.order.blend is not None and self.segments is not None  # set by _offer_blend
             return BlendRestore(plan, ticket.order.blend, self.segments, self.store, self.runner, req.all_ids,
-                                req.block_ids, req.cache_salt)
+                                req.block_ids, req.cache_salt, self.compute_chunk_tokens)
         if plan.method is Method.IMPRESS:
             return ImpressRestore(plan, self.importance, self.store, self.runner, req.all_ids, req.block_ids)
         return Restore(plan, self.store, self.runner, req.all_ids, req.block_ids, ticket.start, ticket.order.source,

@@ -314,9 +314,11 @@ class StoreLink:
         if segments is None:
             raise ValueError("blended restores need K/V or hidden states in every layer; this store's layout keeps "
                              f"none for some ({', '.join(r.value for r in self.layout)})")
+        if not segments.save:
+            raise ValueError("precompiling documents stores their state: this engine saves nothing (save is off)")
         stored = 0
         for doc in documents:
-            if segments.read(doc, salt) is not None:
+            if segments.find(doc, salt) is not None:
                 stored += 1
             else:
                 segments.compute(doc, salt)

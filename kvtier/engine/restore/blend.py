@@ -8,10 +8,13 @@ blocks, on the restore worker.
    position difference (`ModelRunner.shift_in`), hidden-state layers projected there.
 3. cacheblend only: the layers up to the check layer run for every blended token; the share of
    loaded tokens whose fresh K deviates most from the loaded K there joins the recompute.
-4. The recomputed runs go through one runner step, each run a `RunItem` of the request attending
-   to every key before it (loaded, exact or computed in this very layer): the exact causal mask.
-   Their rows then replace the loaded ones in every layer; residual and MLP run for them only.
-   Loaded rows are placed layer by layer just before the step reaches each layer.
+4. The recomputed runs go through the layers in passes of at most `chunk_tokens` rows, in position
+   order: a pass of one contiguous run is a runner step (the exact kernels: every token recomputed
+   is an exact prefill), a pass of scattered runs goes through the layers as one (`_Scattered`:
+   each row attends to the request's keys at or before its position). Either way their rows
+   replace the loaded ones in every layer, and residual and MLP run for them only. Loaded rows are
+   placed layer by layer just before the first pass reaches each layer; stored documents are read
+   a group of layers at a time on a thread of their own meanwhile (`_Loader`).
 
 The request's own step then computes the prompt's last token and samples. Its state is
 approximate: never saved, published to the device prefix cache or served as exact.
@@ -19,6 +22,7 @@ approximate: never saved, published to the device prefix cache or served as exac
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -35,7 +39,7 @@ from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.attention import attention_at
 from kvtier.models.llama import LayerAttention
-from kvtier.planning.blend import BlendMode, BlendPlan, merged, subtract
+from kvtier.planning.blend import BlendMode, BlendPlan, merged, pieces, subtract
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Plan
 from kvtier.store.index import PrefixMatch
@@ -87,12 +91,15 @@ class _Loader:
         self.data: list[dict[int, Parts]] = [{} for _ in self.found]
         self.ready = [threading.Event() for _ in range(layers)]
         self.error: str | None = None
+        self.stop = threading.Event()  # the restore was aborted: read no more
         self.thread = threading.Thread(target=self._run, name="kvtier-blend-io", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
             for g in self.groups:
+                if self.stop.is_set():
+                    raise RestoreMiss("aborted")
                 for i, (match, n) in enumerate(self.found):
                     got = self.states.read_layers(match, n, g)
                     if got is None:
@@ -112,6 +119,7 @@ class _Loader:
         return self.data[i][li]
 
     def close(self) -> None:
+        self.stop.set()
         self.thread.join()
 
 
@@ -153,8 +161,11 @@ class BlendRestore:
     impress: ImpressStats | None = None  # (RestoreJob) chooses no tokens by importance
 
     def __init__(self, plan: Plan, blend: BlendPlan, states: SegmentStates, store: TieredStore,
-                 runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str) -> None:
+                 runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str,
+                 chunk_tokens: int = 512) -> None:
+        """`chunk_tokens`: the most rows one pass through the layers computes (bounded activations)."""
         self.plan, self.blend, self.states, self.store, self.runner = plan, blend, states, store, runner
+        self.chunk_tokens = chunk_tokens
         self.token_ids, self.block_ids, self.salt = list(token_ids), list(block_ids), salt
         self.layout = tuple(plan.layer_reprs)
         self.start = blend.start  # a failure recomputes from here
@@ -174,7 +185,9 @@ class BlendRestore:
             with torch.inference_mode():
                 self._prepare()
             self.runner.transfer.sync_compute()  # done means written
-        except (RestoreMiss, OSError, ValueError) as e:
+        except Exception as e:  # any failure is the request's recompute, never a pass with holes
+            if not isinstance(e, (RestoreMiss, OSError, ValueError)):
+                log.exception("blended restore failed")
             self._error = str(e) or type(e).__name__
             raise RestoreMiss(self._error) from e
         finally:
@@ -202,6 +215,8 @@ class BlendRestore:
 
     def abort(self) -> None:
         self._error = self._error or "aborted"
+        if self._loader is not None:
+            self._loader.stop.set()
 
     # ----- the work ---------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -235,18 +250,18 @@ class BlendRestore:
             for li in range(placed, layers):
                 self._place(li)
             return
-        place = None if placed == layers else self._place
-        if len(runs) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
-            a, e = runs[0]
-            item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
-                           placed_ahead=True)
-            self.runner.execute([item], before_layer=place)
-        else:  # runs scattered across the prompt: one pass over all their rows
-            model = self.runner.model
-            scattered = _Scattered(self.runner, self.block_ids, runs, self.blend.end, place)
-            model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
-        if self._error is not None:  # aborted meanwhile
-            raise RestoreMiss(self._error)
+        for i, group in enumerate(pieces(runs, self.chunk_tokens)):  # in position order: each sees those before
+            place = self._place if i == 0 and placed < layers else None  # the first pass places every layer
+            if len(group) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
+                a, e = group[0]
+                item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
+                               placed_ahead=True)
+                self.runner.execute([item], before_layer=place)
+            else:  # runs scattered across the prompt: one pass over all their rows
+                model = self.runner.model
+                scattered = _Scattered(self.runner, self.block_ids, group, self.blend.end, place)
+                model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
+            self._check_abort()
 
     def _segment_sources(self, stored: bool) -> None:
         """Each segment's rows the plan loads: computed alone here where the store lacks it (or
@@ -254,6 +269,8 @@ class BlendRestore:
         at a time."""
         found: list[tuple[PrefixMatch, int]] = []
         for s in self.blend.segments:
+            if not self._rows_of(s.position, len(s.tokens)):
+                continue  # every row of it recomputed: nothing to read or compute alone
             match = self.states.find(s.tokens, self.salt) if stored else None
             if match is None:
                 st = self.states.compute(s.tokens, self.salt)
@@ -299,10 +316,20 @@ class BlendRestore:
         positions = torch.arange(b.start, b.exact_end)
         return self._source(lambda li: cast(Parts, by_layer[li]), None, positions, torch.zeros_like(positions))
 
+    def _rows_of(self, position: int, n: int) -> list[tuple[int, int]]:
+        """The spans of prompt positions of a segment of `n` tokens at `position` that the plan loads."""
+        loaded, end = self.blend.loaded, position + n
+        spans = []
+        for a, e in loaded[max(bisect.bisect_right(loaded, (position, position)) - 1, 0):]:
+            if a >= end:
+                break
+            if e > position:
+                spans.append((max(a, position), min(e, end)))
+        return spans
+
     def _segment_source(self, position: int, n: int, layer: Callable[[int], Parts]) -> _Source:
         """A segment of `n` tokens at `position`: the rows of it the plan loads."""
-        spans = [(max(a, position), min(e, position + n)) for a, e in self.blend.loaded
-                 if a < position + n and e > position]
+        spans = self._rows_of(position, n)
         rows = torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans else torch.zeros(0, dtype=torch.long)
         # Stored K is rotated at offset + row: moved to position + row.
         return self._source(layer, self.runner.upload(rows), rows + position,
@@ -314,8 +341,13 @@ class BlendRestore:
         up = self.runner.upload
         return _Source(layer, rows, up(slots), up(positions), up(shift))
 
+    def _check_abort(self) -> None:
+        if self._error is not None:  # aborted meanwhile: stop at the next layer
+            raise RestoreMiss(self._error)
+
     def _place(self, li: int) -> None:
         """Layer `li` of every source's rows into the pool at their positions."""
+        self._check_abort()
         runner = self.runner
         for src in self._sources:
             if not src.slots.numel():
@@ -341,22 +373,27 @@ class BlendRestore:
         want = int(b.options.ratio * positions.numel())
         if want == 0:
             return []
-        slots = self.runner.upload(self.runner.slots(self.block_ids, 0, b.end).index_select(0, positions))
-        rows = self.runner.upload(positions - lo)  # rows of the region run
+        table = self.runner.slots(self.block_ids, 0, b.end)  # [end] pool slot of each position
         deviation: list[torch.Tensor] = []
+        for a in range(lo, b.end, self.chunk_tokens):  # the layers up to the check, a chunk at a time
+            e = min(a + self.chunk_tokens, b.end)
+            mine = positions[(positions >= a) & (positions < e)]
+            slots, rows = self.runner.upload(table.index_select(0, mine)), self.runner.upload(mine - a)
 
-        def capture(li: int, offsets: tuple[int, ...], h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            if li == check:  # before the step writes this layer: the pool still holds the loaded K
-                old = self.runner.k_cache[li].index_select(0, slots).float()
-                new = k.index_select(0, rows).float()
-                deviation.append((new - old).square().sum(dim=(1, 2)))  # [loaded positions]
+            def capture(li: int, offsets: tuple[int, ...], h: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor = slots, rows: torch.Tensor = rows) -> None:
+                if li == check:  # before the step writes this layer: the pool still holds the loaded K
+                    old = self.runner.k_cache[li].index_select(0, slots).float()
+                    new = k.index_select(0, rows).float()
+                    deviation.append((new - old).square().sum(dim=(1, 2)))  # [loaded positions of the chunk]
 
-        item = RunItem(self.token_ids[lo : b.end], lo, self.block_ids, want_logits=False, off_thread=True,
-                       placed_ahead=True)
-        self.runner.execute([item], capture=capture, layers=range(check + 1))
-        if not deviation:
+            item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True, placed_ahead=True)
+            self.runner.execute([item], capture=capture, layers=range(check + 1))
+            self._check_abort()
+        if len(deviation) != -(-(b.end - lo) // self.chunk_tokens):
             raise RestoreMiss("the check layer's keys were not captured")
+        dev = torch.cat([d.cpu() for d in deviation])  # [loaded positions], in position order
         # Stable sort: equal deviations keep position order, so the choice is a function of the bits.
-        order = torch.sort(deviation[0].cpu(), descending=True, stable=True).indices[:want]
+        order = torch.sort(dev, descending=True, stable=True).indices[:want]
         picked = positions.index_select(0, order).sort().values.tolist()
         return merged([(p, p + 1) for p in picked])

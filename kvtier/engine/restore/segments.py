@@ -87,10 +87,6 @@ class SegmentStates:
         """The position a segment's first row was computed at (its K is rotated there)."""
         return len(self.context)
 
-    def get(self, tokens: Sequence[int], salt: str) -> SegmentState:
-        state = self.read(tokens, salt)
-        return state if state is not None else self.compute(tokens, salt)
-
     def find(self, tokens: Sequence[int], salt: str) -> PrefixMatch | None:
         """The stored chunks holding the whole segment; None where any part is missing."""
         chain = self.context + tuple(tokens)
