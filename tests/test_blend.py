@@ -213,3 +213,9 @@ def test_the_samples_of_an_n_request_blend_alike(fp32):
     assert [o.restore.method for o in outs] == ["blend", "blend"]
     assert outs[0].output_ids == outs[1].output_ids
     assert outs[0].restore.blended_tokens == outs[1].restore.blended_tokens > 0
+
+
+def test_an_engine_whose_store_keeps_no_state_for_a_layer_refuses_to_blend(fp32):
+    layout = ("none",) + ("kv",) * (fp32.config.num_layers - 1)
+    with pytest.raises(ValueError, match="every layer"):
+        Engine(fp32, store="memory:64MB", reuse=ReuseConfig(chunk_tokens=64, layout=layout, blend=BlendOptions()))
