@@ -219,3 +219,57 @@ def test_an_engine_whose_store_keeps_no_state_for_a_layer_refuses_to_blend(fp32)
     layout = ("none",) + ("kv",) * (fp32.config.num_layers - 1)
     with pytest.raises(ValueError, match="every layer"):
         Engine(fp32, store="memory:64MB", reuse=ReuseConfig(chunk_tokens=64, layout=layout, blend=BlendOptions()))
+
+
+def _reference_blend(model, ids, segments, link_tokens: int) -> torch.Tensor:
+    """The method computed independently of the engine, with the plain decoder layers: each
+    document alone from position 0, its K rotated to its place, the plan's runs and the last token
+    computed against every key at or before their position. -> the last token's logits."""
+    import torch.nn.functional as F
+
+    from kvtier.models.rope import Rope, rotate
+    from kvtier.planning.blend import plan_blend
+
+    cfg, net, n = model.config, model.module, len(ids)
+    rope = Rope(cfg, n, torch.float32)
+    group = cfg.num_heads // cfg.num_kv_heads
+
+    def attend(q, k, v, pos):  # q [m, heads, hd] at pos [m]; k, v [ctx, kv_heads, hd] at [0, ctx)
+        k, v = (t.repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        mask = torch.arange(k.shape[1])[None, :] <= pos[:, None]
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+
+    def layers(x, pos, k_all=None, v_all=None, keep=None):
+        cos, sin = rope.cos_sin(pos)
+        for li, layer in enumerate(net.layers):
+            q, k, v = layer.qkv(x)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            if k_all is None:
+                keep.append((k, v))
+                x = layer.finish(x, attend(q, k, v, pos))
+            else:
+                k_all[li][pos], v_all[li][pos] = k, v
+                x = layer.finish(x, attend(q, k_all[li], v_all[li], pos))
+        return x
+
+    with torch.inference_mode():
+        k_all = [torch.zeros(n, cfg.num_kv_heads, cfg.head_dim) for _ in net.layers]
+        v_all = [torch.zeros_like(k_all[0]) for _ in net.layers]
+        for a, b in segments:
+            alone: list = []
+            layers(net.embed(torch.tensor(ids[a:b])), torch.arange(b - a), keep=alone)
+            cos, sin = rope.cos_sin(torch.full((b - a,), a))
+            for li, (k, v) in enumerate(alone):
+                k_all[li][a:b], v_all[li][a:b] = rotate(k, cos, sin), v
+        plan = plan_blend(ids, segments, 0, 0, BlendOptions(link_tokens=link_tokens))
+        pos = torch.cat([torch.arange(a, e) for a, e in plan.runs] + [torch.tensor([n - 1])])
+        return net.logits(layers(net.embed(torch.tensor(ids)[pos]), pos, k_all, v_all)[-1:])[0]
+
+
+@pytest.mark.parametrize("link_tokens", [0, 8])
+def test_the_blend_is_the_method_computed_independently(fp32, link_tokens):
+    ids = _ids(fp32)
+    with _engine(fp32) as engine:
+        out = _blend(engine, ids, BlendOptions(link_tokens=link_tokens))
+    want = _reference_blend(fp32, ids, SEGMENTS, link_tokens)
+    assert torch.allclose(out.first_logits, want, atol=1e-4, rtol=1e-4), float((out.first_logits - want).abs().max())
