@@ -60,7 +60,10 @@ def split_separated(text: str, separator: str) -> tuple[str, list[str]]:
 def locate(prompt: Sequence[int], documents: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Spans of documents given as token ids in a prompt of token ids (each after the one before)."""
     _count(documents)
-    found = find_segments(prompt, documents)
+    try:
+        found = find_segments(prompt, documents)
+    except OverflowError:
+        raise PromptError("token ids must be non-negative and fit in 64 bits") from None
     missing = [i for i, s in enumerate(found) if s is None]
     if missing:
         raise PromptError(f"document {missing[0]} does not occur in the prompt's token ids (after the document before it)")

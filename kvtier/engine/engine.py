@@ -230,10 +230,9 @@ class Engine:
         arrival order; running requests are not preempted for it.
         `cache_prompt` (llama-server's): False neither reuses cached or stored state nor leaves
         any (same answer, computed in full).
-        `documents` (texts or ids, in prompt order; or `segments`, spans of its ids) mark what a
-        blended restore may load from state computed alone (engine/documents.py); `blend`: None
-        blends them where the engine allows it (`ReuseConfig.blend`), False never, True or
-        BlendOptions asks to (an error where blending is off). Blended state is approximate."""
+        `documents` (texts or ids in prompt order) or `segments` (spans of its ids) mark what a
+        blended restore may load; `blend`: None as the engine allows (`ReuseConfig.blend`), False
+        never, True or BlendOptions asks to (an error where blending is off). docs/blend.md."""
         priority = check_priority(priority)
         ids, spans = documents_.mark(self.encode, prompt, documents, segments)
         options = documents_.blend_options(blend, self.blend, self._store_spec is not None, spans)
@@ -253,8 +252,7 @@ class Engine:
         return rid
 
     def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
-        """Compute and store each document's state alone, so blended requests find it (safe from
-        any thread; the saves go through the store's writer) -> (found stored, computed)."""
+        """Store each document's state computed alone, for blended requests (safe from any thread) -> (found, computed)."""
         docs = [self.encode(d) for d in documents]
         for d in docs:
             self.validate(d)
@@ -396,8 +394,7 @@ class Engine:
 
 
 def _set_kernels(config: EngineConfig | None) -> None:
-    """The exact-kernel switches are process-wide (models/invariant.py, models/exact_matmul.py read
-    them at every call): the last engine built sets them for every model in the process."""
+    """The exact-kernel switches are process-wide (models/invariant.py, exact_matmul.py): the last engine built sets them."""
     invariant.set_exact((config or EngineConfig()).exact)
     if config is not None and config.bf16_attention is not None:
         exact_matmul.set_mode(config.bf16_attention)
