@@ -217,7 +217,7 @@ class EngineOptions:
                              "--blend-link-tokens of each document (legolink), the --blend-ratio share of loaded "
                              "tokens whose keys deviate most at layer 1 (cacheblend), or nothing (naive)",
                              choices=("legolink", "cacheblend", "naive"))
-    blend_link_tokens: int = option(16, STORE, "legolink: leading tokens of each document recomputed",
+    blend_link_tokens: int = option(8, STORE, "legolink: leading tokens of each document recomputed",
                                     type=non_negative_int, metavar="K")
     blend_ratio: float = option(0.15, STORE, "cacheblend: share of the loaded tokens recomputed", type=ratio,
                                 metavar="R")
@@ -273,7 +273,7 @@ class EngineOptions:
         from kvtier.planning.blend import BlendOptions
 
         if not self.blend:
-            for name, default in (("blend_mode", "legolink"), ("blend_link_tokens", 16), ("blend_ratio", 0.15)):
+            for name, default in (("blend_mode", "legolink"), ("blend_link_tokens", 8), ("blend_ratio", 0.15)):
                 if getattr(self, name) != default:
                     raise ValueError(f"--{name.replace('_', '-')} sets how requests blend: add --blend")
             return None
