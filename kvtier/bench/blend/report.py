@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvtier.bench.report import markdown_rows, pyplot, save_figure
 
-HEAD = ("row", "computed share", "first token = full (95% CI)", "KL(full || row) mean (95% CI)",
+HEAD = ("row", "computed share", "first token = full (95% CI)", "KL(full ‖ row) mean (95% CI)",
         "leading tokens = full", "F1 vs full", "F1 vs gold", "TTFT memory, ms (ideal)", "TTFT cold disk, ms (ideal)")
 FAMILIES = ("full", "prefix", "naive", "legolink", "cacheblend")
 
@@ -90,7 +90,7 @@ def plot(doc: dict, path: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     rows = doc["rows"]
-    _fidelity(axes[0], rows, "kl_mean", "mean KL(full || row), first token")
+    _fidelity(axes[0], rows, "kl_mean", "mean KL(full ‖ row), first token")
     axes[0].set_yscale("symlog", linthresh=1e-3)  # KL is exactly 0 where every token is recomputed
     axes[0].set_ylim(bottom=0)
     _fidelity(axes[1], rows, "first_token_agreement", "first token = full's (Wilson 95%)")
