@@ -81,7 +81,7 @@ def test_tool_choice_none_hides_the_tools_and_auto_shows_them(tiny_server):
 
     def ids(**kw) -> list[int]:
         body = ChatCompletionRequest(model=TINY, messages=ASK, **kw)
-        return chat_prompt(engine, body, tool_setup(engine, body))
+        return chat_prompt(engine, body, tool_setup(engine, body))[0]  # (ids, documents' spans)
 
     assert ids(tools=[TOOL], tool_choice="none") == ids()
     shown = engine.model.tokenizer.decode(ids(tools=[TOOL]))
