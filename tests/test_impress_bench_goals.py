@@ -22,3 +22,21 @@ def test_auto_is_faulted_only_where_it_restored_by_importance_and_that_measured_
     assert (auto["value"], auto["met"]) == (1, False)
     at100 = [g for g in ttft_goals(rows, 0.25) if g["goal"].startswith("disk at 100 MB/s: impress-g TTFT")]
     assert at100[0]["value"] == 1.7 / 2.4 and not at100[0]["met"]  # 0.71x of kv, goal 0.6x
+
+
+def test_the_haystacks_goal_judges_the_worst_slice_against_full_kv():
+    from kvtier.bench.impress.goals import accuracy_goals, default_kind
+
+    def row(name: str, by: dict[str, float]) -> dict:
+        return dict(task="haystacks", variant=name, accuracy=sum(by.values()) / len(by), bytes_vs_full=0.4 if "@" in name else 1.0,
+                    by_slice={s: dict(accuracy=a) for s, a in by.items()})
+
+    kind = default_kind()
+    rows = [row("full", {"haystack=code": 0.60, "haystack=table": 0.50, "form=date": 0.70}),
+            row(f"{kind}@0.25", {"haystack=code": 0.70, "haystack=table": 0.42, "form=date": 0.66}),
+            row(f"{kind}@0.5", {"haystack=code": 0.60, "haystack=table": 0.48, "form=date": 0.70})]
+    goals = {g["goal"]: g for g in accuracy_goals(rows)}
+    quarter = next(g for name, g in goals.items() if "every slice" in name and "0.25" in name)
+    half = next(g for name, g in goals.items() if "every slice" in name and "ratio 0.5" in name)
+    assert quarter["slice"] == "haystack=table" and abs(quarter["value"] - 8.0) < 1e-9 and quarter["met"] is False
+    assert half["slice"] == "haystack=table" and abs(half["value"] - 2.0) < 1e-9 and half["met"] is True

@@ -22,27 +22,26 @@ import argparse
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from kvtier.bench.common import write_json_atomic
+from kvtier.bench.haystacks import FORMS, HaystackItem, haystack_items, haystacks
 from kvtier.bench.impress.goals import accuracy_goals, default_kind, kind_name, variant
+from kvtier.bench.impress.harness import ANSWER_TOKENS, Bench, Tally, continuation_logprob, greedy, kl, nll
+from kvtier.bench.impress.haystack_task import HAYSTACK_TASK, run_haystacks, slice_table
 from kvtier.bench.impress.layout import CHUNK, namespace
 from kvtier.bench.stats import wilson
 from kvtier.bench.tasks import NeedleItem, RetrievalItem, needle_items, retrieval_items
 from kvtier.engine.config import ImpressConfig
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
-from kvtier.engine.restore.impress_prefill import impress_prefill
-from kvtier.models.loading import LoadedModel, load_model
+from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
+from kvtier.models import invariant
+from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
 from kvtier.store import TieredStore
-from kvtier.store.selective import TokenReads
-from kvtier.testing.impress_harness import ReducedCache, extend
 
-TASKS = ("choice", "retrieval")
-ANSWER_TOKENS = 12  # greedy tokens after the answer prefix: enough for "19494." or a full name
+TASKS = ("choice", "retrieval", HAYSTACK_TASK)
 SUMMARY_TOKENS = 48  # the reference summary's length
 
 
@@ -78,119 +77,18 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
     return out
 
 
-@dataclass
-class Tally:
-    """One (task, variant)'s measurements, an entry per item."""
-
-    correct: list[int] = field(default_factory=list)
-    kl: list[float] = field(default_factory=list)
-    nll: list[float] = field(default_factory=list)
-    bytes: list[int] = field(default_factory=list)
-    passed: list[float] = field(default_factory=list)
-    identify: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    granules: list[float] = field(default_factory=list)
-    jaccard: list[list[float]] = field(default_factory=list)
-    cells: list[str] = field(default_factory=list)  # the item's (length, facts) cell, for the breakdown
-    answers: list[str] = field(default_factory=list)  # retrieval: the decoded answers
-
-    def add(self, st: ImpressStats) -> None:
-        self.bytes.append(st.bytes_read)
-        self.passed.append(st.layers_passed / st.layers)
-        self.identify.append(st.identify_s / st.seconds)
-        self.seconds.append(st.seconds)
-        self.granules.append(st.granules_read / max(st.granules_whole, 1))
-        if st.jaccard:
-            self.jaccard.append(st.jaccard)
-
-
-def _kl(full: torch.Tensor, other: torch.Tensor) -> float:
-    """Mean over rows of KL(full || other), logits [rows, vocab]."""
-    p, q = torch.log_softmax(full, -1), torch.log_softmax(other, -1)
-    return (p.exp() * (p - q)).sum(-1).mean().item()
-
-
-def _nll(logits: torch.Tensor, ids: list[int]) -> float:
-    """Mean negative log-likelihood of ids[1:] under logits [len(ids), vocab] (row i predicts i + 1)."""
-    lp = torch.log_softmax(logits[:-1].float(), -1)
-    return -lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
-
-
-def _continuation_logprob(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Tensor,
-                          ids: list[int]) -> float:
-    """log P(ids | everything in cache), the first token's distribution being `last` [vocab]; the
-    cache is extended by ids[:-1]."""
-    lp = torch.log_softmax(last, -1)[ids[0]].item()
-    if len(ids) > 1:
-        logits = extend(loaded.module, rope, cache, ids[:-1])  # [len - 1, vocab]
-        lp += torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
-    return lp
-
-
-def _greedy(loaded: LoadedModel, rope: Rope, cache: ReducedCache, last: torch.Tensor, max_tokens: int,
-            stop: set[int]) -> list[int]:
-    """Greedy tokens after `cache`, the first from `last` [vocab], until a stop token or max_tokens."""
-    out: list[int] = []
-    while (t := int(last.argmax())) not in stop:
-        out.append(t)
-        if len(out) == max_tokens:
-            break
-        last = extend(loaded.module, rope, cache, [t])[-1]
-    return out
-
-
-def _end_ids(loaded: LoadedModel, tok: Any) -> set[int]:
-    """Token ids that end a turn: end of text, and the chat template's end of turn."""
-    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), *loaded.config.eos_token_ids}
-    return {i for i in ids if isinstance(i, int) and i >= 0}
-
-
-def _newline_ids(tok: Any) -> set[int]:
-    """Token ids that start a new line (a one-line answer is over)."""
-    return {i for t, i in tok.get_vocab().items() if tok.convert_tokens_to_string([t]).startswith("\n")}
-
-
-class Bench:
-    """One model's store and restores: `restore` computes new tokens over a stored document as a
-    variant keeps it."""
-
-    def __init__(self, loaded: LoadedModel, tok: Any, rope: Rope, store: TieredStore) -> None:
-        self.loaded, self.tok, self.rope, self.store = loaded, tok, rope, store
-        self.end = _end_ids(loaded, tok)  # a summary runs to the end of its turn
-        self.stop = self.end | _newline_ids(tok)  # an answer to the end of its line
-
-    def store_document(self, ids: list[int]) -> tuple[object, list[int]]:
-        """Compute and store `ids`; -> (the store's match, the tail past the last whole chunk)."""
-        c = self.loaded.config
-        cache = ReducedCache.empty(c, self.loaded.dtype)
-        with torch.inference_mode():
-            extend(self.loaded.module, self.rope, cache, ids)
-        self.store.save(ids, 0, torch.stack(cache.k), torch.stack(cache.v), None)
-        self.store.flush(120)
-        match = self.store.lookup(ids)
-        return match, ids[match.num_tokens:]
-
-    def restore(self, match, new: list[int], policy: ImpressPolicy) -> tuple[torch.Tensor, ReducedCache, ImpressStats]:
-        reads = TokenReads(self.store, match.chunks)
-        try:
-            logits, reduced, st = impress_prefill(self.loaded.module, self.rope, reads, new, policy)
-        finally:
-            reads.close()
-        return logits, ReducedCache.of(reduced), st
-
-
 def _choice(bench: Bench, item: NeedleItem, vs: dict[str, ImpressPolicy], tallies: dict[str, Tally]) -> None:
     match, tail = bench.store_document(item.prefix_ids)
     new, q = tail + item.query_ids, len(item.query_ids)
     full = None
     for name, policy in vs.items():
         logits, cache, st = bench.restore(match, new, policy)
-        scores = [_continuation_logprob(bench.loaded, bench.rope, cache.copy(), logits[-1], c) for c in item.choices]
+        scores = [continuation_logprob(bench.loaded, bench.rope, cache.copy(), logits[-1], c) for c in item.choices]
         full = logits if full is None else full
         t = tallies[name]
         t.correct.append(int(max(range(len(scores)), key=scores.__getitem__) == item.answer))
-        t.kl.append(_kl(full[-q:], logits[-q:]))
-        t.nll.append(_nll(logits[-q:], item.query_ids))  # the question, teacher-forced
+        t.kl.append(kl(full[-q:], logits[-q:]))
+        t.nll.append(nll(logits[-q:], item.query_ids))  # the question, teacher-forced
         t.cells.append(f"{item.length}")
         t.add(st)
     bench.store.discard(bench.store.keys_for(item.prefix_ids))
@@ -202,17 +100,17 @@ def _retrieval(bench: Bench, item: RetrievalItem, vs: dict[str, ImpressPolicy], 
     full, reference = None, None
     for name, policy in vs.items():
         logits, cache, st = bench.restore(match, new, policy)
-        answer = bench.tok.decode(_greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop))
+        answer = bench.tok.decode(greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop))
         s_logits, s_cache, _ = bench.restore(match, tail + item.summary_ids, policy)
         if reference is None:  # full KV comes first: its own summary is the reference
-            reference = _greedy(bench.loaded, bench.rope, s_cache.copy(), s_logits[-1], SUMMARY_TOKENS, bench.end)
+            reference = greedy(bench.loaded, bench.rope, s_cache.copy(), s_logits[-1], SUMMARY_TOKENS, bench.end)
             reference = reference or sorted(bench.end)[:1]
         full = logits if full is None else full
         t = tallies[name]
         t.correct.append(int(item.correct(answer)))
         t.answers.append(answer)
-        t.kl.append(_kl(full[-q:], logits[-q:]))
-        t.nll.append(-_continuation_logprob(bench.loaded, bench.rope, s_cache, s_logits[-1], reference) / len(reference))
+        t.kl.append(kl(full[-q:], logits[-q:]))
+        t.nll.append(-continuation_logprob(bench.loaded, bench.rope, s_cache, s_logits[-1], reference) / len(reference))
         t.cells.append(f"{item.length}x{item.facts}")
         t.add(st)
     bench.store.discard(bench.store.keys_for(item.prefix_ids))
@@ -236,6 +134,7 @@ def _rows(task: str, tallies: dict[str, Tally]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    invariant.set_exact(not getattr(args, "fast_inexact", False))
     loaded = load_model(args.model, dtype=args.dtype)
     tok = loaded.tokenizer
     if tok is None:
@@ -253,7 +152,8 @@ def run(args: argparse.Namespace) -> dict:
         if missing := [v for v in wanted if v not in vs]:
             raise SystemExit(f"--variants: no such rows {missing} (with --ratios {args.ratios} --windows {args.windows})")
         vs = {k: vs[k] for k in wanted}
-    rope = Rope(loaded.config, max(lengths) * 2 + 512, loaded.dtype)
+    hay_lengths = tuple(int(x) for x in args.haystack_lengths.split(","))
+    rope = Rope(loaded.config, max(lengths + hay_lengths) * 2 + 512, loaded.dtype)
     ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
     print(f"first probe KV head per layer (of {ns.num_kv_heads}, {ns.probe_kv_heads} each): {list(ns.probe_first)}",
           flush=True)
@@ -262,6 +162,9 @@ def run(args: argparse.Namespace) -> dict:
         bench = Bench(loaded, tok, rope, store)
         for task in tasks:
             tallies = {name: Tally() for name in vs}
+            if task == HAYSTACK_TASK:
+                rows += run_haystacks(bench, _haystack_items(tok, args, hay_lengths), vs, _checkpoint(args, rows))
+                continue
             if task == "choice":
                 for needle in tqdm(needle_items(tok, args.n, lengths, seed=args.seed), desc="multiple choice", unit="item"):
                     _choice(bench, needle, vs, tallies)
@@ -274,8 +177,28 @@ def run(args: argparse.Namespace) -> dict:
                 probe_kv_heads=ns.probe_kv_heads, probe_first=list(ns.probe_first))
 
 
+def _haystack_items(tok, args: argparse.Namespace, lengths: tuple[int, ...]) -> list[HaystackItem]:
+    kinds = haystacks(Path(args.wiki_data))
+    wanted = args.haystacks.split(",") if args.haystacks else list(kinds)
+    if missing := [h for h in wanted if h not in kinds]:
+        raise SystemExit(f"--haystacks: {missing} not available (have {', '.join(kinds)}; wiki needs --wiki-data)")
+    forms = args.forms.split(",")
+    if unknown := [f for f in forms if f not in FORMS]:
+        raise SystemExit(f"--forms: unknown {unknown} (choose from {', '.join(FORMS)})")
+    if "wiki" not in kinds and not args.haystacks:
+        print(f"haystacks: wiki skipped ({args.wiki_data} not found)", flush=True)
+    return haystack_items(tok, args.n_haystacks, {h: kinds[h] for h in wanted}, forms, lengths, seed=args.seed)
+
+
+def _checkpoint(args: argparse.Namespace, done: list[dict]):
+    """Write the rows so far to --json as the haystack task goes (a long run keeps what it measured)."""
+    if not args.json:
+        return None
+    return lambda rows: write_json_atomic(args.json, dict(rows=done + rows, partial=True))
+
+
 def table(doc: dict) -> str:
-    """The rows as a markdown table (the goals follow it in the report)."""
+    """The rows as a markdown table, the haystacks' per slice after them (the goals follow in the report)."""
     lines = ["| task | variant | accuracy | 95% CI | KL vs full | perplexity | bytes vs full | layers passed | "
              "identify share |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
@@ -283,6 +206,8 @@ def table(doc: dict) -> str:
                      f"{r['ci95'][0] * 100:.1f}-{r['ci95'][1] * 100:.1f} | {r['kl_mean']:.4f} | "
                      f"{r.get('perplexity', float('nan')):.3f} | {r['bytes_vs_full']:.3f} | {r['layers_passed']:.2f} | "
                      f"{r['identify_share']:.3f} |")
+    if hay := [r for r in doc["rows"] if r.get("task") == HAYSTACK_TASK]:
+        lines += ["", "haystacks by slice: accuracy (correct/n, Wilson 95%)", slice_table(hay)]
     return "\n".join(lines)
 
 

@@ -72,6 +72,18 @@ def _versus(kind: str, ref: str, target: float, worse: bool, key: str = "accurac
     return select
 
 
+def _worst_slice(kind: str, ratio: float, limit: float):
+    """The largest accuracy drop against full KV over the row's slices (haystacks), in points."""
+    def select(rows: Sequence[Item]) -> list[Item]:
+        full, r = variant(rows, "full"), variant(rows, f"{kind}@{ratio:g}")
+        if full is None or r is None:
+            return []
+        drops = {s: (a["accuracy"] - r["by_slice"][s]["accuracy"]) * 100 for s, a in full["by_slice"].items()}
+        worst = max(drops, key=drops.__getitem__)
+        return [dict(met=drops[worst] <= limit, value=drops[worst], target=limit, slice=worst)]
+    return select
+
+
 def _kind_goals(task: str, kind: str) -> list[Goal]:
     """The importance restore's goals on the needle multiple choice (the first issue's)."""
     h2o = "h2o" + kind.removeprefix("impress-sum").removeprefix("impress") + "@0.25"  # the same unit and window
@@ -94,7 +106,10 @@ def _default_goals(task: str, kind: str) -> list[Goal]:
     today = f"{TODAY}@0.25"
     goals = [figure(f"{task}: {kind} (default): bytes read at ratio 0.25 <= 0.45x of full KV",
                     _at_quarter(kind, "bytes_vs_full", 0.45))]
-    if task == "retrieval":
+    if task == "haystacks":
+        goals += [figure(f"{task}: {kind} (default): every slice within 5 points of full KV at ratio {r:g} "
+                         "(the worst slice's drop)", _worst_slice(kind, r, 5.0)) for r in (0.25, 0.5)]
+    elif task == "retrieval":
         goals += [figure(f"{task}: {kind} (default): accuracy drop vs full KV at ratio 0.25 <= 5 points",
                          _drop(kind, 0.25, 5.0)),
                   figure(f"{task}: {kind} (default): summary perplexity at 0.25 no higher than {today}'s (its minus ours)",

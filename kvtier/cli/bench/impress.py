@@ -19,11 +19,21 @@ class ImpressBenchOptions:
                        "by eviction policy (simulated)", choices=("accuracy", "ttft", "reorder", "admission"))
     model: str = option("smollm2-135m", "", "model preset, name or path (default: %(default)s)")
     tasks: str = option("choice,retrieval", "", "accuracy: choice (needle multiple choice), retrieval (free-form "
-                        "codes, numbers and names, with the summary perplexity proxy), or both (default: %(default)s)")
+                        "codes, numbers and names, with the summary perplexity proxy), haystacks (free-form "
+                        "retrieval over texts of several kinds, by slice), comma-separated (default: %(default)s)")
     n: int = option(210, "", "accuracy: multiple-choice items (5 depths x lengths x seeds)")
     n_retrieval: int = option(120, "", "accuracy: retrieval items, cycling over lengths x (1, 4 facts) x (code, "
                               "number, name)")
-    lengths: str = option("1024,2048,4096", "", "accuracy: document lengths in tokens")
+    lengths: str = option("1024,2048,4096", "", "accuracy: document lengths in tokens (choice, retrieval)")
+    n_haystacks: int = option(240, "", "accuracy: haystacks items, cycling over haystack kinds x fact forms (lengths "
+                              "and fact counts balanced)")
+    haystacks: str | None = option(None, "", "accuracy: haystack kinds (docstrings, reference, code, table, dialogue, "
+                                   "wiki) (default: every one available)")
+    forms: str = option("code,name,date,phrase", "", "accuracy: haystacks' fact forms (default: %(default)s)")
+    haystack_lengths: str = option("1024,2048,3072,4096", "", "accuracy: haystacks' lengths in tokens "
+                                   "(default: %(default)s)")
+    wiki_data: str = option("../shared/data/musique/musique_dev_100.json", "", "accuracy: the MuSiQue file whose "
+                            "passages make the wiki haystack (skipped where absent) (default: %(default)s)")
     ratios: str = option("0.5,0.25", "", "accuracy: importance ratios (default: %(default)s)")
     windows: str = option("1,17", "", "accuracy: pooling windows in tokens (odd; 1: none) of the importance rows "
                           "(default: %(default)s)")
@@ -55,6 +65,8 @@ class ImpressBenchOptions:
     requests: int = option(3000, "", "admission: requests in the trace")
     zipf: float = option(0.8, "", "admission: Zipf exponent of document popularity")
     capacity: float = option(0.2, "", "admission: faster tier's share of all chunks")
+    fast_inexact: bool = option(False, "", "accuracy: the plain kernels instead of the row-invariant ones (every row "
+                                "alike; several times faster on a CPU for multi-thousand-token documents)")
     json: str | None = option(None, "", "rows, goals and the run's settings as JSON")
     plot: str | None = option(None, "", "PNG of the mode's figure")
     replot: str | None = option(None, "", "only draw the figure of an earlier run's JSON", metavar="JSON")
