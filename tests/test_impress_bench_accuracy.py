@@ -16,7 +16,7 @@ from kvtier.models.loading import load_model
 
 ARGS = dict(model="tiny-gqa", dtype="fp32", lengths="256", tasks="choice,retrieval", ratios="0.25", windows="1",
             granule_tokens=16, probe_kv_heads=0, probe_first=0, n=2, n_retrieval=2, seed=0, n_haystacks=0,
-            haystacks=None, forms="code,name,date,phrase", haystack_lengths="256", wiki_data="/nonexistent", json=None)
+            haystacks=None, forms="code,name,date,phrase", haystack_lengths="256", fact_counts="1,2,3,4", wiki_data="/nonexistent", json=None)
 
 
 @torch.inference_mode()
@@ -89,3 +89,10 @@ def test_the_haystacks_task_reports_every_slice_and_its_full_row_is_the_models_o
     assert 0 < default["bytes_vs_full"] < 1.0
     assert all(0.0 <= x <= 1.0 for x in default["value_kept_by_layer"])
     assert "| haystack=table |" in accuracy.table(doc)
+
+
+def test_fast_inexact_is_refused_outside_the_accuracy_mode():
+    from kvtier.cli.main import main
+
+    with pytest.raises(SystemExit, match="--fast-inexact applies to --mode accuracy only"):
+        main(["bench", "impress", "--mode", "ttft", "--fast-inexact"])

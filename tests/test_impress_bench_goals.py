@@ -40,3 +40,4 @@ def test_the_haystacks_goal_judges_the_worst_slice_against_full_kv():
     half = next(g for name, g in goals.items() if "every slice" in name and "ratio 0.5" in name)
     assert quarter["slice"] == "haystack=table" and abs(quarter["value"] - 8.0) < 1e-9 and quarter["met"] is False
     assert half["slice"] == "haystack=table" and abs(half["value"] - 2.0) < 1e-9 and half["met"] is True
+

@@ -10,6 +10,8 @@ retrieval  free-form retrieval of codes, numbers and names from 1-4K-token docum
            four facts, decoded greedily and scored by exact match; besides, the perplexity of the
            full-KV summary of the same document, teacher-forced under each restore (a proxy for
            tasks that need the whole document rather than one fact).
+haystacks  free-form retrieval over texts of several kinds and facts of several forms, reported
+           per slice (haystack_task.py; the items are bench/haystacks.py's).
 
 Rows per (task, variant): accuracy with a Wilson 95% interval, KL(full || variant) of the query
 rows' next-token distributions, perplexity, bytes read against full KV, layers whose probes
@@ -33,7 +35,7 @@ from kvtier.bench.impress.harness import ANSWER_TOKENS, Bench, Tally, continuati
 from kvtier.bench.impress.haystack_task import HAYSTACK_TASK, run_haystacks, slice_table
 from kvtier.bench.impress.layout import CHUNK, namespace
 from kvtier.bench.stats import wilson
-from kvtier.bench.tasks import NeedleItem, RetrievalItem, needle_items, retrieval_items
+from kvtier.bench.tasks import WORDS, NeedleItem, RetrievalItem, needle_items, retrieval_items
 from kvtier.engine.config import ImpressConfig
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
 from kvtier.models import invariant
@@ -187,7 +189,10 @@ def _haystack_items(tok, args: argparse.Namespace, lengths: tuple[int, ...]) -> 
         raise SystemExit(f"--forms: unknown {unknown} (choose from {', '.join(FORMS)})")
     if "wiki" not in kinds and not args.haystacks:
         print(f"haystacks: wiki skipped ({args.wiki_data} not found)", flush=True)
-    return haystack_items(tok, args.n_haystacks, {h: kinds[h] for h in wanted}, forms, lengths, seed=args.seed)
+    counts = tuple(int(x) for x in args.fact_counts.split(","))
+    if bad := [c for c in counts if c < 1 or c > len(WORDS)]:
+        raise SystemExit(f"--fact-counts: {bad} (each 1 to {len(WORDS)})")
+    return haystack_items(tok, args.n_haystacks, {h: kinds[h] for h in wanted}, forms, lengths, counts, args.seed)
 
 
 def _checkpoint(args: argparse.Namespace, done: list[dict]):

@@ -221,6 +221,9 @@ def cmd(args: argparse.Namespace) -> int:
         doc = json.loads(Path(args.replot).read_text())
         _plot(doc, doc["mode"], args.plot or str(Path(args.replot).with_suffix(".png")))
         return 0
+    if args.fast_inexact and args.mode != "accuracy":
+        raise SystemExit(f"--fast-inexact applies to --mode accuracy only (--mode {args.mode} times the engine's "
+                         "exact kernels)")
     torch.manual_seed(0)
     run = {"accuracy": impress_accuracy.run, "ttft": cmd_ttft, "reorder": impress_reorder.run,
            "admission": impress_admission.run}[args.mode]

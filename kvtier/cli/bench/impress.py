@@ -30,6 +30,7 @@ class ImpressBenchOptions:
     haystacks: str | None = option(None, "", "accuracy: haystack kinds (docstrings, reference, code, table, dialogue, "
                                    "wiki) (default: every one available)")
     forms: str = option("code,name,date,phrase", "", "accuracy: haystacks' fact forms (default: %(default)s)")
+    fact_counts: str = option("1,2,3,4", "", "accuracy: haystacks' facts per document (default: %(default)s)")
     haystack_lengths: str = option("1024,2048,3072,4096", "", "accuracy: haystacks' lengths in tokens "
                                    "(default: %(default)s)")
     wiki_data: str = option("../shared/data/musique/musique_dev_100.json", "", "accuracy: the MuSiQue file whose "
