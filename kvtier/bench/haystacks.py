@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.tasks import FIRST_NAMES, LAST_NAMES, WORDS, _filler
+from kvtier.bench.tasks import FIRST_NAMES, LAST_NAMES, WORDS, filler
 
 LENGTHS = (1024, 2048, 3072, 4096)
 FACT_COUNTS = (1, 2, 3, 4)
@@ -100,7 +100,7 @@ def _dialogue(tok: Any, tokens: int, rng: random.Random) -> str:
 
 
 def _wiki(data: Path) -> Callable[[Any, int, random.Random], str]:
-    from kvtier.bench.blend.data import load_questions
+    from kvtier.bench.blend.data import load_questions  # here: it pulls in torch, which the other kinds need not
 
     passages = [p for q in load_questions(data, 0, 10**6) for p in q.passages]
 
@@ -149,7 +149,7 @@ def _as_turn(text: str, fact: str, rng: random.Random, depth: float) -> str:
 
 def haystacks(wiki_data: Path | None = None) -> dict[str, Haystack]:
     """Every haystack kind; wiki only when its data file is given and exists."""
-    out = {"docstrings": Haystack("docstrings", _filler, _as_sentence),
+    out = {"docstrings": Haystack("docstrings", filler, _as_sentence),
            "reference": Haystack("reference", _reference, _as_sentence),
            "code": Haystack("code", _code, _as_comment),
            "table": Haystack("table", _table, _as_note),

@@ -49,7 +49,7 @@ class NeedleItem:
     length: int  # the document's length asked for
 
 
-def _filler(tok: Any, tokens: int, rng: random.Random) -> str:
+def filler(tok: Any, tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of docstrings from a random starting docstring."""
     docs = stdlib_docstrings()
     start = rng.randrange(len(docs))
@@ -73,7 +73,7 @@ def _insert(text: str, sentence: str, depth: float) -> str:
 
 def _document(tok: Any, tokens: int, depth: float, word: str, rng: random.Random) -> str:
     """About `tokens` tokens of docstrings with the needle sentence at `depth` (between sentences)."""
-    return _insert(_filler(tok, tokens, rng), f"The secret word is {word}.", depth)
+    return _insert(filler(tok, tokens, rng), f"The secret word is {word}.", depth)
 
 
 def _split_chat(tok: Any, doc: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
@@ -174,7 +174,7 @@ def retrieval_items(tok: Any, n: int, lengths: tuple[int, ...] = (1024, 2048, 40
             v = fact_value(kind_name, rng)
             if v not in values:
                 values.append(v)
-        doc = _filler(tok, length, rng)
+        doc = filler(tok, length, rng)
         for depth, key, value in sorted(zip((rng.uniform(0.05, 0.95) for _ in keys), keys, values), reverse=True):
             doc = _insert(doc, kind.statement.format(key=key, value=value), depth)  # deepest first: depths hold
         asked = rng.randrange(count)

@@ -136,7 +136,17 @@ def _rows(task: str, tallies: dict[str, Tally]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    invariant.set_exact(not getattr(args, "fast_inexact", False))
+    """Every task's rows and goals; with --fast-inexact on the plain kernels (the process's switch
+    is put back after)."""
+    was = invariant.exact()
+    invariant.set_exact(not args.fast_inexact)
+    try:
+        return _run(args)
+    finally:
+        invariant.set_exact(was)
+
+
+def _run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, dtype=args.dtype)
     tok = loaded.tokenizer
     if tok is None:

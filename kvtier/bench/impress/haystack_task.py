@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from kvtier.bench.haystacks import HaystackItem
 from kvtier.bench.impress.harness import ANSWER_TOKENS, Bench, Tally, greedy, kl
@@ -85,8 +86,6 @@ def haystack_rows(tallies: dict[str, Tally]) -> list[dict]:
 def run_haystacks(bench: Bench, items: Sequence[HaystackItem], vs: dict[str, ImpressPolicy],
                   progress: Callable[[list[dict]], None] | None = None, every: int = 5) -> list[dict]:
     """The task's rows; `progress` gets the rows so far after every `every` items."""
-    from tqdm import tqdm
-
     tallies = {name: Tally() for name in vs}
     for i, item in enumerate(tqdm(items, desc="haystacks", unit="item")):
         haystack_item(bench, item, vs, tallies)
