@@ -90,7 +90,8 @@ def _dialogue(tok: Any, tokens: int, rng: random.Random) -> str:
     """A meeting transcript: three speakers taking turns, reference sentences and short replies."""
     speakers = rng.sample(FIRST_NAMES, 3)
     lines = _sentences(_reference(tok, tokens * 2, rng))
-    out, text = [], ""
+    out: list[str] = []
+    text = ""
     while len(text) < tokens * 5 and lines:
         who = speakers[len(out) % 3]
         say = rng.choice(REPLIES) if rng.random() < 0.3 else " ".join(lines.pop(0) for _ in range(min(2, len(lines))))
