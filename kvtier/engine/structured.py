@@ -92,6 +92,15 @@ class Grammars:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab)
             return self._tokenizer
 
+    def ready(self) -> Future[llguidance.LLTokenizer]:
+        """The model's grammar tokenizer, built on a grammar thread if it is not yet: a per-model
+        cost, which callers wait for before a grammar's deadline starts."""
+        if self._tokenizer is not None:
+            done: Future[llguidance.LLTokenizer] = Future()
+            done.set_result(self._tokenizer)
+            return done
+        return grammar_threads().submit(lambda: self.tokenizer)
+
     def build(self, spec: GrammarSpec) -> Future[Constraint]:
         """A constraint for `spec` at its start, made on a grammar thread (raises GrammarError
         through the future). Wait on it with a deadline of `limits.timeout_s`."""
@@ -100,6 +109,7 @@ class Grammars:
     def constraint(self, spec: GrammarSpec) -> Constraint:
         """`build`, waited for (raises GrammarError, also past the deadline)."""
         try:
+            self.ready().result()  # the tokenizer is the model's cost, not this grammar's
             return self.build(spec).result(timeout=self.limits.timeout_s)
         except TimeoutError:
             raise GrammarError(too_slow(self.limits)) from None

@@ -197,6 +197,7 @@ async def build_constraint(engine: Engine, spec: tuple[GrammarSpec, str] | None)
         return None
     grammars = engine.grammars
     try:
+        await asyncio.wrap_future(grammars.ready())  # the model's grammar tokenizer: once, not this grammar's time
         return await asyncio.wait_for(asyncio.wrap_future(grammars.build(spec[0])), grammars.limits.timeout_s)
     except TimeoutError:
         raise APIError(400, too_slow(grammars.limits), param=spec[1]) from None
