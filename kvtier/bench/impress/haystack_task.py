@@ -45,7 +45,7 @@ def haystack_item(bench: Bench, item: HaystackItem, vs: dict[str, ImpressPolicy]
             t.answers.append(answer)
             t.kl.append(kl(full[-q:], logits[-q:]))
             t.labels.append(item.slices)
-            t.fact_kept.append(_value_kept(st.kept, item.answer_span) if st.kept else [1.0] * st.layers)
+            t.fact_kept.append(_value_kept(st.kept, item.answer_span))  # every selection records each layer's choice
             t.add(st)
     finally:
         bench.store.discard(bench.store.keys_for(item.prefix_ids))
