@@ -22,13 +22,12 @@ from kvtier.bench.hf import build_hf
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
-from kvtier.models import exact_matmul
 from kvtier.models.loading import load_model
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, first_logits=True)
 
 
-def kvtier_logits(loaded, ids: list[int], kernel: str | None) -> torch.Tensor:
+def kvtier_logits(loaded, ids: list[int], kernel: str) -> torch.Tensor:
     cfg = EngineConfig(max_model_len=len(ids), enable_prefix_cache=False, bf16_attention=kernel)
     engine = Engine(loaded, cfg)
     try:
@@ -61,7 +60,7 @@ def main() -> None:
         for c in range(args.contexts):
             g = torch.Generator().manual_seed(1000 * h + c)
             ids = torch.randint(100, bf16.config.vocab_size, (h + 1,), generator=g).tolist()
-            ref = kvtier_logits(fp32, ids, None)
+            ref = kvtier_logits(fp32, ids, "auto")
             found["kvtier-gemm"].append(errors(ref, kvtier_logits(bf16, ids, "gemm")))
             found["kvtier-flash"].append(errors(ref, kvtier_logits(bf16, ids, "flash")))
             with torch.inference_mode():
@@ -73,7 +72,6 @@ def main() -> None:
             rows.append(row)
             print(f"{h:5d} {peer:14} {row['max_abs']:16.4f} {row['kl']:11.2e} {int(row['top1']):>7d}/{args.contexts}",
                   flush=True)
-    exact_matmul.set_mode("auto")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, meta=dict(machine_info(), model="smollm2-135m")), f, indent=1)

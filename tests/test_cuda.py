@@ -379,6 +379,7 @@ def test_eager_decode_attention_never_runs_cudnn():
     from torch.profiler import ProfilerActivity, profile
 
     from kvtier.models.attention import causal_attention, masked_decode_sdpa
+    from kvtier.models.kernels import Kernels
 
     g = torch.Generator().manual_seed(0)
     n, heads, kv_heads, width, hd = 3, 32, 8, 8192, 128
@@ -388,7 +389,7 @@ def test_eager_decode_attention_never_runs_cudnn():
     one_k, one_v = (x[0].transpose(0, 1).contiguous() for x in (k, v))  # [width, kv_heads, hd]
     calls = {
         "batched": lambda dev: masked_decode_sdpa(q.to(dev), k.to(dev), v.to(dev), mask.to(dev)),
-        "alone": lambda dev: causal_attention(q[:1].to(dev), one_k.to(dev), one_v.to(dev), width - 1),
+        "alone": lambda dev: causal_attention(q[:1].to(dev), one_k.to(dev), one_v.to(dev), width - 1, Kernels()),
     }
     for name, call in calls.items():
         want = call("cpu").float()

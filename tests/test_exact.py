@@ -17,6 +17,7 @@ from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
 from kvtier.models import exact_matmul
+from kvtier.models.kernels import Kernels
 from kvtier.models.loading import LoadedModel, cpu_has_bf16, load_model
 from kvtier.models.presets import PRESETS
 
@@ -36,11 +37,10 @@ def model(name: str, dtype: str, monkeypatch: pytest.MonkeyPatch | None = None) 
             monkeypatch.setitem(PRESETS, name, dataclasses.replace(PRESETS["smollm2-shape"], num_layers=2))
         _models[name, dtype] = load_model(name, dtype=dtype, tokenizer=False)
     m = _models[name, dtype]
+    m.module.set_kernels(Kernels(bf16_attention=kernel or "auto"))  # what `engine` builds its engines with
     if kernel:
-        assert monkeypatch is not None
-        monkeypatch.setattr(exact_matmul, "_mode", "gemm" if kernel == "gemm" else "flash")
         c = m.config
-        if kernel == "gemm" and not exact_matmul.active(m.dtype, c.num_heads, c.num_kv_heads, c.head_dim):
+        if kernel == "gemm" and not exact_matmul.active(m.dtype, c.num_heads, c.num_kv_heads, c.head_dim, kernel):
             pytest.skip("this CPU's bf16 GEMMs are not row-invariant: exact attention uses the flash kernel")
     return m
 
@@ -52,6 +52,7 @@ def ids_of(m: LoadedModel, n: int, seed: int = 0) -> list[int]:
 def engine(m: LoadedModel, chunk: int = 4096, prefix_cache: bool = True, store: str | None = None,
            method: str = "auto", **reuse) -> Engine:
     cfg = EngineConfig(kv_cache_bytes=256 << 20, max_model_len=4096, max_batched_tokens=chunk,
+                       bf16_attention=m.module.kernels.bf16_attention,
                        enable_prefix_cache=prefix_cache)
     return Engine(m, cfg, store=store, reuse=ReuseConfig(method=method, chunk_tokens=64, **reuse) if store else None)
 
@@ -265,3 +266,37 @@ def test_a_prompt_parting_inside_a_stored_chunk_reuses_its_matching_part(dtype: 
             e.close()
         assert [o.prompt_tokens_reused for o in outs] == [160, len(q) - 1], (method, outs)
         assert all(o.restore_method == method and same(o, fresh) for o in outs), method
+
+
+def test_each_model_keeps_its_own_kernels(monkeypatch):
+    """Kernels are a model's state, not the process's: an engine on a plain-kernel model
+    (--fast-inexact) built beside an exact one leaves the exact one exact (its linears' row-invariant
+    calls, its attention, its store namespace), and chunking still leaves its bits alone."""
+    from kvtier.engine.runner.backends.cpu_exact import CpuExact
+    from kvtier.models import invariant
+
+    exact_m = load_model("tiny-gqa", dtype="bf16", tokenizer=False)
+    plain_m = load_model("tiny-gqa", dtype="bf16", tokenizer=False)
+    ids = ids_of(exact_m, 700)
+    calls: list[int] = []
+    row_invariant = invariant._call
+    monkeypatch.setattr(invariant, "_call", lambda x, *a: calls.append(x.shape[0]) or row_invariant(x, *a))
+    fresh = engine(exact_m, prefix_cache=False)
+    plain = Engine(plain_m, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=4096, exact=False),
+                   store="memory:64MB", reuse=ReuseConfig(chunk_tokens=64))
+    chunked = engine(exact_m, chunk=300, prefix_cache=False, store="memory:64MB")
+    try:
+        assert exact_m.module.kernels.exact and not plain_m.module.kernels.exact
+        assert isinstance(chunked.runner.attention, CpuExact) and not isinstance(plain.runner.attention, CpuExact)
+        stores = [e.link.store for e in (chunked, plain)]
+        assert stores[0] is not None and stores[1] is not None
+        assert "+inexact" not in stores[0].namespace.model_fingerprint
+        assert "+inexact" in stores[1].namespace.model_fingerprint
+        plain.generate([ids], FEW)
+        assert not calls  # the plain model's linears: one F.linear each
+        want = run(fresh, [ids], FEW)[0]
+        assert calls  # the exact model's: row-invariant calls, after the plain engine was built
+        assert same(run(chunked, [ids], FEW)[0], want)
+    finally:
+        plain.close()
+        chunked.close()

@@ -13,7 +13,6 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.runner.backends.static import StaticDecode, buckets, widths
-from kvtier.models import invariant
 from kvtier.models.loading import load_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -90,13 +89,10 @@ def test_bucketed_gather_decodes_the_same_tokens():
     run here under --fast-inexact where the CPU takes it too: the dynamic decode's tokens."""
     m = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
     prompts = _prompts(m.config.vocab_size)
-    try:
-        want, want_ids = _record(_engine(m, static=False, exact=False), prompts)
-        e = _engine(m, static=True, exact=False)
-        assert e.runner.decoder is not None and not e.runner.decoder.exact
-        got, got_ids = _record(e, prompts)
-    finally:
-        invariant.set_exact(True)  # process-wide: the next test's kernels are the exact ones
+    want, want_ids = _record(_engine(m, static=False, exact=False), prompts)
+    e = _engine(m, static=True, exact=False)
+    assert e.runner.decoder is not None and not e.runner.decoder.exact
+    got, got_ids = _record(e, prompts)
     assert got_ids == want_ids
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -114,8 +110,8 @@ def test_a_nan_in_a_slot_no_decode_owns_never_reaches_their_logits(static: bool,
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(3, m.config.vocab_size, (n,), generator=g).tolist() for n in (40, 9)]
     tables = [[4, 5, 6], [8]]  # block 0, the sink and everything else owned by no one
+    e = _engine(m, static=static, exact=exact)
     try:
-        e = _engine(m, static=static, exact=exact)
         r = e.runner
         for p, t in zip(ids, tables):
             r.execute([RunItem(p, 0, t, want_logits=True)])
@@ -135,9 +131,8 @@ def test_a_nan_in_a_slot_no_decode_owns_never_reaches_their_logits(static: bool,
         poisoned = step()
         # The zero slot is no block's, not the sink block's (padding rows write there), and still zeros.
         assert r.zero_slot >= r.sink + 16 and not (r.k_cache[:, r.zero_slot].any() or r.v_cache[:, r.zero_slot].any())
-        e.close()
     finally:
-        invariant.set_exact(True)
+        e.close()
     assert torch.isfinite(clean).all() and torch.equal(clean, poisoned)
 
 
@@ -161,7 +156,6 @@ def test_a_ragged_batch_goes_packed_where_the_runner_can_pack():
         assert sd.accepts(even) and not sd.accepts(ragged)  # 8 x 1024 padded rows for 977 of context
     finally:
         e.close()
-        invariant.set_exact(True)
 
 
 def test_buckets():

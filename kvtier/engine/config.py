@@ -108,11 +108,11 @@ class EngineConfig:
     # Exact (the default): a token's K/V and logits are the same bits whatever the prefill chunking,
     # the cache hit, the restore method or the batch (row-invariant linears and attention, see
     # models/invariant.py). False (`--fast-inexact`): the plain kernels, faster in places; its state
-    # is stored in a namespace of its own. Process-wide: it sets `models.invariant.set_exact`.
+    # is stored in a namespace of its own. The engine sets its model's kernels (`CausalLM.set_kernels`).
     exact: bool = True
-    # Exact bf16 attention's CPU kernel (`models/exact_matmul.py`): auto, gemm or flash; None keeps
-    # the process's (`exact_matmul.set_mode`, auto unless set). Process-wide, as `exact` is.
-    bf16_attention: str | None = None
+    # Exact bf16 attention's CPU kernel (`models/exact_matmul.py`): auto, gemm or flash (the model's
+    # `Kernels.bf16_attention`, set with `exact`).
+    bf16_attention: str = "auto"
     # What a first start lacks (the machine profile, the linears' larger row plans) is measured
     # while no request is in flight, where a BackgroundEngine runs the loop (`engine/idle.py`),
     # and adopted when complete; `kvtier serve` turns it on. False: the estimate and the quick

@@ -42,6 +42,7 @@ from kvtier.engine.structured import Constraint, Grammars
 from kvtier.models import exact_matmul, invariant
 from kvtier.models.attention import exact_cpu
 from kvtier.models.exact_attention import KEY_BLOCK, PIECE
+from kvtier.models.kernels import Kernels
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.blend import BlendOptions
 from kvtier.planning.costs import HardwareProfile
@@ -64,9 +65,10 @@ class Engine:
         `kvtier.engine.factory.make_engine` measures what is missing first. `sample_rows`: how a
         step's rows are sampled (the batched sampler; a benchmark passes its baseline)."""
         self.model = model
-        _set_kernels(config)
         self.truncation = truncation  # None: a prompt over the context window is an error
         self.config = config = config or EngineConfig()
+        # The kernels are the model's state (models/kernels.py): an engine runs it with its config's.
+        model.module.set_kernels(Kernels(config.exact, config.bf16_attention))
         cfg = model.config
         self.device = model.module.lm_head.weight.device
         if config.device is not None and resolve_device(config.device) != self.device:
@@ -114,13 +116,14 @@ class Engine:
         config, cfg = self.config, self.model.config
         # Exact CPU attention reads a decode's whole key blocks in place only while its blocks are
         # consecutive: each new run leaves one key block of growth to the run before it.
-        exact = exact_cpu(self.device)
+        kernels = self.model.module.kernels
+        exact = exact_cpu(self.device, kernels)
         placement: Placement = AnyBlocks() if self.device.type != "cpu" else \
             KeepRuns(config.block_size, reach=PIECE if exact else 0, headroom=KEY_BLOCK if exact else 0)
         pool = BlockPool(num_blocks, config.block_size, placement)
         if exact:
             log.info("exact attention: %s", exact_matmul.why(self.model.dtype, cfg.num_heads, cfg.num_kv_heads,
-                                                            cfg.head_dim))
+                                                            cfg.head_dim, kernels.bf16_attention))
         max_seqs, window = config.max_num_seqs, self.max_model_len
         runner = ModelRunner(
             self.model.module, num_blocks, config.block_size, window, staging_bytes=self.budget.staging_bytes,
@@ -392,9 +395,3 @@ class Engine:
     def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.encode_chat(messages)], params)[0]
 
-
-def _set_kernels(config: EngineConfig | None) -> None:
-    """The exact-kernel switches are process-wide (models/invariant.py, exact_matmul.py): the last engine built sets them."""
-    invariant.set_exact((config or EngineConfig()).exact)
-    if config is not None and config.bf16_attention is not None:
-        exact_matmul.set_mode(config.bf16_attention)

@@ -4,8 +4,8 @@ Exact (the default on the CPU, `exact_attention`): a token's attention output is
 however its prompt was cut into prefill chunks, whatever came from a cache, and whichever other
 requests share the step.
 
-`set_exact(False)` (`--fast-inexact`) keeps the earlier, faster-by-a-little paths whose rounding
-depends on the chunking. CUDA uses flash varlen attention where it is usable (not yet shown
+A model whose kernels are not exact (`Kernels.exact`, `--fast-inexact`) takes the earlier,
+faster-by-a-little paths whose rounding depends on the chunking. CUDA uses flash varlen attention where it is usable (not yet shown
 invariant on a GPU).
 """
 
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvtier.models import exact_attention, invariant, varlen
+from kvtier.models import exact_attention, varlen
 from kvtier.models.exact_attention import FLASH_CPU as _FLASH_CPU
 from kvtier.models.exact_attention import key_rows as key_rows  # re-exported: the engine sizes buffers by it
+from kvtier.models.kernels import Kernels
 
 # Backends for small attention calls outside a CUDA graph. Not cuDNN's: it builds or looks up a graph
 # on the host for every call (1.5-2 ms each on an H200, 45-65 ms of a 30-layer step, against ~10 us
@@ -34,19 +35,21 @@ def _eager_backends(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return sdpa_kernel(_EAGER_BACKENDS) if t.is_cuda else contextlib.nullcontext()
 
 
-def exact_cpu(device: torch.device) -> bool:
-    return device.type == "cpu" and _FLASH_CPU is not None and invariant.exact()
+def exact_cpu(device: torch.device, kernels: Kernels) -> bool:
+    """Whether a model with these kernels attends with the exact CPU kernel on `device`."""
+    return device.type == "cpu" and _FLASH_CPU is not None and kernels.exact
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-    """Queries at positions [q_start, q_start + n) attend to keys at positions [0, ctx).
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, kernels: Kernels) -> torch.Tensor:
+    """Queries at positions [q_start, q_start + n) attend to keys at positions [0, ctx), with the
+    attention kernels of the model's `kernels`.
 
     q: [n, heads, hd] (RoPE applied), k/v: [ctx, kv_heads, hd] with ctx = q_start + n; k/v may be
     strided views (a request's slots in the pool), read in place. Returns [n, heads, hd].
     """
     n, ctx = q.shape[0], k.shape[0]
-    if exact_cpu(q.device):
-        return exact_attention.causal(q, k, v, q_start)
+    if exact_cpu(q.device, kernels):
+        return exact_attention.causal(q, k, v, q_start, kernels.bf16_attention)
     if 1 < n < ctx and q.device.type == "cpu" and _FLASH_CPU is not None:
         return _history_then_own(q, k, v, q_start)
     if 1 < n < ctx and varlen.usable(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2]):
@@ -103,12 +106,13 @@ def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.reshape(n, heads, hd)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                     kernels: Kernels) -> torch.Tensor:
     """Exact attention of a batch of decoding tokens over contexts gathered to one width
     (`exact_attention.decode_padded`): token r sits at position lengths[r] - 1 and attends to row r
     of k/v [n, key_rows(max(lengths)), kv_heads, hd], zero past its context. q: [n, heads, hd] ->
     [n, heads, hd]. The engine's CPU decodes read the pool in place instead (`exact_attention.decode`)."""
-    return exact_attention.decode_padded(q, k, v, lengths)
+    return exact_attention.decode_padded(q, k, v, lengths, kernels.bf16_attention)
 
 
 def _history_then_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

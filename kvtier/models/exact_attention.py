@@ -38,18 +38,19 @@ FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 _MIN_ROWS = 8  # the fewest query rows a kernel query block may have (fewer take another GEMM path)
 
 
-def numerics_tag(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
+def numerics_tag(dtype: torch.dtype, heads: int, kv_heads: int, hd: int, mode: str) -> str:
     """What stored state computed with exact attention in `dtype` is tagged with: the GEMM kernel
     rounds otherwise than the flash kernel, so their states never share keys."""
-    return "+bf16-gemm-attention-blocked" if exact_matmul.active(dtype, heads, kv_heads, hd) else ""
+    return "+bf16-gemm-attention-blocked" if exact_matmul.active(dtype, heads, kv_heads, hd, mode) else ""
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mode: str) -> torch.Tensor:
     """Queries at positions [start, start + n) over keys [0, ctx): q [n, heads, hd] (RoPE applied),
-    k/v [ctx or more, kv_heads, hd], read in place where they reach key_rows(ctx). -> [n, heads, hd]."""
+    k/v [ctx or more, kv_heads, hd], read in place where they reach key_rows(ctx); `mode`: the
+    model's bf16 attention kernel (`Kernels.bf16_attention`). -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = k.shape[1]
-    if exact_matmul.active(q.dtype, heads, kv_heads, hd):
+    if exact_matmul.active(q.dtype, heads, kv_heads, hd, mode):
         return exact_matmul.causal(q, k, v, start)
     g = heads // kv_heads
     kt, vt = (cut_or_pad(x, key_rows(start + n)).transpose(0, 1)[None] for x in (k, v))  # [1, kvh, keys, hd]
@@ -80,7 +81,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
 
 
 def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
-           wholes: Sequence[tuple[torch.Tensor, torch.Tensor] | None], lengths: Sequence[int],
+           wholes: Sequence[tuple[torch.Tensor, torch.Tensor] | None], lengths: Sequence[int], mode: str,
            padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A batch of decoding tokens, token r at position lengths[r] - 1, each reading the split
     `causal` gives its position (`split`):
@@ -95,10 +96,10 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     past each row's own): the whole key blocks then attend in one call, each row's past its own base
     masked (whole masked key blocks add exactly nothing), and `wholes` is not read. One call is
     cheaper than a call per token where contexts are short enough that gathering them costs little.
-    q: [n, heads, hd] -> [n, heads, hd]."""
+    `mode`: the model's bf16 attention kernel, as `causal`'s. q: [n, heads, hd] -> [n, heads, hd]."""
     n, heads, hd = q.shape
     kv_heads = pieces[0].shape[2]
-    if exact_matmul.active(q.dtype, heads, kv_heads, hd):
+    if exact_matmul.active(q.dtype, heads, kv_heads, hd, mode):
         return exact_matmul.decode(q, pieces, wholes, lengths, padded)
     g = heads // kv_heads
     plan = _decode_plan(tuple(lengths), g, q.dtype, q.device)
@@ -138,7 +139,7 @@ def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
     return o.reshape(n, heads, hd)
 
 
-def decode_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+def decode_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], mode: str) -> torch.Tensor:
     """`decode` over contexts gathered and padded: row r of k/v [n, width, kv_heads, hd] holds
     token r's context, any finite value past it, with width = key_rows(max(lengths)).
     q: [n, heads, hd] -> [n, heads, hd]."""
@@ -153,7 +154,7 @@ def decode_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Se
     index = (along + torch.arange(n, device=k.device)[:, None] * width).view(-1)
     flat_k, flat_v = (x.reshape(n * width, *x.shape[2:]) for x in (k, v))
     pieces = tuple(x.index_select(0, index).view(n, reach, *x.shape[1:]) for x in (flat_k, flat_v))
-    return decode(q, (pieces[0], pieces[1]), [], lengths, padded=(k, v))
+    return decode(q, (pieces[0], pieces[1]), [], lengths, mode, padded=(k, v))
 
 
 @dataclass(frozen=True)

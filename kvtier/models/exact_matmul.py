@@ -20,10 +20,10 @@ BATCH_BLOCKS x kv_heads entries. What remains is that a
 row's bits do not depend on the number of rows or batch entries beside it in a call: `usable`
 checks that at first use per head geometry and thread count (every row count at every reduction
 length the kernel makes, each batch count at the fewest and most rows, then the kernel itself on a
-2,600-token context), and where it fails the flash kernel serves instead. `set_mode` (the
-engine's `--bf16-attention`) picks the kernel: auto (GEMMs on CPUs with avx512_bf16 and no AMX,
-where `usable`; the flash kernel on AMX, where this kernel has not been checked by a run of the
-test suite), gemm (wherever `usable`) or flash.
+2,600-token context), and where it fails the flash kernel serves instead. The model's
+`Kernels.bf16_attention` (the engine's `--bf16-attention`), passed as `mode`, picks the kernel:
+auto (GEMMs on CPUs with avx512_bf16 and no AMX, where `usable`; the flash kernel on AMX, where
+this kernel has not been checked by a run of the test suite), gemm (wherever `usable`) or flash.
 """
 
 from __future__ import annotations
@@ -38,49 +38,43 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.dtypes import cpu_has_amx, cpu_has_bf16
+from kvtier.models.kernels import BF16_ATTENTION
 from kvtier.models.key_split import KEY_BLOCK, PIECE, cut_or_pad, key_rows, split
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "gemm", "flash")
 DECODE_ROWS = 8  # decoding tokens per call: a batch of 32 long contexts copied at once is 2 x 100 MB at 8K
 BATCH_BLOCKS = 16  # whole key blocks (times kv_heads) per value product: every batch count the check covers
 SCORE_BUDGET = 1 << 23  # scores per call of a prompt's queries (16 MB in bf16): long contexts take fewer queries a call
-_mode = "auto"
 _local = threading.local()  # per thread: the score, probability and K/V buffers, reused (a fresh 16 MB faults its pages in)
 
 
-def set_mode(mode: str) -> None:
-    """Process-wide: which kernel exact bf16 attention uses (auto, gemm or flash)."""
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"unknown bf16 attention kernel {mode!r}; use one of {', '.join(MODES)}")
-    _mode = mode
-
-
-def active(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> bool:
-    """Whether exact attention of this dtype and head geometry runs on GEMMs."""
-    if dtype != torch.bfloat16 or _mode == "flash" or (_mode == "auto" and (not cpu_has_bf16() or cpu_has_amx())):
+def active(dtype: torch.dtype, heads: int, kv_heads: int, hd: int, mode: str) -> bool:
+    """Whether exact attention of this dtype and head geometry runs on GEMMs, where `mode` (a
+    model's `Kernels.bf16_attention`: auto, gemm or flash) asks for them."""
+    if mode not in BF16_ATTENTION:
+        raise ValueError(f"unknown bf16 attention kernel {mode!r}; use one of {', '.join(BF16_ATTENTION)}")
+    if dtype != torch.bfloat16 or mode == "flash" or (mode == "auto" and (not cpu_has_bf16() or cpu_has_amx())):
         return False
     ok = usable(heads, kv_heads, hd)
-    if not ok and _mode == "gemm":
+    if not ok and mode == "gemm":
         _refused(heads, kv_heads, hd)
     return ok
 
 
-def why(dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:
-    """One line: which kernel exact CPU attention of this dtype and geometry runs, and why."""
+def why(dtype: torch.dtype, heads: int, kv_heads: int, hd: int, mode: str) -> str:
+    """One line: which kernel exact CPU attention of this dtype and geometry runs under `mode`, and why."""
     if dtype != torch.bfloat16:
         return f"the flash kernel ({str(dtype).removeprefix('torch.')}: GEMM attention is bf16's only)"
-    if _mode == "flash":
+    if mode == "flash":
         return "the flash kernel (--bf16-attention flash)"
-    if _mode == "auto" and not cpu_has_bf16():
+    if mode == "auto" and not cpu_has_bf16():
         return "the flash kernel (this CPU has no native bf16: no avx512_bf16 or amx_bf16)"
-    if _mode == "auto" and cpu_has_amx():
+    if mode == "auto" and cpu_has_amx():
         return "the flash kernel (auto on an AMX CPU, where only the flash kernel is known exact; --bf16-attention gemm tries the GEMMs, checked first)"
     geometry = f"{heads} heads over {kv_heads}, head_dim {hd}, {torch.get_num_threads()} threads"
-    if active(dtype, heads, kv_heads, hd):
-        return f"bf16 GEMMs ({'--bf16-attention gemm' if _mode == 'gemm' else 'auto'}; checked row-invariant here for {geometry})"
+    if active(dtype, heads, kv_heads, hd, mode):
+        return f"bf16 GEMMs ({'--bf16-attention gemm' if mode == 'gemm' else 'auto'}; checked row-invariant here for {geometry})"
     return f"the flash kernel (this CPU's bf16 GEMMs did not pass the row-invariance check for {geometry})"
 
 

@@ -20,7 +20,8 @@ Linears that read the same input (q, k and v; gate and up) run as one call over 
 concatenated (`Fused`): at a step's sizes a oneDNN call's fixed cost is as large as its arithmetic,
 so three narrow GEMMs cost about twice one GEMM of their combined width.
 
-CUDA and `set_exact(False)` (`--fast-inexact`) use plain `F.linear`, one call per linear.
+CUDA and a model whose kernels are not exact (`Kernels.exact`, `--fast-inexact`) use plain
+`F.linear`, one call per linear: `Linear.exact` is set by its model (`CausalLM.set_kernels`).
 """
 
 from __future__ import annotations
@@ -38,19 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
-
-_exact = True
-
-
-def set_exact(enabled: bool) -> None:
-    """Process-wide: row-invariant (exact) linears and attention, or the plain fastest kernels."""
-    global _exact
-    _exact = enabled
-
-
-def exact() -> bool:
-    return _exact
-
 
 @dataclass(frozen=True)
 class RowPlan:
@@ -268,13 +256,14 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) whose output rows are row-invariant on
     the CPU. The packed copy of the weight is built on first use and rebuilt if the weight changes."""
 
+    exact = True  # row-invariant on the CPU; False: plain F.linear (its model's `Kernels.exact`)
     _packed: torch.Tensor | None = None
     _plan: RowPlan = FIXED
     _packed_of: tuple[int, int, torch.dtype, int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if not _exact or w.device.type != "cpu":
+        if not self.exact or w.device.type != "cpu":
             return F.linear(x, w, self.bias)
         # The thread count too: a plan holds for the count it was checked at (oneDNN may split a
         # reduction across threads by the call's shape), so a process that changes it checks again.
@@ -309,7 +298,7 @@ class Fused:
 
     def tail(self, x: torch.Tensor, first: int) -> list[torch.Tensor]:
         parts = self.parts[first:]
-        if not _exact or parts[0].weight.device.type != "cpu" or len({p.bias is None for p in parts}) > 1:
+        if not parts[0].exact or parts[0].weight.device.type != "cpu" or len({p.bias is None for p in parts}) > 1:
             return [p(x) for p in parts]
         pack = self._pack(first)
         if first and not pack.agrees_with(self._pack(0), sum(p.out_features for p in self.parts[:first])):

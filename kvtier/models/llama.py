@@ -25,6 +25,7 @@ from torch import nn
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.invariant import Fused, Linear
+from kvtier.models.kernels import Kernels
 from kvtier.models.rope import Rope, rotate, rotate_into
 
 
@@ -125,6 +126,14 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.kernels = Kernels()
+
+    def set_kernels(self, kernels: Kernels) -> None:
+        """The kernels every pass over this model runs (its linears' and its attention's)."""
+        self.kernels = kernels
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.exact = kernels.exact
 
     @property
     def layers(self) -> Sequence[DecoderLayer]:
@@ -160,7 +169,8 @@ class CausalLM(nn.Module):
         dev = self.lm_head.weight.device
         ids = ids.to(dev)
         rope = rope or Rope(self.cfg, ids.shape[0], self.dtype, dev)
-        return self.logits(self.run_layers(self.embed(ids), _HFRotation(rope, torch.arange(ids.shape[0], device=dev))))
+        positions = torch.arange(ids.shape[0], device=dev)
+        return self.logits(self.run_layers(self.embed(ids), _HFRotation(rope, positions, self.kernels)))
 
 
 class LayerAttention(abc.ABC):
@@ -197,8 +207,9 @@ class SelfAttention(LayerAttention):
     """One fresh sequence attending causally to itself, its rows at positions [0, tokens).
     `observe` sees each layer's q/k/v before the layer attends (the probe calibration's scores)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, observe: ObserveFn | None = None) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kernels: Kernels, observe: ObserveFn | None = None) -> None:
         self.cos, self.sin, self.observe = cos, sin, observe  # [tokens, 1, hd/2]
+        self.kernels = kernels
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +218,7 @@ class SelfAttention(LayerAttention):
     def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.observe is not None:
             self.observe(li, q, k, v)
-        return causal_attention(q, k, v, 0)
+        return causal_attention(q, k, v, 0, self.kernels)
 
 
 class _HFRotation(SelfAttention):
@@ -215,8 +226,8 @@ class _HFRotation(SelfAttention):
     the engine's fused `rotate_into`, which rounds differently (bf16 logits move by up to ~0.5), so
     the plain reference stays what the HF oracle checks."""
 
-    def __init__(self, rope: Rope, positions: torch.Tensor) -> None:
-        super().__init__(*rope.halves(positions))
+    def __init__(self, rope: Rope, positions: torch.Tensor, kernels: Kernels) -> None:
+        super().__init__(*rope.halves(positions), kernels)
         self.full = rope.cos_sin(positions)  # [tokens, 1, hd]
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

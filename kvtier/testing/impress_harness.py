@@ -13,6 +13,7 @@ import torch
 from kvtier.engine.restore.impress_prefill import CompactKV
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
+from kvtier.models.kernels import Kernels
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope
 
@@ -48,8 +49,8 @@ class ReducedCache:
 class _Appending(LayerAttention):
     """New rows attend to everything in the cache, their own K/V appended to it layer by layer."""
 
-    def __init__(self, cache: ReducedCache, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cache, self.cos, self.sin = cache, cos, sin
+    def __init__(self, cache: ReducedCache, cos: torch.Tensor, sin: torch.Tensor, kernels: Kernels) -> None:
+        self.cache, self.cos, self.sin, self.kernels = cache, cos, sin, kernels
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,7 @@ class _Appending(LayerAttention):
         start = c.k[li].shape[0]  # the new rows' first slot
         c.k[li] = torch.cat([c.k[li], k])  # [slots + n, kv_heads, hd]
         c.v[li] = torch.cat([c.v[li], v])
-        return causal_attention(q, c.k[li], c.v[li], start)
+        return causal_attention(q, c.k[li], c.v[li], start, self.kernels)
 
 
 @torch.inference_mode()
@@ -71,4 +72,4 @@ def extend(model: CausalLM, rope: Rope, cache: ReducedCache, ids: Sequence[int])
     dev = rope.cos_h.device
     cos, sin = rope.halves(torch.arange(start, start + n, device=dev) + cache.rope_offset)  # [n, 1, hd/2]
     h = model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev))  # [n, hidden]
-    return model.logits(model.run_layers(h, _Appending(cache, cos, sin)))
+    return model.logits(model.run_layers(h, _Appending(cache, cos, sin, model.kernels)))

@@ -331,9 +331,8 @@ class E2EBench:
             raise ValueError(f"history {bad} + {new} new tokens does not fit {self.args.model}'s "
                              f"{window}-token window: use H <= {window - new}")
         if loaded.dtype == torch.bfloat16:  # which exact kernel kvtier's bf16 attention ran (auto: this CPU's)
-            exact_matmul.set_mode(self.args.bf16_attention)
             c = loaded.config
-            gemm = exact_matmul.active(loaded.dtype, c.num_heads, c.num_kv_heads, c.head_dim)
+            gemm = exact_matmul.active(loaded.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.args.bf16_attention)
             self.meta["bf16_attention_kernel"] = "gemm" if gemm else "flash"
         self.profile = self.measure_profile(loaded)
         hf = build_hf(loaded) if any(p in HF_PEERS for p in self.peers) else None

@@ -38,7 +38,7 @@ from kvtier.bench.stats import wilson
 from kvtier.bench.tasks import WORDS, NeedleItem, RetrievalItem, needle_items, retrieval_items
 from kvtier.engine.config import ImpressConfig
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
-from kvtier.models import invariant
+from kvtier.models.kernels import Kernels
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
 from kvtier.store import TieredStore
@@ -136,18 +136,9 @@ def _rows(task: str, tallies: dict[str, Tally]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every task's rows and goals; with --fast-inexact on the plain kernels (the process's switch
-    is put back after)."""
-    was = invariant.exact()
-    invariant.set_exact(not args.fast_inexact)
-    try:
-        return _run(args)
-    finally:
-        invariant.set_exact(was)
-
-
-def _run(args: argparse.Namespace) -> dict:
+    """Every task's rows and goals; with --fast-inexact on the plain kernels (every row alike)."""
     loaded = load_model(args.model, dtype=args.dtype)
+    loaded.module.set_kernels(Kernels(exact=not args.fast_inexact))
     tok = loaded.tokenizer
     if tok is None:
         raise SystemExit(f"model {args.model} has no tokenizer: the accuracy tasks need one (use smollm2-135m)")

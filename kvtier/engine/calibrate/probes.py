@@ -46,7 +46,7 @@ def _each_layer(model: CausalLM, rope: Rope, ids: Sequence[int], observe: Observ
     (RoPE applied, [tokens, heads | kv_heads, hd]) before that layer attends over all of them."""
     dev = rope.cos_h.device
     cos, sin = rope.halves(torch.arange(len(ids), device=dev))  # [tokens, 1, hd/2]
-    model.run_layers(model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev)), SelfAttention(cos, sin, observe))
+    model.run_layers(model.embed(torch.tensor(list(ids), dtype=torch.long, device=dev)), SelfAttention(cos, sin, model.kernels, observe))
 
 
 @torch.inference_mode()
@@ -63,10 +63,10 @@ def calibrate_probe(model: CausalLM, rope: Rope, prefix_ids: Sequence[int], quer
 
     def observe(li: int, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor) -> None:
         imp = column_importance(q[m:], kk[:m], kk[m:])  # [heads, m]
-        full = causal_attention(q[m:], kk, v, m).float()  # [n, heads, hd]: the query rows over everything
+        full = causal_attention(q[m:], kk, v, m, model.kernels).float()  # [n, heads, hd]: the query rows over everything
         for j in range(err.shape[1]):
             idx = torch.cat([top_k(imp[j * g : (j + probes) * g].sum(0), k), own]).to(kk.device)
-            out = causal_attention(q[m:], kk.index_select(0, idx), v.index_select(0, idx), k).float()
+            out = causal_attention(q[m:], kk.index_select(0, idx), v.index_select(0, idx), k, model.kernels).float()
             err[li, j] = float((out - full).norm() / full.norm())
 
     _each_layer(model, rope, list(prefix_ids) + list(query_ids), observe)

@@ -28,7 +28,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.scheduler_api import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
-from kvtier.models import exact_attention, invariant
+from kvtier.models import exact_attention
 from kvtier.models.attention import exact_cpu
 from kvtier.models.loading import LoadedModel
 from kvtier.planning.costs import HardwareProfile, ModelShape, links
@@ -345,11 +345,12 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
     def namespace(layout: Sequence[Repr]) -> StoreNamespace:
         # State computed with the plain kernels rounds by its chunking: never under an exact key;
         # nor state of one exact kernel under another's (bf16 GEMM attention or the flash kernel).
-        if not invariant.exact():
+        kernels = model.module.kernels
+        if not kernels.exact:
             fingerprint = f"{model.fingerprint}+inexact"
-        elif exact_cpu(runner.device):
+        elif exact_cpu(runner.device, kernels):
             fingerprint = model.fingerprint + exact_attention.numerics_tag(model.dtype, cfg.num_heads, cfg.num_kv_heads,
-                                                                           cfg.head_dim)
+                                                                           cfg.head_dim, kernels.bf16_attention)
         else:
             fingerprint = model.fingerprint
         return StoreNamespace(fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,

@@ -24,6 +24,7 @@ from kvtier.engine.restore.impress_reads import TimedReads
 from kvtier.engine.restore.impress_select import ProbeHeads, Units, fallback_selection, h2o_selection, probe_selection
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
+from kvtier.models.kernels import Kernels
 from kvtier.models.llama import CausalLM, LayerAttention
 from kvtier.models.rope import Rope
 from kvtier.store.selective import TokenReads
@@ -62,8 +63,9 @@ class ImportanceAttention(LayerAttention):
 
     def __init__(self, cfg: ModelConfig, policy: ImpressPolicy, reads: TimedReads, probes: dict[int, torch.Tensor],
                  stats: ImpressStats, cos: torch.Tensor, sin: torch.Tensor, probe_first: Sequence[int],
-                 probe_count: int) -> None:
+                 probe_count: int, kernels: Kernels) -> None:
         m = stats.prefix_tokens
+        self.kernels = kernels
         count, kept_units = policy.units(m)
         g = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.policy, self.reads, self.probes, self.stats, self.cos, self.sin = policy, reads, probes, stats, cos, sin
@@ -91,7 +93,7 @@ class ImportanceAttention(LayerAttention):
         vc = torch.cat([v_kept.to(vn.device, vn.dtype), vn])
         self.k.append(kc)
         self.v.append(vc)
-        return causal_attention(q, kc, vc, st.kept_tokens)  # the new rows start after the k kept slots
+        return causal_attention(q, kc, vc, st.kept_tokens, self.kernels)  # the new rows start after the k kept slots
 
     def _identify(self, compute: Callable[[], T]) -> T:
         t = time.perf_counter()
@@ -148,7 +150,7 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     dev = rope.cos_h.device
     cos, sin = rope.halves(torch.arange(m, m + n, device=dev))  # [n, 1, hd/2]: the new rows follow the prefix
     attention = ImportanceAttention(model.cfg, policy, timed, probes, stats, cos, sin,
-                                    reads.ns.probe_first, reads.ns.probe_kv_heads)
+                                    reads.ns.probe_first, reads.ns.probe_kv_heads, model.kernels)
     h = model.run_layers(model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev)), attention)
     timed.report()
     stats.seconds = time.perf_counter() - t0

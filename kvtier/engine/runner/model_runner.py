@@ -95,7 +95,7 @@ class ModelRunner:
         if device.type == "cpu":
             self._fault_in(min(self.sink, -(-max_positions // block_size) * block_size))
         self.attention: AttentionBackend[Any] = choose(PoolSpec(device, model.dtype, cfg.num_heads, cfg.num_kv_heads,
-                                                                cfg.head_dim, block_size, self.zero_slot))
+                                                                cfg.head_dim, block_size, self.zero_slot, model.kernels))
         self._flat: tuple[memoryview, memoryview] | None = None  # the pool as flat uint8 arrays, for direct reads
         self.staging_bytes = staging_bytes
         self.clearable = clearable

@@ -16,7 +16,7 @@ from kvtier.models.attention import exact_cpu
 
 
 def choose(spec: PoolSpec) -> AttentionBackend[Any]:
-    if exact_cpu(spec.device):
+    if exact_cpu(spec.device, spec.kernels):
         return CpuExact(spec)
     if varlen.usable(spec.device, spec.dtype, spec.heads, spec.kv_heads, spec.head_dim):
         return Varlen(spec)

@@ -15,6 +15,7 @@ import torch
 
 from kvtier.engine.runner.batch import RunItem, RunRead, Uploads, slot_array
 from kvtier.models.attention import causal_attention
+from kvtier.models.kernels import Kernels
 
 D = TypeVar("D")
 Clearable = Callable[[RunItem, range], bool]
@@ -31,6 +32,7 @@ class PoolSpec:
     head_dim: int
     block_size: int
     zero_slot: int  # holds zeros and nothing writes it: padding reads it (masked, and finite)
+    kernels: Kernels  # the model's (exact or plain; bf16 attention's CPU kernel)
 
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Pool slot of every position in [start, end) (on the host)."""
@@ -155,7 +157,7 @@ class AttentionBackend(abc.ABC, Generic[D]):
 
     def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
         """Queries at [q_start, q_start + n) over keys [0, ctx): q [n, heads, hd], k/v [ctx+, kv_heads, hd]."""
-        return causal_attention(q, k, v, q_start)
+        return causal_attention(q, k, v, q_start, self.spec.kernels)
 
     def attend_run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    read: RunRead, q_start: int) -> torch.Tensor:

@@ -63,7 +63,7 @@ class CpuExact(AttentionBackend[KeyReads | GatheredDecodes]):
         self.gathers = Gathers(spec, 4)
 
     def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-        return exact_attention.causal(q, k, v, q_start)
+        return exact_attention.causal(q, k, v, q_start, self.spec.kernels.bf16_attention)
 
     # ----- metadata ---------------------------------------------------------------------------
     def reads(self, layout: StepLayout) -> list[RunRead]:
@@ -150,7 +150,7 @@ class CpuExact(AttentionBackend[KeyReads | GatheredDecodes]):
         flat = meta.slots.reshape(-1)
         ks, vs = (self.gathers.contexts(c, flat, part, meta.feed_dst, fed).view(n, width, *c.shape[1:])
                   for part, c in enumerate((kc, vc)))  # [n, width, kv_heads, hd]
-        return decode_attention(q, ks, vs, list(meta.lengths))
+        return decode_attention(q, ks, vs, list(meta.lengths), self.spec.kernels)
 
     def _in_place(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, keys: KeyReads) -> torch.Tensor:
         """q [n, heads, hd], reading each decode's whole key blocks in place where its slots are
@@ -165,4 +165,5 @@ class CpuExact(AttentionBackend[KeyReads | GatheredDecodes]):
         wholes = [(kc[p.start : p.stop], vc[p.start : p.stop]) if p is not None else
                   (gathered[0][g.start : g.stop], gathered[1][g.start : g.stop]) if g is not None else None
                   for p, g in zip(keys.in_place, keys.gathered_rows)]
-        return exact_attention.decode(q, (pieces[0], pieces[1]), wholes, keys.lengths)
+        return exact_attention.decode(q, (pieces[0], pieces[1]), wholes, keys.lengths,
+                                      self.spec.kernels.bf16_attention)

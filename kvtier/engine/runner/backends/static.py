@@ -74,7 +74,8 @@ class StaticDecode:
         if self.graphs_on and dev.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {dev}")
         self.paged = False  # FlexAttention over the pool in place instead of gathering (measured slower)
-        self.exact = exact_cpu(dev)  # the CPU's exact kernel: widths are whole key pieces, not buckets
+        self.kernels = runner.model.kernels
+        self.exact = exact_cpu(dev, self.kernels)  # the CPU's exact kernel: widths are whole key pieces, not buckets
         self.widths = widths(self.pages * bs)
         cols, size = _TABLE + self.pages, self.buckets[-1]
         # Every input in one buffer [max bucket, 4 + pages] (one upload per step), and its host twin.
@@ -204,7 +205,7 @@ class _StaticAttention(LayerAttention):
         ks, vs = (c.index_select(0, self.gather.flatten()).view(*self.gather.shape, *c.shape[1:]) for c in (kc, vc))
         ks, vs = (x.masked_fill_(self.hide, 0) for x in (ks, vs))
         if self.sd.exact:
-            return decode_attention(q, ks, vs, self.sd._lengths)
+            return decode_attention(q, ks, vs, self.sd._lengths, self.sd.kernels)
         out = F.scaled_dot_product_attention(q[:, :, None], ks.transpose(1, 2), vs.transpose(1, 2),
                                              attn_mask=self.valid[:, None, None, :], enable_gqa=q.shape[1] != kc.shape[1])
         return out[:, :, 0]  # [size, heads, hd]
