@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvtier.engine.restore.importance import (
+from kvtier.engine.impress.importance import (
     column_importance,
     jaccard,
     mean_pairwise_jaccard,

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from kvtier.engine.calibrate import probes as probe_calibration
 from kvtier.engine.calibrate.probes import calibrate, calibrate_probe, probe_pass_rate
 from kvtier.engine.config import ImpressConfig
-from kvtier.engine.restore.importance import select_all
-from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
-from kvtier.engine.restore.impress_prefill import impress_prefill
-from kvtier.engine.restore.impress_select import Units
+from kvtier.engine.impress.importance import select_all
+from kvtier.engine.impress.policy import ImpressPolicy, Selection
+from kvtier.engine.impress.prefill import impress_prefill
+from kvtier.engine.impress.select import Units
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store import StoreNamespace, TieredStore

@@ -8,10 +8,10 @@ import torch
 
 from kvtier.engine.config import ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.impress.policy import ImpressPolicy, Selection
+from kvtier.engine.impress.prefill import impress_prefill
+from kvtier.engine.impress.restore import chunk_ratios
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.restore.impress import chunk_ratios
-from kvtier.engine.restore.impress_policy import ImpressPolicy, Selection
-from kvtier.engine.restore.impress_prefill import impress_prefill
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope
 from kvtier.store.selective import TokenReads

@@ -5,7 +5,8 @@
     engine core                   scheduler, block pool, request, config, sampler, detokenizer:
                                   never the rooms beside it (runner, link, restore, calibrate, partial)
     engine/runner                 step tensors and host/device copies; never the link or the executors
-    engine/restore                executors applying a Plan; never the link
+    engine/restore                executors applying a Plan; never the link, nor a paper's room
+    engine/impress                IMPRESS (importance-only, lossy): one room; never the link
     engine/link                   engine <-> store; never the facade
     engine/calibrate              measure once and cache; never the link
     engine.py, factory.py         the facade that wires the rooms
@@ -72,7 +73,7 @@ def _imports(path: Path) -> set[str]:
 
 ABOVE_ENGINE = ("kvtier.serve", "kvtier.bench", "kvtier.cli", "kvtier.testing")
 BESIDE_CORE = ("kvtier.engine.runner", "kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
-               "kvtier.engine.partial", "kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.background")
+               "kvtier.engine.partial", "kvtier.engine.impress", "kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.background")
 CORE = [f"engine/{m}.py" for m in ("scheduler", "scheduler_api", "block_pool", "request", "config", "sampler", "detokenizer")]
 
 # files (globs under kvtier/) -> module prefixes they must never import
@@ -82,10 +83,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "planning/**/*.py": ("kvtier.engine", "kvtier.models") + ABOVE_ENGINE,
     **{core: BESIDE_CORE + ABOVE_ENGINE for core in CORE},
     "engine/runner/**/*.py": ("kvtier.engine.link", "kvtier.engine.restore", "kvtier.engine.calibrate",
-                           "kvtier.engine.partial", "kvtier.engine.engine", "kvtier.engine.factory",
-                           "kvtier.engine.scheduler") + ABOVE_ENGINE,
+                           "kvtier.engine.partial", "kvtier.engine.impress", "kvtier.engine.engine",
+                           "kvtier.engine.factory", "kvtier.engine.scheduler") + ABOVE_ENGINE,
     "engine/restore/*.py": ("kvtier.engine.link", "kvtier.engine.calibrate", "kvtier.engine.partial",
-                            "kvtier.engine.engine", "kvtier.engine.factory") + ABOVE_ENGINE,
+                            "kvtier.engine.impress", "kvtier.engine.engine", "kvtier.engine.factory") + ABOVE_ENGINE,
+    "engine/impress/*.py": ("kvtier.engine.link", "kvtier.engine.calibrate", "kvtier.engine.partial",
+                            "kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.scheduler") + ABOVE_ENGINE,
     "engine/link/*.py": ("kvtier.engine.engine", "kvtier.engine.factory", "kvtier.engine.partial") + ABOVE_ENGINE,
     "engine/calibrate/*.py": ("kvtier.engine.link", "kvtier.engine.partial", "kvtier.engine.engine",
                               "kvtier.engine.factory") + ABOVE_ENGINE,

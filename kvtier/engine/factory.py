@@ -17,7 +17,7 @@ from kvtier.engine.calibrate import fronts, hardware
 from kvtier.engine.calibrate.probes import ProbeCalibration, calibrate
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
-from kvtier.engine.restore.impress_policy import probe_kv_heads_for
+from kvtier.engine.impress.policy import probe_kv_heads_for
 from kvtier.models.loading import LoadedModel, load_model, resolve
 from kvtier.planning.costs import HardwareProfile
 from kvtier.store.preflight import check_store

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.engine.restore.impress_prefill import CompactKV
+from kvtier.engine.impress.prefill import CompactKV
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.kernels import Kernels

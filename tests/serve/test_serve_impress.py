@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 
 from kvtier.engine.config import ImpressConfig, ReuseConfig
-from kvtier.engine.restore.impress_policy import ImpressPolicy
+from kvtier.engine.impress.policy import ImpressPolicy
 
 from serve_testlib import TINY, metric, metrics, serve
 

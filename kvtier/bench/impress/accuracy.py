@@ -37,7 +37,7 @@ from kvtier.bench.impress.layout import CHUNK, namespace
 from kvtier.bench.stats import wilson
 from kvtier.bench.tasks import WORDS, NeedleItem, RetrievalItem, needle_items, retrieval_items
 from kvtier.engine.config import ImpressConfig
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
+from kvtier.engine.impress.policy import PROBE_GRANULE_TOKENS, ImpressPolicy, Selection
 from kvtier.models.kernels import Kernels
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope

@@ -22,7 +22,7 @@ def kind_name(selection: str, granule: bool = False, window: int = 1) -> str:
 def default_kind() -> str:
     """The kind of row the engine's defaults restore with (`ImpressConfig()`)."""
     from kvtier.engine.config import ImpressConfig
-    from kvtier.engine.restore.impress_policy import ImpressPolicy
+    from kvtier.engine.impress.policy import ImpressPolicy
 
     p = ImpressPolicy.of(ImpressConfig())
     return kind_name(p.selection.value + ("-sum" if p.vote == "sum" else ""), p.unit > 1, p.window)

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.restore.impress_policy import ImpressPolicy, ImpressStats
-from kvtier.engine.restore.impress_prefill import impress_prefill
+from kvtier.engine.impress.policy import ImpressPolicy, ImpressStats
+from kvtier.engine.impress.prefill import impress_prefill
 from kvtier.models.loading import LoadedModel
 from kvtier.models.rope import Rope
 from kvtier.store import TieredStore

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from kvtier.bench.haystacks import HaystackItem
 from kvtier.bench.impress.harness import ANSWER_TOKENS, Bench, Tally, greedy, kl
 from kvtier.bench.stats import wilson
-from kvtier.engine.restore.impress_policy import ImpressPolicy
+from kvtier.engine.impress.policy import ImpressPolicy
 
 HAYSTACK_TASK = "haystacks"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.probes import calibrate
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
+from kvtier.engine.impress.policy import PROBE_GRANULE_TOKENS, probe_kv_heads_for
 from kvtier.models.loading import LoadedModel
 from kvtier.store import StoreNamespace
 

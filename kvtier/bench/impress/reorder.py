@@ -20,8 +20,8 @@ from kvtier.bench.common import drop_page_cache
 from kvtier.bench.goals import Goal, evaluate
 from kvtier.engine.config import EngineConfig, ImportanceSelection, ImportanceUnit, ImpressConfig, ReuseConfig
 from kvtier.engine.engine import Engine
+from kvtier.engine.impress.policy import PROBE_GRANULE_TOKENS
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS
 from kvtier.models.loading import LoadedModel, load_model
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)

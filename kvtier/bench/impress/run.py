@@ -27,8 +27,8 @@ from kvtier.bench.impress.goals import default_kind, ttft_goals
 from kvtier.bench.impress.layout import CHUNK, namespace
 from kvtier.bench.report import pyplot, save_figure
 from kvtier.engine.config import ImportanceSelection, ImportanceUnit, ImpressConfig
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
-from kvtier.engine.restore.impress_prefill import impress_prefill
+from kvtier.engine.impress.policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
+from kvtier.engine.impress.prefill import impress_prefill
 from kvtier.models.loading import LoadedModel, load_model
 from kvtier.models.rope import Rope
 from kvtier.store import TieredStore

@@ -20,8 +20,8 @@ import torch
 
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.cache import load, load_or_measure
-from kvtier.engine.restore.importance import column_importance, mean_jaccard, similarity_threshold, top_k
-from kvtier.engine.restore.impress_select import ProbeHeads
+from kvtier.engine.impress.importance import column_importance, mean_jaccard, similarity_threshold, top_k
+from kvtier.engine.impress.select import ProbeHeads
 from kvtier.models.attention import causal_attention
 from kvtier.models.llama import CausalLM, ObserveFn, SelfAttention
 from kvtier.models.loading import LoadedModel

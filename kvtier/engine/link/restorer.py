@@ -18,11 +18,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvtier.engine.config import ReuseConfig
+from kvtier.engine.impress.policy import ImpressPolicy
+from kvtier.engine.impress.restore import ImpressRestore
 from kvtier.engine.link.stats import LinkStats
 from kvtier.engine.request import Request, RestoreReport
 from kvtier.engine.restore.blend import BlendRestore
-from kvtier.engine.restore.impress import ImpressRestore
-from kvtier.engine.restore.impress_policy import ImpressPolicy
 from kvtier.engine.restore.job import RestoreJob
 from kvtier.engine.restore.layerwise import Restore, RestoreMiss
 from kvtier.engine.restore.segments import SegmentStates
@@ -319,9 +319,9 @@ class Restorer:
             self.stats.blend_recomputed_tokens += blended.recomputed
         if job.plan.predicted_s > 0:  # restore and the new tokens' step, as the plan predicted them
             self.planner.observe(job.plan.method, job.plan.predicted_s, seconds)
-        imp = job.restore.impress
-        if imp is not None and imp.layers and imp.chosen_share:
-            self.planner.observe_importance(imp.chosen_share, imp.layers_passed / imp.layers)
+        chose = job.restore.chose
+        if chose is not None and chose.chosen_share:
+            self.planner.observe_importance(chose.chosen_share, chose.cheap_share)
         return True
 
     def abort(self, request_id: str) -> bool:

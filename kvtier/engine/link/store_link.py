@@ -20,12 +20,12 @@ from typing import Protocol
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.probes import UNCALIBRATED, ProbeCalibration, cached_calibration
 from kvtier.engine.config import ImportanceSelection, ReuseConfig
+from kvtier.engine.impress.policy import PROBE_GRANULE_TOKENS, ImpressPolicy, probe_kv_heads_for
 from kvtier.engine.link.restorer import Restorer
 from kvtier.engine.link.saver import Saver
 from kvtier.engine.link.sessions import SessionRetention
 from kvtier.engine.link.stats import LinkReport, LinkStats
 from kvtier.engine.request import Request
-from kvtier.engine.restore.impress_policy import PROBE_GRANULE_TOKENS, ImpressPolicy, probe_kv_heads_for
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner
 from kvtier.engine.scheduler_api import NoStore, RestoreDone, RestoreTicket, StoreOffer, StoreSide
 from kvtier.models import exact_attention

@@ -33,7 +33,6 @@ from typing import cast
 
 import torch
 
-from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
@@ -158,7 +157,7 @@ class _Scattered(LayerAttention):
 
 
 class BlendRestore:
-    impress: ImpressStats | None = None  # (RestoreJob) chooses no tokens by importance
+    chose = None  # (RestoreJob) chooses no tokens by importance
 
     def __init__(self, plan: Plan, blend: BlendPlan, states: SegmentStates, store: TieredStore,
                  runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str,

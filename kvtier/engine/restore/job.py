@@ -4,17 +4,28 @@ executor it holds."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.engine.restore.blend import BlendStats
-from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.restore.layerwise import RestoreStats
+
+
+@dataclass(frozen=True)
+class LossyChoice:
+    """What a restore that read only some of the stored prefix chose: the planner learns from it."""
+
+    chosen_share: float  # of the stored granules of the parts read by token, the share read
+    cheap_share: float  # of the layers, those whose choice needed only the cheap keys (probes that agreed)
 
 
 class RestoreJob(Protocol):
     start: int  # the first position it writes: a failure recomputes from here
-    # What an importance-only restore chose (the planner learns from it); None for exact restores.
-    impress: ImpressStats | None
+
+    @property
+    def chose(self) -> LossyChoice | None:
+        """What an importance-only restore chose; None for the others."""
+        ...
 
     @property
     def blended(self) -> BlendStats | None:

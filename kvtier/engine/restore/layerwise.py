@@ -36,7 +36,6 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvtier.engine.restore.impress_policy import ImpressStats
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.engine.runner.transfer import (
     DONE,
@@ -282,7 +281,7 @@ class Restore:
     """Restore [start, plan.history_tokens) of a request into its blocks (see the module docstring).
     `source`, for a truncated context, maps each restored position to the stored token it takes."""
 
-    impress: ImpressStats | None = None  # (RestoreJob) an exact restore chooses no tokens
+    chose = None  # (RestoreJob) an exact restore chooses no tokens
     blended = None  # (RestoreJob) nor blends
 
     def __init__(self, plan: Plan, store: TieredStore, runner: ModelRunner, token_ids: Sequence[int],

@@ -18,10 +18,10 @@ from typing import TypeVar
 
 import torch
 
-from kvtier.engine.restore.importance import LayerSelection, similarity_threshold
-from kvtier.engine.restore.impress_policy import ImpressPolicy, ImpressStats, Selection, blind_selection
-from kvtier.engine.restore.impress_reads import TimedReads
-from kvtier.engine.restore.impress_select import ProbeHeads, Units, fallback_selection, h2o_selection, probe_selection
+from kvtier.engine.impress.importance import LayerSelection, similarity_threshold
+from kvtier.engine.impress.policy import ImpressPolicy, ImpressStats, Selection, blind_selection
+from kvtier.engine.impress.reads import TimedReads
+from kvtier.engine.impress.select import ProbeHeads, Units, fallback_selection, h2o_selection, probe_selection
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.kernels import Kernels

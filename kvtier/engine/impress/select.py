@@ -1,5 +1,5 @@
 """The importance restore's choices, one function per `Selection` variant's scoring: pure compute
-over tensors already read (the reads are in impress_reads.py, the layer in impress_prefill.py).
+over tensors already read (the reads are in reads.py, the layer in prefill.py).
 
 A prefix is chosen in units (`Units`): single tokens, or whole store granules chosen by their
 summed importance so a read never fetches a granule for one token of it.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.restore.importance import LayerSelection, column_importance, mean_jaccard, select, select_all
+from kvtier.engine.impress.importance import LayerSelection, column_importance, mean_jaccard, select, select_all
 
 
 @dataclass(frozen=True)

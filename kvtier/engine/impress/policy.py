@@ -1,7 +1,7 @@
 """Importance-only restore (IMPRESS): the rule a restore follows, as plain values.
 
 A returning request's new tokens are computed over only the part of its stored prefix their
-queries attend to (importance.py and impress_select.py choose it per layer; impress_prefill.py computes).
+queries attend to (importance.py and select.py choose it per layer; prefill.py computes).
 The policy fixes the share kept, the threshold's exponent and the selection variant; whether a
 layer's probes agree is then a function of the data, not a new decision. Variants for the
 ablation (`Selection`): the full prefix (exact: the oracle for the mechanics), H2O over every key,

@@ -1,5 +1,5 @@
 """The importance-only restore (IMPRESS) inside the engine: a request's stored prefix read by
-token (store/selective.py), with its new tokens computed on the way (impress_prefill.py).
+token (store/selective.py), with its new tokens computed on the way (prefill.py).
 
 Choosing needs the new tokens' queries at every layer, so the restore computes the new tokens
 itself (on the restore worker, like Cake's front), places the kept prefix and all new tokens but
@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.engine.restore.impress_policy import ImpressPolicy, ImpressStats
-from kvtier.engine.restore.impress_prefill import impress_prefill
+from kvtier.engine.impress.policy import ImpressPolicy
+from kvtier.engine.impress.prefill import impress_prefill
+from kvtier.engine.restore.job import LossyChoice
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.planning.plan import Plan
@@ -48,7 +49,7 @@ class ImpressRestore:
         self.block_ids = list(block_ids)
         self.start = 0  # the request's slots are all rewritten (a failure recomputes from its start)
         self.stats = RestoreStats()
-        self.impress: ImpressStats | None = None
+        self.chose: LossyChoice | None = None
         self._prepared = threading.Event()
         self._error: str | None = None
 
@@ -67,7 +68,7 @@ class ImpressRestore:
                     self.runner.k_cache[li].index_copy_(0, slots, cache.k[li][:n])
                     self.runner.v_cache[li].index_copy_(0, slots, cache.v[li][:n])
             self.runner.transfer.sync_compute()  # done means written
-            self.impress = st
+            self.chose = LossyChoice(st.chosen_share, st.layers_passed / st.layers) if st.layers else None
             spans = [(c.key, c.start - self.plan.chunks[0].start, c.end - self.plan.chunks[0].start)
                      for c in self.plan.chunks]  # prefix-relative, as the kept indices
             self.store.observe_importance(chunk_ratios(st.kept, spans))

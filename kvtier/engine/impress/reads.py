@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import torch
 
-from kvtier.engine.restore.impress_policy import ImpressStats
+from kvtier.engine.impress.policy import ImpressStats
 from kvtier.store.selective import TokenReads
 
 T = TypeVar("T")
