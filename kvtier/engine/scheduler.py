@@ -72,8 +72,8 @@ class Scheduler:
                  prefix_cache: bool = True, feeds: FeedPolicy | None = None, defer_instant: bool = False):
         """`defer_instant`: while requests decode, an instant restore is prepared on the restore
         worker instead of in the step (see _try_restore); right where a decode step is short beside
-        a restore's host work (an asynchronous device: 3.5 ms against ~20 ms on an H200), wrong
-        where it is long (a CPU step of 60 ms and more would then delay the restore by a step)."""
+        a restore's host work (an asynchronous device), wrong where it is long (a CPU's step would
+        then delay the restore by a step)."""
         self.pool = pool
         self.defer_instant = defer_instant
         self.feeds: FeedPolicy = feeds or NoFeeds()
@@ -278,8 +278,8 @@ class Scheduler:
             return None  # not enough blocks now: prefill normally instead
         start = req.num_computed
         # An instant restore is opened and placed by this step's thread, inside the step. While
-        # others decode on a device whose steps are short, that host work (about 20 ms for an 8K
-        # context) would stretch their time between tokens: it is prepared on the restore worker
+        # others decode on a device whose steps are short, that host work (several of their steps
+        # for a long context) would stretch their time between tokens: it is prepared on the restore worker
         # instead, like a read from a device.
         deferred = self.defer_instant and any(r.status is RequestStatus.DECODE for r in self.running)
         if probe.instant and not deferred:  # the caller schedules its new tokens in this step, placement beside them

@@ -23,8 +23,8 @@ from kvtier.engine.grammar_threads import grammar_threads
 from kvtier.engine.request import GrammarSpec
 
 # llguidance's torch and transformers helpers are imported on first use, on the caller's thread
-# (`Grammars.tokenizer`): `llguidance.torch` defines a torch.compile'd function, which costs 1.5-4 s
-# of every process's start on a 2-core CPU, and most processes never constrain a request.
+# (`Grammars.tokenizer`): `llguidance.torch` defines a torch.compile'd function, which costs
+# seconds of every process's start on a small CPU, and most processes never constrain a request.
 
 # Compact JSON: what a schema-following model emits; a free-whitespace grammar lets a small model
 # pad with newlines until max_tokens.
@@ -82,7 +82,7 @@ class Grammars:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:  # its token trie takes ~0.3 s to build: once per model
+        with self._lock:  # its token trie is costly to build: once per model
             if self._tokenizer is None:
                 if self._hf is None:
                     raise GrammarError("structured output needs the model's tokenizer")

@@ -24,14 +24,14 @@ from kvtier.models.exact_attention import key_rows as key_rows  # re-exported: t
 from kvtier.models.kernels import Kernels
 
 # Backends for small attention calls outside a CUDA graph. Not cuDNN's: it builds or looks up a graph
-# on the host for every call (1.5-2 ms each on an H200, 45-65 ms of a 30-layer step, against ~10 us
-# of kernel), which a captured graph pays once but an eager step pays per layer.
+# on the host for every call (far longer than the kernel itself), which a captured graph pays once
+# but an eager step pays per layer.
 _EAGER_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def _eager_backends(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """SDPA restricted to _EAGER_BACKENDS on CUDA; elsewhere (no cuDNN) as it is: entering the
-    restriction costs ~15 us, a decode step's layers' worth of which is not worth paying for nothing."""
+    restriction has a host cost, a decode step's layers' worth of which is not worth paying for nothing."""
     return sdpa_kernel(_EAGER_BACKENDS) if t.is_cuda else contextlib.nullcontext()
 
 
@@ -62,7 +62,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
         with _eager_backends(q):  # one decoding token, or a chunk continuing a history
-            # torch.nn.attention.bias is imported here: it pulls in torch._dynamo (~2 s of a CPU
+            # torch.nn.attention.bias is imported here: it pulls in torch._dynamo (seconds of a CPU
             # process's start), and the exact CPU path never comes here
             from torch.nn.attention.bias import causal_lower_right
 

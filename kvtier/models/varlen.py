@@ -29,7 +29,7 @@ _checked: dict[tuple, bool] = {}
 def _kernel() -> tuple[Callable[..., Any] | None, frozenset[str]]:
     """torch's varlen_attn and its parameters (typed loosely: the signature differs between torch
     releases), or None. Imported on first use on CUDA: the module pulls in torch._dynamo and
-    inductor, 1.5 s of every CPU process's start on a 2-core machine."""
+    inductor, seconds of every CPU process's start on a small machine."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch without it

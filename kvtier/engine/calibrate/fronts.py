@@ -94,7 +94,7 @@ def _decode(doc: dict) -> optimizer.ProfileCostModel:
 
 
 def cost_model(model: LoadedModel, runner: ModelRunner | None = None, refresh: bool = False) -> optimizer.ProfileCostModel:
-    """The fitted model for this machine: from the cache, else measured now (once, ~10-60 s)."""
+    """The fitted model for this machine: from the cache, else measured now (once; tens of seconds on a small CPU)."""
     return cache.load_or_measure(
         "partial", _key(model),
         lambda: optimizer.fit_profile(measure(model, GRID, block_size=runner.block_size if runner else 16)),

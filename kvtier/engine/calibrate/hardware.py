@@ -121,17 +121,15 @@ def _runner(model: LoadedModel, max_len: int) -> tuple[ModelRunner, list[int]]:
 # prefills from position 0, a chunk continuing a history as the engine's chunked prefill runs it,
 # and a few new tokens on a history, the shape of a restore's new tokens.
 COMPUTE_POINTS = ((0, 256), (0, 1024), (0, 2048), (2048, 4096), (1024, 1088), (2048, 2112))
-# On a GPU the points above are a few milliseconds each, mostly kernel launches, and a fit through
-# them overestimated an 8K prefill by 1.6x on an H200: there the fit also sees the shapes restores
-# are planned for (a long prefill, and 64 new tokens on an 8K history), which take a fraction of a
-# second.
+# On a GPU the points above are mostly kernel launches, and a fit through them alone overestimates
+# a long prefill: there the fit also sees the shapes restores are planned for (a long prefill, and
+# 64 new tokens on an 8K history).
 GPU_POINTS = ((0, 8192), (8192, 8256))
-# Beyond its points the fit's quadratic term grows too fast on a GPU: with points up to 8K it
-# predicted a 16K prefill on an H200 at 0.80 s against 0.56 measured (with this point: 0.62).
+# Beyond its points the fit's quadratic term grows too fast on a GPU, so a longer point anchors it.
 # Timed only where the pool it needs fits a quarter of the device's free memory.
 GPU_LONG_POINTS = ((0, 16384),)
 # Placement and projection are timed at a restore's size on an asynchronous device: at 1024
-# tokens their per-token rates there are mostly launch overhead (scaled to 8K, 10x the device time).
+# tokens their per-token rates there are mostly launch overhead, which would not scale with tokens.
 SYNC_PLACEMENT_TOKENS, ASYNC_PLACEMENT_TOKENS = 1024, 8192
 
 
@@ -217,10 +215,9 @@ def compute_slices(model: LoadedModel, points: Sequence[tuple[int, int]] | None 
         if e - s <= 1024 or not on_cpu or not timed:  # medians: one slow run skews the fit
             t = yield from _timed(lambda: runner.execute([item]), repeats=3 if e - s <= 1024 else 2)
         else:
-            # On a CPU a step over 1024 tokens takes seconds (fp32 SmolLM2 on 2 cores: 6-10 s), so one
-            # run times it well, and the points before it have run every kernel it runs (the linears
-            # in calls of at most 512 rows): no warm-up. Three runs each had been 55 of the
-            # 113 s that calibration took there.
+            # On a CPU a step over 1024 tokens takes seconds, so one run times it well, and the
+            # points before it have run every kernel it runs (the linears in calls of at most 512
+            # rows): no warm-up. Repeating these is most of a small CPU's calibration time.
             t = yield from _timed(lambda: runner.execute([item]), repeats=1, warm_up=False)
         timed.append((s, e, t))
         tick()
@@ -280,8 +277,8 @@ def _place_s(model: LoadedModel, runner: ModelRunner, n: int) -> float:
     as cold as in a restore. On an asynchronous device the host-to-device copies run on the copy
     stream and are the reads' cost (the tier's rates carry them); what the compute stream pays is
     one scatter per layer and part out of the staging buffer, and only that is timed. (Timing the
-    copies here too counted them twice, on the compute's critical path: on an H200 that made the
-    planner predict a kv restore at 1.8x its time.)"""
+    copies here too would count them twice, on the compute's critical path, and the planner would
+    predict a kv restore well over its time.)"""
     cfg, layers = model.config, model.config.num_layers
     runs = [(s, min(64, n - s)) for s in range(0, n, 64)]
     if not runner.transfer.is_async:
@@ -318,8 +315,8 @@ def _overlap(read: Callable[[], object], compute: Callable[[], object], t_comp: 
     noise swamps the difference; median of five trials (two cores shared with a VM's neighbours are noisy).
     On a GPU the reading thread enqueues on its own stream: its copies wait for the current stream
     (as a restore's wait for the compute that frees their ring slot), and on the compute's stream
-    that would be the unrelated prefill, timing the two in series (an H200 measured 0-8% hidden
-    where restores overlapped fully)."""
+    that would be the unrelated prefill, timing the two in series (next to nothing hidden where
+    restores overlap fully)."""
     t_read = _time(read)
     reps = max(1, round(t_comp / max(t_read, 1e-6)))
 
@@ -377,7 +374,7 @@ def tier_slices(model: LoadedModel, spec: str, chunk_tokens: int = 64, chunks: i
         # Each tier alone, so a disk read is never served by a memory tier above it.
         name = _tier_name(single)
         # Pinned on CUDA, as the engine's store is: pageable chunks would time the driver's staging
-        # copies (3.4 GB/s on an H200, where a restore's DMA runs at 55).
+        # copies, an order of magnitude slower than a restore's DMA.
         store = TieredStore.open(single, ns, chunk_tokens=chunk_tokens, pin=runner.device.type == "cuda")
         try:
             store.save(ids, 0, k, k, None)

@@ -378,8 +378,8 @@ def open_store_link(model: LoadedModel, runner: ModelRunner, spec: str, reuse: R
         layout = planner.choose_layout(Method.IMPRESS if importance else reuse.fixed_method, tiers[-1][0],
                                        reuse.chunk_tokens, cfg.max_position_embeddings)
     # One request's save can hold its whole context (a long prompt prefilled in one step is one
-    # snapshot): the writer's queue must take two of those, or it drops them (an 8K llama3-8b
-    # context is 1 GiB, the default bound; at 16K nothing was saved on a GPU).
+    # snapshot): the writer's queue must take two of those, or it drops them (a long context of a
+    # Llama-3-8B-sized model is the whole default bound).
     ns = namespace(layout)
     queue = max(DEFAULT_QUEUE_BYTES, 2 * runner.max_positions * ns.bytes_per_token())
     store = TieredStore.open(spec, ns, chunk_tokens=reuse.chunk_tokens, policy=reuse.eviction_policy.value,

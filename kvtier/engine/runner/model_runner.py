@@ -105,9 +105,9 @@ class ModelRunner:
         """Map the host pages of the first `slots` slots of every layer now (one write per page):
         the block pool hands out blocks from the first on, so these are what the first requests
         use. Left to first touch, a restarted engine's first restore paid the kernel's page faults
-        and zeroing inside its direct reads, on the cores the new tokens compute on (kernel time
-        was 18% of a cold 4096-token restore's CPU samples, against 0.5% from memory). A long
-        context's worth: the rest of the budget still becomes resident only when used."""
+        and zeroing inside its direct reads, on the cores the new tokens compute on (a large share
+        of a cold restore's CPU time). A long context's worth: the rest of the budget still
+        becomes resident only when used."""
         for cache in (self.k_cache, self.v_cache):
             for layer in cache:  # [slots, kv_heads, hd]
                 layer.view(-1).view(torch.uint8)[: layer[:slots].nbytes : PAGE].zero_()

@@ -9,10 +9,10 @@ decodes token 0 at position 0 into the pool's sink with a context of one, so it 
 request owns.
 
 Attention gathers each context through the block table to a common width and makes one SDPA call
-with grouped K/V heads and a length mask: on an H200 that beat FlexAttention reading the pool in
-place by 3-6x and the packed varlen path by 2-7.5x (docs/benchmarks.md, "Paged decode attention
-candidates"). On CUDA the width is bucketed too (256 tokens, then steps of x1.5 and x4/3 alternately:
-256, 384, 512, 768, ...), so a step reads at most 1.5x its longest context, and each (batch, width)
+with grouped K/V heads and a length mask: on a GPU that beat FlexAttention reading the pool in
+place and the packed varlen path (docs/benchmarks.md, "Paged decode attention candidates"). On CUDA the width is
+bucketed too (256 tokens, then steps of x1.5 and x4/3 alternately: 256, 384, 512, 768, ...), so a
+step reads at most 1.5 times its longest context, and each (batch, width)
 bucket's step is captured into a CUDA graph on first use and replayed after: one host-to-device
 copy of the inputs and one replay per step; the sampled ids are its one host sync. On the CPU the
 step runs eagerly at the exact kernel's width (`models.attention.decode_attention`), so a static
