@@ -171,3 +171,31 @@ def test_reordering_changes_what_is_read_not_what_is_restored(model, tmp_path):
     assert third.restore.prefix_attended == first.restore.prefix_attended == HIST // 4
     # The kept quarter now fills the first granules of each chunk instead of touching nearly all.
     assert third.restore.bytes_read < 0.75 * first.restore.bytes_read
+
+
+def test_a_fault_inside_the_restore_is_a_miss_and_the_prefix_is_recomputed(model, tmp_path, monkeypatch, caplog):
+    """Any failure while an importance restore prepares (here a fault that is no read error) ends it
+    as a miss: the request recomputes its prefix and answers as a no-store engine does; the fault
+    is logged, the reads it opened are closed, and the engine goes on serving."""
+    import logging
+
+    from kvtier.engine.impress import restore as impress_restore
+
+    ids = _ids(model, HIST + NEW)
+    with Engine(model) as plain:
+        want = plain.generate([ids], GREEDY)[0].output_ids
+    _turn_one(model, tmp_path, ids)
+    closed = []
+    real_close = TokenReads.close
+    monkeypatch.setattr(TokenReads, "close", lambda self: closed.append(1) or real_close(self))
+
+    def fault(*args, **kw):
+        raise RuntimeError("a fault in the choosing prefill")
+
+    monkeypatch.setattr(impress_restore, "impress_prefill", fault)
+    with caplog.at_level(logging.ERROR), _impress_engine(model, tmp_path, 1.0) as engine:
+        out = engine.generate([ids], GREEDY)[0]
+        again = engine.generate([ids[:HIST] + _ids(model, NEW, seed=5)], GREEDY)[0]
+    assert out.output_ids == want and out.prompt_tokens_reused == 0
+    assert again.finished and closed
+    assert any("ImpressRestore failed" in r.getMessage() for r in caplog.records)

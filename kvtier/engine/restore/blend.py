@@ -26,7 +26,6 @@ import bisect
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -34,6 +33,7 @@ from typing import cast
 import torch
 
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
+from kvtier.engine.restore.prepared import PreparedRestore
 from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner, RunItem
 from kvtier.models.attention import attention_at
@@ -156,69 +156,35 @@ class _Scattered(LayerAttention):
         return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.at)
 
 
-class BlendRestore:
+class BlendRestore(PreparedRestore):
     chose = None  # (RestoreJob) chooses no tokens by importance
 
     def __init__(self, plan: Plan, blend: BlendPlan, states: SegmentStates, store: TieredStore,
                  runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str,
                  chunk_tokens: int = 512) -> None:
         """`chunk_tokens`: the most rows one pass through the layers computes (bounded activations)."""
-        self.plan, self.blend, self.states, self.store, self.runner = plan, blend, states, store, runner
+        super().__init__(runner)
+        self.plan, self.blend, self.states, self.store = plan, blend, states, store
         self.chunk_tokens = chunk_tokens
         self.token_ids, self.block_ids, self.salt = list(token_ids), list(block_ids), salt
         self.layout = tuple(plan.layer_reprs)
         self.start = blend.start  # a failure recomputes from here
-        self.stats = RestoreStats()
         self.blended = BlendStats()
-        self._prepared = threading.Event()
-        self._error: str | None = None
         self._sources: list[_Source] = []
         self._loader: _Loader | None = None
 
-    # ----- RestoreJob -------------------------------------------------------------------------
-    def prepare(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            if self._error is not None:
-                raise RestoreMiss(self._error)
-            with torch.inference_mode():
-                self._prepare()
-            self.runner.transfer.sync_compute()  # done means written
-        except Exception as e:  # any failure is the request's recompute, never a pass with holes
-            if not isinstance(e, (RestoreMiss, OSError, ValueError)):
-                log.exception("blended restore failed")
-            self._error = str(e) or type(e).__name__
-            raise RestoreMiss(self._error) from e
-        finally:
-            if self._loader is not None:
-                self._loader.close()
-            self._sources, self._loader = [], None
-            self.stats.seconds = time.perf_counter() - t0
-            self._prepared.set()
-
-    def ready(self) -> bool:
-        return self._prepared.is_set()
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-
-    def place(self, layer: int) -> None:
-        """Everything was placed while preparing: nothing to do layer by layer."""
-
-    def finish(self) -> RestoreStats:
-        self._prepared.wait()
-        if self._error is not None:
-            raise RestoreMiss(self._error)
-        return self.stats
+    def _cleanup(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+        self._sources, self._loader = [], None
 
     def abort(self) -> None:
-        self._error = self._error or "aborted"
+        super().abort()
         if self._loader is not None:
             self._loader.stop.set()
 
     # ----- the work ---------------------------------------------------------------------------
-    def _prepare(self) -> None:
+    def _work(self) -> None:
         try:
             self._blend(stored=True)
         except _LoadFailed as e:  # a stored document failed its checks: a miss, so computed alone instead
