@@ -45,3 +45,28 @@ def test_blend_bench_without_the_data_is_skipped(tmp_path, capsys):
     assert rc == 0 and not out.exists()
     said = capsys.readouterr().out.strip()
     assert said.startswith("skipped: no MuSiQue data at") and len(said.splitlines()) == 1
+
+
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """--resume keeps the questions --json holds (their values unchanged), runs the rest, and
+    refuses a file run with other settings, naming them."""
+    import pytest
+
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
+    out = tmp_path / "blend.json"
+    args = ["bench", "blend", "--model", "tiny-gqa", "--dtype", "fp32", "--synthetic", "--speed-n", "0",
+            "--passage-tokens", str(PASSAGE), "--max-tokens", "2", "--link-tokens", "2", "--ratios", "",
+            "--chunk-tokens", "32", "--json", str(out)]
+    assert main([*args, "--n", "1"]) == 0
+    first = json.loads(out.read_text())["questions"]
+    assert main([*args, "--n", "2", "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert [q["index"] for q in doc["questions"]] == [0, 1] and {r["row"]: r["n"] for r in doc["rows"]}["naive"] == 2
+    kept = doc["questions"][0]["rows"]
+    assert {k: (v["kl"], v["text"]) for k, v in kept.items()} == \
+        {k: (v["kl"], v["text"]) for k, v in first[0]["rows"].items()}
+    with pytest.raises(SystemExit, match="--max-tokens 2 there, 3 now"):
+        main([*args[:-6], "--max-tokens", "3", *args[-6:], "--n", "3", "--resume"])
+    with pytest.raises(SystemExit, match="give --json"):
+        main([*args[:-2], "--n", "3", "--resume"])

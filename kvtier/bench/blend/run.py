@@ -172,7 +172,7 @@ def memory_pass(ctx: Context, prompts: Sequence[blend_data.Prompt], specs: Seque
             _warm_up(engine, prompts[0])
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
-            record = _question(ctx, engine, p, specs, i < ctx.args.speed_n)
+            record = _question(ctx, engine, p, specs, p.index - ctx.args.offset < ctx.args.speed_n)
             _progress(i, len(prompts), record, time.perf_counter() - t0)
             yield record
 
@@ -244,6 +244,28 @@ def _prompts(loaded: LoadedModel, args: argparse.Namespace, synthetic: bool) -> 
             for i, q in enumerate(questions)]
 
 
+# What a resumed run must share with the run it continues, for their questions to be one sample.
+RESUME_KEYS = ("model", "dtype", "data", "offset", "max_tokens", "link_tokens", "ratios", "store", "chunk_tokens",
+               "passage_tokens", "seed", "synthetic")
+
+
+def resumed(args: argparse.Namespace, synthetic: bool) -> tuple[list[dict], list[dict], float | None]:
+    """What the run in --json already measured -> (its question records, cold-disk records, disk
+    bandwidth); nothing where the file does not exist yet. Exits naming the settings that differ."""
+    if not args.json:
+        raise SystemExit("--resume continues the run in --json FILE: give --json")
+    path = Path(args.json)
+    if not path.is_file():
+        return [], [], None
+    doc = json.loads(path.read_text())
+    now = vars(args) | dict(synthetic=synthetic)
+    old = doc.get("settings", {})
+    if differ := [k for k in RESUME_KEYS if old.get(k) != now.get(k)]:
+        said = ", ".join(f"--{k.replace('_', '-')} {old.get(k)!r} there, {now.get(k)!r} now" for k in differ)
+        raise SystemExit(f"--resume: {args.json} was run with other settings ({said})")
+    return list(doc.get("questions", [])), list(doc.get("disk", [])), doc.get("rates", {}).get("disk_bandwidth")
+
+
 def _best(a: Rates, b: Rates) -> Rates:
     """The faster of two measurements of each rate: the one other work on the machine disturbed least."""
     return Rates(max(a.bandwidth, b.bandwidth), max(a.flops, b.flops))
@@ -289,9 +311,13 @@ def run(args: argparse.Namespace) -> dict | None:
     ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module),
                   SamplingParams(max_tokens=args.max_tokens, temperature=0.0, first_logits=True))
     specs = row_specs(args.link_tokens, args.ratios)
-    disk, disk_bw = disk_pass(ctx, prompts)
-    records: list[dict] = []
-    for record in memory_pass(ctx, prompts, specs):
+    records, disk, disk_bw = resumed(args, synthetic) if args.resume else ([], [], None)
+    if records or disk:
+        print(f"resuming {args.json}: {len(records)} questions and {len(disk)} cold-disk rows kept", flush=True)
+    if not disk:
+        disk, disk_bw = disk_pass(ctx, prompts)
+    done = {r["index"] for r in records}
+    for record in memory_pass(ctx, [p for p in prompts if p.index not in done], specs):
         records.append(record)
         if args.json:  # what is done so far, should the run be stopped early
             write_json_atomic(args.json, _document(ctx, path, records, disk, disk_bw, (before, before), specs))

@@ -33,7 +33,10 @@ class BlendBenchOptions:
                              "for random-weight models (the default for a model without a tokenizer)")
     passage_tokens: int = option(48, "", "--synthetic: tokens per passage")
     seed: int = option(0, "", "seeds the passages' orders (and --synthetic's ids)")
-    json: str | None = option(None, "", "rows, per-question values, settings, machine and data attribution as JSON")
+    json: str | None = option(None, "", "rows, per-question values, settings, machine and data attribution as JSON, "
+                              "rewritten after every question")
+    resume: bool = option(False, "", "continue the run --json holds (one stopped part-way): its questions and "
+                          "cold-disk rows are kept, the others run; its settings must match")
     plot: str | None = option(None, "", "PNG: fidelity against the share computed, and TTFT bars")
     replot: str | None = option(None, "", "only draw the figure of an earlier run's JSON", metavar="JSON")
 
