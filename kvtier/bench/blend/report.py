@@ -58,7 +58,9 @@ def _fidelity(ax, rows: Sequence[dict], key: str, label: str) -> None:
             continue
         xs, ys = [r["recomputed_share"] for r in rs], [r[key] for r in rs]
         if key == "first_token_agreement":
-            err = [[y - r["first_token_ci"][0] for y, r in zip(ys, rs)], [r["first_token_ci"][1] - y for y, r in zip(ys, rs)]]
+            # clamped: a Wilson bound at 0 or 1 may round a hair past the point
+            err = [[max(0.0, y - r["first_token_ci"][0]) for y, r in zip(ys, rs)],
+                   [max(0.0, r["first_token_ci"][1] - y) for y, r in zip(ys, rs)]]
             ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, label=family)
         else:
             ax.plot(xs, ys, marker=marker, label=family)

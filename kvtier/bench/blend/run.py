@@ -272,11 +272,14 @@ def _best(a: Rates, b: Rates) -> Rates:
 
 
 def _document(ctx: Context, path: Path, records: list[dict], disk: list[dict], disk_bw: float | None,
-              rates: Sequence[Rates], specs: Sequence[RowSpec]) -> dict:
-    """The JSON document: settings, machine, rates, rows, every question's raw values."""
+              rates: Sequence[Rates], specs: Sequence[RowSpec], kept: int = 0, disk_kept: bool = False) -> dict:
+    """The JSON document: settings, machine, rates, rows, every question's raw values. The first
+    `kept` records (and the disk rows where `disk_kept`) come from a resumed run: their ideals stay
+    those of the rates measured when they ran."""
     best = _best(*rates)
-    fill_ideals([r for rec in records for r in rec["rows"].values()], best.bandwidth, best)
-    fill_ideals(disk, disk_bw or float("nan"), best)
+    fill_ideals([r for rec in records[kept:] for r in rec["rows"].values()], best.bandwidth, best)
+    if not disk_kept:
+        fill_ideals(disk, disk_bw or float("nan"), best)
     settings = {k: v for k, v in vars(ctx.args).items() if k not in ("func", "replot")} | dict(synthetic=ctx.synthetic)
     machine = machine_info() | dict(loadavg_end=[round(x, 2) for x in os.getloadavg()])
     return dict(bench="blend", model=ctx.args.model, dtype=ctx.args.dtype, settings=settings,
@@ -314,15 +317,17 @@ def run(args: argparse.Namespace) -> dict | None:
     records, disk, disk_bw = resumed(args, synthetic) if args.resume else ([], [], None)
     if records or disk:
         print(f"resuming {args.json}: {len(records)} questions and {len(disk)} cold-disk rows kept", flush=True)
+    kept, disk_kept = len(records), bool(disk)
     if not disk:
         disk, disk_bw = disk_pass(ctx, prompts)
     done = {r["index"] for r in records}
     for record in memory_pass(ctx, [p for p in prompts if p.index not in done], specs):
         records.append(record)
         if args.json:  # what is done so far, should the run be stopped early
-            write_json_atomic(args.json, _document(ctx, path, records, disk, disk_bw, (before, before), specs))
+            write_json_atomic(args.json, _document(ctx, path, records, disk, disk_bw, (before, before), specs,
+                                                   kept, disk_kept))
     after = measure(device, loaded.dtype, repeats)
-    return _document(ctx, path, records, disk, disk_bw, (before, after), specs)
+    return _document(ctx, path, records, disk, disk_bw, (before, after), specs, kept, disk_kept)
 
 
 def cmd(args: argparse.Namespace) -> int:
