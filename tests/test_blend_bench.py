@@ -70,3 +70,7 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
         main([*args[:-6], "--max-tokens", "3", *args[-6:], "--n", "3", "--resume"])
     with pytest.raises(SystemExit, match="give --json"):
         main([*args[:-2], "--n", "3", "--resume"])
+    out.write_text("[1, 2")  # a file that is not a run's JSON: a clear refusal, the file left as it was
+    with pytest.raises(SystemExit, match="is not a bench blend run's JSON"):
+        main([*args, "--n", "3", "--resume"])
+    assert out.read_text() == "[1, 2"

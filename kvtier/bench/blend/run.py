@@ -257,7 +257,12 @@ def resumed(args: argparse.Namespace, synthetic: bool) -> tuple[list[dict], list
     path = Path(args.json)
     if not path.is_file():
         return [], [], None
-    doc = json.loads(path.read_text())
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("questions", []), list):
+            raise ValueError("not a bench blend JSON")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--resume: {args.json} is not a bench blend run's JSON ({e})") from None
     now = vars(args) | dict(synthetic=synthetic)
     old = doc.get("settings", {})
     if differ := [k for k in RESUME_KEYS if old.get(k) != now.get(k)]:
