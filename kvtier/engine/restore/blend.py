@@ -189,9 +189,7 @@ class BlendRestore(PreparedRestore):
             self._blend(stored=True)
         except _LoadFailed as e:  # a stored document failed its checks: a miss, so computed alone instead
             log.warning("blended restore: %s; computing the documents alone", e)
-            if self._loader is not None:
-                self._loader.close()
-            self._sources, self._loader = [], None
+            self._cleanup()
             self.stats, self.blended = RestoreStats(), BlendStats()
             self._blend(stored=False)
 
