@@ -11,6 +11,7 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.prompts import PromptError
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore.segments import SPACE
+from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 from kvtier.planning.blend import BlendOptions
 
@@ -102,6 +103,22 @@ def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, option
         assert out.restore.blended_tokens == alone.restore.blended_tokens
         assert torch.equal(out.first_logits, alone.first_logits)
         assert out.output_ids == alone.output_ids
+
+
+def test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(fp32):
+    """The scattered pass reads its keys in place where the request's blocks are consecutive in
+    the pool, else gathers them: a pool that cut the request at every block gives the same bits."""
+    ids = _ids(fp32)
+    with _engine(fp32) as engine:
+        whole = _blend(engine, ids)
+        runner, bs = engine.runner, engine.runner.block_size
+        # The same slots, cut into one run per block (every user of the runs reads them as given).
+        runner.slot_runs = lambda block_ids, start, end: [  # type: ignore[method-assign]
+            r for b in range(start - start % bs, end, bs)
+            for r in ModelRunner.slot_runs(runner, block_ids, max(b, start), min(b + bs, end))]
+        gathered = _blend(engine, ids)
+    assert gathered.restore.recomputed_tokens == whole.restore.recomputed_tokens
+    assert torch.equal(gathered.first_logits, whole.first_logits) and gathered.output_ids == whole.output_ids
 
 
 def test_tenants_never_see_each_others_segments(fp32):

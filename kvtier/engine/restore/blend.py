@@ -135,6 +135,10 @@ class _Scattered(LayerAttention):
         context = runner.slots(block_ids, 0, end)  # [end] pool slot of every position before the last
         self.positions, self.at = pos, pos.tolist()
         self.slots, self.context, self.dev_pos = (runner.upload(t) for t in (context.index_select(0, pos), context, pos))
+        # Where the request's blocks lie consecutive in the pool, each layer reads its keys in place
+        # (a view) instead of gathering every key of the context (the same values, so the same bits).
+        whole = runner.slot_runs(block_ids, 0, end)
+        self.in_place = slice(whole[0].slot, whole[0].slot + end) if len(whole) == 1 else None
         self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
 
     def ids(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -153,6 +157,8 @@ class _Scattered(LayerAttention):
         kc, vc = self.runner.k_cache[li], self.runner.v_cache[li]  # [slots, kv_heads, hd]
         kc.index_copy_(0, self.slots, k)
         vc.index_copy_(0, self.slots, v)
+        if self.in_place is not None:
+            return attention_at(q, kc[self.in_place], vc[self.in_place], self.at)
         return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.at)
 
 
