@@ -15,6 +15,7 @@ from kvtier.engine.config import ImpressConfig
 from kvtier.engine.impress.importance import select_all
 from kvtier.engine.impress.policy import ImpressPolicy, Selection
 from kvtier.engine.impress.prefill import impress_prefill
+from kvtier.engine.impress.restore import ImpressRestore
 from kvtier.engine.impress.select import Units
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
@@ -119,6 +120,30 @@ def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(l
                                atol=1e-4, rtol=1e-4)
     if selection is Selection.RECENT:
         assert all(t.tolist() == list(range(PREFIX - k, PREFIX)) for t in stats.kept)
+
+
+def test_a_per_layer_budget_keeps_each_layers_share_and_equals_the_masked_oracle(loaded, tmp_path):
+    """With a slope, early layers keep more and late ones less at the same total; the new rows
+    (and a decode after them) are what full attention with each layer's dropped tokens masked
+    gives. The engine, whose pool holds the same slots in every layer, refuses such a policy."""
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 3, seed=6)
+    policy = ImpressPolicy(ratio=0.25, selection=Selection.RANDOM, layer_slope=0.5)
+    layers = loaded.config.num_layers
+    want = [math.ceil(0.25 * (1 + 0.5 * (1 - 2 * li / (layers - 1))) * PREFIX) for li in range(layers)]
+    assert want[0] > want[-1]
+    with _stored(loaded, tmp_path, ids) as store:
+        rope, logits, cache, stats = _restore(loaded, store, ids[: PREFIX + NEW], policy)
+    assert [t.numel() for t in stats.kept] == want and [k.shape[0] for k in cache.k] == [w + NEW for w in want]
+    assert cache.rope_offset == PREFIX - want[0]
+    torch.testing.assert_close(logits, _masked_oracle(loaded.module, ids[: PREFIX + NEW], stats.kept),
+                               atol=1e-4, rtol=1e-4)
+    more = extend(loaded.module, rope, ReducedCache.of(cache), ids[PREFIX + NEW :])
+    torch.testing.assert_close(more, _masked_oracle(loaded.module, ids, stats.kept)[NEW:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="layer slope"):
+        ImpressPolicy(layer_slope=1.0)
+    # The engine's pool gives a request the same slots in every layer: its restore refuses a slope.
+    with pytest.raises(ValueError, match="same share in every layer"):
+        ImpressRestore(None, policy, None, None, [], [])  # type: ignore[arg-type]
 
 
 def test_each_layer_is_chosen_by_its_own_probe_head(loaded, tmp_path):

@@ -24,6 +24,7 @@ import argparse
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -52,7 +53,8 @@ def variant_name(selection: str, ratio: float, granule: bool = False, window: in
     return f"{kind_name(selection, granule, window)}@{ratio:g}"
 
 
-def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PROBE_GRANULE_TOKENS) -> dict[str, ImpressPolicy]:
+def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PROBE_GRANULE_TOKENS,
+             slopes: Sequence[float] = ()) -> dict[str, ImpressPolicy]:
     """The rows: full KV; per ratio and pooling window the importance restore choosing tokens and
     whole granules, its probes voting by majority (impress: the paper's reading, the earlier
     defaults) or summing their importance (impress-sum), the probes' sum without the
@@ -71,6 +73,8 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
                 out[variant_name("probes-sum", r, g, w)] = ImpressPolicy(ratio=r, selection=Selection.PROBES,
                                                                          block=block, window=w, vote="sum")
         out[f"{default_kind()}@{r:g}"] = ImpressPolicy.of(ImpressConfig(ratio=r))  # the engine's defaults
+        for slope in slopes:  # the defaults with a per-layer budget (an ablation the engine's pool cannot hold)
+            out[f"{default_kind()}-s{slope:g}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_slope=slope)
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
     for j in range(3):  # which KV head's query heads would make a good probe (every key read)
         out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
@@ -149,7 +153,13 @@ def run(args: argparse.Namespace) -> dict:
     windows = [int(x) for x in args.windows.split(",")]
     if bad := [w for w in windows if w < 1 or w % 2 == 0]:
         raise SystemExit(f"--windows: {bad} (each an odd number of tokens >= 1)")
-    vs = variants([float(x) for x in args.ratios.split(",")], windows, args.granule_tokens)
+    try:
+        slopes = [float(x) for x in args.layer_slopes.split(",") if x.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--layer-slopes: {e}") from None
+    if bad_slopes := [x for x in slopes if not 0.0 <= x < 1.0]:
+        raise SystemExit(f"--layer-slopes: {bad_slopes} (each in [0, 1))")
+    vs = variants([float(x) for x in args.ratios.split(",")], windows, args.granule_tokens, slopes)
     if args.variants:
         wanted = ["full", *(v for v in args.variants.split(",") if v != "full")]
         if missing := [v for v in wanted if v not in vs]:

@@ -38,6 +38,10 @@ class ImpressBenchOptions:
     ratios: str = option("0.5,0.25", "", "accuracy: importance ratios (default: %(default)s)")
     windows: str = option("1,17", "", "accuracy: pooling windows in tokens (odd; 1: none) of the importance rows "
                           "(default: %(default)s)")
+    layer_slopes: str = option("", "", "accuracy: per-layer budgets for the defaults' rows, a slope s each (layer l of "
+                               "L keeps ratio * (1 + s * (1 - 2l / (L - 1))): early layers more, late less, the "
+                               "same bytes); rows named like the defaults' with -s<slope>; comma-separated in "
+                               "[0, 1) (default: none)")
     seed: int = option(0, "", "accuracy: seed of both tasks' items (default: %(default)s)")
     probe_kv_heads: int = option(0, "", "accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV "
                                  "heads, else 3)")

@@ -49,6 +49,11 @@ class ImpressPolicy:
     # H2O only (an ablation): score with the query heads of these KV heads alone, every key read;
     # what a probe at those KV heads would choose. None: every head.
     score_kv_heads: tuple[int, ...] | None = None
+    # A per-layer budget (an ablation): layer l of L keeps ratio * (1 + slope * (1 - 2l / (L - 1)))
+    # of the prefix, so early layers keep more and late ones less at the same bytes in all. 0: every
+    # layer keeps the same share, which the engine's pool needs (a request's slots are equal across
+    # layers); the engine restores with 0 only.
+    layer_slope: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -59,6 +64,8 @@ class ImpressPolicy:
             raise ValueError(f"vote must be majority or sum, got {self.vote!r}")
         if self.block < 1:
             raise ValueError(f"block must be >= 1 token, got {self.block}")
+        if not 0.0 <= self.layer_slope < 1.0:
+            raise ValueError(f"layer slope must be in [0, 1), got {self.layer_slope}")
         if self.window < 1 or self.window % 2 == 0:
             raise ValueError(f"importance window must be an odd number of tokens >= 1, got {self.window}")
 
@@ -73,24 +80,30 @@ class ImpressPolicy:
         """Tokens per selection unit (the blind selections pick single tokens)."""
         return self.block if self.selection in (Selection.IMPRESS, Selection.PROBES, Selection.H2O) else 1
 
-    def units(self, prefix: int) -> tuple[int, int]:
-        """(selectable units, units kept) of a prefix: whole blocks; a trailing part-block is kept
-        besides them."""
-        n = prefix // self.unit
-        return n, min(n, math.ceil(self.ratio * n))
+    def layer_ratio(self, layer: int, layers: int) -> float:
+        """The share layer `layer` of `layers` keeps (`ratio` in each where the slope is 0)."""
+        if self.layer_slope == 0.0 or layers < 2:
+            return self.ratio
+        return min(1.0, self.ratio * (1 + self.layer_slope * (1 - 2 * layer / (layers - 1))))
 
-    def kept(self, prefix: int) -> int:
-        """Prefix tokens each layer keeps (the same in every layer: the request's slots)."""
+    def units(self, prefix: int, layer: int = 0, layers: int = 1) -> tuple[int, int]:
+        """(selectable units, units kept) of a prefix at a layer: whole blocks; a trailing part-block
+        is kept besides them."""
+        n = prefix // self.unit
+        return n, min(n, math.ceil(self.layer_ratio(layer, layers) * n))
+
+    def kept(self, prefix: int, layer: int = 0, layers: int = 1) -> int:
+        """Prefix tokens a layer keeps (with no slope, the same in every layer: the request's slots)."""
         if self.selection is Selection.FULL:
             return prefix
-        n, k = self.units(prefix)
+        n, k = self.units(prefix, layer, layers)
         return k * self.unit + prefix - n * self.unit
 
 
 @dataclass
 class ImpressStats:
     prefix_tokens: int = 0
-    kept_tokens: int = 0  # per layer
+    kept_tokens: int = 0  # per layer (the first layer's, where the policy's slope varies it)
     layers_passed: int = 0  # layers whose probes agreed (only probe keys read to choose)
     layers: int = 0
     jaccard: list[float] = field(default_factory=list)  # per layer, probe heads' mean pairwise Jaccard

@@ -39,7 +39,7 @@ class CompactKV:
 
     k: list[torch.Tensor]  # per layer [slots, kv_heads, hd]
     v: list[torch.Tensor]
-    rope_offset: int  # prefix tokens dropped (the same number in every layer)
+    rope_offset: int  # prefix tokens the first layer dropped (every layer's, unless the policy's slope varies it)
 
     @property
     def slots(self) -> int:
@@ -64,12 +64,12 @@ class ImportanceAttention(LayerAttention):
     def __init__(self, cfg: ModelConfig, policy: ImpressPolicy, reads: TimedReads, probes: dict[int, torch.Tensor],
                  stats: ImpressStats, cos: torch.Tensor, sin: torch.Tensor, probe_first: Sequence[int],
                  probe_count: int, kernels: Kernels) -> None:
-        m = stats.prefix_tokens
+        m, layers = stats.prefix_tokens, cfg.num_layers
         self.kernels = kernels
-        count, kept_units = policy.units(m)
         g = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.policy, self.reads, self.probes, self.stats, self.cos, self.sin = policy, reads, probes, stats, cos, sin
-        self.units = Units(m, policy.unit, count, kept_units, policy.window)
+        self.units = [Units(m, policy.unit, *policy.units(m, li, layers), policy.window) for li in range(layers)]
+        self.kept = [policy.kept(m, li, layers) for li in range(layers)]  # prefix tokens each layer keeps
         self.heads = [ProbeHeads.of(f, probe_count, g) for f in probe_first]  # per layer
         self.score_heads = None if policy.score_kv_heads is None else \
             [h * g + i for h in policy.score_kv_heads for i in range(g)]
@@ -88,12 +88,12 @@ class ImportanceAttention(LayerAttention):
         st = self.stats
         choice: Choice = getattr(self, self._chooser)(li, q, kn)
         st.kept.append(choice.kept)
-        k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, st.kept_tokens == st.prefix_tokens)
+        k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, self.kept[li] == st.prefix_tokens)
         kc = torch.cat([k_kept.to(kn.device, kn.dtype), kn])  # [k + n, kv_heads, hd]
         vc = torch.cat([v_kept.to(vn.device, vn.dtype), vn])
         self.k.append(kc)
         self.v.append(vc)
-        return causal_attention(q, kc, vc, st.kept_tokens, self.kernels)  # the new rows start after the k kept slots
+        return causal_attention(q, kc, vc, self.kept[li], self.kernels)  # the new rows start after the kept slots
 
     def _identify(self, compute: Callable[[], T]) -> T:
         t = time.perf_counter()
@@ -111,22 +111,22 @@ class ImportanceAttention(LayerAttention):
 
     def _by_probes(self, li: int, q: torch.Tensor, kn: torch.Tensor, threshold: float) -> Choice:
         probe_keys, rule = self.probes[li], self.policy.vote
-        imp, sel = self._identify(lambda: probe_selection(q, kn, probe_keys, self.heads[li], self.units, threshold, rule))
+        imp, sel = self._identify(lambda: probe_selection(q, kn, probe_keys, self.heads[li], self.units[li], threshold, rule))
         keys = None
         if sel is None:  # the probes disagree: every key, a set from every head
             keys = self.reads.keys(li)
-            sel = self._identify(lambda: fallback_selection(q, keys, kn, self.units, imp))
+            sel = self._identify(lambda: fallback_selection(q, keys, kn, self.units[li], imp))
         chosen: LayerSelection = sel
         self.stats.jaccard.append(chosen.jaccard)
         self.stats.layers_passed += chosen.passed
-        return Choice(self.units.tokens(chosen.tokens), keys)
+        return Choice(self.units[li].tokens(chosen.tokens), keys)
 
     def _h2o(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
         """H2O: every key read, a set from all (or the chosen) heads' importance."""
         keys = self.reads.keys(li)
-        if self.stats.kept_tokens == self.stats.prefix_tokens:
+        if self.kept[li] == self.stats.prefix_tokens:
             return Choice(torch.arange(self.stats.prefix_tokens), keys)
-        return Choice(self._identify(lambda: h2o_selection(q, keys, kn, self.units, self.score_heads)), keys)
+        return Choice(self._identify(lambda: h2o_selection(q, keys, kn, self.units[li], self.score_heads)), keys)
 
     def _full(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
         """The whole prefix (exact): read as whole segments."""
@@ -134,7 +134,7 @@ class ImportanceAttention(LayerAttention):
 
     def _blind(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
         """RANDOM and RECENT: k tokens without looking at the queries."""
-        return Choice(self._identify(lambda: blind_selection(self.policy, self.stats.prefix_tokens, self.stats.kept_tokens)))
+        return Choice(self._identify(lambda: blind_selection(self.policy, self.stats.prefix_tokens, self.kept[li])))
 
 
 @torch.inference_mode()
@@ -144,7 +144,8 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     `policy` selects. -> (fp32 logits [new, vocab], each layer's compact K/V, stats)."""
     t0 = time.perf_counter()
     m, n = reads.tokens, len(new_ids)
-    stats = ImpressStats(prefix_tokens=m, kept_tokens=policy.kept(m), layers=model.cfg.num_layers)
+    layers = model.cfg.num_layers
+    stats = ImpressStats(prefix_tokens=m, kept_tokens=policy.kept(m, 0, layers), layers=layers)
     timed = TimedReads(reads, stats)
     probes = timed.probe_keys() if policy.selection in (Selection.IMPRESS, Selection.PROBES) else {}
     dev = rope.cos_h.device
@@ -154,4 +155,6 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     h = model.run_layers(model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev)), attention)
     timed.report()
     stats.seconds = time.perf_counter() - t0
-    return model.logits(h), CompactKV(attention.k, attention.v, m - stats.kept_tokens), stats
+    # RoPE position = slot + offset, counted in the first layer's slots (with a slope, each layer
+    # has its own count of kept slots before the same new tokens).
+    return model.logits(h), CompactKV(attention.k, attention.v, m - attention.kept[0]), stats

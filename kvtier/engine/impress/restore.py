@@ -43,6 +43,8 @@ class ImpressRestore(PreparedRestore):
 
     def __init__(self, plan: Plan, policy: ImpressPolicy, store: TieredStore, runner: ModelRunner,
                  token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+        if policy.layer_slope:  # the pool gives a request the same slots in every layer
+            raise ValueError("an importance restore in the engine keeps the same share in every layer (layer_slope 0)")
         super().__init__(runner)
         self.plan, self.policy, self.store = plan, policy, store
         self.new_ids = list(token_ids[plan.history_tokens:])  # computed here; the last again by the step
