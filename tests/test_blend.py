@@ -40,7 +40,7 @@ def _engine(model, store: str = "memory:256MB", **reuse) -> Engine:
 
 
 def _blend(engine: Engine, ids, options=None, salt: str | None = None, segments=SEGMENTS):
-    rid = engine.add_request(ids, GREEDY, cache_salt=salt, segments=segments, blend=options or True)
+    rid = engine.add_request(ids, GREEDY, cache_salt=salt, segments=segments, blend=True if options is None else options)
     final = {}
     while engine.has_work():
         for out in engine.step():
@@ -56,14 +56,17 @@ def test_every_token_recomputed_is_an_exact_prefill_bit_for_bit(model):
     with _engine(model) as engine:
         engine.precompile([ids[a:b] for a, b in SEGMENTS])
         out = _blend(engine, ids, EVERY_TOKEN)
-        again = engine.generate([ids], GREEDY)[0]  # not blending: its prefix is the device's
+        assert engine.flush(30)
+        again = engine.generate([ids], GREEDY)[0]  # not blending: its prefix is the store's
     assert out.restore is not None and out.restore.method == "blend"
     assert out.restore.recomputed_tokens == N - 1 and out.restore.blended_tokens == 0
     assert out.restore.bytes_read == 0  # nothing loaded: no document read
     assert torch.equal(out.first_logits, want.first_logits)
     assert out.output_ids == want.output_ids
-    # A blended request publishes nothing, whatever its options.
-    assert again.prompt_tokens_reused == 0 and torch.equal(again.first_logits, want.first_logits)
+    # Nothing is published on the device; every token being exact, its whole chunks were saved
+    # under the exact keys, and they restore a prefill's bits.
+    assert again.reused_by_tier == {"memory": N // 64 * 64}
+    assert torch.equal(again.first_logits, want.first_logits)
 
 
 def test_the_default_blend_loads_the_segments_and_recomputes_the_rest(fp32):
@@ -151,6 +154,30 @@ def test_a_blended_request_never_serves_an_exact_lookup(fp32):
         exact = engine.generate([ids], GREEDY)[0]  # the same prompt, not blending
     assert exact.prompt_tokens_reused == 0 and exact.restore is None  # no device block, no stored chunk
     assert torch.equal(exact.first_logits, want.first_logits)
+
+
+@pytest.mark.parametrize("options, hidden", [(BlendOptions(), False), (BlendOptions(mode="naive"), False),
+                                             (BlendOptions(mode="cacheblend", ratio=0.3), False),
+                                             (BlendOptions(), True)],
+                         ids=["legolink", "naive", "cacheblend", "legolink-hidden-layers"])
+def test_the_exact_rows_before_the_first_loaded_one_are_saved_under_the_exact_keys(fp32, options, hidden):
+    ids = _ids(fp32)
+    layers = fp32.config.num_layers
+    layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if hidden else None
+    segments = ((150, 230), (235, 290))  # 150 exact tokens lead: two whole chunks of 64
+    other = ids[:150] + _ids(fp32, seed=6, n=60)  # a later request sharing that lead
+    with Engine(fp32) as plain:
+        want = plain.generate([other], GREEDY)[0]
+    with _engine(fp32, layout=layout) as engine:
+        out = _blend(engine, ids, options, salt="a", segments=segments)
+        assert engine.flush(30)
+        assert out.restore.blended_tokens > 0
+        store = engine.store
+        assert store.lookup(ids, "a").num_tokens == 128  # whole chunks only, none past a loaded row
+        assert store.lookup(ids).num_tokens == 0  # under the request's tenant only
+        again = _blend(engine, other, False, salt="a", segments=())  # an exact request
+    assert again.reused_by_tier == {"memory": 128}
+    assert torch.equal(again.first_logits, want.first_logits)
 
 
 @pytest.mark.parametrize("where", ["device", "store"])

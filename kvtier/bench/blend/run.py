@@ -76,6 +76,16 @@ def _serve(engine: Engine, ids: Sequence[int], spans: Sequence[tuple[int, int]],
                 return out
 
 
+def _blended(engine: Engine, ids: Sequence[int], params: SamplingParams, spans: Sequence[tuple[int, int]],
+             blend: BlendOptions) -> RequestOutput:
+    """A blended row, then the exact chunks it saved (those before its first loaded row) deleted:
+    each row starts from the same store, whatever row ran before it."""
+    out = _serve(engine, ids, spans, params, blend=blend)
+    engine.flush(600)
+    engine.store.discard(engine.store.keys_for(ids))
+    return out
+
+
 def _computed(out: RequestOutput) -> int:
     """Prompt tokens the row computed: a blend's recomputed ones and the last, else those not reused."""
     r = out.restore
@@ -150,7 +160,7 @@ def _question(ctx: Context, engine: Engine, p: blend_data.Prompt, specs: Sequenc
     rows = {"full": _raw(_sample(p, full, full, ctx.synthetic), ctx, p, None)}
     for spec in specs:
         assert spec.blend is not None
-        out = _serve(engine, p.ids, p.spans, ctx.params, blend=spec.blend)
+        out = _blended(engine, p.ids, ctx.params, p.spans, spec.blend)
         rows[spec.name] = _raw(_sample(p, out, full, ctx.synthetic), ctx, p, spec.blend)
         rows[spec.name]["method"] = out.restore.method if out.restore else None
     if timed:
@@ -193,8 +203,8 @@ def disk_pass(ctx: Context, prompts: Sequence[blend_data.Prompt]) -> tuple[list[
             full = None
             for spec in disk_specs():
                 drop_page_cache(root)
-                o = _serve(engine, p.ids, p.spans, ctx.params, blend=spec.blend or False,
-                           cache_prompt=spec.blend is not None)
+                o = _blended(engine, p.ids, ctx.params, p.spans, spec.blend) if spec.blend else \
+                    _serve(engine, p.ids, p.spans, ctx.params, blend=False, cache_prompt=False)
                 full = full or o
                 out.append((p, spec, _sample(p, o, full, ctx.synthetic)))
                 print(f"  cold disk q{p.index} {spec.name}: TTFT {o.ttft or 0:.2f} s, read "

@@ -16,7 +16,10 @@ blocks, on the restore worker.
    placed layer by layer just before the first pass reaches each layer; stored documents are read
    a group of layers at a time on a thread of their own meanwhile (`_Loader`).
 
-The request's own step then computes the prompt's last token and samples. Its state is
+The recomputed run that continues the exact prefix, up to the first loaded row, has passes of
+its own (the step's kernels), so its rows are exact: their whole chunks are saved under the
+request's exact keys, and a later request that shares them restores a prefill's bits. The
+request's own step then computes the prompt's last token and samples. The rest of its state is
 approximate: never saved, published to the device prefix cache or served as exact.
 """
 
@@ -35,7 +38,7 @@ import torch
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
 from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
-from kvtier.engine.runner.model_runner import ModelRunner, RunItem
+from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
 from kvtier.models.attention import attention_at
 from kvtier.models.llama import LayerAttention
 from kvtier.planning.blend import BlendMode, BlendPlan, merged, pieces, subtract
@@ -43,6 +46,7 @@ from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Plan
 from kvtier.store.index import PrefixMatch
 from kvtier.store.layout import Repr
+from kvtier.store.saving import PendingSave
 from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -219,18 +223,62 @@ class BlendRestore(PreparedRestore):
             for li in range(placed, layers):
                 self._place(li)
             return
-        for i, group in enumerate(pieces(runs, self.chunk_tokens)):  # in position order: each sees those before
+        # The run that continues the exact prefix, up to the first loaded row, is exact state: its
+        # own passes (the step's kernels), then its whole chunks saved under the exact keys.
+        lead = runs[0] if runs[0][0] == max(b.start, b.exact_end) else None
+        groups = pieces(runs, self.chunk_tokens) if lead is None else \
+            pieces([lead], self.chunk_tokens) + pieces(runs[1:], self.chunk_tokens)
+        hidden: list[torch.Tensor] = []  # the lead's hidden-state layers' inputs, pass by pass
+        for i, group in enumerate(groups):  # in position order: each sees those before
             place = self._place if i == 0 and placed < layers else None  # the first pass places every layer
             if len(group) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
                 a, e = group[0]
                 item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
                                placed_ahead=True)
-                self.runner.execute([item], before_layer=place)
+                in_lead = lead is not None and e <= lead[1]
+                self.runner.execute([item], before_layer=place, capture=self._capture(hidden) if in_lead else None)
             else:  # runs scattered across the prompt: one pass over all their rows
                 model = self.runner.model
                 scattered = _Scattered(self.runner, self.block_ids, group, self.blend.end, place)
                 model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
             self._check_abort()
+            if lead is not None and group[-1][1] == lead[1]:
+                self._save_exact(*lead, hidden)
+
+    def _capture(self, into: list[torch.Tensor]) -> CaptureFn | None:
+        """The runner callback that keeps a pass's hidden-state layers' inputs (None: no such layer)."""
+        h_layers = [li for li, r in enumerate(self.layout) if r is Repr.HIDDEN]
+        if not h_layers:
+            return None
+        step: list[torch.Tensor] = []
+
+        def capture(li: int, offsets: tuple[int, ...], h: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            if li in h_layers:
+                step.append(h[: offsets[-1]].to("cpu", copy=True))  # [tokens, hidden]
+            if li == h_layers[-1]:
+                into.append(torch.stack(step))  # [hidden layers, tokens, hidden]
+
+        return capture
+
+    def _save_exact(self, a: int, e: int, hidden: Sequence[torch.Tensor]) -> None:
+        """Positions [a, e) were computed exactly after the exact prefix: their whole chunks go to
+        the store's writer under the request's exact keys, as any prefill's would."""
+        ct = self.store.chunk_tokens  # the store's chunks, not this restore's passes
+        cut = e // ct * ct
+        if cut <= a:
+            return
+        kv = [li for li, r in enumerate(self.layout) if r is Repr.KV]
+        slots = self.runner.upload(self.runner.slots(self.block_ids, a, cut))
+        k = v = h = None
+        if kv:
+            index = self.runner.upload(torch.tensor(kv, dtype=torch.long))
+            k, v = (c.index_select(0, index).index_select(1, slots).to("cpu", copy=True)  # [kv layers, n, kvh, hd]
+                    for c in (self.runner.k_cache, self.runner.v_cache))
+        if hidden:
+            h = torch.cat(list(hidden), dim=1)[:, : cut - a]  # [hidden layers, n, hidden]
+        parts = (k, v, h)
+        nbytes = sum(t.nbytes for t in parts if t is not None)
+        self.store.save_pending(PendingSave(tuple(self.token_ids[:cut]), a, lambda: parts, nbytes, self.salt))
 
     def _segment_sources(self, stored: bool) -> None:
         """Each segment's rows the plan loads: computed alone here where the store lacks it (or
