@@ -16,7 +16,7 @@ def test_blend_bench_rows_shares_and_exact_legolink(tmp_path, monkeypatch):
     out, png = tmp_path / "blend.json", tmp_path / "blend.png"
     rc = main(["bench", "blend", "--model", "tiny-gqa", "--dtype", "fp32", "--synthetic", "--n", "3",
                "--speed-n", "1", "--passage-tokens", str(PASSAGE), "--max-tokens", "4",
-               "--link-tokens", f"2,8,{PASSAGE}", "--ratios", "0.15", "--chunk-tokens", "32",
+               "--link-tokens", f"2,8,{PASSAGE}", "--ratios", "0.15", "--check-layer", "0", "--chunk-tokens", "32",
                "--dir", str(tmp_path / "disk"), "--json", str(out), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -26,6 +26,7 @@ def test_blend_bench_rows_shares_and_exact_legolink(tmp_path, monkeypatch):
     shares = [rows[k]["recomputed_share"] for k in ("naive", "legolink-2", "legolink-8", f"legolink-{PASSAGE}")]
     assert shares == sorted(set(shares)) and shares[-1] == 1.0  # strictly increasing in k; whole passages: all
     assert rows["naive"]["recomputed_share"] < rows["cacheblend-0.15"]["recomputed_share"] < 1.0
+    assert rows["cacheblend-0.15"]["check_layer"] == 0 and rows["legolink-8"]["check_layer"] is None
     exact = rows[f"legolink-{PASSAGE}"]
     assert exact["first_token_agreement"] == 1.0 and exact["kl_mean"] == 0.0 and exact["leading_equal"] == 4
     assert rows["full"]["kl_mean"] == 0.0 and rows["prefix"]["n"] == 1

@@ -52,17 +52,18 @@ class RowSpec:
     blend: BlendOptions | None  # None: an exact row (full, prefix)
 
 
-def row_specs(link_tokens: Sequence[int], ratios: Sequence[float]) -> list[RowSpec]:
+def row_specs(link_tokens: Sequence[int], ratios: Sequence[float], check_layer: int) -> list[RowSpec]:
     return ([RowSpec("naive", BlendOptions(mode="naive"))]
             + [RowSpec(f"legolink-{k}", BlendOptions(link_tokens=k)) for k in link_tokens]
-            + [RowSpec(f"cacheblend-{r:g}", BlendOptions(mode="cacheblend", ratio=r)) for r in ratios])
+            + [RowSpec(f"cacheblend-{r:g}", BlendOptions(mode="cacheblend", ratio=r, check_layer=check_layer))
+               for r in ratios])
 
 
-def disk_specs() -> list[RowSpec]:
+def disk_specs(check_layer: int) -> list[RowSpec]:
     """The rows timed from a cold disk: full and the engine's default legolink and cacheblend."""
     d = BlendOptions()
     return [RowSpec("full", None), RowSpec(f"legolink-{d.link_tokens}", d),
-            RowSpec(f"cacheblend-{d.ratio:g}", BlendOptions(mode="cacheblend", ratio=d.ratio))]
+            RowSpec(f"cacheblend-{d.ratio:g}", BlendOptions(mode="cacheblend", ratio=d.ratio, check_layer=check_layer))]
 
 
 def _serve(engine: Engine, ids: Sequence[int], spans: Sequence[tuple[int, int]], params: SamplingParams,
@@ -201,7 +202,7 @@ def disk_pass(ctx: Context, prompts: Sequence[blend_data.Prompt]) -> tuple[list[
             engine.precompile(list(p.documents))
             engine.flush(600)
             full = None
-            for spec in disk_specs():
+            for spec in disk_specs(ctx.args.check_layer):
                 drop_page_cache(root)
                 o = _blended(engine, p.ids, ctx.params, p.spans, spec.blend) if spec.blend else \
                     _serve(engine, p.ids, p.spans, ctx.params, blend=False, cache_prompt=False)
@@ -230,7 +231,8 @@ def summary_rows(records: Sequence[dict], disk: Sequence[dict], specs: Sequence[
         row = dict(row=name, **summarize([Sample(**{k: v for k, v in x.items() if k in fields}) for x in raw]))
         b = blends.get(name)
         row.update(mode=BlendMode(b.mode).value if b else name, link_tokens=b.link_tokens if b else None,
-                   ratio=b.ratio if b else None, ideal_s=_median([x["ideal_s"] for x in raw]),
+                   ratio=b.ratio if b else None, check_layer=b.check_layer if b and b.mode is BlendMode.CACHEBLEND else None,
+                   ideal_s=_median([x["ideal_s"] for x in raw]),
                    ideal_read_s=_median([x["ideal_read_s"] for x in raw]),
                    ideal_compute_s=_median([x["ideal_compute_s"] for x in raw]))
         cold = [d for d in disk if d["row"] == name]
@@ -255,8 +257,8 @@ def _prompts(loaded: LoadedModel, args: argparse.Namespace, synthetic: bool) -> 
 
 
 # What a resumed run must share with the run it continues, for their questions to be one sample.
-RESUME_KEYS = ("model", "dtype", "data", "offset", "max_tokens", "link_tokens", "ratios", "store", "chunk_tokens",
-               "passage_tokens", "seed", "synthetic")
+RESUME_KEYS = ("model", "dtype", "data", "offset", "max_tokens", "link_tokens", "ratios", "check_layer", "store",
+               "chunk_tokens", "passage_tokens", "seed", "synthetic")
 
 
 def resumed(args: argparse.Namespace, synthetic: bool) -> tuple[list[dict], list[dict], float | None]:
@@ -328,7 +330,7 @@ def run(args: argparse.Namespace) -> dict | None:
     before = measure(device, loaded.dtype, repeats)
     ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module),
                   SamplingParams(max_tokens=args.max_tokens, temperature=0.0, first_logits=True))
-    specs = row_specs(args.link_tokens, args.ratios)
+    specs = row_specs(args.link_tokens, args.ratios, args.check_layer)
     records, disk, disk_bw = resumed(args, synthetic) if args.resume else ([], [], None)
     if records or disk:
         print(f"resuming {args.json}: {len(records)} questions and {len(disk)} cold-disk rows kept", flush=True)
