@@ -46,7 +46,7 @@ class BlendOptions:
     # 10-passage RAG prompt within 3% recomputed (docs/blend.md, "Results").
     link_tokens: int = 8
     ratio: float = 0.15  # cacheblend: share of the loaded tokens recomputed
-    check_layer: int = 1  # cacheblend: the layer whose K deviation picks them
+    check_layer: int = 2  # cacheblend: the layer whose K deviation picks them (docs/blend.md, "Results")
 
     def __post_init__(self) -> None:
         try:
