@@ -272,7 +272,8 @@ class BlendRestore(PreparedRestore):
         k = v = h = None
         if kv:
             index = self.runner.upload(torch.tensor(kv, dtype=torch.long))
-            k, v = (c.index_select(0, index).index_select(1, slots).to("cpu", copy=True)  # [kv layers, n, kvh, hd]
+            # The rows first (a gather of [layers, n, ...]), then the layers: never a copy of the pool.
+            k, v = (c.index_select(1, slots).index_select(0, index).to("cpu")  # [kv layers, n, kvh, hd]
                     for c in (self.runner.k_cache, self.runner.v_cache))
         if hidden:
             h = torch.cat(list(hidden), dim=1)[:, : cut - a]  # [hidden layers, n, hidden]
