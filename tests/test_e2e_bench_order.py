@@ -1,5 +1,7 @@
 """`kvtier bench e2e` runs every peer on a context before the next context, HF's and kvtier's in
-alternating order, so the ratios it pairs per context compare runs made minutes apart at most."""
+alternating order, so the ratios it pairs per context compare runs made minutes apart at most.
+The restore method is fixed: with `auto`, a 128-token history on a busy machine may be planned as a
+recompute, which reuses nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ def test_peers_take_turns_on_each_context(tmp_path, monkeypatch, capsys):
     out = tmp_path / "e2e.json"
     rc = main(["bench", "e2e", "--model", "tiny-gqa", "--dtype", "fp32", "--history", "128", "--contexts", "2",
                "--tiers", "memory,disk", "--peers", "hf_floor,kvtier_memory,kvtier_disk_cold",
-               "--workdir", str(tmp_path / "work"), "--json", str(out)])
+               "--method", "kv", "--workdir", str(tmp_path / "work"), "--json", str(out)])
     assert rc == 0
     runs = re.findall(r"fp32-H128 (\w+) (warm-up|\d/2):", capsys.readouterr().out)
     hf, mem, disk = "hf_floor", "kvtier_memory", "kvtier_disk_cold"
