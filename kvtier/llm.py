@@ -62,9 +62,10 @@ class LLM:
             raise ValueError(f"documents has {len(per)} lists for {len(batch)} prompts")
         # Encoded here, once, so the outputs can carry prompt_token_ids; the engine takes ids as given
         # (a document's ids, located again in them).
-        marked = [mark(self.engine.encode, p, d, ()) for p, d in zip(batch, per)]
+        find = self.engine.finder(blend, None)  # documents precompiled here, where a prompt marks none
+        marked = [mark(self.engine.encode, p, d, (), find) for p, d in zip(batch, per)]
         ids = [m[0] for m in marked]
-        docs = [[i[a:b] for a, b in spans] if d is not None else None for (i, spans), d in zip(marked, per)]
+        docs = [[i[a:b] for a, b in spans] for i, spans in marked]  # [] where none: not searched again
         return self._run([p if isinstance(p, str) else None for p in batch], ids, sampling_params, priority,
                          docs, blend)
 
@@ -84,7 +85,8 @@ class LLM:
         return self._run(texts, ids, sampling_params)
 
     def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
-        """Store each document's state computed alone, for blended requests -> (found stored, computed)."""
+        """Store each document's state computed alone, for blended requests -> (found stored, computed).
+        Where the engine blends, later prompts that mark no document are searched for these."""
         return self.engine.precompile(documents, cache_salt)
 
     def _run(self, prompts: list[str | None], ids: list[list[int]], sampling_params: SamplingParams | None,

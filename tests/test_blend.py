@@ -140,6 +140,38 @@ def test_tenants_never_see_each_others_segments(fp32):
     assert torch.equal(a.first_logits, b.first_logits)
 
 
+def _final(engine: Engine, rid: str):
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return out
+    raise AssertionError(f"{rid} did not finish")
+
+
+def test_documents_precompiled_are_found_in_a_prompt_that_marks_none(fp32):
+    ids = _ids(fp32)
+    docs = [ids[a:b] for a, b in SEGMENTS]
+    with _engine(fp32) as engine:
+        marked = _blend(engine, ids, salt="tenant-c")
+        assert engine.precompile(docs, "tenant-a") == (0, 2)
+        assert engine.flush(30)
+        found = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-a"))
+        other = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-b"))
+        refused = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-a", blend=False))
+        engine.corpus.add(ids=docs)  # every tenant's, as --blend-corpus gives them
+        everyone = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-d"))
+    # Found unmarked, the documents blend as marked ones do: loaded (tenant a's precompiled state), the same bits.
+    assert found.restore.method == "blend" and found.restore.bytes_read > 0
+    assert found.restore.blended_tokens == marked.restore.blended_tokens > 0
+    assert torch.equal(found.first_logits, marked.first_logits)
+    # Tenant a's documents are not searched for in tenant b's prompt, nor in a request that refuses to blend.
+    for out in (other, refused):
+        assert out.restore is None or out.restore.blended_tokens == 0
+    assert not torch.equal(other.first_logits, marked.first_logits)
+    assert everyone.restore.blended_tokens == marked.restore.blended_tokens
+    assert torch.equal(everyone.first_logits, marked.first_logits)
+
+
 def test_a_blended_request_never_serves_an_exact_lookup(fp32):
     ids = _ids(fp32)
     with Engine(fp32) as plain:
@@ -317,3 +349,20 @@ def test_the_blend_is_the_method_computed_independently(fp32, link_tokens):
         out = _blend(engine, ids, BlendOptions(link_tokens=link_tokens))
     want = _reference_blend(fp32, ids, SEGMENTS, link_tokens)
     assert torch.allclose(out.first_logits, want, atol=1e-4, rtol=1e-4), float((out.first_logits - want).abs().max())
+
+
+def test_the_llm_finds_its_precompiled_documents_in_a_text_prompt():
+    from kvtier.llm import LLM
+
+    doc = "the river runs north past the old mill and the stone bridge, then east to the sea " * 3
+    prompt = f"Read this. {doc}Where does the river run?"
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, first_logits=True)
+    with LLM("tiny-gqa", dtype="fp32", store="memory:64MB", chunk_tokens=16, blend=True) as llm:
+        llm.precompile([doc])
+        found = llm.generate(prompt, params)[0]
+        marked = llm.generate(prompt, params, documents=[doc])[0]
+        plain = llm.generate(prompt, params, blend=False)[0]
+    assert found.restore.method == "blend" and found.restore.blended_tokens > 0
+    assert found.prompt_token_ids == marked.prompt_token_ids  # the document tokenized alone, as if marked
+    assert torch.equal(found.engine_outputs[0].first_logits, marked.engine_outputs[0].first_logits)
+    assert plain.restore is None or plain.restore.blended_tokens == 0

@@ -38,3 +38,21 @@ def test_blend_without_a_store_is_refused():
 
     with pytest.raises(ValueError, match="--no-store"):
         EngineOptions(model="tiny-gqa", blend=True, no_store=True).reuse()
+
+
+def test_blend_corpus_needs_blend_and_files_it_can_read(tmp_path):
+    from kvtier.cli.engine_args import EngineOptions
+
+    with pytest.raises(ValueError, match="--blend-corpus sets how requests blend: add --blend"):
+        EngineOptions(model="tiny-gqa", blend_corpus="docs.jsonl").blend_options()
+    missing = tmp_path / "missing.jsonl"
+    options = EngineOptions(model="tiny-gqa", dtype="fp32", store="memory:64MB", blend=True, blend_corpus=str(missing))
+    with pytest.raises(ValueError, match="--blend-corpus: .*missing.jsonl"):
+        options.build(measure_profile=False)
+    (tmp_path / "docs.jsonl").write_text('"a first document about rivers and the bridges over them"\n"short"\n')
+    options = EngineOptions(model="tiny-gqa", dtype="fp32", store="memory:64MB", blend=True,
+                            blend_corpus=f"{tmp_path}/docs.jsonl, {tmp_path}/docs.jsonl")
+    with options.build(measure_profile=False) as engine:
+        doc = "a first document about rivers and the bridges over them"
+        assert engine.corpus.find_text(f"x {doc} short") == [doc]  # once; "short" is too short to load
+        assert len(engine.corpus) == 2  # its text and its ids

@@ -9,6 +9,7 @@ configs validate values, the options only parse them (kvtier/cli/options.py make
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -21,6 +22,8 @@ from kvtier.engine.config import DEFAULT_CHUNK_TOKENS
 from kvtier.models import DEFAULT_MODEL
 from kvtier.planning.plan import METHOD_CHOICES
 from kvtier.store.spec import SPEC_HELP, SpecError, parse_spec
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvtier.engine.config import ImpressConfig, PartialConfig, ReuseConfig
@@ -221,6 +224,11 @@ class EngineOptions:
                                     type=non_negative_int, metavar="K")
     blend_ratio: float = option(0.15, STORE, "cacheblend: share of the loaded tokens recomputed", type=ratio,
                                 metavar="R")
+    blend_corpus: str | None = option(None, STORE, "with --blend: documents found in prompts that mark none, for "
+                                      "every tenant (text files, one document each, or .jsonl files, one per line, "
+                                      "as `kvtier precompile` reads them; comma-separated); their state is loaded "
+                                      "from the store, or computed alone the first time", metavar="FILE[,FILE...]",
+                                      default_text="none")
     eviction_policy: str = option("lru", STORE, "what the memory and disk tiers give up first; score: accesses x the "
                                   "share of a chunk importance restores needed, admitted to memory only above the "
                                   "lowest held", choices=("lru", "lfu", "fifo", "score"))
@@ -273,7 +281,8 @@ class EngineOptions:
         from kvtier.planning.blend import BlendOptions
 
         if not self.blend:
-            for name, default in (("blend_mode", "legolink"), ("blend_link_tokens", 8), ("blend_ratio", 0.15)):
+            for name, default in (("blend_mode", "legolink"), ("blend_link_tokens", 8), ("blend_ratio", 0.15),
+                                  ("blend_corpus", None)):
                 if getattr(self, name) != default:
                     raise ValueError(f"--{name.replace('_', '-')} sets how requests blend: add --blend")
             return None
@@ -322,7 +331,28 @@ class EngineOptions:
         if asked is not None and engine.max_model_len < asked:  # a model whose limit shows only once loaded
             engine.close()
             raise ValueError(_too_long(asked, self.model, engine.max_model_len))
+        if self.blend_corpus:
+            try:
+                load_corpus(engine, self.blend_corpus.split(","))
+            except BaseException:
+                engine.close()
+                raise
         return engine
+
+
+def load_corpus(engine: Engine, paths: list[str]) -> None:
+    """--blend-corpus: the files' documents, tokenized, join the engine's corpus (every tenant's)."""
+    from tqdm import tqdm
+
+    from kvtier.cli.precompile import read_documents
+
+    try:
+        docs = read_documents([p.strip() for p in paths if p.strip()])
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--blend-corpus: {e}") from None
+    ids = [engine.encode(d) for d in tqdm(docs, desc="--blend-corpus", unit="doc", disable=None)]
+    new = engine.corpus.add(docs, ids)
+    log.info("--blend-corpus: %d documents to find in prompts (%d new)", len(docs), new)
 
 
 def _too_long(asked: int, model: str, limit: int) -> str:

@@ -5,7 +5,8 @@ them) is tokenized on its own, so the document's tokens are the same wherever it
 merge with a neighbour's; in a prompt of token ids a document's ids are searched for. Three ways
 in: `documents=[...]` (texts or token ids, in prompt order), a separator string between the parts
 of a plain prompt (the parts between the first and the last separated part are documents), and
-the text parts of chat messages' content lists (serve/blend_inputs.py). Runs on the caller's thread.
+the text parts of chat messages' content lists (serve/blend_inputs.py); where none is marked, the
+documents the engine was given to find (engine/corpus.py). Runs on the caller's thread.
 """
 
 from __future__ import annotations
@@ -72,11 +73,16 @@ def locate(prompt: Sequence[int], documents: Sequence[Sequence[int]]) -> list[tu
 
 def mark(encode: Callable[[str | Sequence[int]], list[int]], prompt: str | Sequence[int],
          documents: Sequence[str | Sequence[int]] | None,
-         segments: Sequence[tuple[int, int]]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+         segments: Sequence[tuple[int, int]],
+         find: Callable[[str | Sequence[int]], Sequence[str | Sequence[int]]] | None = None,
+         ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     """A prompt's token ids and its documents' spans: from `documents` (matched by content) or
-    from `segments` (spans of the prompt's ids, given as they are); neither: no document."""
+    from `segments` (spans of the prompt's ids, given as they are); neither: the documents `find`
+    finds in it (engine/corpus.py), else no document."""
     if documents is not None and segments:
         raise PromptError("give documents or segments, not both")
+    if documents is None and not segments and find is not None:
+        documents = find(prompt) or None
     if documents is None:
         ids = encode(prompt)
         try:

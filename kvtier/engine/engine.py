@@ -26,6 +26,7 @@ from kvtier.engine.calibrate import fronts as front_costs
 from kvtier.engine.calibrate.hardware import estimate, load_profile, measure_slices, profile_path, save_profile
 from kvtier.engine.calibrate.probes import ProbeCalibration
 from kvtier.engine.config import EngineConfig, ReuseConfig
+from kvtier.engine.corpus import Corpus, Finder
 from kvtier.engine.idle import IdleTask, IdleWork
 from kvtier.engine.link.store_link import NullStateLink, StateLink, open_store_link
 from kvtier.engine.partial import Fronts, FullCaching, PartialCaching
@@ -88,6 +89,8 @@ class Engine:
         self._store_spec = store
         # Blending marked documents: the options requests blend with, None where it is off.
         self.blend = (reuse or ReuseConfig()).blend
+        # Documents found in prompts that mark none (engine/corpus.py): `--blend-corpus`'s, precompiled ones.
+        self.corpus = Corpus()
         if store:
             self.link = self._open_link(store, reuse or ReuseConfig(), profile, probes)
             if self.blend is not None and "none" in self.link.report(with_store=False).layout:
@@ -209,6 +212,13 @@ class Engine:
     def validate(self, ids: Sequence[int]) -> None:
         prompts.validate(ids, self.max_model_len, self.model.config.vocab_size)
 
+    def finder(self, blend: bool | BlendOptions | None, cache_salt: str | None) -> Finder | None:
+        """What finds the corpus's documents in a request's unmarked prompt: None where the request
+        does not blend (`blend` False, or None where the engine does not) or nothing is known."""
+        if blend is False or (blend is None and self.blend is None) or not len(self.corpus):
+            return None
+        return self.corpus.finder(cache_salt or "")
+
     def add_request(
         self,
         prompt: str | Sequence[int],
@@ -237,7 +247,7 @@ class Engine:
         blended restore may load; `blend`: None as the engine allows (`ReuseConfig.blend`), False
         never, True or BlendOptions asks to (an error where blending is off). docs/blend.md."""
         priority = check_priority(priority)
-        ids, spans = documents_.mark(self.encode, prompt, documents, segments)
+        ids, spans = documents_.mark(self.encode, prompt, documents, segments, self.finder(blend, cache_salt))
         options = documents_.blend_options(blend, self.blend, self._store_spec is not None, spans)
         params = params or SamplingParams()
         params.check_vocab(self.model.config.vocab_size)
@@ -255,11 +265,14 @@ class Engine:
         return rid
 
     def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
-        """Store each document's state computed alone, for blended requests (safe from any thread) -> (found, computed)."""
+        """Store each document's state computed alone, for blended requests (safe from any thread) -> (found, computed).
+        The documents join the corpus: a later prompt of the tenant that marks none is searched for them."""
         docs = [self.encode(d) for d in documents]
         for d in docs:
             self.validate(d)
-        return self.link.precompile(docs, cache_salt or "")
+        counts = self.link.precompile(docs, cache_salt or "")
+        self.corpus.add([d for d in documents if isinstance(d, str)], docs, cache_salt or "")
+        return counts
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

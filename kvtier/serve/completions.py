@@ -72,6 +72,11 @@ def _responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 Grammar = tuple[GrammarSpec, str]  # a request's grammar and the field that gave it
 
 
+def _salt(ctx: ServerContext, body: SamplingFields, request: Request) -> str | None:
+    """The request's cache partition: its tenant's, and its own `cache_salt` after it."""
+    return cache_salt(tenant_of(request), body.cache_salt, shared=ctx.config.shared_cache)
+
+
 async def _start(
     ctx: ServerContext, body: SamplingFields, rid: str, endpoint: str, received: float, request: Request,
     inputs: Callable[[], Awaitable[tuple[Prepared, Grammar | None]]],
@@ -88,7 +93,7 @@ async def _start(
         return Generation(
             background, prepared.ids, prepared.params, rid, endpoint=endpoint, metrics=ctx.metrics,
             session_id=session_id(tenant, body.prompt_cache_key),
-            cache_salt=cache_salt(tenant, body.cache_salt, shared=ctx.config.shared_cache),
+            cache_salt=_salt(ctx, body, request),
             received=received, on_done=ctx.release, constraint=constraint,
             priority=body.priority or 0, cache_prompt=body.cache_prompt is not False,
             segments=prepared.segments, blend=prepared.blend,
@@ -156,12 +161,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     ctx.check_model(body.model)
     engine = ctx.engine
     tools = tool_setup(engine, body)
+    salt = _salt(ctx, body, request)
     echo = body.echo_text()
     reasoning: ReasoningParser | None = None  # how this request's output is split (its prompt's end says)
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
         nonlocal reasoning
-        ids, spans = await run_in_threadpool(chat_prompt, engine, body, tools)
+        ids, spans = await run_in_threadpool(chat_prompt, engine, body, tools, salt)
         grammar = grammar_spec(body, tools)
         reasoning = request_parser(ctx.config.reasoning_parser, engine.model.tokenizer, ids, grammar is not None)
         return _prepare(ctx, ids, body, grammar, spans), grammar
@@ -201,9 +207,10 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     check_unknown_fields(body, ctx.config.unknown_fields)
     ctx.check_model(body.model)
     engine = ctx.engine
+    salt = _salt(ctx, body, request)
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
-        ids, spans = await run_in_threadpool(completion_prompt, engine, body, ctx.config.blend_separator)
+        ids, spans = await run_in_threadpool(completion_prompt, engine, body, ctx.config.blend_separator, salt)
         grammar = grammar_spec(body)
         return _prepare(ctx, ids, body, grammar, spans), grammar
 

@@ -22,7 +22,7 @@ from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
 from kvtier.engine.structured import Constraint, GrammarError, too_slow
 from kvtier.planning.blend import BlendOptions
-from kvtier.serve.blend_inputs import Spans, blend_asked, content_parts, marked_chat, marked_completion, marks
+from kvtier.serve.blend_inputs import Spans, blend_asked, content_parts, finder, marked_chat, marked_completion, marks
 from kvtier.serve.budget import check_output_budget
 from kvtier.serve.errors import APIError
 from kvtier.serve.schemas import (
@@ -102,16 +102,22 @@ def tool_setup(engine: Engine, body: ChatCompletionRequest) -> ToolSetup:
                      strict, tag_tokens(engine.model.tokenizer) if constrained else frozenset())
 
 
-def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup) -> tuple[list[int], Spans]:
-    """The chat prompt's ids, and its documents' spans where the server blends (blend_inputs.py)."""
+def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup,
+                salt: str | None = None) -> tuple[list[int], Spans]:
+    """The chat prompt's ids, and its documents' spans where the server blends (blend_inputs.py;
+    `salt`: the tenant's, whose precompiled documents are found in an unmarked prompt)."""
     template = getattr(engine.model.tokenizer, "chat_template", None)
     # tool_choice "none": the model is not shown the tools, so it cannot call one.
     messages, tools_arg = prepare_messages(template_messages(body.messages),
                                            tools.tools if tools.mode != "none" else None, template)
     try:
         parts = content_parts(body) if marks(engine, body) else []
-        if parts:
-            return marked_chat(engine, lambda: _render_chat(engine, messages, tools_arg, body, tokenize=False), parts)
+        find = None if parts else finder(engine, body, salt)
+        if parts or find is not None:
+            marked = marked_chat(engine, lambda: _render_chat(engine, messages, tools_arg, body, tokenize=False),
+                                 parts, find)
+            if marked is not None:
+                return marked
         if not body.continue_final_message and not body.chat_template_kwargs:
             return engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools_arg), ()
         return _render_chat(engine, messages, tools_arg, body), ()
@@ -146,11 +152,13 @@ def _render_chat(engine: Engine, messages: list[dict[str, Any]], tools: list[dic
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def completion_prompt(engine: Engine, body: CompletionRequest, separator: str | None = None) -> tuple[list[int], Spans]:
-    """The prompt's ids, and its documents' spans where the server blends and `separator` marks them."""
+def completion_prompt(engine: Engine, body: CompletionRequest, separator: str | None = None,
+                      salt: str | None = None) -> tuple[list[int], Spans]:
+    """The prompt's ids, and its documents' spans where the server blends: those `separator`
+    marks, else those of the corpus found in it (the tenant's `salt`'s and every tenant's)."""
     prompt = body.prompt
     try:
-        marked = marked_completion(engine, body, separator)
+        marked = marked_completion(engine, body, separator, finder(engine, body, salt))
         if marked is not None:
             return marked
         if isinstance(prompt, str):

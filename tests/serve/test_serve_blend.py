@@ -64,3 +64,50 @@ def test_asking_to_blend_where_the_server_does_not_is_a_400_naming_the_flag(tiny
 def test_too_many_content_parts_to_blend_is_a_400_naming_messages(blend_server):
     r = _chat(blend_server.url, ["x"] * 1025)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "1024" in r.text
+
+
+@pytest.fixture(scope="module")
+def corpus_server(tiny_model, tmp_path_factory):
+    from kvtier.cli.engine_args import load_corpus
+
+    corpus = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    corpus.write_text("".join(f'{{"text": "{d}"}}\n' for d in DOCS))
+    config = ServeConfig(default_max_tokens=DEFAULT_MAX_TOKENS, max_body_bytes=BODY_LIMIT)
+    served = serve(tiny_model, store="memory:64MB", reuse=ReuseConfig(chunk_tokens=16, blend=BlendOptions(link_tokens=4)),
+                   config=config)
+    server = next(served)
+    load_corpus(server.engine, [str(corpus)])  # as --blend-corpus FILE does at start
+    yield server
+    served.close()
+
+
+def _completion(url: str, prompt, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60,
+                      json={"model": "tiny-gqa", "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra})
+
+
+def _blended(r: httpx.Response) -> int | None:
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["blended_tokens"]
+
+
+def test_the_corpus_documents_are_found_in_prompts_that_mark_none(corpus_server):
+    url = corpus_server.url
+    text = f"Read these. {DOCS[1]}\n{DOCS[0]}\nWhich animal?"
+    assert _blended(_completion(url, text)) > 0
+    assert _blended(_completion(url, text, blend=False)) is None  # a request that refuses is not searched
+    assert _blended(_completion(url, "Which animal sleeps near the pond? " * 3)) is None  # none in it
+    chat = {"model": "tiny-gqa", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": f"{DOCS[0]}\n\nWhere does the river run?"}]}
+    assert _blended(httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)) > 0
+    # A prompt of token ids holds a document as its own ids (tokenized alone).
+    engine = corpus_server.engine
+    ids = engine.encode("Read this. ") + engine.encode(DOCS[1]) + engine.encode(" Which animal?")
+    assert _blended(_completion(url, ids)) > 0
+
+
+def test_a_prompt_built_to_match_the_corpus_everywhere_is_answered(corpus_server):
+    # Each position starts a document's anchor; the search's comparisons are capped (test_corpus.py).
+    flood = DOCS[0][:40] * 20
+    assert _blended(_completion(corpus_server.url, flood)) is None  # no whole document in it: none blended
+    assert _blended(_completion(corpus_server.url, flood + DOCS[1])) > 0  # the one after the flood is found
