@@ -86,7 +86,8 @@ class LLM:
 
     def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
         """Store each document's state computed alone, for blended requests -> (found stored, computed).
-        Where the engine blends, later prompts that mark no document are searched for these."""
+        Where the engine blends, later prompts of the same cache partition (`cache_salt`; `generate`'s
+        is the default one) that mark no document are searched for these."""
         return self.engine.precompile(documents, cache_salt)
 
     def _run(self, prompts: list[str | None], ids: list[list[int]], sampling_params: SamplingParams | None,

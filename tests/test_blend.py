@@ -158,7 +158,7 @@ def test_documents_precompiled_are_found_in_a_prompt_that_marks_none(fp32):
         found = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-a"))
         other = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-b"))
         refused = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-a", blend=False))
-        engine.corpus.add(ids=docs)  # every tenant's, as --blend-corpus gives them
+        engine.corpus.add([(None, d) for d in docs])  # every tenant's, as --blend-corpus gives them
         everyone = _final(engine, engine.add_request(ids, GREEDY, cache_salt="tenant-d"))
     # Found unmarked, the documents blend as marked ones do: loaded (tenant a's precompiled state), the same bits.
     assert found.restore.method == "blend" and found.restore.bytes_read > 0

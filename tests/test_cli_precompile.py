@@ -55,4 +55,17 @@ def test_blend_corpus_needs_blend_and_files_it_can_read(tmp_path):
     with options.build(measure_profile=False) as engine:
         doc = "a first document about rivers and the bridges over them"
         assert engine.corpus.find_text(f"x {doc} short") == [doc]  # once; "short" is too short to load
-        assert len(engine.corpus) == 2  # its text and its ids
+        assert len(engine.corpus) == 1
+
+
+def test_document_files_are_read_as_they_appear_in_prompts_and_bad_ones_named(tmp_path):
+    from kvtier.cli.precompile import read_documents
+
+    (tmp_path / "a.txt").write_text("a document\n")
+    assert read_documents([str(tmp_path / "a.txt")]) == ["a document"]  # the file's last line break is not its
+    (tmp_path / "b.jsonl").write_text('"fine"\n{bad json}\n')
+    with pytest.raises(ValueError, match="b.jsonl:2: not JSON"):
+        read_documents([str(tmp_path / "b.jsonl")])
+    (tmp_path / "c.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match="c.txt: not UTF-8"):
+        read_documents([str(tmp_path / "c.txt")])

@@ -345,14 +345,17 @@ def load_corpus(engine: Engine, paths: list[str]) -> None:
     from tqdm import tqdm
 
     from kvtier.cli.precompile import read_documents
+    from kvtier.planning.blend import MIN_SEGMENT_TOKENS
 
     try:
         docs = read_documents([p.strip() for p in paths if p.strip()])
     except (OSError, ValueError) as e:
         raise ValueError(f"--blend-corpus: {e}") from None
     ids = [engine.encode(d) for d in tqdm(docs, desc="--blend-corpus", unit="doc", disable=None)]
-    new = engine.corpus.add(docs, ids)
-    log.info("--blend-corpus: %d documents to find in prompts (%d new)", len(docs), new)
+    short = sum(len(i) < MIN_SEGMENT_TOKENS for i in ids)
+    kept = engine.corpus.add(zip(docs, ids))
+    log.info("--blend-corpus: %d documents to find in prompts (%d of %d read%s)", len(engine.corpus), kept, len(docs),
+             f"; {short} under {MIN_SEGMENT_TOKENS} tokens left out: too short to load" if short else "")
 
 
 def _too_long(asked: int, model: str, limit: int) -> str:

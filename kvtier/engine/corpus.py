@@ -2,16 +2,19 @@
 
 An engine that blends keeps the documents it was given to find: those of `kvtier serve
 --blend-corpus FILE` (every tenant's) and those precompiled through the API (`Engine.precompile`,
-`LLM.precompile`; the tenant's salt they were stored under). A prompt that marks no document (no
-content parts, separators, `documents=[...]` or `segments`) is searched for them, and each one
+`LLM.precompile`: only the cache partition they were stored for). A prompt that marks no document
+(no content parts, separators, `documents=[...]` or `segments`) is searched for them, and each one
 found is a document as if marked: tokenized alone in a text prompt, located in a prompt of ids.
-Only documents that were given to this engine are found; no tenant's search sees another's.
+A document too short to load (under MIN_SEGMENT_TOKENS tokens) is not kept.
 
-The search indexes each document by its first ANCHOR_CHARS characters (ANCHOR_IDS ids), scans the
-prompt once and, where an anchor matches, compares the whole document (the longest first). The
-comparisons are capped at WORK_FACTOR times the prompt's length: a prompt built to match anchors
-everywhere costs a bounded scan, and a document not found by then is computed as unmarked text is.
-Runs on the caller's thread (a request's thread-pool task on the server), never the step thread.
+Each kind (texts, ids) is a radix tree (edges labelled with the documents' shared runs). The
+prompt is scanned once: at each position the tree is walked as far as the prompt follows it, the
+longest document ending on the way is taken and the scan goes on after it. Edge labels are
+compared BLOCK elements at a time and every comparison counts: a scan stops after WORK_FACTOR
+comparisons per element of the prompt, so a prompt built to follow the tree everywhere (a
+document's first run, repeated) costs a bounded scan, and what it has not found by then is
+computed as unmarked text is. At most MAX_DOCUMENTS are found. Runs on the caller's thread (a
+request's thread-pool task on the server), never the step thread.
 """
 
 from __future__ import annotations
@@ -21,104 +24,145 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvtier.engine.documents import MAX_DOCUMENTS  # documents found per prompt, as marked ones
 from kvtier.planning.blend import MIN_SEGMENT_TOKENS
 
-ANCHOR_CHARS = 32  # a document shorter than this is too short to load (about MIN_SEGMENT_TOKENS tokens)
-ANCHOR_IDS = MIN_SEGMENT_TOKENS
-WORK_FACTOR = 16
+BLOCK = 64  # elements (characters, ids) per comparison
+WORK_FACTOR = 16  # comparisons per element of the prompt, at most
+EVERY_TENANT = None  # the corpus key of --blend-corpus's documents; a salt ("" included) is one partition's
 
 Doc = TypeVar("Doc", str, tuple[int, ...])
 
 
-class _Index(Generic[Doc]):
-    """Documents of one kind (texts or id tuples) by their anchors; added to under the corpus's lock,
-    read without it (an anchor's list is replaced whole, never changed in place)."""
+class _Node(Generic[Doc]):
+    __slots__ = ("edges", "end")
 
-    def __init__(self, width: int) -> None:
-        self.width = width
-        self.docs: dict[Doc, list[Doc]] = {}  # anchor -> documents, longest first
+    def __init__(self) -> None:
+        self.edges: dict[object, tuple[Doc, _Node[Doc]]] = {}  # first element -> (label, child)
+        self.end = False  # a document ends here
+
+
+def _common(a: Doc, b: Doc) -> int:
+    """The length of a's and b's common prefix (a binary search of slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Tree(Generic[Doc]):
+    """Documents of one kind; added to under the corpus's lock, read without it (a node's edges are
+    only ever added or replaced whole)."""
+
+    def __init__(self) -> None:
+        self.root: _Node[Doc] = _Node()
 
     def add(self, doc: Doc) -> bool:
-        if len(doc) < self.width:
-            return False
-        anchor = doc[:self.width]
-        have = list(self.docs.get(anchor, ()))
-        if doc in have:
-            return False
-        have.append(doc)
-        self.docs[anchor] = sorted(have, key=len, reverse=True)
-        return True
+        node, k = self.root, 0
+        while k < len(doc):
+            edge = node.edges.get(doc[k])
+            if edge is None:
+                leaf: _Node[Doc] = _Node()
+                leaf.end = True
+                node.edges[doc[k]] = (doc[k:], leaf)
+                return True
+            label, child = edge
+            m = _common(label, doc[k:k + len(label)])
+            if m < len(label):  # split the edge where the document leaves it
+                mid: _Node[Doc] = _Node()
+                mid.edges[label[m]] = (label[m:], child)
+                node.edges[doc[k]] = (label[:m], mid)
+                child = mid
+            node, k = child, k + m
+        new = not node.end
+        node.end = True
+        return new
 
-    def find(self, hay: Doc) -> tuple[list[tuple[int, int]], int]:
-        """Spans [a, b) of indexed documents in `hay`, in order and disjoint (at each position the
-        longest that matches, the scan going on after it), and the elements compared: at most
-        WORK_FACTOR x len(hay), where the scan stops."""
+    def find(self, hay: Doc, limit: int = MAX_DOCUMENTS) -> tuple[list[tuple[int, int]], int]:
+        """Spans [a, b) of documents in `hay`, in order and disjoint (at each position the longest),
+        at most `limit` of them; and the comparisons made (at most WORK_FACTOR x len(hay))."""
         spans: list[tuple[int, int]] = []
         budget = WORK_FACTOR * len(hay)
-        i, last = 0, len(hay) - self.width
-        while i <= last:
-            found = 0
-            for doc in self.docs.get(hay[i:i + self.width], ()):
-                if i + len(doc) > len(hay):  # runs past the prompt's end: no match, nothing compared
-                    continue
-                if len(doc) > budget:
-                    return spans, WORK_FACTOR * len(hay) - budget
-                budget -= len(doc)
-                if hay[i:i + len(doc)] == doc:
-                    found = len(doc)
+        n, i = len(hay), 0
+        while i < n and len(spans) < limit and budget > 0:
+            node, j, best = self.root, i, 0
+            while j < n and budget > 0:
+                edge = node.edges.get(hay[j])
+                if edge is None or j + len(edge[0]) > n:
                     break
-            if found:
-                spans.append((i, i + found))
-            i += found or 1
-        return spans, WORK_FACTOR * len(hay) - budget
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.docs.values())
+                label, child = edge
+                followed = True
+                for k in range(0, len(label), BLOCK):
+                    budget -= 1
+                    e = min(k + BLOCK, len(label))
+                    if hay[j + k:j + e] != label[k:e] or (budget <= 0 and e < len(label)):
+                        followed = False
+                        break
+                if not followed:
+                    break
+                node, j = child, j + len(label)
+                if node.end:
+                    best = j - i
+            if best:  # a document compared whole, even where the budget ran out after it
+                spans.append((i, i + best))
+            i += best or 1
+        return spans, WORK_FACTOR * n - budget
 
 
 class Corpus:
-    """The documents an engine finds in unmarked prompts, per tenant salt ("": every tenant's)."""
+    """The documents an engine finds in unmarked prompts: every tenant's (EVERY_TENANT) and each
+    cache partition's (its salt)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._texts: dict[str, _Index[str]] = {}
-        self._ids: dict[str, _Index[tuple[int, ...]]] = {}
+        self._texts: dict[str | None, _Tree[str]] = {}
+        self._ids: dict[str | None, _Tree[tuple[int, ...]]] = {}
+        self._count = 0
 
-    def add(self, texts: Iterable[str] = (), ids: Iterable[Sequence[int]] = (), salt: str = "") -> int:
-        """Index documents given as texts (found in text prompts) and as ids (found in prompts of
-        ids) -> how many were new."""
+    def add(self, documents: Iterable[tuple[str | None, Sequence[int]]], salt: str | None = EVERY_TENANT) -> int:
+        """Keep documents, each (its text, or None where given as ids; its ids tokenized alone):
+        the text is found in text prompts, the ids in prompts of ids -> how many were new. Those
+        under MIN_SEGMENT_TOKENS ids are left out (a blend would compute them anyway)."""
         new = 0
         with self._lock:
-            ti = self._texts.setdefault(salt, _Index(ANCHOR_CHARS))
-            ii = self._ids.setdefault(salt, _Index(ANCHOR_IDS))
-            for t in texts:
-                new += ti.add(t)
-            for d in ids:
-                new += ii.add(tuple(int(x) for x in d))
+            texts = self._texts.setdefault(salt, _Tree())
+            ids = self._ids.setdefault(salt, _Tree())
+            for text, doc in documents:
+                if len(doc) < MIN_SEGMENT_TOKENS:
+                    continue
+                added = ids.add(tuple(int(x) for x in doc))
+                if text:
+                    added = texts.add(text) or added
+                new += added
+            self._count += new
         return new
 
     def __len__(self) -> int:
-        """Entries indexed: a document given as text and ids counts twice."""
-        return sum(map(len, self._texts.values())) + sum(map(len, self._ids.values()))
+        """Documents kept (a count kept under the lock: read on every request)."""
+        return self._count
 
     def finder(self, salt: str = "") -> Finder:
         return Finder(self, salt)
 
     def find_text(self, text: str, salt: str = "") -> list[str]:
-        """The documents in `text`, in order: every tenant's and the salt's, the longest at each position."""
-        spans = [s for k in _salts(salt) if (index := self._texts.get(k)) for s in index.find(text)[0]]
+        """The documents in `text`, in order: every tenant's and the partition's, the longest at each position."""
+        spans = [s for k in (EVERY_TENANT, salt) if (tree := self._texts.get(k)) for s in tree.find(text)[0]]
         return [text[a:b] for a, b in _disjoint(spans)]
 
     def find_ids(self, ids: Sequence[int], salt: str = "") -> list[list[int]]:
         """The documents in a prompt of ids, as find_text."""
         hay = tuple(ids)
-        spans = [s for k in _salts(salt) if (index := self._ids.get(k)) for s in index.find(hay)[0]]
+        spans = [s for k in (EVERY_TENANT, salt) if (tree := self._ids.get(k)) for s in tree.find(hay)[0]]
         return [list(hay[a:b]) for a, b in _disjoint(spans)]
 
 
 @dataclass(frozen=True)
 class Finder:
-    """A tenant's search of the corpus (Engine.finder's): documents.mark calls it on any prompt."""
+    """A cache partition's search of the corpus (Engine.finder's): documents.mark calls it on any prompt."""
 
     corpus: Corpus
     salt: str
@@ -133,15 +177,11 @@ class Finder:
         return self.text(prompt) if isinstance(prompt, str) else self.ids(prompt)
 
 
-def _salts(salt: str) -> tuple[str, ...]:
-    return ("",) if not salt else ("", salt)
-
-
 def _disjoint(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted spans with each one that overlaps an earlier one dropped (the earlier, longer one kept
-    where two start together)."""
+    """Sorted spans with each one that overlaps an earlier one dropped (the longer kept where two
+    start together), at most MAX_DOCUMENTS."""
     out: list[tuple[int, int]] = []
     for a, b in sorted(spans, key=lambda s: (s[0], -s[1])):
         if not out or a >= out[-1][1]:
             out.append((a, b))
-    return out
+    return out[:MAX_DOCUMENTS]

@@ -266,12 +266,13 @@ class Engine:
 
     def precompile(self, documents: Sequence[str | Sequence[int]], cache_salt: str | None = None) -> tuple[int, int]:
         """Store each document's state computed alone, for blended requests (safe from any thread) -> (found, computed).
-        The documents join the corpus: a later prompt of the tenant that marks none is searched for them."""
+        The documents join the corpus: a later prompt of the same cache partition that marks none is
+        searched for them."""
         docs = [self.encode(d) for d in documents]
         for d in docs:
             self.validate(d)
         counts = self.link.precompile(docs, cache_salt or "")
-        self.corpus.add([d for d in documents if isinstance(d, str)], docs, cache_salt or "")
+        self.corpus.add(zip([d if isinstance(d, str) else None for d in documents], docs), cache_salt or "")
         return counts
 
     def abort(self, request_id: str) -> None:

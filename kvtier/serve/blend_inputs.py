@@ -92,10 +92,13 @@ def marked_completion(engine: Engine, body: CompletionRequest, separator: str | 
     else:
         return None
     first = [body.add_special_tokens]  # a tokenizer's special tokens (a BOS) go before the first piece only
+    head: list[int] = []
+    if first[0] and docs and text.startswith(docs[0]):  # a BOS before the document, never inside its span
+        head, first[0] = engine.encode("", True), False
 
     def encode(piece: str) -> list[int]:
         special, first[0] = first[0], False
         return engine.encode(piece, special)
 
     ids, spans = documents.encode_marked(encode, text, docs)
-    return ids, tuple(spans)
+    return head + ids, tuple((a + len(head), b + len(head)) for a, b in spans)

@@ -111,3 +111,23 @@ def test_a_prompt_built_to_match_the_corpus_everywhere_is_answered(corpus_server
     flood = DOCS[0][:40] * 20
     assert _blended(_completion(corpus_server.url, flood)) is None  # no whole document in it: none blended
     assert _blended(_completion(corpus_server.url, flood + DOCS[1])) > 0  # the one after the flood is found
+
+
+def test_a_bos_before_a_prompt_that_opens_with_a_document_stays_outside_its_span():
+    from types import SimpleNamespace
+
+    from kvtier.engine.corpus import Corpus
+    from kvtier.serve.blend_inputs import marked_completion
+    from kvtier.serve.schemas import CompletionRequest
+
+    bos = 1
+
+    def encode(text, special=False):  # a Llama-style tokenizer: a BOS where special tokens are added
+        return ([bos] if special else []) + [ord(c) for c in text]
+
+    corpus = Corpus()
+    corpus.add([(DOCS[0], encode(DOCS[0]))])
+    engine = SimpleNamespace(blend=BlendOptions(), encode=encode)
+    body = CompletionRequest(model="tiny-gqa", prompt=DOCS[0] + "Which way?")
+    ids, spans = marked_completion(engine, body, None, corpus.finder())
+    assert ids[0] == bos and spans == ((1, 1 + len(DOCS[0])),) and ids[1:1 + len(DOCS[0])] == encode(DOCS[0])
