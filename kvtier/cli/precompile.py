@@ -2,8 +2,9 @@
 server's --blend) load it at any position from the first time they meet them.
 
 Each text file is one document (its final line break not part of it); a `.jsonl` file holds one
-per line (a JSON string, or an object with a "text" field). Give the engine options the server runs with (model, dtype, store, restore
-method): the state is stored under that model's and layout's namespace.
+per line (a JSON string, or an object with a "text" field). Give the engine options the server
+runs with (model, dtype, store, restore method): the state is stored under that model's and
+layout's namespace.
 """
 
 from __future__ import annotations
