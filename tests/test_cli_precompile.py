@@ -59,7 +59,7 @@ def test_blend_corpus_needs_blend_and_files_it_can_read(tmp_path):
 
 
 def test_document_files_are_read_as_they_appear_in_prompts_and_bad_ones_named(tmp_path):
-    from kvtier.cli.precompile import read_documents
+    from kvtier.cli.document_files import read_documents
 
     (tmp_path / "a.txt").write_text("a document\n")
     assert read_documents([str(tmp_path / "a.txt")]) == ["a document"]  # the file's last line break is not its

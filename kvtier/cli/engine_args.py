@@ -344,7 +344,7 @@ def load_corpus(engine: Engine, paths: list[str]) -> None:
     """--blend-corpus: the files' documents, tokenized, join the engine's corpus (every tenant's)."""
     from tqdm import tqdm
 
-    from kvtier.cli.precompile import read_documents
+    from kvtier.cli.document_files import read_documents
     from kvtier.planning.blend import MIN_SEGMENT_TOKENS
 
     try:
