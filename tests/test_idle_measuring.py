@@ -29,7 +29,7 @@ def _engine(model, tmp_path, measure: bool) -> Engine:
                   store=f"memory:16MB,disk:{tmp_path / 'store'}:64MB")
 
 
-def _wait(cond, timeout: float = 120.0) -> None:
+def _wait(cond, timeout: float = 360.0) -> None:  # slices crawl while the other test worker runs heavy tests
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline
