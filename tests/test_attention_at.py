@@ -1,0 +1,54 @@
+"""Attention of scattered query rows (`kvtier/models/attention.attention_at`, the blended restore's
+recompute): each row attends to the keys at or before its own position and to none after, with
+grouped K/V heads. The oracle is the same attention in float64 with an explicit causal mask, each
+row alone; bf16 is held to the rounding of its scores and probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.models.attention import attention_at
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """Each row alone in float64: softmax(q . k[:p + 1]) v[:p + 1]. -> [m, heads, hd]."""
+    g = q.shape[1] // k.shape[1]
+    kd, vd = (x.double().repeat_interleave(g, dim=1) for x in (k, v))  # [ctx, heads, hd]
+    out = []
+    for row, p in zip(q.double(), positions):
+        w = torch.einsum("hd,khd->hk", row, kd[: p + 1]) / q.shape[-1] ** 0.5  # [heads, p + 1]
+        out.append(torch.einsum("hk,khd->hd", w.softmax(-1), vd[: p + 1]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.06)])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
+def test_scattered_rows_attend_to_their_own_keys_only(dtype, tol, heads, kv_heads):
+    torch.manual_seed(0)
+    ctx, hd = 700, 64
+    k, v = (torch.randn(ctx, kv_heads, hd).to(dtype) for _ in range(2))
+    # the first key, runs at document starts, a lone row, and the last key (pieces of rows cut across them)
+    positions = [0, 1, 2, *range(90, 98), 301, *range(480, 505), ctx - 1]
+    q = torch.randn(len(positions), heads, hd).to(dtype)
+    out = attention_at(q, k, v, positions)
+    assert out.dtype == dtype and out.shape == q.shape
+    err = (out.double() - _reference(q, k, v, positions)).abs().max().item()
+    assert err < tol, err
+    # A key after a row's position changes nothing of that row (only the last row sees the last key).
+    k2, v2 = k.clone(), v.clone()
+    k2[-1], v2[-1] = 100.0, 100.0
+    again = attention_at(q, k2, v2, positions)
+    assert torch.equal(again[:-1], out[:-1]) and not torch.equal(again[-1], out[-1])
+
+
+def test_the_rows_per_piece_change_no_row_beyond_rounding():
+    """The pieces bound each call's keys; the output is the attention however rows are grouped."""
+    torch.manual_seed(1)
+    k, v = (torch.randn(400, 3, 64) for _ in range(2))
+    positions = sorted(torch.randperm(400)[:50].tolist())
+    q = torch.randn(50, 9, 64)
+    outs = []
+    for rows in (1, 16, 64):
+        outs.append(attention_at(q, k, v, positions, rows=rows))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5) and torch.allclose(outs[0], outs[2], atol=1e-5)
