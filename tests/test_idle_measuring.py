@@ -16,12 +16,16 @@ from kvtier.engine.calibrate import hardware
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
+from kvtier.models import invariant
 
 
 @pytest.fixture(autouse=True)
 def few_points(monkeypatch):
-    """Short prefill steps to time: what is tested is how the measurement runs, not its fit."""
+    """Short prefill steps to time: what is tested is how the measurement runs, not its fit. The
+    linears' pending row plans are the process's (`invariant`): those of the larger models earlier
+    tests in this worker loaded would be checked first, minutes of idle slices before the profile."""
     monkeypatch.setattr(hardware, "COMPUTE_POINTS", ((0, 64), (0, 256), (256, 320), (64, 128)))
+    monkeypatch.setattr(invariant, "_pending", {})
 
 
 def _engine(model, tmp_path, measure: bool) -> Engine:
@@ -29,7 +33,7 @@ def _engine(model, tmp_path, measure: bool) -> Engine:
                   store=f"memory:16MB,disk:{tmp_path / 'store'}:64MB")
 
 
-def _wait(cond, timeout: float = 360.0) -> None:  # slices crawl while the other test worker runs heavy tests
+def _wait(cond, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline
