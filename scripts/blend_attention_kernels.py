@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.bench.common import machine_info
+from kvtier.bench.stats import median_of
 from kvtier.models.attention import attention_at
 
 CTX, KV_HEADS, HEADS, HD = 6234, 3, 9, 64  # SmolLM2-135M's attention
@@ -50,16 +49,6 @@ def gemm_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequen
     return out
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=9, help="timed calls per case (default: %(default)s)")
@@ -82,8 +71,8 @@ def main() -> int:
             for rows in (16, 64):
                 kernels[f"gemm, {rows} rows"] = lambda rows=rows: gemm_at(q, k, v, pos, rows)
             for kernel, fn in kernels.items():
-                ms = _median_ms(fn, args.repeats)
-                err = float((fn().double() - ref).abs().max())
+                err = float((fn().double() - ref).abs().max())  # also the warm-up call
+                ms = median_of(fn, args.repeats) * 1000
                 out.append(dict(dtype=str(dtype).removeprefix("torch."), case=name, rows=len(pos), kernel=kernel, ms=ms,
                                 gflops=flops / ms / 1e6, max_abs_err=err))
                 print(f"{out[-1]['dtype']:8s} {name:16s} {len(pos):4d} rows  {kernel:22s} {ms:7.1f} ms  "
