@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from kvtier.engine.calibrate import probes as probe_calibration
 from kvtier.engine.calibrate.probes import calibrate, calibrate_probe, probe_pass_rate
 from kvtier.engine.config import ImpressConfig
-from kvtier.engine.impress.importance import select_all
+from kvtier.engine.impress.importance import LayerSelection, select_all
 from kvtier.engine.impress.policy import ImpressPolicy, Selection
 from kvtier.engine.impress.prefill import impress_prefill
 from kvtier.engine.impress.restore import ImpressRestore
-from kvtier.engine.impress.select import Units
+from kvtier.engine.impress.select import LayerPool, Units
 from kvtier.models.loading import load_model
 from kvtier.models.rope import Rope, rotate_into
 from kvtier.store import StoreNamespace, TieredStore
@@ -101,14 +101,18 @@ def _masked_oracle(model, ids: list[int], kept: list[torch.Tensor]) -> torch.Ten
     return model.logits(h[PREFIX:])
 
 
-@pytest.mark.parametrize("selection, score_kv_heads, probe_first, window", [
-    (Selection.IMPRESS, None, "0", 1), (Selection.IMPRESS, None, "1", 1), (Selection.IMPRESS, None, "by layer", 1),
-    (Selection.IMPRESS, None, "0", 5), (Selection.PROBES, None, "0", 1), (Selection.H2O, None, "0", 1),
-    (Selection.H2O, (1,), "0", 1), (Selection.RANDOM, None, "0", 1), (Selection.RECENT, None, "0", 1)])
+@pytest.mark.parametrize("selection, score_kv_heads, probe_first, window, layer_window", [
+    (Selection.IMPRESS, None, "0", 1, 1), (Selection.IMPRESS, None, "1", 1, 1), (Selection.IMPRESS, None, "by layer", 1, 1),
+    (Selection.IMPRESS, None, "0", 5, 1), (Selection.PROBES, None, "0", 1, 1), (Selection.PROBES, None, "0", 3, 3),
+    (Selection.H2O, None, "0", 1, 1), (Selection.H2O, (1,), "0", 1, 1), (Selection.RANDOM, None, "0", 1, 1),
+    (Selection.RECENT, None, "0", 1, 1)])
 def test_a_reduced_prefix_equals_full_attention_with_the_dropped_tokens_masked(loaded, tmp_path, selection,
-                                                                               score_kv_heads, probe_first, window):
+                                                                               score_kv_heads, probe_first, window,
+                                                                               layer_window):
     ids = _ids(loaded.config.vocab_size, PREFIX + NEW + 2, seed=5)
-    policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads, window=window)
+    vote = "sum" if layer_window > 1 else "majority"
+    policy = ImpressPolicy(ratio=0.25, selection=selection, score_kv_heads=score_kv_heads, window=window,
+                           vote=vote, layer_window=layer_window)
     layers = loaded.config.num_layers
     firsts = tuple(li % 2 for li in range(layers)) if probe_first == "by layer" else (int(probe_first),) * layers
     with _stored(loaded, tmp_path, ids, firsts) as store:
@@ -185,6 +189,40 @@ def test_pooling_keeps_the_neighbours_of_an_important_token():
         ImpressPolicy(window=4)
     with pytest.raises(ValueError, match="importance_window"):
         ImpressConfig(window=0)
+
+
+def test_a_layer_window_ranks_units_by_their_highest_share_in_the_last_layers():
+    """Exact ids: each layer's summed importance as a share of its total, max-pooled over the window."""
+    pool = LayerPool(window=2)
+    sel = LayerSelection(torch.tensor([0]), True, 0.5)  # the layer's own choice: only `passed`/`jaccard` carry over
+
+    def layer(*units: float) -> list[int]:
+        out = pool.choose(torch.tensor([units]), sel, kept=2)  # one scoring head
+        assert out.passed and out.jaccard == 0.5
+        return out.tokens.tolist()
+
+    assert layer(0.1, 0.6, 0.0, 0.3) == [1, 3]  # the first layer: its own shares
+    # Unit 1 led the layer before; here unit 2 leads and unit 1 is low. Shares 0.05, 0.1, 0.8, 0.05
+    # (the totals differ tenfold: shares, not raw sums, are compared) pooled with 0.1, 0.6, 0.0, 0.3.
+    assert layer(0.5, 1.0, 8.0, 0.5) == [1, 2]
+    assert layer(0.0, 0.0, 0.2, 0.8) == [2, 3]  # unit 1 is two layers back now: out of a window of 2
+    assert LayerPool(window=1).choose(torch.tensor([[0.3, 0.1, 0.2]]), sel, kept=1).tokens.tolist() == [0]
+    with pytest.raises(ValueError, match="layer window must be an integer"):
+        ImpressPolicy(layer_window=0)
+    with pytest.raises(ValueError, match="vote sum"):
+        ImpressPolicy(layer_window=2, vote="majority")
+    with pytest.raises(ValueError, match="vote sum"):
+        ImpressPolicy(layer_window=2, selection=Selection.H2O, vote="sum")
+
+
+def test_a_layer_window_leaves_the_first_layer_its_own_choice(loaded, tmp_path):
+    ids = _ids(loaded.config.vocab_size, PREFIX + NEW, seed=8)
+    with _stored(loaded, tmp_path, ids) as store:
+        alone = _restore(loaded, store, ids, ImpressPolicy(ratio=0.25, selection=Selection.PROBES, vote="sum"))[3].kept
+        pooled = _restore(loaded, store, ids, ImpressPolicy(ratio=0.25, selection=Selection.PROBES, vote="sum",
+                                                            layer_window=loaded.config.num_layers))[3].kept
+    assert torch.equal(alone[0], pooled[0])
+    assert any(not torch.equal(a, b) for a, b in zip(alone[1:], pooled[1:]))
 
 
 def test_bytes_read_follow_the_selection(loaded, tmp_path):

@@ -17,7 +17,7 @@ from kvtier.models.loading import load_model
 ARGS = dict(model="tiny-gqa", dtype="fp32", lengths="256", tasks="choice,retrieval", ratios="0.25", windows="1",
             granule_tokens=16, probe_kv_heads=0, probe_first=0, n=2, n_retrieval=2, seed=0, n_haystacks=0,
             haystacks=None, forms="code,name,date,phrase", haystack_lengths="256", fact_counts="1,2,3,4",
-            wiki_data="/nonexistent", json=None, fast_inexact=False, layer_slopes="")
+            wiki_data="/nonexistent", json=None, fast_inexact=False, layer_slopes="", layer_windows="")
 
 
 @torch.inference_mode()

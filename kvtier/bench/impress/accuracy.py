@@ -54,7 +54,7 @@ def variant_name(selection: str, ratio: float, granule: bool = False, window: in
 
 
 def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PROBE_GRANULE_TOKENS,
-             slopes: Sequence[float] = ()) -> dict[str, ImpressPolicy]:
+             slopes: Sequence[float] = (), layer_windows: Sequence[int] = ()) -> dict[str, ImpressPolicy]:
     """The rows: full KV; per ratio and pooling window the importance restore choosing tokens and
     whole granules, its probes voting by majority (impress: the paper's reading, the earlier
     defaults) or summing their importance (impress-sum), the probes' sum without the
@@ -75,6 +75,9 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
         out[f"{default_kind()}@{r:g}"] = ImpressPolicy.of(ImpressConfig(ratio=r))  # the engine's defaults
         for slope in slopes:  # the defaults with a per-layer budget (an ablation the engine's pool cannot hold)
             out[f"{default_kind()}-s{slope:g}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_slope=slope)
+        for lw in layer_windows:  # the defaults with scores pooled over the last lw layers
+            p = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_window=lw)
+            out[f"{kind_name(p.selection.value + '-sum', p.unit > 1, p.window, lw)}@{r:g}"] = p
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
     for j in range(3):  # which KV head's query heads would make a good probe (every key read)
         out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
@@ -159,7 +162,13 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--layer-slopes: {e}") from None
     if bad_slopes := [x for x in slopes if not 0.0 <= x < 1.0]:
         raise SystemExit(f"--layer-slopes: {bad_slopes} (each in [0, 1))")
-    vs = variants([float(x) for x in args.ratios.split(",")], windows, args.granule_tokens, slopes)
+    try:
+        layer_windows = [int(x) for x in args.layer_windows.split(",") if x.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--layer-windows: {e}") from None
+    if bad_lw := [w for w in layer_windows if w < 2]:
+        raise SystemExit(f"--layer-windows: {bad_lw} (each an integer >= 2)")
+    vs = variants([float(x) for x in args.ratios.split(",")], windows, args.granule_tokens, slopes, layer_windows)
     if args.variants:
         wanted = ["full", *(v for v in args.variants.split(",") if v != "full")]
         if missing := [v for v in wanted if v not in vs]:

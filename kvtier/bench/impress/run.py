@@ -58,6 +58,7 @@ class EngineRow:
     vote: str = "majority"
     lossy: bool = False
     selection: str = "impress"
+    layer_window: int = 1
 
 
 def _engine_rows() -> dict[str, EngineRow]:
@@ -66,9 +67,11 @@ def _engine_rows() -> dict[str, EngineRow]:
     c = ImpressConfig()
     return {"recompute": EngineRow("recompute"), "kv": EngineRow("kv"), "cake": EngineRow("cake"),
             "impress": EngineRow("impress"), "impress-g": EngineRow("impress", "granule"),
-            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote, selection=c.selection.value),
+            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote, selection=c.selection.value,
+                                      layer_window=c.layer_window),
             "auto-lossy": EngineRow("auto", lossy=True), "auto-lossy-g": EngineRow("auto", "granule", lossy=True),
-            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, True, c.selection.value)}
+            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, True, c.selection.value,
+                                                      c.layer_window)}
 
 
 def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, row: EngineRow):
@@ -78,7 +81,7 @@ def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, r
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
     impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit(row.unit), window=row.window, vote=row.vote,
-                            selection=ImportanceSelection(row.selection))
+                            selection=ImportanceSelection(row.selection), layer_window=row.layer_window)
     reuse = ReuseConfig(method=row.method, impress=impress, allow_lossy=row.lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]

@@ -42,6 +42,9 @@ class ImpressBenchOptions:
                                "L keeps ratio * (1 + s * (1 - 2l / (L - 1))): early layers more, late less, the "
                                "same bytes); rows named like the defaults' with -s<slope>; comma-separated in "
                                "[0, 1) (default: none)")
+    layer_windows: str = option("", "", "accuracy: the defaults' rows with each unit's score max-pooled over the "
+                                "last w layers (this one and the w - 1 before it; the same bytes); rows named like "
+                                "the defaults' with -L<w>; comma-separated integers >= 2 (default: none)")
     seed: int = option(0, "", "accuracy: seed of both tasks' items (default: %(default)s)")
     probe_kv_heads: int = option(0, "", "accuracy: probe KV heads per layer (default: the engine's, 1 for <= 4 KV "
                                  "heads, else 3)")

@@ -54,6 +54,11 @@ class ImpressPolicy:
     # layer keeps the same share, which the engine's pool needs (a request's slots are equal across
     # layers); the engine restores with 0 only.
     layer_slope: float = 0.0
+    # Layers a unit's score is pooled over (1: its own layer only): a layer ranks each unit by the
+    # highest share of the probes' attention it got in this layer and the `layer_window - 1` before
+    # it, so a fact the earlier layers' questions found is not dropped where one layer looks away.
+    # Earlier layers only: a layer's choice is made before the layers after it run.
+    layer_window: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -66,6 +71,11 @@ class ImpressPolicy:
             raise ValueError(f"block must be >= 1 token, got {self.block}")
         if not 0.0 <= self.layer_slope < 1.0:
             raise ValueError(f"layer slope must be in [0, 1), got {self.layer_slope}")
+        if isinstance(self.layer_window, bool) or not isinstance(self.layer_window, int) or self.layer_window < 1:
+            raise ValueError(f"layer window must be an integer >= 1, got {self.layer_window!r}")
+        if self.layer_window > 1 and (self.selection not in (Selection.IMPRESS, Selection.PROBES) or self.vote != "sum"):
+            raise ValueError("a layer window pools the probes' summed importance: it needs the impress or probes "
+                             "selection with vote sum")
         if self.window < 1 or self.window % 2 == 0:
             raise ValueError(f"importance window must be an odd number of tokens >= 1, got {self.window}")
 
@@ -73,7 +83,8 @@ class ImpressPolicy:
     def of(config: ImpressConfig) -> ImpressPolicy:
         """The rule the engine's options (`ImpressConfig`) give."""
         return ImpressPolicy(config.ratio, config.alpha, Selection(config.selection.value), window=config.window,
-                             block=PROBE_GRANULE_TOKENS if config.unit.value == "granule" else 1, vote=config.vote)
+                             block=PROBE_GRANULE_TOKENS if config.unit.value == "granule" else 1, vote=config.vote,
+                             layer_window=config.layer_window)
 
     @property
     def unit(self) -> int:

@@ -21,7 +21,14 @@ import torch
 from kvtier.engine.impress.importance import LayerSelection, similarity_threshold
 from kvtier.engine.impress.policy import ImpressPolicy, ImpressStats, Selection, blind_selection
 from kvtier.engine.impress.reads import TimedReads
-from kvtier.engine.impress.select import ProbeHeads, Units, fallback_selection, h2o_selection, probe_selection
+from kvtier.engine.impress.select import (
+    LayerPool,
+    ProbeHeads,
+    Units,
+    fallback_selection,
+    h2o_selection,
+    probe_selection,
+)
 from kvtier.models.attention import causal_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.kernels import Kernels
@@ -76,6 +83,7 @@ class ImportanceAttention(LayerAttention):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.threshold = similarity_threshold(policy.ratio, policy.alpha)
+        self.layer_pool = LayerPool(policy.layer_window) if policy.layer_window > 1 else None
         # By name, not a bound method: this object holding its own method would be a reference
         # cycle, and the reads it holds (with their store) would wait for a garbage collection.
         self._chooser = _CHOOSERS[policy.selection]
@@ -114,9 +122,11 @@ class ImportanceAttention(LayerAttention):
         imp, sel = self._identify(lambda: probe_selection(q, kn, probe_keys, self.heads[li], self.units[li], threshold, rule))
         keys = None
         if sel is None:  # the probes disagree: every key, a set from every head
-            keys = self.reads.keys(li)
-            sel = self._identify(lambda: fallback_selection(q, keys, kn, self.units[li], imp))
+            keys, probe_imp = self.reads.keys(li), imp
+            imp, sel = self._identify(lambda: fallback_selection(q, keys, kn, self.units[li], probe_imp))
         chosen: LayerSelection = sel
+        if (pool := self.layer_pool) is not None:  # ranked by the last layers' scores, not this one's alone
+            chosen = self._identify(lambda: pool.choose(imp, chosen, self.units[li].kept))
         self.stats.jaccard.append(chosen.jaccard)
         self.stats.layers_passed += chosen.passed
         return Choice(self.units[li].tokens(chosen.tokens), keys)

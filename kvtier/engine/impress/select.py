@@ -7,12 +7,12 @@ summed importance so a read never fetches a granule for one token of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.impress.importance import LayerSelection, column_importance, mean_jaccard, select, select_all
+from kvtier.engine.impress.importance import LayerSelection, column_importance, mean_jaccard, select, select_all, top_k
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,29 @@ def probe_selection(q: torch.Tensor, k_new: torch.Tensor, probe_keys: torch.Tens
 
 
 def fallback_selection(q: torch.Tensor, keys: torch.Tensor, k_new: torch.Tensor, units: Units,
-                       probe_imp: torch.Tensor) -> LayerSelection:
+                       probe_imp: torch.Tensor) -> tuple[torch.Tensor, LayerSelection]:
     """The probes disagreed: one set from every head's importance over every prefix key
-    keys [m, kv_heads, hd]; the probes' agreement is kept for the statistics."""
-    return select_all(units.pooled(column_importance(q, keys, k_new)), units.kept, mean_jaccard(probe_imp, units.kept))
+    keys [m, kv_heads, hd]; the probes' agreement is kept for the statistics.
+    -> (every query head's importance [heads, units], the set)."""
+    imp = units.pooled(column_importance(q, keys, k_new))  # [heads, units]
+    return imp, select_all(imp, units.kept, mean_jaccard(probe_imp, units.kept))
+
+
+@dataclass
+class LayerPool:
+    """A request's unit scores max-pooled over its last `window` layers: each layer's summed
+    importance as a share of that layer's total (layers differ in how much the new rows attend to
+    the prefix at all), then the highest share a unit had in any of them ranks it."""
+
+    window: int
+    recent: list[torch.Tensor] = field(default_factory=list)  # the last layers' shares, each [units]
+
+    def choose(self, importance: torch.Tensor, sel: LayerSelection, kept: int) -> LayerSelection:
+        """importance [heads, units] the layer's scorers' -> `sel` with its units ranked by the pool."""
+        total = importance.sum(dim=0)  # [units]
+        share = total / total.sum().clamp_min(torch.finfo(total.dtype).tiny)
+        self.recent = [*self.recent, share][-self.window:]
+        return LayerSelection(top_k(torch.stack(self.recent).amax(dim=0), kept), sel.passed, sel.jaccard)
 
 
 def h2o_selection(q: torch.Tensor, keys: torch.Tensor, k_new: torch.Tensor, units: Units,
