@@ -70,8 +70,8 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int
 
 
 @pytest.mark.parametrize("options", [dict(unit="token", window=1, vote="majority"),
-                                     dict(selection="h2o", unit="granule", window=1), dict(layer_window=4), {}],
-                         ids=["paper", "h2o-granule", "layer-window-4", "defaults"])
+                                     dict(selection="h2o", unit="granule", window=1), {}],
+                         ids=["paper", "h2o-granule", "defaults"])
 def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, options):
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
@@ -79,8 +79,7 @@ def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, t
     with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", chunk_tokens=CHUNK, impress=config)) as engine:
         out = engine.generate([ids], GREEDY)[0]
         policy = ImpressPolicy(ratio=0.25, selection=Selection(config.selection.value), window=config.window,
-                               block=16 if config.unit.value == "granule" else 1, vote=config.vote,
-                               layer_window=config.layer_window)
+                               block=16 if config.unit.value == "granule" else 1, vote=config.vote)
         want = _standalone(model, engine.link.store, ids, policy)
     assert out.restore is not None and out.restore.prefix_attended == HIST // 4
     assert out.output_ids == want
@@ -95,12 +94,6 @@ def test_bad_importance_options_are_refused():
         ImpressConfig(ratio=0.0)
     with pytest.raises(ValueError, match="importance_window"):
         ImpressConfig(window=8)
-    with pytest.raises(ValueError, match="importance_layer_window must be an integer"):
-        ImpressConfig(layer_window=0)
-    with pytest.raises(ValueError, match="importance_layer_window 2 .* needs importance_vote sum"):
-        ImpressConfig(layer_window=2, vote="majority")
-    with pytest.raises(ValueError, match="importance_selection probes or impress"):
-        ImpressConfig(layer_window=2, selection="h2o")
 
 
 @torch.inference_mode()

@@ -52,11 +52,10 @@ def test_a_file_shared_by_commands_may_hold_another_commands_options(tmp_path):
 
 def test_the_store_options_reach_the_reuse_config():
     args = _resolve(["generate", "--prompt", "x", "--storage-dtype", "fp16", "--min-restore-tokens", "8",
-                     "--chunk-tokens", "32", "--importance-window", "5", "--importance-unit", "token",
-                     "--importance-layer-window", "3"])
+                     "--chunk-tokens", "32", "--importance-window", "5", "--importance-unit", "token"])
     reuse = EngineOptions.from_args(args).reuse()
     assert (reuse.storage_dtype, reuse.min_restore_tokens, reuse.chunk_tokens) == ("float16", 8, 32)
-    assert (reuse.impress.window, reuse.impress.unit.value, reuse.impress.layer_window) == (5, "token", 3)
+    assert (reuse.impress.window, reuse.impress.unit.value) == (5, "token")
     assert EngineOptions().reuse().storage_dtype == ""  # auto: the compute dtype, lossless
 
 
@@ -69,7 +68,6 @@ def test_the_store_options_reach_the_reuse_config():
     ("max_num_seqs: [1\n", "is not valid YAML"),
     ("store: 'disk:/x'\n", "disk:PATH:SIZE"),
     ("importance_window: 4\n", "importance_window: expected an odd number of tokens >= 1"),
-    ("importance_layer_window: 0\n", "importance_layer_window: expected a positive integer"),
 ])
 def test_a_bad_config_file_names_the_file_and_the_option(tmp_path, text, message):
     cfg = _config(tmp_path, text)

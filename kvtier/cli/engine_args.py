@@ -212,11 +212,6 @@ class EngineOptions:
                                        "layer (probes), probe heads first and every key only where they disagree "
                                        "(impress, the paper: more bytes), or every key and every head (h2o: more bytes, closer to "
                                        "full accuracy on models with few KV heads)", choices=("impress", "probes", "h2o"))
-    importance_layer_window: int = option(1, STORE, "impress: each unit is ranked by the highest share of the probe "
-                                          "heads' attention it got in this layer and the L - 1 before it (1: this "
-                                          "layer's only), so a fact earlier layers found is not dropped where one "
-                                          "layer looks away; needs --importance-vote sum", type=positive_int,
-                                          metavar="L")
     blend: bool = option(False, STORE, "blend marked documents (chat content parts, documents=[...], or parts "
                          "between --blend-separator in a plain prompt): their state computed alone is loaded at any "
                          "position and a few tokens recomputed (lossy, so off by default; a request's `blend` field "
@@ -267,7 +262,7 @@ class EngineOptions:
 
         return ImpressConfig(ratio=self.importance_ratio, alpha=self.importance_alpha,
                              unit=ImportanceUnit(self.importance_unit), window=self.importance_window,
-                             vote=self.importance_vote, layer_window=self.importance_layer_window,
+                             vote=self.importance_vote,
                              selection=ImportanceSelection(self.importance_selection),
                              reorder_s=self.importance_reorder_s)
 

@@ -157,9 +157,6 @@ class ImpressConfig:
     # retrieval accuracy, and no layer falls back to reading every key (the paper's threshold),
     # which is what kept the byte budget out of reach (docs/impress.md).
     selection: ImportanceSelection = ImportanceSelection.PROBES
-    # Layers a unit's score is max-pooled over (this one and the ones before it; 1: its own only):
-    # a fact the earlier layers' questions found stays kept where one layer looks away from it.
-    layer_window: int = 1
     # Seconds between reorder passes (IMPRESS §4.4.1, store/reorder.py): chunks importance restores
     # have seen are stored again with K/V rows by importance. 0: never.
     reorder_s: float = 600.0
@@ -175,14 +172,8 @@ class ImpressConfig:
             raise ValueError(f"importance_window must be an odd number of tokens >= 1, got {self.window}")
         if self.vote not in ("sum", "majority"):
             raise ValueError(f"importance_vote must be sum or majority, got {self.vote!r}")
-        if isinstance(self.layer_window, bool) or not isinstance(self.layer_window, int) or self.layer_window < 1:
-            raise ValueError(f"importance_layer_window must be an integer >= 1, got {self.layer_window!r}")
         object.__setattr__(self, "unit", _member(ImportanceUnit, self.unit, "importance_unit"))
         object.__setattr__(self, "selection", _member(ImportanceSelection, self.selection, "importance_selection"))
-        if self.layer_window > 1 and (self.vote != "sum" or self.selection is ImportanceSelection.H2O):
-            raise ValueError(f"importance_layer_window {self.layer_window} pools the probe heads' summed importance: "
-                             "it needs importance_vote sum and importance_selection probes or impress "
-                             "(or importance_layer_window 1)")
 
 
 

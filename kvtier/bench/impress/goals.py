@@ -27,7 +27,7 @@ def default_kind() -> str:
     from kvtier.engine.impress.policy import ImpressPolicy
 
     p = ImpressPolicy.of(ImpressConfig())
-    return kind_name(p.selection.value + ("-sum" if p.vote == "sum" else ""), p.unit > 1, p.window, p.layer_window)
+    return kind_name(p.selection.value + ("-sum" if p.vote == "sum" else ""), p.unit > 1, p.window)
 
 
 # ----- accuracy ---------------------------------------------------------------------------------

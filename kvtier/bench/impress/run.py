@@ -58,7 +58,6 @@ class EngineRow:
     vote: str = "majority"
     lossy: bool = False
     selection: str = "impress"
-    layer_window: int = 1
 
 
 def _engine_rows() -> dict[str, EngineRow]:
@@ -67,11 +66,9 @@ def _engine_rows() -> dict[str, EngineRow]:
     c = ImpressConfig()
     return {"recompute": EngineRow("recompute"), "kv": EngineRow("kv"), "cake": EngineRow("cake"),
             "impress": EngineRow("impress"), "impress-g": EngineRow("impress", "granule"),
-            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote, selection=c.selection.value,
-                                      layer_window=c.layer_window),
+            default_kind(): EngineRow("impress", c.unit.value, c.window, c.vote, selection=c.selection.value),
             "auto-lossy": EngineRow("auto", lossy=True), "auto-lossy-g": EngineRow("auto", "granule", lossy=True),
-            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, True, c.selection.value,
-                                                      c.layer_window)}
+            f"auto-lossy-{default_kind()}": EngineRow("auto", c.unit.value, c.window, c.vote, True, c.selection.value)}
 
 
 def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, row: EngineRow):
@@ -81,7 +78,7 @@ def _engine_ttft(loaded: LoadedModel, spec: str, ids: list[int], ratio: float, r
 
     cfg = EngineConfig(kv_cache_bytes=2 << 30, max_model_len=len(ids) + 64)
     impress = ImpressConfig(ratio=ratio, unit=ImportanceUnit(row.unit), window=row.window, vote=row.vote,
-                            selection=ImportanceSelection(row.selection), layer_window=row.layer_window)
+                            selection=ImportanceSelection(row.selection))
     reuse = ReuseConfig(method=row.method, impress=impress, allow_lossy=row.lossy)
     with Engine(loaded, cfg, store=spec, reuse=reuse) as engine:
         out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]

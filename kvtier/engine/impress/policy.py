@@ -57,7 +57,8 @@ class ImpressPolicy:
     # Layers a unit's score is pooled over (1: its own layer only): a layer ranks each unit by the
     # highest share of the probes' attention it got in this layer and the `layer_window - 1` before
     # it, so a fact the earlier layers' questions found is not dropped where one layer looks away.
-    # Earlier layers only: a layer's choice is made before the layers after it run.
+    # Earlier layers only: a layer's choice is made before the layers after it run. An ablation:
+    # it lost more answers than the layer's own scores (docs/impress.md), so no engine option sets it.
     layer_window: int = 1
 
     def __post_init__(self) -> None:
@@ -83,8 +84,7 @@ class ImpressPolicy:
     def of(config: ImpressConfig) -> ImpressPolicy:
         """The rule the engine's options (`ImpressConfig`) give."""
         return ImpressPolicy(config.ratio, config.alpha, Selection(config.selection.value), window=config.window,
-                             block=PROBE_GRANULE_TOKENS if config.unit.value == "granule" else 1, vote=config.vote,
-                             layer_window=config.layer_window)
+                             block=PROBE_GRANULE_TOKENS if config.unit.value == "granule" else 1, vote=config.vote)
 
     @property
     def unit(self) -> int:
