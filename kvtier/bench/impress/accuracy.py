@@ -75,9 +75,8 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
         out[f"{default_kind()}@{r:g}"] = ImpressPolicy.of(ImpressConfig(ratio=r))  # the engine's defaults
         for slope in slopes:  # the defaults with a per-layer budget (an ablation the engine's pool cannot hold)
             out[f"{default_kind()}-s{slope:g}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_slope=slope)
-        for lw in layer_windows:  # the defaults with scores pooled over the last lw layers
-            p = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_window=lw)
-            out[f"{kind_name(p.selection.value + '-sum', p.unit > 1, p.window, lw)}@{r:g}"] = p
+        for lw in layer_windows:  # the defaults with scores pooled over the last lw layers (an ablation)
+            out[f"{default_kind()}-L{lw}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_window=lw)
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
     for j in range(3):  # which KV head's query heads would make a good probe (every key read)
         out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))

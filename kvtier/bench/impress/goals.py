@@ -14,11 +14,9 @@ KINDS = ("impress", "impress-g")  # the probes' majority vote, single tokens or 
 TODAY = "impress"  # the earlier defaults: single tokens, the majority vote, no pooling
 
 
-def kind_name(selection: str, granule: bool = False, window: int = 1, layer_window: int = 1) -> str:
-    """impress, impress-g (whole granules), impress-g-w9 (scores pooled over 9 tokens), impress-sum-g-w9-L4
-    (and over 4 layers): a row is kind@ratio."""
-    return f"{selection}{'-g' if granule else ''}{f'-w{window}' if window > 1 else ''}" \
-           f"{f'-L{layer_window}' if layer_window > 1 else ''}"
+def kind_name(selection: str, granule: bool = False, window: int = 1) -> str:
+    """impress, impress-g (whole granules), impress-g-w9 (scores pooled over 9 tokens): a row is kind@ratio."""
+    return f"{selection}{'-g' if granule else ''}{f'-w{window}' if window > 1 else ''}"
 
 
 def default_kind() -> str:
