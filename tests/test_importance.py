@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvtier.engine.impress.importance import (
-    column_importance,
     jaccard,
     mean_pairwise_jaccard,
     random_jaccard,
@@ -19,6 +18,7 @@ from kvtier.engine.impress.importance import (
     vectors_read,
     vote,
 )
+from kvtier.models.attention import column_importance
 
 
 def test_jaccard_of_the_papers_figure_7a():

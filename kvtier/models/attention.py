@@ -12,6 +12,7 @@ invariant on a GPU).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -90,6 +91,28 @@ def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: S
             out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
                                                       enable_gqa=gqa)[0].transpose(0, 1))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def column_importance(q: torch.Tensor, k_prefix: torch.Tensor, k_own: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance of each prefix token to each query head.
+
+    q: [n, heads, hd] the new rows' queries (RoPE applied); k_prefix: [m, kv, hd] the prefix keys of
+    the KV heads these query heads read (RoPE applied at their original positions), with heads a
+    multiple of kv (query head h reads KV head h // (heads // kv)); k_own: [n, kv, hd] the new rows'
+    own keys (causal), which share the softmax's normaliser. -> [heads, m] fp32: the attention
+    weights' column sums over the n rows.
+    """
+    n, heads, hd = q.shape
+    m, kv = k_prefix.shape[0], k_prefix.shape[1]
+    g = heads // kv
+    qf = q.float().permute(1, 0, 2)  # [heads, n, hd]
+    keys = k_prefix.to(q.device) if k_own is None else torch.cat([k_prefix.to(q.device), k_own])  # [m (+ n), kv, hd]
+    kf = keys.float().permute(1, 2, 0).repeat_interleave(g, dim=0)  # [heads, hd, m (+ n)]
+    scores = torch.bmm(qf, kf) / math.sqrt(hd)  # [heads, n, m (+ n)]
+    if k_own is not None:
+        own = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)  # row i sees own keys 0..i
+        scores[:, :, m:].masked_fill_(own, float("-inf"))
+    return scores.softmax(dim=-1)[:, :, :m].sum(dim=1).cpu()  # [heads, m] (selection runs on the host)
 
 
 def masked_decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,9 @@ import torch
 
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.cache import load, load_or_measure
-from kvtier.engine.impress.importance import column_importance, mean_jaccard, similarity_threshold, top_k
+from kvtier.engine.impress.importance import mean_jaccard, similarity_threshold, top_k
 from kvtier.engine.impress.select import ProbeHeads
-from kvtier.models.attention import causal_attention
+from kvtier.models.attention import causal_attention, column_importance
 from kvtier.models.llama import CausalLM, ObserveFn, SelfAttention
 from kvtier.models.loading import LoadedModel
 from kvtier.models.rope import Rope

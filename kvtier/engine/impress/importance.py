@@ -9,38 +9,16 @@ back to scoring every head (reading all keys).
 GQA (SmolLM2: 9 query heads over 3 KV heads): reading a probe means reading a KV head's keys, so
 the probe unit is a KV head, and the "probe heads" whose sets are compared are the query heads of
 the probe KV heads (one KV head: its 3 query heads, as the paper's 3 probe heads). Pure functions
-of tensors: no store, no model.
+of tensors: no store, no model (the column sums themselves are
+`kvtier.models.attention.column_importance`, which blended restores use too).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
-
-
-def column_importance(q: torch.Tensor, k_prefix: torch.Tensor, k_own: torch.Tensor | None = None) -> torch.Tensor:
-    """Importance of each prefix token to each query head.
-
-    q: [n, heads, hd] the new rows' queries (RoPE applied); k_prefix: [m, kv, hd] the prefix keys of
-    the KV heads these query heads read (RoPE applied at their original positions), with heads a
-    multiple of kv (query head h reads KV head h // (heads // kv)); k_own: [n, kv, hd] the new rows'
-    own keys (causal), which share the softmax's normaliser. -> [heads, m] fp32: the attention
-    weights' column sums over the n rows.
-    """
-    n, heads, hd = q.shape
-    m, kv = k_prefix.shape[0], k_prefix.shape[1]
-    g = heads // kv
-    qf = q.float().permute(1, 0, 2)  # [heads, n, hd]
-    keys = k_prefix.to(q.device) if k_own is None else torch.cat([k_prefix.to(q.device), k_own])  # [m (+ n), kv, hd]
-    kf = keys.float().permute(1, 2, 0).repeat_interleave(g, dim=0)  # [heads, hd, m (+ n)]
-    scores = torch.bmm(qf, kf) / math.sqrt(hd)  # [heads, n, m (+ n)]
-    if k_own is not None:
-        own = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)  # row i sees own keys 0..i
-        scores[:, :, m:].masked_fill_(own, float("-inf"))
-    return scores.softmax(dim=-1)[:, :, :m].sum(dim=1).cpu()  # [heads, m] (selection runs on the host)
 
 
 def top_k(importance: torch.Tensor, k: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.impress.importance import LayerSelection, column_importance, mean_jaccard, select, select_all, top_k
+from kvtier.engine.impress.importance import LayerSelection, mean_jaccard, select, select_all, top_k
+from kvtier.models.attention import column_importance
 
 
 @dataclass(frozen=True)
