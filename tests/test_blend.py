@@ -297,14 +297,19 @@ def test_an_engine_whose_store_keeps_no_state_for_a_layer_refuses_to_blend(fp32)
         Engine(fp32, store="memory:64MB", reuse=ReuseConfig(chunk_tokens=64, layout=layout, blend=BlendOptions()))
 
 
-def _reference_blend(model, ids, segments, link_tokens: int) -> torch.Tensor:
+def _reference_blend(model, ids, segments, options: BlendOptions) -> torch.Tensor:
     """The method computed independently of the engine, with the plain decoder layers: each
-    document alone from position 0, its K rotated to its place, the plan's runs and the last token
-    computed against every key at or before their position. -> the last token's logits."""
+    document alone from position 0, its K rotated to its place; for cacheblend, the layers up to
+    the check layer over every token, the loaded tokens scored there (K deviation, times the
+    attention the rows after the last document pay them in the later layers over the loaded state
+    when weighted) and the top share recomputed; the plan's runs and the last token computed
+    against every key at or before their position. -> the last token's logits."""
+    import math
+
     import torch.nn.functional as F
 
     from kvtier.models.rope import Rope, rotate
-    from kvtier.planning.blend import plan_blend
+    from kvtier.planning.blend import BlendMode, BlendScore, merged, plan_blend
 
     cfg, net, n = model.config, model.module, len(ids)
     rope = Rope(cfg, n, torch.float32)
@@ -315,9 +320,15 @@ def _reference_blend(model, ids, segments, link_tokens: int) -> torch.Tensor:
         mask = torch.arange(k.shape[1])[None, :] <= pos[:, None]
         return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
-    def layers(x, pos, k_all=None, v_all=None, keep=None):
+    def paid(q, k, pos, before):  # attention the rows q at pos pay keys [0, before), summed -> [before]
+        k = k[: int(pos[-1]) + 1].repeat_interleave(group, 1).transpose(0, 1)  # [heads, ctx, hd]
+        s = q.transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(cfg.head_dim)  # [heads, m, ctx]
+        s = s.masked_fill(torch.arange(k.shape[1])[None, :] > pos[:, None], float("-inf"))
+        return s.softmax(-1)[:, :, :before].sum(dim=(0, 1))
+
+    def layers(x, pos, k_all=None, v_all=None, keep=None, upto=None, probe=None):
         cos, sin = rope.cos_sin(pos)
-        for li, layer in enumerate(net.layers):
+        for li, layer in enumerate(net.layers[: upto]):
             q, k, v = layer.qkv(x)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             if k_all is None:
@@ -326,6 +337,9 @@ def _reference_blend(model, ids, segments, link_tokens: int) -> torch.Tensor:
             else:
                 k_all[li][pos], v_all[li][pos] = k, v
                 x = layer.finish(x, attend(q, k_all[li], v_all[li], pos))
+                if probe is not None and li > probe["after"]:
+                    m = probe["queries"]
+                    probe["paid"] += paid(q[-m:], k_all[li], pos[-m:], int(pos[-m]))
         return x
 
     with torch.inference_mode():
@@ -337,17 +351,38 @@ def _reference_blend(model, ids, segments, link_tokens: int) -> torch.Tensor:
             cos, sin = rope.cos_sin(torch.full((b - a,), a))
             for li, (k, v) in enumerate(alone):
                 k_all[li][a:b], v_all[li][a:b] = rotate(k, cos, sin), v
-        plan = plan_blend(ids, segments, 0, 0, BlendOptions(link_tokens=link_tokens))
-        pos = torch.cat([torch.arange(a, e) for a, e in plan.runs] + [torch.tensor([n - 1])])
+        plan = plan_blend(ids, segments, 0, 0, options)
+        runs = list(plan.runs)
+        if BlendMode(options.mode) is BlendMode.CACHEBLEND:
+            check = options.check_layer
+            loaded_pos = torch.cat([torch.arange(a, e) for a, e in plan.loaded])
+            old = k_all[check][loaded_pos].clone()
+            fresh: list = []  # the layers up to the check over every token but the last
+            layers(net.embed(torch.tensor(ids[: n - 1])), torch.arange(n - 1), keep=fresh, upto=check + 1)
+            for li, (k, v) in enumerate(fresh):
+                k_all[li][: n - 1], v_all[li][: n - 1] = k, v
+            score = (k_all[check][loaded_pos] - old).square().sum(dim=(1, 2))
+            if BlendScore(options.score) is BlendScore.WEIGHTED:
+                tail = max(b for _, b in segments)
+                probe = dict(after=check, queries=min(64, n - 1 - tail), paid=torch.zeros(n - 1 - min(64, n - 1 - tail)))
+                pos = torch.cat([torch.arange(a, e) for a, e in runs])
+                layers(net.embed(torch.tensor(ids)[pos]), pos, k_all, v_all, probe=probe)
+                score = score * probe["paid"][loaded_pos]
+            order = torch.sort(score, descending=True, stable=True).indices[: int(options.ratio * len(loaded_pos))]
+            runs = merged(runs + [(p, p + 1) for p in loaded_pos[order].tolist()])
+        pos = torch.cat([torch.arange(a, e) for a, e in runs] + [torch.tensor([n - 1])])
         return net.logits(layers(net.embed(torch.tensor(ids)[pos]), pos, k_all, v_all)[-1:])[0]
 
 
-@pytest.mark.parametrize("link_tokens", [0, 8])
-def test_the_blend_is_the_method_computed_independently(fp32, link_tokens):
+@pytest.mark.parametrize("options", [BlendOptions(link_tokens=0), BlendOptions(link_tokens=8),
+                                     BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1),
+                                     BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1, score="deviation")],
+                         ids=["legolink-0", "legolink-8", "cacheblend-weighted", "cacheblend-deviation"])
+def test_the_blend_is_the_method_computed_independently(fp32, options):
     ids = _ids(fp32)
     with _engine(fp32) as engine:
-        out = _blend(engine, ids, BlendOptions(link_tokens=link_tokens))
-    want = _reference_blend(fp32, ids, SEGMENTS, link_tokens)
+        out = _blend(engine, ids, options)
+    want = _reference_blend(fp32, ids, SEGMENTS, options)
     assert torch.allclose(out.first_logits, want, atol=1e-4, rtol=1e-4), float((out.first_logits - want).abs().max())
 
 

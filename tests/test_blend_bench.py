@@ -27,6 +27,7 @@ def test_blend_bench_rows_shares_and_exact_legolink(tmp_path, monkeypatch):
     assert shares == sorted(set(shares)) and shares[-1] == 1.0  # strictly increasing in k; whole passages: all
     assert rows["naive"]["recomputed_share"] < rows["cacheblend-0.15"]["recomputed_share"] < 1.0
     assert rows["cacheblend-0.15"]["check_layer"] == 0 and rows["legolink-8"]["check_layer"] is None
+    assert rows["cacheblend-0.15"]["score"] == "weighted" and rows["legolink-8"]["score"] is None
     exact = rows[f"legolink-{PASSAGE}"]
     assert exact["first_token_agreement"] == 1.0 and exact["kl_mean"] == 0.0 and exact["leading_equal"] == 4
     assert rows["full"]["kl_mean"] == 0.0 and rows["prefix"]["n"] == 1

@@ -54,9 +54,9 @@ def test_documents_are_found_by_their_ids_in_order_and_only_aligned():
 
 
 @pytest.mark.parametrize("bad", [dict(mode="x"), dict(link_tokens=-1), dict(link_tokens=True), dict(ratio=1.5),
-                                 dict(check_layer=-1)])
+                                 dict(check_layer=-1), dict(score="attention")])
 def test_options_are_checked(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"blend {next(iter(bad))}"):
         BlendOptions(**bad)
 
 

@@ -218,7 +218,8 @@ class EngineOptions:
                          "turns it off or asks for other options; docs/blend.md)")
     blend_mode: str = option("legolink", STORE, "with --blend: what is recomputed besides the new tokens: the first "
                              "--blend-link-tokens of each document (legolink), the --blend-ratio share of loaded "
-                             "tokens whose keys deviate most at layer 2 (cacheblend), or nothing (naive)",
+                             "tokens whose keys deviate most at layer 2, weighed by the question's attention "
+                             "(cacheblend), or nothing (naive)",
                              choices=("legolink", "cacheblend", "naive"))
     blend_link_tokens: int = option(8, STORE, "legolink: leading tokens of each document recomputed",
                                     type=non_negative_int, metavar="K")

@@ -10,7 +10,10 @@ mask: the tokens no segment covers, and the tokens the mode picks:
   carries an attention sink of its own; static, so the plan is a function of the layout alone.
 - `cacheblend`: the share `ratio` of loaded tokens whose K at layer `check_layer`, computed afresh,
   deviates most from the loaded K (ties by position); the layers up to it are computed for every
-  token. The executor picks them (they depend on values); the plan names the static part only.
+  token. With `score` "weighted" (the default) each token's deviation is weighed by the attention
+  the prompt's last rows (the question after the last document) pay it in the layers past the
+  check, over the loaded state: a deviation the question never reads costs nothing. The executor
+  picks them (they depend on values); the plan names the static part only.
 - `naive`: nothing but the uncovered tokens (the floor a benchmark shows).
 
 With `link_tokens` at least a segment's length every token is recomputed, and the result is an
@@ -37,6 +40,11 @@ class BlendMode(str, enum.Enum):
     NAIVE = "naive"
 
 
+class BlendScore(str, enum.Enum):
+    WEIGHTED = "weighted"  # K deviation x the attention the prompt's last rows pay the token
+    DEVIATION = "deviation"  # K deviation alone (the CacheBlend paper's)
+
+
 @dataclass(frozen=True)
 class BlendOptions:
     """How one request blends (the engine's defaults, or a request's own)."""
@@ -47,6 +55,7 @@ class BlendOptions:
     link_tokens: int = 8
     ratio: float = 0.15  # cacheblend: share of the loaded tokens recomputed
     check_layer: int = 2  # cacheblend: the layer whose K deviation picks them (docs/blend.md, "Results")
+    score: BlendScore | str = BlendScore.WEIGHTED  # cacheblend: the deviation alone or weighed by attention
 
     def __post_init__(self) -> None:
         try:
@@ -58,6 +67,10 @@ class BlendOptions:
             raise ValueError(f"blend link_tokens must be an integer in [0, {MAX_LINK_TOKENS}], got {self.link_tokens!r}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"blend ratio must be in [0, 1], got {self.ratio!r}")
+        try:
+            object.__setattr__(self, "score", BlendScore(self.score))
+        except ValueError:
+            raise ValueError(f"blend score {self.score!r}: use one of {', '.join(s.value for s in BlendScore)}") from None
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
             raise ValueError(f"blend check_layer must be a non-negative integer, got {self.check_layer!r}")
 
@@ -66,7 +79,7 @@ class BlendOptions:
         if mode is BlendMode.LEGOLINK:
             return f"legolink k={self.link_tokens}"
         if mode is BlendMode.CACHEBLEND:
-            return f"cacheblend r={self.ratio:g} at layer {self.check_layer}"
+            return f"cacheblend r={self.ratio:g} at layer {self.check_layer}, {BlendScore(self.score).value}"
         return "naive"
 
 

@@ -5,8 +5,9 @@ of bench/roofline.py, whose rates are measured in the same run).
 FLOPs count what each row runs: every layer's matmuls for each computed token (the LM head once,
 for the first token's logits) and attention's q.k and p.v over the keys before it. A blended
 row's computed tokens are its plan's runs and the prompt's last token; cacheblend's also the
-layers up to the check layer over the whole blended region, and its picked tokens (whose positions
-the engine does not report) at the loaded rows' mean number of keys.
+layers up to the check layer over the whole blended region, the uncovered tokens once more where
+the prompt's last rows weigh the deviations (their pass over the loaded state), and its picked
+tokens (whose positions the engine does not report) at the loaded rows' mean number of keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from kvtier.bench.roofline import Rates, shape_of
 from kvtier.models.llama import CausalLM
-from kvtier.planning.blend import BlendMode, BlendOptions, plan_blend
+from kvtier.planning.blend import BlendMode, BlendOptions, BlendScore, plan_blend
 
 Runs = Sequence[tuple[int, int]]
 
@@ -58,6 +59,8 @@ def row_flops(fm: FlopModel, ids: Sequence[int], spans: Runs, blend: BlendOption
     flops = fm.runs(runs) + fm.head_flops
     if BlendMode(blend.mode) is BlendMode.CACHEBLEND:
         flops += fm.runs([(0, n - 1)], layers=min(blend.check_layer, fm.layers - 1) + 1)
+        if BlendScore(blend.score) is BlendScore.WEIGHTED:
+            flops += fm.runs(plan.runs)
         picked = computed - sum(b - a for a, b in runs)
         loaded = plan.loaded
         rows = sum(b - a for a, b in loaded)

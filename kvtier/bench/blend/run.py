@@ -41,7 +41,7 @@ from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
 from kvtier.models.loading import LoadedModel, load_model
-from kvtier.planning.blend import BlendMode, BlendOptions
+from kvtier.planning.blend import BlendMode, BlendOptions, BlendScore
 
 PREFIX_SALT = "bench-prefix"  # the prefix row's own chains: the blended rows never see them
 
@@ -52,18 +52,19 @@ class RowSpec:
     blend: BlendOptions | None  # None: an exact row (full, prefix)
 
 
-def row_specs(link_tokens: Sequence[int], ratios: Sequence[float], check_layer: int) -> list[RowSpec]:
+def row_specs(link_tokens: Sequence[int], ratios: Sequence[float], check_layer: int, score: str) -> list[RowSpec]:
     return ([RowSpec("naive", BlendOptions(mode="naive"))]
             + [RowSpec(f"legolink-{k}", BlendOptions(link_tokens=k)) for k in link_tokens]
-            + [RowSpec(f"cacheblend-{r:g}", BlendOptions(mode="cacheblend", ratio=r, check_layer=check_layer))
+            + [RowSpec(f"cacheblend-{r:g}", BlendOptions(mode="cacheblend", ratio=r, check_layer=check_layer, score=score))
                for r in ratios])
 
 
-def disk_specs(check_layer: int) -> list[RowSpec]:
+def disk_specs(check_layer: int, score: str) -> list[RowSpec]:
     """The rows timed from a cold disk: full and the engine's default legolink and cacheblend."""
     d = BlendOptions()
     return [RowSpec("full", None), RowSpec(f"legolink-{d.link_tokens}", d),
-            RowSpec(f"cacheblend-{d.ratio:g}", BlendOptions(mode="cacheblend", ratio=d.ratio, check_layer=check_layer))]
+            RowSpec(f"cacheblend-{d.ratio:g}", BlendOptions(mode="cacheblend", ratio=d.ratio, check_layer=check_layer,
+                                                            score=score))]
 
 
 def _serve(engine: Engine, ids: Sequence[int], spans: Sequence[tuple[int, int]], params: SamplingParams,
@@ -202,7 +203,7 @@ def disk_pass(ctx: Context, prompts: Sequence[blend_data.Prompt]) -> tuple[list[
             engine.precompile(list(p.documents))
             engine.flush(600)
             full = None
-            for spec in disk_specs(ctx.args.check_layer):
+            for spec in disk_specs(ctx.args.check_layer, ctx.args.score):
                 drop_page_cache(root)
                 o = _blended(engine, p.ids, ctx.params, p.spans, spec.blend) if spec.blend else \
                     _serve(engine, p.ids, p.spans, ctx.params, blend=False, cache_prompt=False)
@@ -232,6 +233,7 @@ def summary_rows(records: Sequence[dict], disk: Sequence[dict], specs: Sequence[
         b = blends.get(name)
         row.update(mode=BlendMode(b.mode).value if b else name, link_tokens=b.link_tokens if b else None,
                    ratio=b.ratio if b else None, check_layer=b.check_layer if b and b.mode is BlendMode.CACHEBLEND else None,
+                   score=BlendScore(b.score).value if b and b.mode is BlendMode.CACHEBLEND else None,
                    ideal_s=_median([x["ideal_s"] for x in raw]),
                    ideal_read_s=_median([x["ideal_read_s"] for x in raw]),
                    ideal_compute_s=_median([x["ideal_compute_s"] for x in raw]))
@@ -257,7 +259,7 @@ def _prompts(loaded: LoadedModel, args: argparse.Namespace, synthetic: bool) -> 
 
 
 # What a resumed run must share with the run it continues, for their questions to be one sample.
-RESUME_KEYS = ("model", "dtype", "data", "offset", "max_tokens", "link_tokens", "ratios", "check_layer", "store",
+RESUME_KEYS = ("model", "dtype", "data", "offset", "max_tokens", "link_tokens", "ratios", "check_layer", "score", "store",
                "chunk_tokens", "passage_tokens", "seed", "synthetic")
 
 
@@ -330,7 +332,7 @@ def run(args: argparse.Namespace) -> dict | None:
     before = measure(device, loaded.dtype, repeats)
     ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module),
                   SamplingParams(max_tokens=args.max_tokens, temperature=0.0, first_logits=True))
-    specs = row_specs(args.link_tokens, args.ratios, args.check_layer)
+    specs = row_specs(args.link_tokens, args.ratios, args.check_layer, args.score)
     records, disk, disk_bw = resumed(args, synthetic) if args.resume else ([], [], None)
     if records or disk:
         print(f"resuming {args.json}: {len(records)} questions and {len(disk)} cold-disk rows kept", flush=True)

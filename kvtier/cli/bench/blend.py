@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvtier.cli.bench.options import Target, add_bench_options, add_command, add_dtype_argument, float_list, int_list
 from kvtier.cli.engine_args import non_negative_int
 from kvtier.cli.options import option
-from kvtier.planning.blend import BlendOptions
+from kvtier.planning.blend import BlendOptions, BlendScore
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class BlendBenchOptions:
                                  "recomputed (comma list; default: 0.05,0.15,0.3)", type=float_list)
     check_layer: int = option(BlendOptions().check_layer, "", "cacheblend rows: the layer whose keys' deviation picks "
                               "the tokens recomputed (default: %(default)s, the engine's)", type=non_negative_int)
+    score: str = option(BlendScore.WEIGHTED.value, "", "cacheblend rows: how the check layer's deviations pick the "
+                        "tokens: weighted (by the attention the prompt's last rows pay them) or deviation (alone); "
+                        "default: %(default)s, the engine's", choices=[s.value for s in BlendScore])
     store: str = option("memory:4GB", "", "the store the memory TTFT rows restore from")
     chunk_tokens: int = option(256, "", "tokens per stored chunk")
     disk_size: str = option("16GB", "", "the cold-disk store's capacity")

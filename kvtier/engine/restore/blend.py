@@ -7,7 +7,9 @@ blocks, on the restore worker.
    (segments.py); its rows outside the recomputed runs go to their new positions, K rotated by the
    position difference (`ModelRunner.shift_in`), hidden-state layers projected there.
 3. cacheblend only: the layers up to the check layer run for every blended token; the share of
-   loaded tokens whose fresh K deviates most from the loaded K there joins the recompute.
+   loaded tokens whose fresh K deviates most from the loaded K there joins the recompute (by
+   default each deviation weighed by the attention the prompt's last rows pay the token in the
+   later layers, from a pass of the rows no document covers over the loaded state: `_Probe`).
 4. The recomputed runs go through the layers in passes of at most `chunk_tokens` rows, in position
    order: a pass of one contiguous run is a runner step (the exact kernels: every token recomputed
    is an exact prefill), a pass of scattered runs goes through the layers as one (`_Scattered`:
@@ -39,9 +41,9 @@ from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
 from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
-from kvtier.models.attention import attention_at
+from kvtier.models.attention import attention_at, column_importance
 from kvtier.models.llama import LayerAttention
-from kvtier.planning.blend import BlendMode, BlendPlan, merged, pieces, subtract
+from kvtier.planning.blend import BlendMode, BlendPlan, BlendScore, merged, pieces, subtract
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Plan
 from kvtier.store.index import PrefixMatch
@@ -50,6 +52,10 @@ from kvtier.store.saving import PendingSave
 from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+
+# The prompt's last rows whose attention weighs cacheblend's deviations (the question after the
+# documents, in a RAG prompt).
+TAIL_QUERIES = 64
 
 
 @dataclass
@@ -164,6 +170,27 @@ class _Scattered(LayerAttention):
         if self.in_place is not None:
             return attention_at(q, kc[self.in_place], vc[self.in_place], self.at)
         return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.at)
+
+
+class _Probe(_Scattered):
+    """A naive blend's pass over the rows no document covers (so every key it reads is loaded,
+    exact or its own), summing, in the layers past `after`, the attention its last `queries` rows
+    (consecutive positions, ending the pass) pay each key before them."""
+
+    def __init__(self, runner: ModelRunner, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], end: int,
+                 queries: int, after: int) -> None:
+        super().__init__(runner, block_ids, runs, end, None)
+        self.queries, self.after = queries, after
+        self.first = self.at[-queries]  # the first querying row's position
+        self.paid = torch.zeros(self.first, dtype=torch.float32)  # [first] attention paid, summed
+
+    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = super().attend(li, h, q, k, v)  # writes this layer's K/V of the pass's rows first
+        if li > self.after:
+            kc = self.runner.k_cache[li]
+            keys = kc[self.in_place] if self.in_place is not None else kc.index_select(0, self.context)  # [end, kvh, hd]
+            self.paid += column_importance(q[-self.queries:], keys[: self.first], keys[self.first :]).sum(dim=0)
+        return out
 
 
 class BlendRestore(PreparedRestore):
@@ -411,7 +438,34 @@ class BlendRestore(PreparedRestore):
         if len(deviation) != -(-(b.end - lo) // self.chunk_tokens):
             raise RestoreMiss("the check layer's keys were not captured")
         dev = torch.cat([d.cpu() for d in deviation])  # [loaded positions], in position order
+        if b.options.score is BlendScore.WEIGHTED:
+            paid = self._tail_attention(check)
+            if paid is not None:
+                dev = dev * paid.index_select(0, positions)
         # Stable sort: equal deviations keep position order, so the choice is a function of the bits.
         order = torch.sort(dev, descending=True, stable=True).indices[:want]
         picked = positions.index_select(0, order).sort().values.tolist()
         return merged([(p, p + 1) for p in picked])
+
+    def _tail_attention(self, after: int) -> torch.Tensor | None:
+        """The rows no document covers go through every layer over the loaded state (a naive
+        blend; the recompute computes them again), in passes of at most `chunk_tokens` rows; the
+        attention the prompt's last rows after the last document (at most TAIL_QUERIES) pay each
+        earlier position in the layers past `after`, summed over heads -> [positions before them]
+        (None: no row follows the last document)."""
+        b = self.blend
+        tail = max(s.end for s in b.segments)
+        groups = pieces(b.runs, self.chunk_tokens)
+        if not groups or groups[-1][-1][1] != b.end or tail >= b.end:
+            return None
+        model = self.runner.model
+        probe = None
+        for group in groups:
+            last = group is groups[-1]
+            queries = min(TAIL_QUERIES, b.end - max(tail, group[-1][0])) if last else 0
+            probe = _Probe(self.runner, self.block_ids, group, b.end, queries, after) if last else \
+                _Scattered(self.runner, self.block_ids, group, b.end, None)
+            model.run_layers(model.embed(self.runner.upload(probe.ids(self.token_ids))), probe)
+            self._check_abort()
+        assert isinstance(probe, _Probe)
+        return probe.paid
