@@ -386,6 +386,23 @@ def test_the_blend_is_the_method_computed_independently(fp32, options):
     assert torch.allclose(out.first_logits, want, atol=1e-4, rtol=1e-4), float((out.first_logits - want).abs().max())
 
 
+def test_cacheblend_without_rows_after_the_last_document_picks_by_the_deviation_alone(fp32):
+    """No question follows the last document: nothing weighs the deviations, so the weighted
+    score picks what the deviation alone picks (and runs no extra pass)."""
+    ids, segments = _ids(fp32), ((20, 120), (125, N - 1))
+    outs = []
+    for score in ("weighted", "deviation"):
+        with _engine(fp32) as engine:
+            outs.append(_blend(engine, ids, BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1, score=score),
+                               segments=segments))
+    assert outs[0].restore.recomputed_tokens == outs[1].restore.recomputed_tokens
+    assert torch.equal(outs[0].first_logits, outs[1].first_logits)
+    with _engine(fp32) as engine:  # with a question after it, the weighting changes the picks
+        weighted = _blend(engine, ids, BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1))
+        alone = _blend(engine, ids, BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1, score="deviation"))
+    assert not torch.equal(weighted.first_logits, alone.first_logits)
+
+
 def test_the_llm_finds_its_precompiled_documents_in_a_text_prompt():
     from kvtier.llm import LLM
 
