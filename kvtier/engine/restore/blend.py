@@ -164,12 +164,16 @@ class _Scattered(LayerAttention):
         return h
 
     def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.runner.k_cache[li], self.runner.v_cache[li]  # [slots, kv_heads, hd]
-        kc.index_copy_(0, self.slots, k)
-        vc.index_copy_(0, self.slots, v)
+        self.runner.k_cache[li].index_copy_(0, self.slots, k)  # [slots, kv_heads, hd]
+        self.runner.v_cache[li].index_copy_(0, self.slots, v)
+        return attention_at(q, *self.context_kv(li), self.at)
+
+    def context_kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `li`'s K and V at the request's positions [0, end) -> 2 x [end, kv_heads, hd]."""
+        kc, vc = self.runner.k_cache[li], self.runner.v_cache[li]
         if self.in_place is not None:
-            return attention_at(q, kc[self.in_place], vc[self.in_place], self.at)
-        return attention_at(q, kc.index_select(0, self.context), vc.index_select(0, self.context), self.at)
+            return kc[self.in_place], vc[self.in_place]
+        return kc.index_select(0, self.context), vc.index_select(0, self.context)
 
 
 class _Probe(_Scattered):
@@ -187,8 +191,7 @@ class _Probe(_Scattered):
     def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = super().attend(li, h, q, k, v)  # writes this layer's K/V of the pass's rows first
         if li > self.after:
-            kc = self.runner.k_cache[li]
-            keys = kc[self.in_place] if self.in_place is not None else kc.index_select(0, self.context)  # [end, kvh, hd]
+            keys = self.context_kv(li)[0]  # [end, kv_heads, hd]
             self.paid += column_importance(q[-self.queries:], keys[: self.first], keys[self.first :]).sum(dim=0)
         return out
 
