@@ -374,13 +374,16 @@ def _reference_blend(model, ids, segments, options: BlendOptions) -> torch.Tenso
         return net.logits(layers(net.embed(torch.tensor(ids)[pos]), pos, k_all, v_all)[-1:])[0]
 
 
-@pytest.mark.parametrize("options", [BlendOptions(link_tokens=0), BlendOptions(link_tokens=8),
-                                     BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1),
-                                     BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1, score="deviation")],
-                         ids=["legolink-0", "legolink-8", "cacheblend-weighted", "cacheblend-deviation"])
-def test_the_blend_is_the_method_computed_independently(fp32, options):
+@pytest.mark.parametrize("options,rows", [(BlendOptions(link_tokens=0), 512), (BlendOptions(link_tokens=8), 512),
+                                          (BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1), 512),
+                                          (BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1), 16),
+                                          (BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1, score="deviation"), 512)],
+                         ids=["legolink-0", "legolink-8", "cacheblend-weighted", "cacheblend-weighted-16-row-passes",
+                              "cacheblend-deviation"])
+def test_the_blend_is_the_method_computed_independently(fp32, options, rows):
     ids = _ids(fp32)
     with _engine(fp32) as engine:
+        engine.link.restorer.compute_chunk_tokens = rows  # passes of at most `rows` rows (the probe's too)
         out = _blend(engine, ids, options)
     want = _reference_blend(fp32, ids, SEGMENTS, options)
     assert torch.allclose(out.first_logits, want, atol=1e-4, rtol=1e-4), float((out.first_logits - want).abs().max())

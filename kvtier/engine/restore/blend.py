@@ -177,9 +177,9 @@ class _Scattered(LayerAttention):
 
 
 class _Probe(_Scattered):
-    """A naive blend's pass over the rows no document covers (so every key it reads is loaded,
-    exact or its own), summing, in the layers past `after`, the attention its last `queries` rows
-    (consecutive positions, ending the pass) pay each key before them."""
+    """The last pass of a naive blend's rows (every key it reads is placed or computed before it),
+    summing, in the layers past `after`, the attention its last `queries` rows (consecutive
+    positions, ending the pass) pay each key before them."""
 
     def __init__(self, runner: ModelRunner, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], end: int,
                  queries: int, after: int) -> None:
@@ -445,30 +445,29 @@ class BlendRestore(PreparedRestore):
             paid = self._tail_attention(check)
             if paid is not None:
                 dev = dev * paid.index_select(0, positions)
-        # Stable sort: equal deviations keep position order, so the choice is a function of the bits.
+        # Stable sort: equal scores keep position order, so the choice is a function of the bits.
         order = torch.sort(dev, descending=True, stable=True).indices[:want]
         picked = positions.index_select(0, order).sort().values.tolist()
         return merged([(p, p + 1) for p in picked])
 
     def _tail_attention(self, after: int) -> torch.Tensor | None:
         """The rows no document covers go through every layer over the loaded state (a naive
-        blend; the recompute computes them again), in passes of at most `chunk_tokens` rows; the
-        attention the prompt's last rows after the last document (at most TAIL_QUERIES) pay each
-        earlier position in the layers past `after`, summed over heads -> [positions before them]
-        (None: no row follows the last document)."""
+        blend; the recompute computes them again), in passes of at most `chunk_tokens` rows, the
+        last of which holds the prompt's last rows after the last document (at most TAIL_QUERIES);
+        the attention those pay each earlier position in the layers past `after`, summed over
+        heads -> [positions before them] (None: no row follows the last document)."""
         b = self.blend
         tail = max(s.end for s in b.segments)
-        groups = pieces(b.runs, self.chunk_tokens)
-        if not groups or groups[-1][-1][1] != b.end or tail >= b.end:
+        if tail >= b.end:
             return None
+        first = b.end - min(TAIL_QUERIES, b.end - tail)  # [tail, end) is uncovered: one of the runs
+        groups = pieces(b.runs, self.chunk_tokens)
+        if groups[-1][0][0] > first:  # the querying rows would straddle two passes: one of their own
+            groups = pieces(subtract(b.runs, [(first, b.end)]), self.chunk_tokens) + [[(first, b.end)]]
+        *before, last = groups
+        probe = _Probe(self.runner, self.block_ids, last, b.end, b.end - first, after)
         model = self.runner.model
-        probe = None
-        for group in groups:
-            last = group is groups[-1]
-            queries = min(TAIL_QUERIES, b.end - max(tail, group[-1][0])) if last else 0
-            probe = _Probe(self.runner, self.block_ids, group, b.end, queries, after) if last else \
-                _Scattered(self.runner, self.block_ids, group, b.end, None)
-            model.run_layers(model.embed(self.runner.upload(probe.ids(self.token_ids))), probe)
+        for attention in [*(_Scattered(self.runner, self.block_ids, g, b.end, None) for g in before), probe]:
+            model.run_layers(model.embed(self.runner.upload(attention.ids(self.token_ids))), attention)
             self._check_abort()
-        assert isinstance(probe, _Probe)
         return probe.paid
