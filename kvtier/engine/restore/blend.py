@@ -166,7 +166,13 @@ class _Scattered(LayerAttention):
     def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.runner.k_cache[li].index_copy_(0, self.slots, k)  # [slots, kv_heads, hd]
         self.runner.v_cache[li].index_copy_(0, self.slots, v)
-        return attention_at(q, *self.context_kv(li), self.at)
+        keys, values = self.context_kv(li)
+        self.observe(li, q, keys)
+        return attention_at(q, keys, values, self.at)
+
+    def observe(self, li: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        """Layer `li`'s queries [m, heads, hd] and the request's keys [end, kv_heads, hd], this
+        pass's rows written: for a pass that scores what its rows attend to (none here)."""
 
     def context_kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `li`'s K and V at the request's positions [0, end) -> 2 x [end, kv_heads, hd]."""
@@ -188,12 +194,9 @@ class _Probe(_Scattered):
         self.first = self.at[-queries]  # the first querying row's position
         self.paid = torch.zeros(self.first, dtype=torch.float32)  # [first] attention paid, summed
 
-    def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = super().attend(li, h, q, k, v)  # writes this layer's K/V of the pass's rows first
+    def observe(self, li: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         if li > self.after:
-            keys = self.context_kv(li)[0]  # [end, kv_heads, hd]
             self.paid += column_importance(q[-self.queries:], keys[: self.first], keys[self.first :]).sum(dim=0)
-        return out
 
 
 class BlendRestore(PreparedRestore):
