@@ -3,6 +3,8 @@ checked against the standalone computation (and, keeping every token, against a 
 and approximate state never stored, published or restored as exact."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -54,8 +56,9 @@ def test_keeping_every_token_generates_what_a_no_store_engine_does(model, tmp_pa
     assert out.output_ids == want
 
 
-def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int]:
-    """Greedy tokens of the same restore run outside the engine: impress_prefill, then extend."""
+def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> tuple[list[int], list[float]]:
+    """Greedy tokens of the same restore run outside the engine (impress_prefill, then extend),
+    and each one's logprob."""
     reads = TokenReads(store, store.lookup(ids[:HIST]).chunks)
     rope = Rope(model.config, 4096, torch.float32)
     try:
@@ -63,26 +66,47 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> list[int
     finally:
         reads.close()
     cache = ReducedCache.of(kv)
-    out = [int(logits[-1].argmax())]
-    while len(out) < OUT:
-        out.append(int(extend(model.module, rope, cache, out[-1:])[-1].argmax()))
-    return out
+    out, lps, last = [], [], logits[-1]
+    while True:
+        out.append(int(last.argmax()))
+        lps.append(float(torch.log_softmax(last, dim=-1)[out[-1]]))
+        if len(out) == OUT:
+            return out, lps
+        last = extend(model.module, rope, cache, out[-1:])[-1]
 
 
 @pytest.mark.parametrize("options", [dict(unit="token", window=1, vote="majority"),
                                      dict(selection="h2o", unit="granule", window=1), {}],
                          ids=["paper", "h2o-granule", "defaults"])
-def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, options):
+def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, options, monkeypatch):
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
     config = ImpressConfig(ratio=0.25, **options)
     with Engine(model, store=f"disk:{tmp_path}/d:256MB", reuse=ReuseConfig(method="impress", chunk_tokens=CHUNK, impress=config)) as engine:
-        out = engine.generate([ids], GREEDY)[0]
+        runs = _step_runs(engine, monkeypatch)
+        out = engine.generate([ids], replace(GREEDY, logprobs=0))[0]
         policy = ImpressPolicy(ratio=0.25, selection=Selection(config.selection.value), window=config.window,
                                block=16 if config.unit.value == "granule" else 1, vote=config.vote)
-        want = _standalone(model, engine.link.store, ids, policy)
+        want, want_lps = _standalone(model, engine.link.store, ids, policy)
     assert out.restore is not None and out.restore.prefix_attended == HIST // 4
     assert out.output_ids == want
+    assert [lp.logprob for lp in out.logprobs] == want_lps  # the same bits, not only the same argmax
+    # The restore computed and placed every new token but the last: the request's steps compute
+    # the last prompt token, then one token at a time.
+    assert runs == [(HIST + NEW - 1 + i, 1) for i in range(OUT)]
+
+
+def _step_runs(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
+    """(start, tokens) of every run the engine's steps execute, appended as they run."""
+    runs: list[tuple[int, int]] = []
+    execute = engine.runner.execute
+
+    def recording(items, *args, **kwargs):
+        runs.extend((it.start, len(it.token_ids)) for it in items)
+        return execute(items, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", recording)
+    return runs
 
 
 def test_bad_importance_options_are_refused():

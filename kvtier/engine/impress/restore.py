@@ -48,6 +48,7 @@ class ImpressRestore(PreparedRestore):
         super().__init__(runner)
         self.plan, self.policy, self.store = plan, policy, store
         self.new_ids = list(token_ids[plan.history_tokens:])  # computed here; the last again by the step
+        self.placed_to = len(token_ids) - 1  # the request's step computes its last token only
         self.block_ids = list(block_ids)
         self.start = 0  # the request's slots are all rewritten (a failure recomputes from its start)
         self.chose: LossyChoice | None = None

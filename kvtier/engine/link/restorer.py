@@ -259,7 +259,8 @@ class Restorer:
                 done.append(RestoreDone(rid, None, {}, 0, job.aborted))
                 continue
             self.attached[rid] = job
-            done.append(RestoreDone(rid, job.plan.history_tokens, job.order.tier_tokens, job.plan.attach_tokens, False))
+            placed = job.plan.history_tokens if job.restore.placed_to is None else job.restore.placed_to
+            done.append(RestoreDone(rid, placed, job.order.tier_tokens, job.plan.attach_tokens, False))
         return done
 
     def hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:

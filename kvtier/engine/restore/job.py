@@ -21,6 +21,9 @@ class LossyChoice:
 
 class RestoreJob(Protocol):
     start: int  # the first position it writes: a failure recomputes from here
+    # Where its request's computed state ends once it is placed, where that is past the plan's
+    # history (an importance restore computes the new tokens but the last); None: the history's end.
+    placed_to: int | None
 
     @property
     def chose(self) -> LossyChoice | None:

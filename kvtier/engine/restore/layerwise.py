@@ -283,6 +283,7 @@ class Restore:
 
     chose = None  # (RestoreJob) an exact restore chooses no tokens
     blended = None  # (RestoreJob) nor blends
+    placed_to: int | None = None  # (RestoreJob) its state ends where the plan's history does
 
     def __init__(self, plan: Plan, store: TieredStore, runner: ModelRunner, token_ids: Sequence[int],
                  block_ids: Sequence[int], start: int = 0, source: Sequence[int] | None = None,

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class PreparedRestore(abc.ABC):
+    placed_to: int | None = None  # (RestoreJob)
     # Failures of what was read (a miss); anything else is also a miss, but logged as a fault.
     misses: tuple[type[BaseException], ...] = (RestoreMiss, OSError, ValueError)
 
