@@ -97,3 +97,15 @@ def test_fast_inexact_is_refused_outside_the_accuracy_mode():
 
     with pytest.raises(SystemExit, match="--fast-inexact applies to --mode accuracy only"):
         main(["bench", "impress", "--mode", "ttft", "--fast-inexact"])
+
+
+def test_an_unknown_ttft_row_is_refused_with_the_names_before_any_work(monkeypatch):
+    from kvtier.bench.impress import run
+    from kvtier.cli.main import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the rows were checked")
+
+    monkeypatch.setattr(run, "load_model", no_model)
+    with pytest.raises(SystemExit, match=f"--methods: unknown impress-sum-g-w17 .*{default_kind()}"):
+        main(["bench", "impress", "--mode", "ttft", "--methods", f"kv,impress-sum-g-w17,{default_kind()}"])

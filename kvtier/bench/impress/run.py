@@ -95,6 +95,10 @@ def _throttled(spec: str, bw: str) -> str:
 
 
 def cmd_ttft(args: argparse.Namespace) -> dict:
+    engine_rows = _engine_rows()
+    rows_wanted = {m.strip() for m in args.methods.split(",") if m.strip()} if args.methods else set(engine_rows) | {"read"}
+    if unknown := sorted(rows_wanted - set(engine_rows) - {"read"}):
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join([*engine_rows, 'read'])})")
     loaded = load_model(args.model, dtype=args.dtype)
     hist, new = args.history, args.new
     ids = _history(loaded, hist + new)
@@ -104,8 +108,6 @@ def cmd_ttft(args: argparse.Namespace) -> dict:
     for method in ("kv", "impress"):
         _engine_ttft(loaded, base, ids[:hist], args.ratio, EngineRow(method))
     rows: list[dict] = []
-    engine_rows = _engine_rows()
-    rows_wanted = set(args.methods.split(",")) if args.methods else set(engine_rows) | {"read"}
     rope = Rope(loaded.config, hist + new + 64, loaded.dtype)
     reads_of = {"read:full": ImpressPolicy(selection=Selection.FULL),
                 f"read:h2o@{args.ratio:g}": ImpressPolicy(ratio=args.ratio, selection=Selection.H2O),

@@ -39,9 +39,9 @@ class ImpressBenchOptions:
     windows: str = option("1,17", "", "accuracy: pooling windows in tokens (odd; 1: none) of the importance rows "
                           "(default: %(default)s)")
     layer_slopes: str = option("", "", "accuracy: per-layer budgets for the defaults' rows, a slope s each (layer l of "
-                               "L keeps ratio * (1 + s * (1 - 2l / (L - 1))): early layers more, late less, the "
-                               "same bytes); rows named like the defaults' with -s<slope>; comma-separated in "
-                               "[0, 1) (default: none)")
+                               "L keeps ratio * (1 + s * (1 - 2l / (L - 1))): with s > 0 early layers more, late less; "
+                               "with s < 0 the reverse; the same bytes); rows named like the defaults' with "
+                               "-s<slope>; comma-separated in (-1, 1) (default: none)")
     layer_windows: str = option("", "", "accuracy: the defaults' rows with each unit's score max-pooled over the "
                                 "last w layers (this one and the w - 1 before it; the same bytes); rows named like "
                                 "the defaults' with -L<w>; comma-separated integers >= 2 (default: none)")
@@ -59,8 +59,8 @@ class ImpressBenchOptions:
     bandwidths: str = option("none,500,100,20", "", "ttft: emulated disk bandwidths in MB/s")
     repeats: int = option(3, "", "ttft: timed runs per row (default: %(default)s)")
     methods: str | None = option(None, "", "ttft: only these rows (comma-separated: recompute, kv, cake, impress, "
-                                 "impress-g, the defaults' impress-sum-g-w17, auto-lossy, auto-lossy-g, "
-                                 "auto-lossy-impress-sum-g-w17, read) (default: all)")
+                                 "impress-g, the defaults' probes-sum-g-w17, auto-lossy, auto-lossy-g, "
+                                 "auto-lossy-probes-sum-g-w17, read) (default: all)")
     bandwidth: str = option("100", "", "reorder: emulated disk bandwidth in MB/s (or none)")
     warm: int = option(4, "", "reorder: queries that feed the importance statistics")
     queries: int = option(4, "", "reorder: held-out queries timed before and after")
