@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> dict:
         slopes = [float(x) for x in args.layer_slopes.split(",") if x.strip()]
     except ValueError as e:
         raise SystemExit(f"--layer-slopes: {e}") from None
-    if bad_slopes := [x for x in slopes if not 0.0 <= x < 1.0]:
-        raise SystemExit(f"--layer-slopes: {bad_slopes} (each in [0, 1))")
+    if bad_slopes := [x for x in slopes if not -1.0 < x < 1.0]:
+        raise SystemExit(f"--layer-slopes: {bad_slopes} (each in (-1, 1))")
     try:
         layer_windows = [int(x) for x in args.layer_windows.split(",") if x.strip()]
     except ValueError as e:

@@ -50,9 +50,10 @@ class ImpressPolicy:
     # what a probe at those KV heads would choose. None: every head.
     score_kv_heads: tuple[int, ...] | None = None
     # A per-layer budget (an ablation): layer l of L keeps ratio * (1 + slope * (1 - 2l / (L - 1)))
-    # of the prefix, so early layers keep more and late ones less at the same bytes in all. 0: every
-    # layer keeps the same share, which the engine's pool needs (a request's slots are equal across
-    # layers); the engine restores with 0 only.
+    # of the prefix, so with slope > 0 early layers keep more and late ones less, with slope < 0 the
+    # reverse, at the same bytes in all. 0: every layer keeps the same share, which the engine's
+    # pool needs (a request's slots are equal across layers); the engine restores with 0 only.
+    # Either sign lost answers and raised the KL (docs/impress.md).
     layer_slope: float = 0.0
     # Layers a unit's score is pooled over (1: its own layer only): a layer ranks each unit by the
     # highest share of the probes' attention it got in this layer and the `layer_window - 1` before
@@ -70,8 +71,8 @@ class ImpressPolicy:
             raise ValueError(f"vote must be majority or sum, got {self.vote!r}")
         if self.block < 1:
             raise ValueError(f"block must be >= 1 token, got {self.block}")
-        if not 0.0 <= self.layer_slope < 1.0:
-            raise ValueError(f"layer slope must be in [0, 1), got {self.layer_slope}")
+        if not -1.0 < self.layer_slope < 1.0:
+            raise ValueError(f"layer slope must be in (-1, 1), got {self.layer_slope}")
         if isinstance(self.layer_window, bool) or not isinstance(self.layer_window, int) or self.layer_window < 1:
             raise ValueError(f"layer window must be an integer >= 1, got {self.layer_window!r}")
         if self.layer_window > 1 and (self.selection not in (Selection.IMPRESS, Selection.PROBES) or self.vote != "sum"):
