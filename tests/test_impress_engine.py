@@ -60,7 +60,7 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> tuple[li
     """Greedy tokens of the same restore run outside the engine (impress_prefill, then extend),
     and each one's logprob."""
     reads = TokenReads(store, store.lookup(ids[:HIST]).chunks)
-    rope = Rope(model.config, 4096, torch.float32)
+    rope = Rope(model.config, 4096, model.dtype)
     try:
         logits, kv, _ = impress_prefill(model.module, rope, reads, ids[HIST:], policy)
     finally:
@@ -75,10 +75,17 @@ def _standalone(model, store, ids: list[int], policy: ImpressPolicy) -> tuple[li
         last = extend(model.module, rope, cache, out[-1:])[-1]
 
 
-@pytest.mark.parametrize("options", [dict(unit="token", window=1, vote="majority"),
-                                     dict(selection="h2o", unit="granule", window=1), {}],
-                         ids=["paper", "h2o-granule", "defaults"])
-def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(model, tmp_path, options, monkeypatch):
+@pytest.fixture(scope="module")
+def bf16_model():
+    return load_model("tiny-gqa", dtype="bf16", tokenizer=False)
+
+
+@pytest.mark.parametrize("options,dtype", [(dict(unit="token", window=1, vote="majority"), "fp32"),
+                                           (dict(selection="h2o", unit="granule", window=1), "fp32"),
+                                           ({}, "fp32"), ({}, "bf16")],
+                         ids=["paper", "h2o-granule", "defaults", "defaults-bf16"])
+def test_a_quarter_of_the_prefix_decodes_as_the_standalone_restore_does(request, tmp_path, options, dtype, monkeypatch):
+    model = request.getfixturevalue("model" if dtype == "fp32" else "bf16_model")
     ids = _ids(model, HIST + NEW, seed=12)
     _turn_one(model, tmp_path, ids)
     config = ImpressConfig(ratio=0.25, **options)
