@@ -35,6 +35,7 @@ from kvtier.bench.impress.goals import accuracy_goals, default_kind, kind_name, 
 from kvtier.bench.impress.harness import ANSWER_TOKENS, Bench, Tally, continuation_logprob, greedy, kl, nll
 from kvtier.bench.impress.haystack_task import HAYSTACK_TASK, run_haystacks, slice_table
 from kvtier.bench.impress.layout import CHUNK, namespace
+from kvtier.bench.impress.oracle import oracle_kind, oracle_variants
 from kvtier.bench.stats import wilson
 from kvtier.bench.tasks import WORDS, NeedleItem, RetrievalItem, needle_items, retrieval_items
 from kvtier.engine.config import ImpressConfig
@@ -60,7 +61,7 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
     defaults) or summing their importance (impress-sum), the probes' sum without the
     threshold's fallback (probes-sum), and H2O over every key; at 0.25
     the probes without the threshold, each KV head's query heads as the only scorers, and the
-    blind references."""
+    blind references; per ratio the oracles (oracle.py, the haystacks task only)."""
     out = {"full": ImpressPolicy(selection=Selection.FULL)}
     for r in ratios:
         for w in windows:
@@ -77,6 +78,7 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
             out[f"{default_kind()}-s{slope:g}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_slope=slope)
         for lw in layer_windows:  # the defaults with scores pooled over the last lw layers (an ablation)
             out[f"{default_kind()}-L{lw}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_window=lw)
+    out |= oracle_variants(ratios, granule, ImpressConfig().window)
     out["probes@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.PROBES)
     for j in range(3):  # which KV head's query heads would make a good probe (every key read)
         out[f"h2o-kv{j}@0.25"] = ImpressPolicy(ratio=0.25, selection=Selection.H2O, score_kv_heads=(j,))
@@ -173,6 +175,8 @@ def run(args: argparse.Namespace) -> dict:
         if missing := [v for v in wanted if v not in vs]:
             raise SystemExit(f"--variants: no such rows {missing} (with --ratios {args.ratios} --windows {args.windows})")
         vs = {k: vs[k] for k in wanted}
+        if (oracles := [v for v in wanted if oracle_kind(v)]) and set(tasks) - {HAYSTACK_TASK}:
+            raise SystemExit(f"--variants {oracles}: the oracles read the haystacks task's answers (use --tasks haystacks)")
     hay_lengths = tuple(int(x) for x in args.haystack_lengths.split(","))
     rope = Rope(loaded.config, max(lengths + hay_lengths) * 2 + 512, loaded.dtype)
     ns = namespace(loaded, args.granule_tokens, args.probe_kv_heads, args.probe_first)
@@ -182,17 +186,17 @@ def run(args: argparse.Namespace) -> dict:
     with TieredStore.open("memory:8GB", ns, chunk_tokens=CHUNK) as store:
         bench = Bench(loaded, tok, rope, store)
         for task in tasks:
-            tallies = {name: Tally() for name in vs}
             if task == HAYSTACK_TASK:
                 rows += run_haystacks(bench, _haystack_items(tok, args, hay_lengths), vs, _checkpoint(args, rows))
                 continue
+            tallies = {name: Tally() for name in vs if not oracle_kind(name)}
             if task == "choice":
                 for needle in tqdm(needle_items(tok, args.n, lengths, seed=args.seed), desc="multiple choice", unit="item"):
-                    _choice(bench, needle, vs, tallies)
+                    _choice(bench, needle, {k: vs[k] for k in tallies}, tallies)
             else:
                 for fact in tqdm(retrieval_items(tok, args.n_retrieval, lengths, seed=args.seed), desc="retrieval",
                                  unit="item"):
-                    _retrieval(bench, fact, vs, tallies)
+                    _retrieval(bench, fact, {k: vs[k] for k in tallies}, tallies)
             rows += _rows(task, tallies)
     return dict(rows=rows, goals=accuracy_goals(rows), lengths=list(lengths),
                 probe_kv_heads=ns.probe_kv_heads, probe_first=list(ns.probe_first))

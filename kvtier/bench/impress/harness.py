@@ -114,10 +114,11 @@ class Bench:
         match = self.store.lookup(ids)
         return match, ids[match.num_tokens:]
 
-    def restore(self, match, new: list[int], policy: ImpressPolicy) -> tuple[torch.Tensor, ReducedCache, ImpressStats]:
+    def restore(self, match, new: list[int], policy: ImpressPolicy,
+                given: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ReducedCache, ImpressStats]:
         reads = TokenReads(self.store, match.chunks)
         try:
-            logits, reduced, st = impress_prefill(self.loaded.module, self.rope, reads, new, policy)
+            logits, reduced, st = impress_prefill(self.loaded.module, self.rope, reads, new, policy, given)
         finally:
             reads.close()
         return logits, ReducedCache.of(reduced), st

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvtier.bench.haystacks import HaystackItem
 from kvtier.bench.impress.harness import ANSWER_TOKENS, Bench, Tally, greedy, kl
+from kvtier.bench.impress.oracle import FullAttention, full_attention, oracle_kind
 from kvtier.bench.stats import wilson
 from kvtier.engine.impress.policy import ImpressPolicy
 
@@ -31,14 +32,22 @@ def _value_kept(kept: Sequence[torch.Tensor], span: tuple[int, int]) -> list[flo
 
 
 def haystack_item(bench: Bench, item: HaystackItem, vs: dict[str, ImpressPolicy], tallies: dict[str, Tally]) -> None:
-    """Every row's restore of one item, asked its question."""
+    """Every row's restore of one item, asked its question (full KV first: the oracles read its attention)."""
     match, tail = bench.store_document(item.prefix_ids)
     new, q = tail + item.query_ids, len(item.query_ids)
-    full = None
+    full: torch.Tensor | None = None
+    seen: FullAttention | None = None
+    oracles = any(oracle_kind(name) for name in vs)
     try:
         for name, policy in vs.items():
-            logits, cache, st = bench.restore(match, new, policy)
-            answer = bench.tok.decode(greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop))
+            kind = oracle_kind(name)
+            given = None if kind is None or seen is None else seen.sets(kind, policy)
+            logits, cache, st = bench.restore(match, new, policy, given)
+            prefix = ([k[: st.prefix_tokens] for k in cache.k], [v[: st.prefix_tokens] for v in cache.v])
+            ids = greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop)
+            if full is None and oracles:  # full KV's attention while it reads the prefix and answers
+                seen = full_attention(bench.loaded.module, bench.rope, *prefix, new, ids)
+            answer = bench.tok.decode(ids)
             full = logits if full is None else full
             t = tallies[name]
             t.correct.append(int(item.correct(answer)))

@@ -50,7 +50,9 @@ class ImpressBenchOptions:
                                  "heads, else 3)")
     probe_first: int = option(-1, "", "accuracy: the first probe KV head of every layer (default -1: the engine's "
                               "calibrated choice per layer)")
-    variants: str | None = option(None, "", "accuracy: only these rows (comma-separated names; full is always run)")
+    variants: str | None = option(None, "", "accuracy: only these rows (comma-separated names; full is always run; "
+                                  "oracle-answer-g-w17@R and oracle-question-g-w17@R, haystacks only: the granules "
+                                  "full KV's own attention reads most, the bound on any selection at ratio R)")
     granule_tokens: int = option(16, "", "accuracy: rows per verified granule in the importance layout (what a "
                                  "partial read rounds to)")
     history: int = option(8128, "", "ttft: stored history tokens")

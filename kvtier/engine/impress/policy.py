@@ -5,7 +5,8 @@ queries attend to (importance.py and select.py choose it per layer; prefill.py c
 The policy fixes the share kept, the threshold's exponent and the selection variant; whether a
 layer's probes agree is then a function of the data, not a new decision. Variants for the
 ablation (`Selection`): the full prefix (exact: the oracle for the mechanics), H2O over every key,
-probes without the threshold, and the blind references (random, recent).
+probes without the threshold, the blind references (random, recent), and sets the caller gives
+(what an oracle would keep: the bound on any selection at a ratio).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Selection(str, enum.Enum):
     FULL = "full"  # the whole prefix (exact)
     RANDOM = "random"  # k tokens at random (a blind reference)
     RECENT = "recent"  # the last k tokens (a blind reference)
+    GIVEN = "given"  # per-layer sets chosen by the caller (the benchmark's oracle bounds); no engine option
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class ImpressPolicy:
     @property
     def unit(self) -> int:
         """Tokens per selection unit (the blind selections pick single tokens)."""
-        return self.block if self.selection in (Selection.IMPRESS, Selection.PROBES, Selection.H2O) else 1
+        return self.block if self.selection in (Selection.IMPRESS, Selection.PROBES, Selection.H2O, Selection.GIVEN) else 1
 
     def layer_ratio(self, layer: int, layers: int) -> float:
         """The share layer `layer` of `layers` keeps (`ratio` in each where the slope is 0)."""

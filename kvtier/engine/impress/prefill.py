@@ -61,7 +61,7 @@ class Choice:
 
 # Selection -> the ImportanceAttention method that chooses a layer's kept tokens.
 _CHOOSERS = {Selection.IMPRESS: "_impress", Selection.PROBES: "_probes", Selection.H2O: "_h2o",
-             Selection.FULL: "_full", Selection.RANDOM: "_blind", Selection.RECENT: "_blind"}
+             Selection.FULL: "_full", Selection.RANDOM: "_blind", Selection.RECENT: "_blind", Selection.GIVEN: "_given"}
 
 
 class ImportanceAttention(LayerAttention):
@@ -70,7 +70,7 @@ class ImportanceAttention(LayerAttention):
 
     def __init__(self, cfg: ModelConfig, policy: ImpressPolicy, reads: TimedReads, probes: dict[int, torch.Tensor],
                  stats: ImpressStats, cos: torch.Tensor, sin: torch.Tensor, probe_first: Sequence[int],
-                 probe_count: int, kernels: Kernels) -> None:
+                 probe_count: int, kernels: Kernels, given: Sequence[torch.Tensor] | None = None) -> None:
         m, layers = stats.prefix_tokens, cfg.num_layers
         self.kernels = kernels
         g = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
@@ -87,6 +87,12 @@ class ImportanceAttention(LayerAttention):
         # By name, not a bound method: this object holding its own method would be a reference
         # cycle, and the reads it holds (with their store) would wait for a garbage collection.
         self._chooser = _CHOOSERS[policy.selection]
+        if (policy.selection is Selection.GIVEN) != (given is not None):
+            raise ValueError("the given selection needs a set per layer, and only it takes them")
+        if given is not None:
+            if len(given) != layers or any(s.shape != (self.kept[li],) for li, s in enumerate(given)):
+                raise ValueError(f"given sets: one per layer ({layers}), each of the {self.kept[0]} tokens the policy keeps")
+        self.given = given
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +148,11 @@ class ImportanceAttention(LayerAttention):
         """The whole prefix (exact): read as whole segments."""
         return Choice(torch.arange(self.stats.prefix_tokens))
 
+    def _given(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
+        """The caller's set for the layer (an oracle's)."""
+        assert self.given is not None
+        return Choice(self.given[li])
+
     def _blind(self, li: int, q: torch.Tensor, kn: torch.Tensor) -> Choice:
         """RANDOM and RECENT: k tokens without looking at the queries."""
         return Choice(self._identify(lambda: blind_selection(self.policy, self.stats.prefix_tokens, self.kept[li])))
@@ -149,9 +160,11 @@ class ImportanceAttention(LayerAttention):
 
 @torch.inference_mode()
 def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Sequence[int],
-                    policy: ImpressPolicy) -> tuple[torch.Tensor, CompactKV, ImpressStats]:
+                    policy: ImpressPolicy, given: Sequence[torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, CompactKV, ImpressStats]:
     """Compute `new_ids` after the stored prefix `reads` opens, keeping per layer only the tokens
-    `policy` selects. -> (fp32 logits [new, vocab], each layer's compact K/V, stats)."""
+    `policy` selects (`given`: with `Selection.GIVEN`, each layer's set [kept] ascending).
+    -> (fp32 logits [new, vocab], each layer's compact K/V, stats)."""
     t0 = time.perf_counter()
     m, n = reads.tokens, len(new_ids)
     layers = model.cfg.num_layers
@@ -161,7 +174,7 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     dev = rope.cos_h.device
     cos, sin = rope.halves(torch.arange(m, m + n, device=dev))  # [n, 1, hd/2]: the new rows follow the prefix
     attention = ImportanceAttention(model.cfg, policy, timed, probes, stats, cos, sin,
-                                    reads.ns.probe_first, reads.ns.probe_kv_heads, model.kernels)
+                                    reads.ns.probe_first, reads.ns.probe_kv_heads, model.kernels, given)
     h = model.run_layers(model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev)), attention)
     timed.report()
     stats.seconds = time.perf_counter() - t0
