@@ -1,6 +1,6 @@
 """The haystacks task's oracle rows: full KV's attention over the prefix (against HF transformers'
 attention weights), the granules it ranks first, and a restore of given sets (against the
-selection that chose them)."""
+selection that chose them); and the merge ablation's stand-ins (against the stored rows' means)."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,36 @@ def test_a_restore_of_given_sets_equals_the_selection_that_chose_them(bench):
                 impress_prefill(bench.loaded.module, bench.rope, reads, new, policy, sets)
         finally:
             reads.close()
+    bench.store.discard(bench.store.keys_for(ids))
+
+
+def test_merging_puts_each_dropped_granules_mean_kv_in_its_place(bench):
+    rng = random.Random(2)
+    ids = [rng.randrange(3, 1000) for _ in range(200)]  # 12 whole granules and 8 trailing tokens
+    match, tail = bench.store_document(ids)
+    new = tail + [rng.randrange(3, 1000) for _ in range(6)]
+    m, n = match.num_tokens, len(new)
+    _, full_kv, _ = bench.restore(match, new, ImpressPolicy(selection=Selection.FULL))
+    defaults = ImpressPolicy.of(ImpressConfig(ratio=0.25))
+    logits, kv, st = bench.restore(match, new, defaults)
+    _, merged, mst = bench.restore(match, new, replace(defaults, merge=True))
+    assert merged.rope_offset == 0 and kv.rope_offset == m - st.kept_tokens
+    for li, kept in enumerate(mst.kept):
+        assert torch.equal(kept, st.kept[li])  # the same choice, probes first
+        k = len(kept)
+        assert merged.k[li].shape[0] == m + n
+        assert torch.equal(merged.k[li][:k], kv.k[li][:k]) and torch.equal(merged.v[li][:k], kv.v[li][:k])
+        units = sorted(set(range(m // 16)) - set((kept[kept < m // 16 * 16] // 16).tolist()))
+        for full, got in ((full_kv.k[li], merged.k[li]), (full_kv.v[li], merged.v[li])):
+            want = torch.stack([full[u * 16:(u + 1) * 16].float().mean(0) for u in units]).to(full.dtype)
+            assert torch.equal(got[k:m], want.repeat_interleave(16, dim=0))
+    # Nothing dropped, nothing merged: the same bits as the restore without it.
+    whole = ImpressPolicy.of(ImpressConfig(ratio=1.0))
+    a, akv, _ = bench.restore(match, new, whole)
+    b, bkv, _ = bench.restore(match, new, replace(whole, merge=True))
+    assert torch.equal(a, b) and akv.rope_offset == bkv.rope_offset == 0
+    with pytest.raises(ValueError, match="block >= 2"):
+        ImpressPolicy(block=1, merge=True)
     bench.store.discard(bench.store.keys_for(ids))
 
 

@@ -76,6 +76,8 @@ def variants(ratios: Sequence[float], windows: Sequence[int], granule: int = PRO
         out[f"{default_kind()}@{r:g}"] = ImpressPolicy.of(ImpressConfig(ratio=r))  # the engine's defaults
         for slope in slopes:  # the defaults with a per-layer budget (an ablation the engine's pool cannot hold)
             out[f"{default_kind()}-s{slope:g}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_slope=slope)
+        # The defaults with each unit not kept standing in by its mean K and V (an ablation).
+        out[f"{default_kind()}-merge@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), merge=True)
         for lw in layer_windows:  # the defaults with scores pooled over the last lw layers (an ablation)
             out[f"{default_kind()}-L{lw}@{r:g}"] = replace(ImpressPolicy.of(ImpressConfig(ratio=r)), layer_window=lw)
     out |= oracle_variants(ratios, granule, ImpressConfig().window)

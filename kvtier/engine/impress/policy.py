@@ -63,6 +63,10 @@ class ImpressPolicy:
     # Earlier layers only: a layer's choice is made before the layers after it run. An ablation:
     # it lost more answers than the layer's own scores (docs/impress.md), so no engine option sets it.
     layer_window: int = 1
+    # Each whole unit not kept stands in by its tokens' mean K and mean V, counted once per token
+    # (an ablation: the restore reads every row to form them, where a store would keep the means
+    # at save; no engine option sets it).
+    merge: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -80,6 +84,8 @@ class ImpressPolicy:
         if self.layer_window > 1 and (self.selection not in (Selection.IMPRESS, Selection.PROBES) or self.vote != "sum"):
             raise ValueError("a layer window pools the probes' summed importance: it needs the impress or probes "
                              "selection with vote sum")
+        if self.merge and (self.unit < 2 or self.selection is Selection.FULL):
+            raise ValueError("merging the units not kept needs whole units of several tokens (block >= 2)")
         if self.window < 1 or self.window % 2 == 0:
             raise ValueError(f"importance window must be an odd number of tokens >= 1, got {self.window}")
 

@@ -103,11 +103,26 @@ class ImportanceAttention(LayerAttention):
         choice: Choice = getattr(self, self._chooser)(li, q, kn)
         st.kept.append(choice.kept)
         k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, self.kept[li] == st.prefix_tokens)
+        if self.policy.merge:
+            k_kept, v_kept = (torch.cat(pair) for pair in zip((k_kept, v_kept), self._merged(li, choice.kept)))
         kc = torch.cat([k_kept.to(kn.device, kn.dtype), kn])  # [k + n, kv_heads, hd]
         vc = torch.cat([v_kept.to(vn.device, vn.dtype), vn])
         self.k.append(kc)
         self.v.append(vc)
-        return causal_attention(q, kc, vc, self.kept[li], self.kernels)  # the new rows start after the kept slots
+        return causal_attention(q, kc, vc, k_kept.shape[0], self.kernels)  # the new rows start after the prefix's slots
+
+    def _merged(self, li: int, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The units a layer did not keep, each as its tokens' mean K and V repeated once per token
+        (a softmax over u equal slots weighs one by u). -> K, V [dropped units * unit, kv_heads, hd]."""
+        u = self.units[li]
+        dropped = torch.ones(u.count, dtype=torch.bool)
+        dropped[kept[kept < u.count * u.unit] // u.unit] = False
+
+        def means(x: torch.Tensor) -> torch.Tensor:  # [m, kv_heads, hd] -> [dropped * unit, kv_heads, hd]
+            whole = x[: u.count * u.unit].float().reshape(u.count, u.unit, *x.shape[1:])
+            return whole.mean(1)[dropped.to(x.device)].to(x.dtype).repeat_interleave(u.unit, dim=0)
+
+        return means(self.reads.keys(li)), means(self.reads.values(li))
 
     def _identify(self, compute: Callable[[], T]) -> T:
         t = time.perf_counter()
@@ -178,6 +193,6 @@ def impress_prefill(model: CausalLM, rope: Rope, reads: TokenReads, new_ids: Seq
     h = model.run_layers(model.embed(torch.tensor(list(new_ids), dtype=torch.long, device=dev)), attention)
     timed.report()
     stats.seconds = time.perf_counter() - t0
-    # RoPE position = slot + offset, counted in the first layer's slots (with a slope, each layer
-    # has its own count of kept slots before the same new tokens).
-    return model.logits(h), CompactKV(attention.k, attention.v, m - attention.kept[0]), stats
+    # RoPE position = slot + offset, counted in the first layer's prefix slots (with a slope, each
+    # layer has its own count of kept slots before the same new tokens).
+    return model.logits(h), CompactKV(attention.k, attention.v, m - (attention.k[0].shape[0] - n)), stats

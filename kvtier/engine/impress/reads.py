@@ -35,6 +35,10 @@ class TimedReads:
         """Every prefix key of a layer [m, kv_heads, hd]."""
         return self._timed(lambda: self.reads.whole(layer, "k"))
 
+    def values(self, layer: int) -> torch.Tensor:
+        """Every prefix value of a layer [m, kv_heads, hd]."""
+        return self._timed(lambda: self.reads.whole(layer, "v"))
+
     def kept_kv(self, layer: int, kept: torch.Tensor, keys: torch.Tensor | None,
                 every: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [k, kv_heads, hd] of the kept tokens `kept` [k] of a layer; `keys`: the layer's
