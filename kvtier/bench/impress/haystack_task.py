@@ -43,8 +43,8 @@ def haystack_item(bench: Bench, item: HaystackItem, vs: dict[str, ImpressPolicy]
             kind = oracle_kind(name)
             given = None if kind is None or seen is None else seen.sets(kind, policy)
             logits, cache, st = bench.restore(match, new, policy, given)
-            prefix = ([k[: st.prefix_tokens] for k in cache.k], [v[: st.prefix_tokens] for v in cache.v])
-            ids = greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop)
+            prefix = [k[: st.prefix_tokens] for k in cache.k], [v[: st.prefix_tokens] for v in cache.v]
+            ids = greedy(bench.loaded, bench.rope, cache, logits[-1], ANSWER_TOKENS, bench.stop)  # extends cache
             if full is None and oracles:  # full KV's attention while it reads the prefix and answers
                 seen = full_attention(bench.loaded.module, bench.rope, *prefix, new, ids)
             answer = bench.tok.decode(ids)

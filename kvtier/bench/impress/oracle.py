@@ -10,7 +10,7 @@ question  every new row (the chat turn and the question): H2O's scorer over the 
           every layer, with full KV's hidden states rather than the restore's own.
 
 A selection of the same size that loses more than the answer oracle has its scorer to blame; where
-the answer oracle loses too, the ratio itself is the bound.
+the answer oracle loses as much, the share kept is the likelier bound than the scorer.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class ImpressBenchOptions:
                               "calibrated choice per layer)")
     variants: str | None = option(None, "", "accuracy: only these rows (comma-separated names; full is always run; "
                                   "oracle-answer-g-w17@R and oracle-question-g-w17@R, haystacks only: the granules "
-                                  "full KV's own attention reads most, the bound on any selection at ratio R)")
+                                  "full KV's own attention reads most at ratio R, a bound for rankings by attention)")
     granule_tokens: int = option(16, "", "accuracy: rows per verified granule in the importance layout (what a "
                                  "partial read rounds to)")
     history: int = option(8128, "", "ttft: stored history tokens")

@@ -6,7 +6,7 @@ The policy fixes the share kept, the threshold's exponent and the selection vari
 layer's probes agree is then a function of the data, not a new decision. Variants for the
 ablation (`Selection`): the full prefix (exact: the oracle for the mechanics), H2O over every key,
 probes without the threshold, the blind references (random, recent), and sets the caller gives
-(what an oracle would keep: the bound on any selection at a ratio).
+(what an oracle would keep: a bound for the rankings by attention at a ratio).
 """
 
 from __future__ import annotations
