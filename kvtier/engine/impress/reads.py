@@ -45,7 +45,7 @@ class TimedReads:
         every key where choosing read them already; `every`: the layer keeps the whole prefix."""
         if every:  # whole segments
             k = keys if keys is not None else self.keys(layer)
-            return k, self._timed(lambda: self.reads.whole(layer, "v"))
+            return k, self.values(layer)
         if keys is not None:  # the keys are here already (fallback, H2O): the kept values
             return keys.index_select(0, kept), self._timed(lambda: self.reads.rows(layer, "v", kept))
         got = self._timed(lambda: self.reads.rows_of(layer, ("k", "v"), kept))  # one pass over the chunks
