@@ -52,3 +52,29 @@ def test_the_rows_per_piece_change_no_row_beyond_rounding():
     for rows in (1, 16, 64):
         outs.append(attention_at(q, k, v, positions, rows=rows))
     assert torch.allclose(outs[0], outs[1], atol=1e-5) and torch.allclose(outs[0], outs[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masks_built_once_give_the_bits_of_a_boolean_mask_per_call(dtype):
+    """A pass builds each piece's additive mask once for every layer: the same bits as SDPA called
+    with the boolean causal mask of the piece, as it would be per layer."""
+    import torch.nn.functional as F
+
+    from kvtier.models.attention import ScatteredRows
+
+    torch.manual_seed(2)
+    ctx = 900
+    positions = [*range(5, 13), *range(300, 340), 611, *range(870, 900)]
+    k, v = (torch.randn(ctx, 3, 64).to(dtype) for _ in range(2))
+    q = torch.randn(len(positions), 9, 64).to(dtype)
+    rows = ScatteredRows.of(positions, dtype, q.device, rows=32)
+    assert [(a, e) for a, e, _ in rows.pieces] == [(0, 32), (32, 64), (64, len(positions))]
+    at = torch.tensor(positions)
+    expected = []
+    for a, e, n in rows.pieces:
+        mask = torch.arange(n)[None, :] <= at[a:e, None]  # [rows, keys]: a key at or before the row's position
+        expected.append(F.scaled_dot_product_attention(
+            q[a:e].transpose(0, 1)[None], k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None],
+            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    for _ in range(2):  # the masks are reused, not consumed
+        assert torch.equal(rows.attend(q, k, v), torch.cat(expected))

@@ -108,11 +108,12 @@ def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, option
         assert out.output_ids == alone.output_ids
 
 
-def test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(fp32):
-    """The scattered pass reads its keys in place where the request's blocks are consecutive in
-    the pool, else gathers them: a pool that cut the request at every block gives the same bits."""
-    ids = _ids(fp32)
-    with _engine(fp32) as engine:
+def test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(model):
+    """Where the request's blocks are consecutive in the pool, the scattered pass reads its keys in
+    place and the loaded rows are rotated straight into their slots; else both are gathered and
+    scattered: a pool that cut the request at every block gives the same bits (fp32 and bf16)."""
+    ids = _ids(model)
+    with _engine(model) as engine:
         whole = _blend(engine, ids)
         runner, bs = engine.runner, engine.runner.block_size
         # The same slots, cut into one run per block (every user of the runs reads them as given).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -72,25 +73,48 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     return out[0].transpose(0, 1)  # [n, heads, hd]
 
 
+@dataclass(frozen=True)
+class ScatteredRows:
+    """Queries at ascending prompt positions, each to attend to the keys at or before its own: cut
+    into pieces of consecutive rows, each piece over the keys up to its last row's position (no
+    work past it), with its additive mask (0 at or before a row's position, -inf after: the values
+    SDPA makes of a boolean mask, so the same bits) built once for every layer of a pass."""
+
+    pieces: tuple[tuple[int, int, int], ...]  # (first row, end row, keys the piece sees)
+    masks: tuple[torch.Tensor, ...]  # per piece [rows, keys] in the queries' dtype
+
+    @staticmethod
+    def of(positions: Sequence[int], dtype: torch.dtype, device: torch.device, rows: int = 64) -> ScatteredRows:
+        at = torch.as_tensor(list(positions), device=device)
+        pieces, masks = [], []
+        for a in range(0, len(positions), rows):
+            e = min(a + rows, len(positions))
+            n = int(positions[e - 1]) + 1
+            seen = torch.arange(n, device=device)[None, :] <= at[a:e, None]  # [r, n]
+            pieces.append((a, e, n))
+            masks.append(torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf")))
+        return ScatteredRows(tuple(pieces), tuple(masks))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [m, heads, hd] at the positions, k/v [ctx, kv_heads, hd] at positions [0, ctx) ->
+        [m, heads, hd]; the bits depend on these rows and keys alone, never on a batch."""
+        kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, kv_heads, ctx, hd]
+        gqa = q.shape[1] != k.shape[1]
+        out = []
+        with _eager_backends(q):
+            for (a, e, n), mask in zip(self.pieces, self.masks):
+                qh = q[a:e].transpose(0, 1).unsqueeze(0)  # [1, heads, r, hd]
+                out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
+                                                          enable_gqa=gqa)[0].transpose(0, 1))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+
 def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int],
                  rows: int = 64) -> torch.Tensor:
     """Queries at ascending positions attend to the keys at or before their own: q [m, heads, hd]
     at `positions` (m ints), k/v [ctx, kv_heads, hd] at positions [0, ctx). Queries go `rows` at a
-    time, each piece over the keys up to its last position only (bounded scores, no work past
-    it); the bits depend on these rows and keys alone, never on a batch. -> [m, heads, hd]."""
-    kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, kv_heads, ctx, hd]
-    at = torch.as_tensor(list(positions), device=k.device)
-    keys = torch.arange(k.shape[0], device=k.device)
-    gqa = q.shape[1] != k.shape[1]
-    out = []
-    with _eager_backends(q):
-        for a in range(0, q.shape[0], rows):
-            n = int(positions[min(a + rows, q.shape[0]) - 1]) + 1  # keys this piece can see
-            qh = q[a : a + rows].transpose(0, 1).unsqueeze(0)  # [1, heads, r, hd]
-            mask = keys[None, :n] <= at[a : a + rows, None]  # [r, n]
-            out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
-                                                      enable_gqa=gqa)[0].transpose(0, 1))
-    return torch.cat(out) if len(out) > 1 else out[0]
+    time (`ScatteredRows`; a pass through many layers builds that once). -> [m, heads, hd]."""
+    return ScatteredRows.of(positions, q.dtype, q.device, rows).attend(q, k, v)
 
 
 def column_importance(q: torch.Tensor, k_prefix: torch.Tensor, k_own: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
 from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
-from kvtier.models.attention import attention_at, column_importance
+from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
 from kvtier.planning.blend import BlendMode, BlendPlan, BlendScore, merged, pieces, subtract
 from kvtier.planning.costs import READ_GROUP_LAYERS
@@ -73,13 +73,13 @@ class BlendStats:
 @dataclass(frozen=True)
 class _Source:
     """Rows [`rows`] of one stored or computed state placed at prompt `positions` (pool `slots`),
-    K rotated by `shift` more positions (0 for the exact part); `layer(l)` gives layer l's parts."""
+    K rotated by `shift` more positions (None: the exact part, K as stored); `layer(l)` gives layer l's parts."""
 
     layer: Callable[[int], Parts]
-    rows: torch.Tensor | None  # [n] rows of the state to place (None: all of them, in order)
-    slots: torch.Tensor  # [n]
+    rows: torch.Tensor | slice | None  # [n] rows of the state to place (a slice: consecutive; None: all, in order)
+    slots: torch.Tensor | slice  # [n] (a slice where consecutive in the pool: placed in place)
     positions: torch.Tensor  # [n] prompt positions
-    shift: torch.Tensor  # [n] new position - stored position
+    shift: torch.Tensor | None  # [1] new position - stored position, the same for every row (None: 0)
 
 
 class _LoadFailed(RestoreMiss):
@@ -135,7 +135,7 @@ class _Loader:
 class _Scattered(LayerAttention):
     """The recomputed runs of a blend as one pass through the layers: their rows at their own
     positions, each layer's K/V written to the request's slots first, then every row attends to
-    the request's keys at or before its position (`attention_at`). Only this request's rows and
+    the request's keys at or before its position (`ScatteredRows`). Only this request's rows and
     keys enter it, so its bits do not depend on what else the engine runs."""
 
     def __init__(self, runner: ModelRunner, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], end: int,
@@ -150,6 +150,7 @@ class _Scattered(LayerAttention):
         whole = runner.slot_runs(block_ids, 0, end)
         self.in_place = slice(whole[0].slot, whole[0].slot + end) if len(whole) == 1 else None
         self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
+        self.pieces = ScatteredRows.of(self.at, runner.k_cache.dtype, runner.device)  # every layer's masks, built once
 
     def ids(self, token_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor([token_ids[p] for p in self.positions.tolist()], dtype=torch.long)
@@ -168,7 +169,7 @@ class _Scattered(LayerAttention):
         self.runner.v_cache[li].index_copy_(0, self.slots, v)
         keys, values = self.context_kv(li)
         self.observe(li, q, keys)
-        return attention_at(q, keys, values, self.at)
+        return self.pieces.attend(q, keys, values)
 
     def observe(self, li: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         """Layer `li`'s queries [m, heads, hd] and the request's keys [end, kv_heads, hd], this
@@ -364,8 +365,7 @@ class BlendRestore(PreparedRestore):
         dev, dtype = self.runner.device, self.runner.k_cache.dtype
         by_layer = [tuple(torch.cat(parts[li][p]).to(dev, dtype) if parts[li][p] else None for p in ("k", "v", "h"))
                     for li in range(n)]
-        positions = torch.arange(b.start, b.exact_end)
-        return self._source(lambda li: cast(Parts, by_layer[li]), None, positions, torch.zeros_like(positions))
+        return self._source(lambda li: cast(Parts, by_layer[li]), None, [(b.start, b.exact_end)], 0)
 
     def _rows_of(self, position: int, n: int) -> list[tuple[int, int]]:
         """The spans of prompt positions of a segment of `n` tokens at `position` that the plan loads."""
@@ -381,16 +381,21 @@ class BlendRestore(PreparedRestore):
     def _segment_source(self, position: int, n: int, layer: Callable[[int], Parts]) -> _Source:
         """A segment of `n` tokens at `position`: the rows of it the plan loads."""
         spans = self._rows_of(position, n)
-        rows = torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans else torch.zeros(0, dtype=torch.long)
+        rows: torch.Tensor | slice = slice(spans[0][0] - position, spans[0][1] - position) if len(spans) == 1 else \
+            self.runner.upload(torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans
+                               else torch.zeros(0, dtype=torch.long))
         # Stored K is rotated at offset + row: moved to position + row.
-        return self._source(layer, self.runner.upload(rows), rows + position,
-                            torch.full_like(rows, position - self.states.offset))
+        return self._source(layer, rows, spans, position - self.states.offset)
 
-    def _source(self, layer: Callable[[int], Parts], rows: torch.Tensor | None, positions: torch.Tensor,
-                shift: torch.Tensor) -> _Source:
-        slots = self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions)
+    def _source(self, layer: Callable[[int], Parts], rows: torch.Tensor | slice | None,
+                spans: Sequence[tuple[int, int]], shift: int) -> _Source:
+        """The rows of a state placed at the prompt positions `spans`, K rotated by `shift` more."""
         up = self.runner.upload
-        return _Source(layer, rows, up(slots), up(positions), up(shift))
+        positions = torch.cat([torch.arange(a, e) for a, e in spans]) if spans else torch.zeros(0, dtype=torch.long)
+        runs = self.runner.slot_runs(self.block_ids, *spans[0]) if len(spans) == 1 else []
+        slots = slice(runs[0].slot, runs[0].slot + runs[0].length) if len(runs) == 1 else \
+            up(self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions))
+        return _Source(layer, rows, slots, up(positions), up(torch.tensor([shift])) if shift else None)
 
     def _check_abort(self) -> None:
         if self._error is not None:  # aborted meanwhile: stop at the next layer
@@ -401,10 +406,12 @@ class BlendRestore(PreparedRestore):
         self._check_abort()
         runner = self.runner
         for src in self._sources:
-            if not src.slots.numel():
+            if not src.positions.numel():
                 continue
             k, v, h = src.layer(li)
-            if src.rows is not None:
+            if isinstance(src.rows, slice):
+                k, v, h = (None if t is None else t[src.rows] for t in (k, v, h))
+            elif src.rows is not None:
                 k, v, h = (None if t is None else t.index_select(0, src.rows) for t in (k, v, h))
             if self.layout[li] is Repr.HIDDEN:
                 assert h is not None  # the reads checked every layer's part

@@ -299,23 +299,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def project_in(self, layer: int, h: torch.Tensor, positions: torch.Tensor | tuple[int, int],
-                   slots: torch.Tensor) -> None:
+                   slots: torch.Tensor | slice) -> None:
         """Rebuild K/V of `layer` from stored layer inputs h [n, hidden], rotate K at
-        `positions` (a tensor, or a (start, end) span) and write both into the pool at `slots`.
-        h and the index tensors are on the pool's device."""
+        `positions` (a tensor, or a (start, end) span) and write both into the pool at `slots`
+        (an index tensor, or a slice where they are consecutive). h and the index tensors are on
+        the pool's device."""
         k, v = self.model.layers[layer].kv(h.to(self.k_cache.dtype))  # [n, kv_heads, hd] before RoPE
         cos, sin = self.rope.span(*positions) if isinstance(positions, tuple) else self.rope.halves(positions)
-        self.k_cache[layer].index_copy_(0, slots, rotate_into(k, cos, sin, torch.empty_like(k)))
-        self.v_cache[layer].index_copy_(0, slots, v)
+        self._write(layer, slots, k, v, cos, sin)
 
     @torch.inference_mode()
-    def shift_in(self, layer: int, k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor, slots: torch.Tensor) -> None:
-        """Place stored K rotated by `shift` more positions (context truncation moved its tokens)."""
-        cos, sin = self.rope.delta(shift)
-        k = k.to(self.k_cache.dtype)
-        self.k_cache[layer].index_copy_(0, slots, rotate_into(k, cos, sin, torch.empty_like(k)))
-        self.v_cache[layer].index_copy_(0, slots, v.to(self.v_cache.dtype))
+    def shift_in(self, layer: int, k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor | None,
+                 slots: torch.Tensor | slice) -> None:
+        """Place stored K rotated by `shift` more positions (context truncation or a blend moved its
+        tokens): [n] per row, or [1] for every row; None: K as stored. `slots`: an index tensor, or
+        a slice where they are consecutive (written in place, no scatter)."""
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+        self._write(layer, slots, k, v, *(self.rope.delta(shift) if shift is not None else (None, None)))
 
+    def _write(self, layer: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
+               cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
+        """K (rotated by cos/sin [n or 1, 1, hd/2] unless None) and V [n, kv_heads, hd] into the pool."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if isinstance(slots, slice):  # consecutive slots: rotate straight into the pool's rows
+            if cos is None or sin is None:
+                kc[slots].copy_(k)
+            else:
+                rotate_into(k, cos, sin, kc[slots])
+            vc[slots].copy_(v)
+            return
+        kc.index_copy_(0, slots, k if cos is None or sin is None else rotate_into(k, cos, sin, torch.empty_like(k)))
+        vc.index_copy_(0, slots, v)
 
 
 class StepAttention(LayerAttention):
