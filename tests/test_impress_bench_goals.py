@@ -41,3 +41,20 @@ def test_the_haystacks_goal_judges_the_worst_slice_against_full_kv():
     assert quarter["slice"] == "haystack=table" and abs(quarter["value"] - 8.0) < 1e-9 and quarter["met"] is False
     assert half["slice"] == "haystack=table" and abs(half["value"] - 2.0) < 1e-9 and half["met"] is True
 
+
+
+def test_a_slice_exactly_five_points_down_is_within_five_points():
+    """3 of 60 items is 5 points: the float difference of the shares (0.55 - 0.50) lies a hair
+    above 5, and must not fail the goal; 4 of 60 does."""
+    from kvtier.bench.impress.goals import accuracy_goals, default_kind
+
+    def row(name: str, correct: int) -> dict:
+        return dict(task="haystacks", variant=name, accuracy=correct / 60, bytes_vs_full=0.4,
+                    by_slice={"length=1024": dict(accuracy=correct / 60)})
+
+    kind = default_kind()
+    assert (33 / 60 - 30 / 60) * 100 > 5.0  # the float hair the goal must round away
+    for lost, met in ((3, True), (4, False)):
+        rows = [row("full", 33), row(f"{kind}@0.25", 33 - lost), row(f"{kind}@0.5", 33)]
+        quarter = next(g for g in accuracy_goals(rows) if "every slice" in g["goal"] and "0.25" in g["goal"])
+        assert quarter["met"] is met and abs(quarter["value"] - lost * 100 / 60) < 1e-9

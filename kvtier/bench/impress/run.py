@@ -25,6 +25,7 @@ from kvtier.bench.impress import admission as impress_admission
 from kvtier.bench.impress import reorder as impress_reorder
 from kvtier.bench.impress.goals import default_kind, ttft_goals
 from kvtier.bench.impress.layout import CHUNK, namespace
+from kvtier.bench.impress.pooled import pool
 from kvtier.bench.report import pyplot, save_figure
 from kvtier.engine.config import ImportanceSelection, ImportanceUnit, ImpressConfig
 from kvtier.engine.impress.policy import PROBE_GRANULE_TOKENS, ImpressPolicy, ImpressStats, Selection
@@ -219,6 +220,22 @@ def _plot(doc: dict, mode: str, path: str) -> None:
 def cmd(args: argparse.Namespace) -> int:
     import json
 
+    if args.pool:  # earlier runs on other seeds, pooled
+        if args.replot:
+            raise SystemExit("--pool and --replot: give one (--pool draws its figure with --plot)")
+        names = [p for p in args.pool.split(",") if p]
+        try:
+            doc = pool([json.loads(Path(p).read_text()) for p in names], names)
+        except (OSError, ValueError) as e:  # an unreadable file, bad JSON, or runs that do not pool
+            raise SystemExit(f"--pool: {e}") from None
+        doc.update(args=vars(args) | {"func": None})
+        print(f"pooled seeds {doc['seeds']}")
+        print(_table(doc, "accuracy"))
+        if args.json:
+            write_json_atomic(args.json, doc)
+        if args.plot:
+            _plot(doc, "accuracy", args.plot)
+        return 0
     if args.replot:  # a figure from an earlier run's JSON
         doc = json.loads(Path(args.replot).read_text())
         _plot(doc, doc["mode"], args.plot or str(Path(args.replot).with_suffix(".png")))

@@ -80,6 +80,9 @@ class ImpressBenchOptions:
     json: str | None = option(None, "", "rows, goals and the run's settings as JSON")
     plot: str | None = option(None, "", "PNG of the mode's figure")
     replot: str | None = option(None, "", "only draw the figure of an earlier run's JSON", metavar="JSON")
+    pool: str | None = option(None, "", "only pool earlier accuracy runs' haystacks rows (comma-separated JSON files "
+                              "of runs alike but for --seed): each row's items summed, overall and per slice, and "
+                              "the goals judged on the pool; written with --json, drawn with --plot", metavar="JSONS")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
