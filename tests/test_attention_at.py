@@ -55,7 +55,7 @@ def test_the_rows_per_piece_change_no_row_beyond_rounding():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masks_built_once_give_the_bits_of_a_boolean_mask_per_call(dtype):
+def test_masks_built_once_give_the_bits_of_a_boolean_mask_per_call(dtype, monkeypatch):
     """A pass builds each piece's additive mask once for every layer: the same bits as SDPA called
     with the boolean causal mask of the piece, as it would be per layer."""
     import torch.nn.functional as F
@@ -78,3 +78,8 @@ def test_masks_built_once_give_the_bits_of_a_boolean_mask_per_call(dtype):
             attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
     for _ in range(2):  # the masks are reused, not consumed
         assert torch.equal(rows.attend(q, k, v), torch.cat(expected))
+    # Past the cache's bound each call builds its masks: the same bits.
+    monkeypatch.setattr("kvtier.models.attention.MASK_CACHE_BYTES", 1024)
+    uncached = ScatteredRows.of(positions, dtype, q.device, rows=32)
+    assert uncached.masks is None and rows.masks is not None
+    assert torch.equal(uncached.attend(q, k, v), torch.cat(expected))

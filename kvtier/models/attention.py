@@ -73,27 +73,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     return out[0].transpose(0, 1)  # [n, heads, hd]
 
 
+# Above this many bytes of masks a pass builds each piece's mask per layer instead of keeping them
+# all (a pass holds at most a restore chunk's rows, but over a long context each piece is wide).
+MASK_CACHE_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class ScatteredRows:
     """Queries at ascending prompt positions, each to attend to the keys at or before its own: cut
     into pieces of consecutive rows, each piece over the keys up to its last row's position (no
     work past it), with its additive mask (0 at or before a row's position, -inf after: the values
-    SDPA makes of a boolean mask, so the same bits) built once for every layer of a pass."""
+    SDPA makes of a boolean mask, so the same bits), built once for every layer of a pass where
+    they fit in MASK_CACHE_BYTES."""
 
+    at: torch.Tensor  # [m] the rows' positions
     pieces: tuple[tuple[int, int, int], ...]  # (first row, end row, keys the piece sees)
-    masks: tuple[torch.Tensor, ...]  # per piece [rows, keys] in the queries' dtype
+    dtype: torch.dtype
+    masks: tuple[torch.Tensor, ...] | None  # per piece [rows, keys] in the queries' dtype (None: built per call)
 
     @staticmethod
     def of(positions: Sequence[int], dtype: torch.dtype, device: torch.device, rows: int = 64) -> ScatteredRows:
         at = torch.as_tensor(list(positions), device=device)
-        pieces, masks = [], []
-        for a in range(0, len(positions), rows):
-            e = min(a + rows, len(positions))
-            n = int(positions[e - 1]) + 1
-            seen = torch.arange(n, device=device)[None, :] <= at[a:e, None]  # [r, n]
-            pieces.append((a, e, n))
-            masks.append(torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf")))
-        return ScatteredRows(tuple(pieces), tuple(masks))
+        pieces = tuple((a, min(a + rows, len(positions)), int(positions[min(a + rows, len(positions)) - 1]) + 1)
+                       for a in range(0, len(positions), rows))
+        out = ScatteredRows(at, pieces, dtype, None)
+        if sum((e - a) * n for a, e, n in pieces) * dtype.itemsize > MASK_CACHE_BYTES:
+            return out
+        return ScatteredRows(at, pieces, dtype, tuple(out.mask(i) for i in range(len(pieces))))
+
+    def mask(self, i: int) -> torch.Tensor:
+        """Piece i's additive mask [rows, keys]."""
+        a, e, n = self.pieces[i]
+        seen = torch.arange(n, device=self.at.device)[None, :] <= self.at[a:e, None]  # [r, n]
+        return torch.zeros(seen.shape, dtype=self.dtype, device=self.at.device).masked_fill_(~seen, float("-inf"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [m, heads, hd] at the positions, k/v [ctx, kv_heads, hd] at positions [0, ctx) ->
@@ -102,7 +114,8 @@ class ScatteredRows:
         gqa = q.shape[1] != k.shape[1]
         out = []
         with _eager_backends(q):
-            for (a, e, n), mask in zip(self.pieces, self.masks):
+            for i, (a, e, n) in enumerate(self.pieces):
+                mask = self.masks[i] if self.masks is not None else self.mask(i)
                 qh = q[a:e].transpose(0, 1).unsqueeze(0)  # [1, heads, r, hd]
                 out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
                                                           enable_gqa=gqa)[0].transpose(0, 1))
