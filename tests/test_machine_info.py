@@ -17,7 +17,7 @@ def test_the_cpu_id_is_the_first_processors_family_and_model(tmp_path, monkeypat
         return info if p == "/proc/cpuinfo" else real(p, *a)
 
     monkeypatch.setattr(common, "Path", fake)
-    assert common._cpu_id() == "family 25 model 17"
+    assert common._cpu_id(common._cpuinfo()) == "family 25 model 17"
     info.write_text("processor\t: 0\nmodel name\t: some CPU\n")  # no family line (not x86): nothing made up
-    assert common._cpu_id() is None
+    assert common._cpu_id(common._cpuinfo()) is None
     assert common.machine_info()["cpu_id"] is None

@@ -96,9 +96,8 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _cpu_id() -> str | None:
-    """"family F model M" from /proc/cpuinfo: the brand string of a cloud CPU ("AMD EPYC") does
-    not tell its generations apart (family 25 model 17 is a Zen 4, family 26 a Zen 5)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -107,26 +106,23 @@ def _cpu_id() -> str | None:
             key, _, value = line.partition(":")
             fields[key.strip()] = value.strip()
     except OSError:
-        return None
+        pass
+    return fields
+
+
+def _cpu_id(fields: dict[str, str]) -> str | None:
+    """"family F model M": the brand string of a cloud CPU ("AMD EPYC") does not tell its
+    generations apart (family 25 model 17 is a Zen 4, family 26 a Zen 5)."""
     family, model = fields.get("cpu family"), fields.get("model")
     return f"family {family} model {model}" if family and model else None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def machine_info() -> dict[str, Any]:
     """What a reader needs to judge the numbers: CPU, cores, native bf16, torch threads, load."""
-    flags = _cpu_flags()
+    cpuinfo = _cpuinfo()
+    flags = set(cpuinfo.get("flags", "").split())
     info: dict[str, Any] = dict(
-        cpu_model=_cpu_model(), cpu_id=_cpu_id(), cpu_count=os.cpu_count(),
+        cpu_model=_cpu_model(), cpu_id=_cpu_id(cpuinfo), cpu_count=os.cpu_count(),
         cpu_native_bf16=bool(flags & {"avx512_bf16", "amx_bf16"}),
         cpu_bf16_flags=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
         python=sys.version.split()[0], platform=platform.platform(),

@@ -60,10 +60,14 @@ def haystack_item(bench: Bench, item: HaystackItem, vs: dict[str, ImpressPolicy]
         bench.store.discard(bench.store.keys_for(item.prefix_ids))
 
 
+def accuracy_of(n: int, correct: int) -> dict:
+    """`correct` of `n` items: the count, the share and its Wilson 95% interval."""
+    lo, hi = wilson(correct, n)
+    return dict(n=n, correct=correct, accuracy=correct / n, ci95=[lo, hi])
+
+
 def _accuracy(correct: Sequence[int]) -> dict:
-    n, k = len(correct), sum(correct)
-    lo, hi = wilson(k, n)
-    return dict(n=n, correct=k, accuracy=k / n, ci95=[lo, hi])
+    return accuracy_of(len(correct), sum(correct))
 
 
 def _by_layer(rows: Sequence[list[float]]) -> list[float]:

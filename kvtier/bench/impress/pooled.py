@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.bench.impress.goals import accuracy_goals
-from kvtier.bench.impress.haystack_task import HAYSTACK_TASK
-from kvtier.bench.stats import wilson
+from kvtier.bench.impress.haystack_task import HAYSTACK_TASK, accuracy_of
 
 # The settings that make a run's items and rows; a pool needs them equal in every run but the seed.
 GRID = ("model", "dtype", "n_haystacks", "haystacks", "forms", "fact_counts", "haystack_lengths", "wiki_data",
@@ -23,11 +22,6 @@ MEANS = ("kl_mean", "bytes_vs_full", "layers_passed", "identify_share")
 
 class PoolError(ValueError):
     """The runs cannot be pooled (the message says why)."""
-
-
-def _counts(n: int, correct: int) -> dict:
-    lo, hi = wilson(correct, n)
-    return dict(n=n, correct=correct, accuracy=correct / n, ci95=[lo, hi])
 
 
 def _haystack_rows(doc: dict, name: str) -> list[dict]:
@@ -65,9 +59,9 @@ def pool(docs: Sequence[dict], names: Sequence[str]) -> dict:
         parts = [rows[i] for rows in runs]
         n = sum(r["n"] for r in parts)
         slices = list(dict.fromkeys(s for r in parts for s in r["by_slice"]))
-        by_slice = {s: _counts(sum(r["by_slice"].get(s, {}).get("n", 0) for r in parts),
+        by_slice = {s: accuracy_of(sum(r["by_slice"].get(s, {}).get("n", 0) for r in parts),
                                sum(r["by_slice"].get(s, {}).get("correct", 0) for r in parts)) for s in slices}
-        row = dict(task=HAYSTACK_TASK, variant=variant, **_counts(n, sum(r["correct"] for r in parts)),
+        row = dict(task=HAYSTACK_TASK, variant=variant, **accuracy_of(n, sum(r["correct"] for r in parts)),
                    by_slice=by_slice, lost=sum(r.get("lost", 0) for r in parts),
                    **{k: sum(r[k] * r["n"] for r in parts) / n for k in MEANS})
         out.append(row)

@@ -147,8 +147,7 @@ class _Scattered(LayerAttention):
         self.slots, self.context, self.dev_pos = (runner.upload(t) for t in (context.index_select(0, pos), context, pos))
         # Where the request's blocks lie consecutive in the pool, each layer reads its keys in place
         # (a view) instead of gathering every key of the context (the same values, so the same bits).
-        whole = runner.slot_runs(block_ids, 0, end)
-        self.in_place = slice(whole[0].slot, whole[0].slot + end) if len(whole) == 1 else None
+        self.in_place = runner.consecutive(block_ids, 0, end)
         self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
         self.pieces = ScatteredRows.of(self.at, runner.k_cache.dtype, runner.device)  # every layer's masks, built once
 
@@ -392,8 +391,8 @@ class BlendRestore(PreparedRestore):
         """The rows of a state placed at the prompt positions `spans`, K rotated by `shift` more."""
         up = self.runner.upload
         positions = torch.cat([torch.arange(a, e) for a, e in spans]) if spans else torch.zeros(0, dtype=torch.long)
-        runs = self.runner.slot_runs(self.block_ids, *spans[0]) if len(spans) == 1 else []
-        slots = slice(runs[0].slot, runs[0].slot + runs[0].length) if len(runs) == 1 else \
+        whole = self.runner.consecutive(self.block_ids, *spans[0]) if len(spans) == 1 else None
+        slots = whole if whole is not None else \
             up(self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions))
         return _Source(layer, rows, slots, up(positions), up(torch.tensor([shift])) if shift else None)
 

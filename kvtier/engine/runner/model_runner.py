@@ -132,11 +132,15 @@ class ModelRunner:
         """[start, end) cut where the request's blocks stop being consecutive in the pool."""
         return slot_runs(block_ids, start, end, self.block_size)
 
+    def consecutive(self, block_ids: Sequence[int], start: int, end: int) -> slice | None:
+        """The pool slots of positions [start, end) as one slice, where the request's blocks there
+        lie consecutive in the pool (read or written in place); else None."""
+        runs = self.slot_runs(block_ids, start, end)
+        return slice(runs[0].slot, runs[0].slot + end - start) if len(runs) == 1 else None
+
     def _context(self, block_ids: Sequence[int], end: int) -> range | torch.Tensor:
-        runs = self.slot_runs(block_ids, 0, end)
-        if len(runs) == 1:
-            return range(runs[0].slot, runs[0].slot + end)
-        return self.slots(block_ids, 0, end)
+        whole = self.consecutive(block_ids, 0, end)
+        return range(whole.start, whole.stop) if whole is not None else self.slots(block_ids, 0, end)
 
     # ----- one step ---------------------------------------------------------------------------
     def prepare(self, items: Sequence[RunItem]) -> StepBatch[Any]:
