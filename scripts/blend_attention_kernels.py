@@ -1,8 +1,9 @@
-"""The blended recompute's attention at its own shapes, two ways: CPU SDPA's fused flash kernel (what
-`attention_at` runs) against the same attention as GEMMs (HF transformers' eager attention: the
-query heads sharing a K/V head as the rows of one product, the softmax in fp32), for a few rows
-per piece. Rows at the positions of a LegoLink-8 plan over ten 606-token documents and a 28-token
-question (6,234 keys), the question alone (naive), and 930 scattered rows (CacheBlend's 15%).
+"""The blended recompute's attention at its own shapes, two ways: CPU SDPA's fused flash kernel
+against the same attention as GEMMs (`ScatteredRows` with the model's kernels where
+`scattered_gemm` picks them: bf16 on a CPU with native bf16; HF transformers' eager arithmetic,
+the query heads sharing a K/V head as the rows of one product), for 16, 32 and 64 rows per piece.
+Rows at the positions of a LegoLink-8 plan over ten 606-token documents and a 28-token question
+(6,234 keys), the question alone (naive), and 930 scattered rows (CacheBlend's 15%).
 
     python scripts/blend_attention_kernels.py [--repeats 9] [--json out/blend_attention_kernels.json]
 
@@ -15,38 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from kvtier.bench.common import machine_info
 from kvtier.bench.stats import median_of
-from kvtier.models.attention import attention_at
+from kvtier.models.attention import attention_at, scattered_gemm
+from kvtier.models.kernels import Kernels
 
 CTX, KV_HEADS, HEADS, HD = 6234, 3, 9, 64  # SmolLM2-135M's attention
-
-
-def gemm_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int], rows: int) -> torch.Tensor:
-    """The same attention through GEMMs, `rows` queries per piece over the keys up to the piece's last."""
-    m, heads, hd = q.shape
-    kv = k.shape[1]
-    g = heads // kv
-    ctx = positions[-1] + 1
-    kt = k[:ctx].permute(1, 2, 0).contiguous()  # [kv, hd, ctx]
-    vt = v[:ctx].transpose(0, 1).contiguous()  # [kv, ctx, hd]
-    qs = q * (1.0 / math.sqrt(hd))
-    at, keys = torch.as_tensor(list(positions)), torch.arange(ctx)
-    out = torch.empty_like(q)
-    for a in range(0, m, rows):
-        r = min(rows, m - a)
-        n = positions[a + r - 1] + 1
-        qg = qs[a : a + r].reshape(r, kv, g, hd).permute(1, 2, 0, 3).reshape(kv, g * r, hd)
-        s = torch.matmul(qg, kt[:, :, :n])  # [kv, g * r, n]
-        s.view(kv, g, r, n).masked_fill_(keys[None, :n] > at[a : a + r, None], float("-inf"))
-        o = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), vt[:, :n])  # [kv, g * r, hd]
-        out[a : a + r] = o.view(kv, g, r, hd).permute(2, 0, 1, 3).reshape(r, heads, hd)
-    return out
+GEMM = Kernels(bf16_attention="gemm")  # GEMMs wherever this CPU's pass their check (bf16 only)
 
 
 def main() -> int:
@@ -67,9 +47,11 @@ def main() -> int:
             q = torch.randn(len(pos), HEADS, HD).to(dtype)
             ref = attention_at(q.double(), k.double(), v.double(), pos)
             flops = 4 * HEADS * HD * sum(p + 1 for p in pos)
-            kernels: dict[str, Callable[[], torch.Tensor]] = {"flash (SDPA), 64 rows": lambda: attention_at(q, k, v, pos)}
-            for rows in (16, 64):
-                kernels[f"gemm, {rows} rows"] = lambda rows=rows: gemm_at(q, k, v, pos, rows)
+            kernels: dict[str, Callable[[], torch.Tensor]] = {}
+            for rows in (16, 32, 64):
+                kernels[f"flash (SDPA), {rows} rows"] = lambda rows=rows: attention_at(q, k, v, pos, rows)
+                if scattered_gemm(q.device, dtype, HEADS, KV_HEADS, HD, GEMM):
+                    kernels[f"gemm, {rows} rows"] = lambda rows=rows: attention_at(q, k, v, pos, rows, GEMM)
             for kernel, fn in kernels.items():
                 err = float((fn().double() - ref).abs().max())  # also the warm-up call
                 ms = median_of(fn, args.repeats) * 1000

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.models.attention import attention_at
+from kvtier.models import exact_matmul
+from kvtier.models.attention import ScatteredRows, attention_at, scattered_gemm
+from kvtier.models.kernels import Kernels
+
+CPU = torch.device("cpu")
+GEMM = Kernels(bf16_attention="gemm")  # GEMMs wherever this CPU's pass their check (bf16 only)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -22,23 +27,24 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: lis
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("kernels", [None, GEMM], ids=["flash", "gemm"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.06)])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
-def test_scattered_rows_attend_to_their_own_keys_only(dtype, tol, heads, kv_heads):
+def test_scattered_rows_attend_to_their_own_keys_only(dtype, tol, heads, kv_heads, kernels):
     torch.manual_seed(0)
     ctx, hd = 700, 64
     k, v = (torch.randn(ctx, kv_heads, hd).to(dtype) for _ in range(2))
     # the first key, runs at document starts, a lone row, and the last key (pieces of rows cut across them)
     positions = [0, 1, 2, *range(90, 98), 301, *range(480, 505), ctx - 1]
     q = torch.randn(len(positions), heads, hd).to(dtype)
-    out = attention_at(q, k, v, positions)
+    out = attention_at(q, k, v, positions, kernels=kernels)
     assert out.dtype == dtype and out.shape == q.shape
     err = (out.double() - _reference(q, k, v, positions)).abs().max().item()
     assert err < tol, err
     # A key after a row's position changes nothing of that row (only the last row sees the last key).
     k2, v2 = k.clone(), v.clone()
     k2[-1], v2[-1] = 100.0, 100.0
-    again = attention_at(q, k2, v2, positions)
+    again = attention_at(q, k2, v2, positions, kernels=kernels)
     assert torch.equal(again[:-1], out[:-1]) and not torch.equal(again[-1], out[-1])
 
 
@@ -59,8 +65,6 @@ def test_masks_built_once_give_the_bits_of_a_boolean_mask_per_call(dtype, monkey
     """A pass builds each piece's additive mask once for every layer: the same bits as SDPA called
     with the boolean causal mask of the piece, as it would be per layer."""
     import torch.nn.functional as F
-
-    from kvtier.models.attention import ScatteredRows
 
     torch.manual_seed(2)
     ctx = 900
@@ -83,3 +87,67 @@ def test_masks_built_once_give_the_bits_of_a_boolean_mask_per_call(dtype, monkey
     uncached = ScatteredRows.of(positions, dtype, q.device, rows=32)
     assert uncached.masks is None and rows.masks is not None
     assert torch.equal(uncached.attend(q, k, v), torch.cat(expected))
+
+
+def test_the_kernel_is_gemms_only_in_bf16_on_a_cpu_whose_gemms_pass_their_check():
+    usable = exact_matmul.usable(9, 3, 64)
+    assert scattered_gemm(CPU, torch.bfloat16, 9, 3, 64, GEMM) is usable
+    assert not scattered_gemm(CPU, torch.float32, 9, 3, 64, GEMM)
+    assert not scattered_gemm(CPU, torch.bfloat16, 9, 3, 64, None)  # no model kernels: SDPA's
+    assert not scattered_gemm(CPU, torch.bfloat16, 9, 3, 64, Kernels(bf16_attention="flash"))
+    assert not scattered_gemm(torch.device("cuda"), torch.bfloat16, 9, 3, 64, GEMM)
+
+
+def _gemm_here(kernels: Kernels) -> None:
+    if not scattered_gemm(CPU, torch.bfloat16, 9, 3, 64, kernels):
+        pytest.skip(f"bf16 attention here is the flash kernel: {exact_matmul.why(torch.bfloat16, 9, 3, 64, kernels.bf16_attention)}")
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_gemm_rows_are_hf_eager_attention_but_for_a_probabilitys_rounding(rows):
+    """Where the model's default kernels pick GEMMs, each piece of rows is HF transformers' eager
+    attention of those rows over the piece's keys with the causal mask. HF rounds an fp32 softmax
+    to bf16 where the kernel takes torch's bf16 softmax (as the engine's exact GEMM attention
+    does), which can round a probability the other way: an element may then be one bf16 ulp off,
+    and few are."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    _gemm_here(Kernels())
+
+    class Module(torch.nn.Module):  # what eager_attention_forward reads of its attention module
+        num_key_value_groups, training = 3, False
+
+    torch.manual_seed(1)
+    ctx, hd = 2300, 64
+    k, v = (torch.randn(ctx, 3, hd).to(torch.bfloat16) for _ in range(2))
+    positions = sorted(torch.randperm(ctx)[:150].tolist())
+    q = torch.randn(len(positions), 9, hd).to(torch.bfloat16)
+    pieces = ScatteredRows.of(positions, torch.bfloat16, CPU, rows, Kernels())
+    out = pieces.attend(q, k, v).float()
+    differ = 0
+    for i, (a, e, n) in enumerate(pieces.pieces):
+        want, _ = eager_attention_forward(Module(), q[a:e].transpose(0, 1)[None], k[:n].transpose(0, 1)[None],
+                                          v[:n].transpose(0, 1)[None], pieces.mask(i)[None, None], scaling=hd**-0.5)
+        want = want[0].float()  # [rows, heads, hd]
+        off = (out[a:e] - want).abs()
+        assert bool((off <= want.abs() * 2**-7).all()), i  # within one bf16 ulp
+        differ += int((off > 0).sum())
+    assert differ <= out.numel() // 1000, differ
+
+
+def test_gemm_bits_depend_on_the_rows_and_keys_alone(monkeypatch):
+    """The keys read in place from a wider pool (strided, other values past the last row) give the
+    bits of the keys alone; masks kept or built per call, and a second call, the same."""
+    _gemm_here(GEMM)
+    torch.manual_seed(5)
+    ctx = 900
+    positions = [*range(5, 13), *range(300, 340), 611, *range(850, 880)]
+    pool_k, pool_v = (torch.randn(ctx + 100, 2, 3, 64).to(torch.bfloat16) for _ in range(2))
+    k, v = pool_k[:, 1], pool_v[:, 1]  # [ctx + 100, 3, 64], strided views
+    q = torch.randn(len(positions), 9, 64).to(torch.bfloat16)
+    rows = ScatteredRows.of(positions, torch.bfloat16, CPU, 32, GEMM)
+    out = rows.attend(q, k[:ctx].contiguous(), v[:ctx].contiguous())
+    assert torch.equal(rows.attend(q, k, v), out) and torch.equal(rows.attend(q, k, v), out)
+    monkeypatch.setattr("kvtier.models.attention.MASK_CACHE_BYTES", 1024)
+    uncached = ScatteredRows.of(positions, torch.bfloat16, CPU, 32, GEMM)
+    assert uncached.masks is None and torch.equal(uncached.attend(q, k, v), out)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvtier.models import exact_attention, varlen
+from kvtier.models import exact_attention, exact_matmul, varlen
 from kvtier.models.exact_attention import FLASH_CPU as _FLASH_CPU
 from kvtier.models.exact_attention import key_rows as key_rows  # re-exported: the engine sizes buffers by it
 from kvtier.models.kernels import Kernels
@@ -78,31 +78,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 MASK_CACHE_BYTES = 64 << 20
 
 
+def scattered_gemm(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, hd: int,
+                   kernels: Kernels | None) -> bool:
+    """Whether scattered rows attend through GEMMs: on a CPU where the model's exact bf16
+    attention runs on them (`exact_matmul.active`: native bf16, `--bf16-attention` auto or gemm),
+    whose thin products there turn keys over faster than the fused flash kernel
+    (scripts/blend_attention_kernels.py). A recomputed row then rounds as a full prefill's rows
+    do there: scores and probabilities in bf16."""
+    return (kernels is not None and device.type == "cpu"
+            and exact_matmul.active(dtype, heads, kv_heads, hd, kernels.bf16_attention))
+
+
 @dataclass(frozen=True)
 class ScatteredRows:
     """Queries at ascending prompt positions, each to attend to the keys at or before its own: cut
     into pieces of consecutive rows, each piece over the keys up to its last row's position (no
     work past it), with its additive mask (0 at or before a row's position, -inf after: the values
     SDPA makes of a boolean mask, so the same bits), built once for every layer of a pass where
-    they fit in MASK_CACHE_BYTES."""
+    they fit in MASK_CACHE_BYTES. `kernels`: the model's, which pick the kernel
+    (`scattered_gemm`); None, SDPA's fused kernel."""
 
     at: torch.Tensor  # [m] the rows' positions
     pieces: tuple[tuple[int, int, int], ...]  # (first row, end row, keys the piece sees)
     dtype: torch.dtype
     masks: tuple[torch.Tensor, ...] | None  # per piece [rows, keys] in the queries' dtype (None: built per call)
+    kernels: Kernels | None = None
 
     @staticmethod
-    def of(positions: Sequence[int], dtype: torch.dtype, device: torch.device, rows: int = 64) -> ScatteredRows:
+    def of(positions: Sequence[int], dtype: torch.dtype, device: torch.device, rows: int = 64,
+           kernels: Kernels | None = None) -> ScatteredRows:
         at = torch.as_tensor(list(positions), device=device)
         pieces = tuple((a, min(a + rows, len(positions)), int(positions[min(a + rows, len(positions)) - 1]) + 1)
                        for a in range(0, len(positions), rows))
-        out = ScatteredRows(at, pieces, dtype, None)
+        out = ScatteredRows(at, pieces, dtype, None, kernels)
         if sum((e - a) * n for a, e, n in pieces) * dtype.itemsize > MASK_CACHE_BYTES:
             return out
-        return ScatteredRows(at, pieces, dtype, tuple(out.mask(i) for i in range(len(pieces))))
+        return ScatteredRows(at, pieces, dtype, tuple(out.mask(i) for i in range(len(pieces))), kernels)
 
     def mask(self, i: int) -> torch.Tensor:
         """Piece i's additive mask [rows, keys]."""
+        if self.masks is not None:
+            return self.masks[i]
         a, e, n = self.pieces[i]
         seen = torch.arange(n, device=self.at.device)[None, :] <= self.at[a:e, None]  # [r, n]
         return torch.zeros(seen.shape, dtype=self.dtype, device=self.at.device).masked_fill_(~seen, float("-inf"))
@@ -110,24 +126,50 @@ class ScatteredRows:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [m, heads, hd] at the positions, k/v [ctx, kv_heads, hd] at positions [0, ctx) ->
         [m, heads, hd]; the bits depend on these rows and keys alone, never on a batch."""
+        if scattered_gemm(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], self.kernels):
+            return self._gemms(q, k, v)
         kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, kv_heads, ctx, hd]
         gqa = q.shape[1] != k.shape[1]
         out = []
         with _eager_backends(q):
             for i, (a, e, n) in enumerate(self.pieces):
-                mask = self.masks[i] if self.masks is not None else self.mask(i)
                 qh = q[a:e].transpose(0, 1).unsqueeze(0)  # [1, heads, r, hd]
-                out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
+                out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=self.mask(i),
                                                           enable_gqa=gqa)[0].transpose(0, 1))
         return torch.cat(out) if len(out) > 1 else out[0]
 
+    def _gemms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """HF eager attention's arithmetic per piece: the query heads sharing a K/V head as the rows
+        of one product, scores rounded to the queries' dtype (q scaled first: the same bits where
+        the scale is a power of two, as for head_dim 64), one softmax per row (torch's in that
+        dtype, which may round a probability one ulp otherwise than HF's cast of an fp32 softmax),
+        then the values. K and V are copied heads-major once for every piece (oneDNN reads K best
+        as the transpose of a contiguous matrix)."""
+        m, heads, hd = q.shape
+        kvh = k.shape[1]
+        g = heads // kvh
+        reach = self.pieces[-1][2]
+        kt, vt = (x[:reach].transpose(0, 1).contiguous() for x in (k, v))  # [kvh, keys, hd]
+        qs = q * hd**-0.5
+        out = q.new_empty(m, heads, hd)
+        for i, (a, e, n) in enumerate(self.pieces):
+            r = e - a
+            qg = qs[a:e].view(r, kvh, g, hd).permute(1, 2, 0, 3).reshape(kvh, g * r, hd)
+            s = qg.new_empty(kvh, g * r, n)
+            for h in range(kvh):  # a product per K/V head: as one batch, a slice of K is first copied whole
+                torch.mm(qg[h], kt[h, :n].t(), out=s[h])  # [g*r, n]
+            s.view(kvh, g, r, n).add_(self.mask(i))
+            o = torch.matmul(torch.softmax(s, -1), vt[:, :n])  # [kvh, g*r, hd]
+            out[a:e] = o.view(kvh, g, r, hd).permute(2, 0, 1, 3).reshape(r, heads, hd)
+        return out
+
 
 def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int],
-                 rows: int = 64) -> torch.Tensor:
+                 rows: int = 64, kernels: Kernels | None = None) -> torch.Tensor:
     """Queries at ascending positions attend to the keys at or before their own: q [m, heads, hd]
     at `positions` (m ints), k/v [ctx, kv_heads, hd] at positions [0, ctx). Queries go `rows` at a
     time (`ScatteredRows`; a pass through many layers builds that once). -> [m, heads, hd]."""
-    return ScatteredRows.of(positions, q.dtype, q.device, rows).attend(q, k, v)
+    return ScatteredRows.of(positions, q.dtype, q.device, rows, kernels).attend(q, k, v)
 
 
 def column_importance(q: torch.Tensor, k_prefix: torch.Tensor, k_own: torch.Tensor | None = None) -> torch.Tensor:

@@ -149,7 +149,8 @@ class _Scattered(LayerAttention):
         # (a view) instead of gathering every key of the context (the same values, so the same bits).
         self.in_place = runner.consecutive(block_ids, 0, end)
         self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
-        self.pieces = ScatteredRows.of(self.at, runner.k_cache.dtype, runner.device)  # every layer's masks, built once
+        # every layer's masks built once; the model's kernels pick the attention's (`scattered_gemm`)
+        self.pieces = ScatteredRows.of(self.at, runner.k_cache.dtype, runner.device, kernels=runner.model.kernels)
 
     def ids(self, token_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor([token_ids[p] for p in self.positions.tolist()], dtype=torch.long)
