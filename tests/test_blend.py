@@ -110,19 +110,25 @@ def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, option
 
 def test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(model):
     """Where the request's blocks are consecutive in the pool, the scattered pass reads its keys in
-    place and the loaded rows are rotated straight into their slots; else both are gathered and
-    scattered: a pool that cut the request at every block gives the same bits (fp32 and bf16)."""
+    place and the loaded rows are rotated straight into their slots, a stored chunk's piece at a
+    time; else the pieces are joined, and keys and rows gathered and scattered. Documents computed
+    alone, read back whole and read back into a pool that cut the request at every block give the
+    same bits (fp32 and bf16)."""
     ids = _ids(model)
     with _engine(model) as engine:
-        whole = _blend(engine, ids)
+        computed = _blend(engine, ids)  # each document computed alone: one piece
+        assert engine.flush(30)
+        whole = _blend(engine, ids)  # read back: a piece per stored chunk (64 tokens; documents of 100 and 135)
         runner, bs = engine.runner, engine.runner.block_size
         # The same slots, cut into one run per block (every user of the runs reads them as given).
         runner.slot_runs = lambda block_ids, start, end: [  # type: ignore[method-assign]
             r for b in range(start - start % bs, end, bs)
             for r in ModelRunner.slot_runs(runner, block_ids, max(b, start), min(b + bs, end))]
         gathered = _blend(engine, ids)
-    assert gathered.restore.recomputed_tokens == whole.restore.recomputed_tokens
-    assert torch.equal(gathered.first_logits, whole.first_logits) and gathered.output_ids == whole.output_ids
+    assert computed.restore.bytes_read == 0 and whole.restore.bytes_read > 0 and gathered.restore.bytes_read > 0
+    for out in (whole, gathered):
+        assert out.restore.recomputed_tokens == computed.restore.recomputed_tokens
+        assert torch.equal(out.first_logits, computed.first_logits) and out.output_ids == computed.output_ids
 
 
 def test_tenants_never_see_each_others_segments(fp32):

@@ -39,7 +39,7 @@ import torch
 
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
-from kvtier.engine.restore.segments import Parts, SegmentState, SegmentStates
+from kvtier.engine.restore.segments import Parts, Pieces, SegmentState, SegmentStates, joined, rows
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
 from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
@@ -73,9 +73,10 @@ class BlendStats:
 @dataclass(frozen=True)
 class _Source:
     """Rows [`rows`] of one stored or computed state placed at prompt `positions` (pool `slots`),
-    K rotated by `shift` more positions (None: the exact part, K as stored); `layer(l)` gives layer l's parts."""
+    K rotated by `shift` more positions (None: the exact part, K as stored); `layer(l)` gives layer l's
+    parts, in the pieces they were read in."""
 
-    layer: Callable[[int], Parts]
+    layer: Callable[[int], Pieces]
     rows: torch.Tensor | slice | None  # [n] rows of the state to place (a slice: consecutive; None: all, in order)
     slots: torch.Tensor | slice  # [n] (a slice where consecutive in the pool: placed in place)
     positions: torch.Tensor  # [n] prompt positions
@@ -86,8 +87,8 @@ class _LoadFailed(RestoreMiss):
     """A stored document's state failed a read or a check while the restore ran."""
 
 
-def _computed(st: SegmentState, li: int) -> Parts:
-    return st.k[li], st.v[li], st.h[li]
+def _computed(st: SegmentState, li: int) -> Pieces:
+    return ((st.k[li], st.v[li], st.h[li]),)
 
 
 class _Loader:
@@ -97,7 +98,7 @@ class _Loader:
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int) -> None:
         self.states, self.found = states, list(found)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
-        self.data: list[dict[int, Parts]] = [{} for _ in self.found]
+        self.data: list[dict[int, Pieces]] = [{} for _ in self.found]
         self.ready = [threading.Event() for _ in range(layers)]
         self.error: str | None = None
         self.stop = threading.Event()  # the restore was aborted: read no more
@@ -110,7 +111,7 @@ class _Loader:
                 if self.stop.is_set():
                     raise RestoreMiss("aborted")
                 for i, (match, n) in enumerate(self.found):
-                    got = self.states.read_layers(match, n, g)
+                    got = self.states.read_pieces(match, n, g)
                     if got is None:
                         raise _LoadFailed("a stored document's state could not be read intact")
                     self.data[i].update(got)
@@ -121,7 +122,7 @@ class _Loader:
             for ev in self.ready:
                 ev.set()
 
-    def layer(self, i: int, li: int) -> Parts:
+    def layer(self, i: int, li: int) -> Pieces:
         self.ready[li].wait()
         if self.error is not None:
             raise _LoadFailed(self.error)
@@ -338,7 +339,7 @@ class BlendRestore(PreparedRestore):
         if found:
             self._loader = _Loader(self.states, found, len(self.layout))
 
-    def _layer_read(self, i: int, li: int) -> Parts:
+    def _layer_read(self, i: int, li: int) -> Pieces:
         assert self._loader is not None  # made with the sources that read through it
         return self._loader.layer(i, li)
 
@@ -365,7 +366,7 @@ class BlendRestore(PreparedRestore):
         dev, dtype = self.runner.device, self.runner.k_cache.dtype
         by_layer = [tuple(torch.cat(parts[li][p]).to(dev, dtype) if parts[li][p] else None for p in ("k", "v", "h"))
                     for li in range(n)]
-        return self._source(lambda li: cast(Parts, by_layer[li]), None, [(b.start, b.exact_end)], 0)
+        return self._source(lambda li: (cast(Parts, by_layer[li]),), None, [(b.start, b.exact_end)], 0)
 
     def _rows_of(self, position: int, n: int) -> list[tuple[int, int]]:
         """The spans of prompt positions of a segment of `n` tokens at `position` that the plan loads."""
@@ -378,7 +379,7 @@ class BlendRestore(PreparedRestore):
                 spans.append((max(a, position), min(e, end)))
         return spans
 
-    def _segment_source(self, position: int, n: int, layer: Callable[[int], Parts]) -> _Source:
+    def _segment_source(self, position: int, n: int, layer: Callable[[int], Pieces]) -> _Source:
         """A segment of `n` tokens at `position`: the rows of it the plan loads."""
         spans = self._rows_of(position, n)
         rows: torch.Tensor | slice = slice(spans[0][0] - position, spans[0][1] - position) if len(spans) == 1 else \
@@ -387,7 +388,7 @@ class BlendRestore(PreparedRestore):
         # Stored K is rotated at offset + row: moved to position + row.
         return self._source(layer, rows, spans, position - self.states.offset)
 
-    def _source(self, layer: Callable[[int], Parts], rows: torch.Tensor | slice | None,
+    def _source(self, layer: Callable[[int], Pieces], rows: torch.Tensor | slice | None,
                 spans: Sequence[tuple[int, int]], shift: int) -> _Source:
         """The rows of a state placed at the prompt positions `spans`, K rotated by `shift` more."""
         up = self.runner.upload
@@ -404,21 +405,42 @@ class BlendRestore(PreparedRestore):
     def _place(self, li: int) -> None:
         """Layer `li` of every source's rows into the pool at their positions."""
         self._check_abort()
-        runner = self.runner
         for src in self._sources:
-            if not src.positions.numel():
+            n = src.positions.numel()
+            if not n:
                 continue
-            k, v, h = src.layer(li)
+            pieces = src.layer(li)
+            if isinstance(src.slots, slice) and self.layout[li] is Repr.KV:
+                # One run of rows to consecutive slots: each piece rotated and copied straight there
+                # (never joined first; elementwise, so the same bits as joined).
+                want = src.rows if isinstance(src.rows, slice) else slice(0, n)
+                at = 0
+                for parts in pieces:
+                    m = rows((parts,))
+                    lo, hi = max(want.start, at), min(want.stop, at + m)
+                    if lo < hi:
+                        first = src.slots.start + lo - want.start
+                        k, v, _ = (None if t is None else t[lo - at : hi - at] for t in parts)
+                        self._put(li, (k, v, None), src, slice(first, first + hi - lo))
+                    at += m
+                continue
+            k, v, h = joined(pieces)
             if isinstance(src.rows, slice):
                 k, v, h = (None if t is None else t[src.rows] for t in (k, v, h))
             elif src.rows is not None:
                 k, v, h = (None if t is None else t.index_select(0, src.rows) for t in (k, v, h))
-            if self.layout[li] is Repr.HIDDEN:
-                assert h is not None  # the reads checked every layer's part
-                runner.project_in(li, h, src.positions, src.slots)
-            else:
-                assert k is not None and v is not None
-                runner.shift_in(li, k, v, src.shift, src.slots)
+            self._put(li, (k, v, h), src, src.slots)
+
+    def _put(self, li: int, parts: Parts, src: _Source, slots: torch.Tensor | slice) -> None:
+        """Rows of layer `li` of `src` into the pool at `slots`: projected from hidden states
+        (every row of the source at once), or K rotated and V copied."""
+        k, v, h = parts
+        if self.layout[li] is Repr.HIDDEN:
+            assert h is not None  # the reads checked every layer's part
+            self.runner.project_in(li, h, src.positions, slots)
+        else:
+            assert k is not None and v is not None
+            self.runner.shift_in(li, k, v, src.shift, slots)
 
     def _chosen(self, loaded: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """cacheblend: run the layers up to the check layer over the whole blended region, and pick

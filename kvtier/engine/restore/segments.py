@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -26,6 +27,24 @@ from kvtier.store.tiered import TieredStore
 
 # A layer's parts: k, v [n, kv_heads, hd] where it stores K/V, h [n, hidden] where hidden states.
 Parts = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+# A layer's rows of a state in the pieces its stored chunks hold them, in order.
+Pieces = tuple[Parts, ...]
+
+
+def rows(pieces: Sequence[Parts]) -> int:
+    """The rows the pieces hold together."""
+    return sum(next((t.shape[0] for t in p if t is not None), 0) for p in pieces)
+
+
+def joined(pieces: Sequence[Parts]) -> Parts:
+    """The pieces' rows as one part each (None where no piece has that part)."""
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor | None:
+        return None if not ts else ts[0] if len(ts) == 1 else torch.cat(ts)
+
+    return cat([p[0] for p in pieces if p[0] is not None]), cat([p[1] for p in pieces if p[1] is not None]), \
+        cat([p[2] for p in pieces if p[2] is not None])
+
 
 # The blend key space (keys.salted_root); the compile context leads each chain, so a different one
 # gives other keys.
@@ -109,34 +128,32 @@ class SegmentStates:
         """`layers` of a segment of `n` tokens from its stored chunks (the context's rows left
         out): per layer (k, v, h) on the pool's device (None where the layer stores no such part);
         None on a failed read or check."""
+        got = self.read_pieces(match, n, layers)
+        return None if got is None else {li: joined(p) for li, p in got.items()}
+
+    def read_pieces(self, match: PrefixMatch, n: int, layers: range) -> dict[int, Pieces] | None:
+        """`read_layers` without joining: per layer the segment's rows each stored chunk holds, in
+        order, as views of what the store read where it can (a reader that places rows in place
+        copies them once); None on a failed read or check."""
         lo, hi = self.offset, self.offset + n  # the segment's rows of the stored chain
-        parts: dict[int, dict[str, list[torch.Tensor]]] = {li: {"k": [], "v": [], "h": []} for li in layers}
+        dev, dtype = self.runner.device, self.runner.k_cache.dtype
+        out: dict[int, list[Parts]] = {li: [] for li in layers}
         for c in match.chunks:
             if c.end <= lo or c.start >= hi:
                 continue
             states = self.store.read_layers(c, layers, copy=False)
             if states is None:
                 return None
+            a, b = max(lo, c.start) - c.start, min(c.end, hi) - c.start
             for s in states:
-                for p in ("k", "v", "h"):
-                    t = getattr(s, p)
-                    if t is not None:
-                        parts[s.layer][p].append(t[max(lo, c.start) - c.start : min(c.end, hi) - c.start])
-        dev, dtype = self.runner.device, self.runner.k_cache.dtype
-
-        def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
-            if not ts:
-                return None
-            t = ts[0] if len(ts) == 1 else torch.cat(ts)
-            return t.to(dev, dtype)
-
-        out = {li: (joined(parts[li]["k"]), joined(parts[li]["v"]), joined(parts[li]["h"])) for li in layers}
+                out[s.layer].append(cast(Parts, tuple(None if t is None else t[a:b].to(dev, dtype)
+                                                      for t in (s.k, s.v, s.h))))
         for li in layers:
-            k, v, h = out[li]
-            need = (k, v) if self.layout[li] is Repr.KV else (h,)
-            if any(t is None or t.shape[0] != n for t in need):
-                return None
-        return out
+            need = (0, 1) if self.layout[li] is Repr.KV else (2,)
+            for i in need:
+                if any(p[i] is None for p in out[li]) or sum(cast(torch.Tensor, p[i]).shape[0] for p in out[li]) != n:
+                    return None
+        return {li: tuple(p) for li, p in out.items()}
 
     @torch.inference_mode()
     def compute(self, tokens: Sequence[int], salt: str) -> SegmentState:
