@@ -73,14 +73,14 @@ class BlendStats:
 @dataclass(frozen=True)
 class _Source:
     """Rows [`rows`] of one stored or computed state placed at prompt `positions` (pool `slots`),
-    K rotated by `shift` more positions (None: the exact part, K as stored); `layer(l)` gives layer l's
+    K rotated by `rotation` (`rope.delta` of the position shift; None: the exact part, K as stored); `layer(l)` gives layer l's
     parts, in the pieces they were read in."""
 
     layer: Callable[[int], Pieces]
     rows: torch.Tensor | slice | None  # [n] rows of the state to place (a slice: consecutive; None: all, in order)
     slots: torch.Tensor | slice  # [n] (a slice where consecutive in the pool: placed in place)
     positions: torch.Tensor  # [n] prompt positions
-    shift: torch.Tensor | None  # [1] new position - stored position, the same for every row (None: 0)
+    rotation: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [1, 1, hd/2] of new - stored position (None: 0)
 
 
 class _LoadFailed(RestoreMiss):
@@ -396,7 +396,8 @@ class BlendRestore(PreparedRestore):
         whole = self.runner.consecutive(self.block_ids, *spans[0]) if len(spans) == 1 else None
         slots = whole if whole is not None else \
             up(self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions))
-        return _Source(layer, rows, slots, up(positions), up(torch.tensor([shift])) if shift else None)
+        rotation = self.runner.rope.delta(up(torch.tensor([shift]))) if shift else None  # made once, for every layer
+        return _Source(layer, rows, slots, up(positions), rotation)
 
     def _check_abort(self) -> None:
         if self._error is not None:  # aborted meanwhile: stop at the next layer
@@ -440,7 +441,7 @@ class BlendRestore(PreparedRestore):
             self.runner.project_in(li, h, src.positions, slots)
         else:
             assert k is not None and v is not None
-            self.runner.shift_in(li, k, v, src.shift, slots)
+            self.runner.rotate_in(li, k, v, src.rotation, slots)
 
     def _chosen(self, loaded: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """cacheblend: run the layers up to the check layer over the whole blended region, and pick

@@ -316,7 +316,7 @@ class Restore:
     slots: torch.Tensor  # [hist - start] pool slots of the projected or remapped layers (on the device)
     pieces: list[Piece]
     rows: torch.Tensor  # truncation: the stored row each restored position takes
-    shift: torch.Tensor  # truncation: how far each position moved
+    rotation: tuple[torch.Tensor, torch.Tensor]  # truncation: cos, sin [rows, 1, hd/2] of how far each position moved
     # The pool slot of row t of planned chunk c as a [chunks, chunk tokens] grid on the device (the
     # sink where none): asynchronous K/V placement's one scatter per layer.
     _grid: torch.Tensor | None
@@ -334,7 +334,8 @@ class Restore:
         else:  # truncation: stored rows source[i] (taken from the concatenated chunks) go to position i
             first = spans[0][0] if spans else 0
             self.rows = runner.upload(torch.tensor(self.source[start:hist]) - first)
-            self.shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
+            shift = runner.upload(torch.arange(start, hist) - torch.tensor(self.source[start:hist]))
+            self.rotation = runner.rope.delta(shift)  # made once, for every layer
         self._grid = None
         if self.transfer.is_async and self.source is None and spans:
             self._grid = runner.upload(self._slot_grid(spans, start, hist, host_slots.numpy()))
@@ -674,7 +675,7 @@ class Restore:
         if rep is Repr.KV:
             k = torch.cat([k[i] for k in staged["k"]]).index_select(0, self.rows)  # [kept, kv_heads, hd]
             v = torch.cat([v[i] for v in staged["v"]]).index_select(0, self.rows)
-            self.runner.shift_in(layer, k, v, self.shift, self.slots)
+            self.runner.rotate_in(layer, k, v, self.rotation, self.slots)
         else:
             h = torch.cat([h[i] for h in staged["h"]]).index_select(0, self.rows)
             self.runner.project_in(layer, h, (self.start, self.plan.history_tokens), self.slots)

@@ -318,8 +318,15 @@ class ModelRunner:
         """Place stored K rotated by `shift` more positions (context truncation or a blend moved its
         tokens): [n] per row, or [1] for every row; None: K as stored. `slots`: an index tensor, or
         a slice where they are consecutive (written in place, no scatter)."""
+        self.rotate_in(layer, k, v, self.rope.delta(shift) if shift is not None else None, slots)
+
+    @torch.inference_mode()
+    def rotate_in(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  rotation: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor | slice) -> None:
+        """`shift_in` with its rotation's tables made once (`rope.delta(shift)`: a caller placing
+        many layers or pieces by the same shift)."""
         k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
-        self._write(layer, slots, k, v, *(self.rope.delta(shift) if shift is not None else (None, None)))
+        self._write(layer, slots, k, v, *(rotation if rotation is not None else (None, None)))
 
     def _write(self, layer: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
