@@ -10,10 +10,12 @@ from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.prompts import PromptError
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.restore.blend import _stacked
 from kvtier.engine.restore.segments import SPACE
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 from kvtier.planning.blend import BlendOptions
+from kvtier.planning.costs import READ_GROUP_LAYERS
 
 N = 300
 SEGMENTS = ((20, 120), (125, 260))  # two documents, text between and after them
@@ -111,15 +113,25 @@ def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, option
 def test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(model):
     """Where the request's blocks are consecutive in the pool, the scattered pass reads its keys in
     place and the loaded rows are rotated straight into their slots, a stored chunk's piece at a
-    time; else the pieces are joined, and keys and rows gathered and scattered. Documents computed
+    time (a read group's layers at once); else the pieces are joined, and keys and rows gathered
+    and scattered. Documents computed
     alone, read back whole and read back into a pool that cut the request at every block give the
     same bits (fp32 and bf16)."""
     ids = _ids(model)
     with _engine(model) as engine:
         computed = _blend(engine, ids)  # each document computed alone: one piece
         assert engine.flush(30)
-        whole = _blend(engine, ids)  # read back: a piece per stored chunk (64 tokens; documents of 100 and 135)
         runner, bs = engine.runner, engine.runner.block_size
+        layers_a_call: list[int] = []
+        place = runner.rotate_in_layers
+
+        def placed(layers, *a, **k):
+            layers_a_call.append(len(layers))
+            return place(layers, *a, **k)
+
+        runner.rotate_in_layers = placed  # type: ignore[method-assign]
+        whole = _blend(engine, ids)  # read back: a piece per stored chunk (64 tokens; documents of 100 and 135)
+        assert READ_GROUP_LAYERS in layers_a_call  # read groups placed at once: the path compared here
         # The same slots, cut into one run per block (every user of the runs reads them as given).
         runner.slot_runs = lambda block_ids, start, end: [  # type: ignore[method-assign]
             r for b in range(start - start % bs, end, bs)
@@ -428,3 +440,22 @@ def test_the_llm_finds_its_precompiled_documents_in_a_text_prompt():
     assert found.prompt_token_ids == marked.prompt_token_ids  # the document tokenized alone, as if marked
     assert torch.equal(found.engine_outputs[0].first_logits, marked.engine_outputs[0].first_logits)
     assert plain.restore is None or plain.restore.blended_tokens == 0
+
+
+def test_read_groups_stack_only_views_of_one_buffer_at_an_even_stride():
+    """A read group's layers go to the pool in one call only where each piece's K and V of every
+    layer are views of one buffer at an even stride (as chunks read from memory are); a copied,
+    reordered or hidden-state read stacks nothing."""
+    buf = torch.arange(4 * 2 * 10 * 3 * 8, dtype=torch.float32).view(4, 2, 10, 3, 8)  # [layers, k|v, rows, kvh, hd]
+    layers = [((buf[li, 0, 2:7], buf[li, 1, 2:7], None), (buf[li, 0, 7:], buf[li, 1, 7:], None)) for li in range(4)]
+    got = _stacked(layers)
+    assert got is not None and len(got) == 2
+    for (k, v), (a, b) in zip(got, ((2, 7), (7, 10)), strict=True):
+        assert torch.equal(k, buf[:, 0, a:b]) and torch.equal(v, buf[:, 1, a:b])
+        assert k.data_ptr() == buf[0, 0, a].data_ptr()  # a view: nothing copied
+    copied = [layers[0], tuple((k.clone(), v, h) for k, v, h in layers[1]), *layers[2:]]
+    assert _stacked(copied) is None
+    assert _stacked([layers[0], layers[1], layers[3], layers[2]]) is None  # out of order: not one stride
+    assert _stacked([layers[0], layers[1][:1], *layers[2:]]) is None  # pieces that differ
+    hidden = [((None, None, buf[li, 0, 2:7].flatten(1)),) for li in range(4)]
+    assert _stacked(hidden) is None

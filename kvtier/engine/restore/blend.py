@@ -39,7 +39,7 @@ import torch
 
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
-from kvtier.engine.restore.segments import Parts, Pieces, SegmentState, SegmentStates, joined, rows
+from kvtier.engine.restore.segments import Parts, Pieces, SegmentState, SegmentStates, joined
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
 from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
@@ -73,18 +73,53 @@ class BlendStats:
 @dataclass(frozen=True)
 class _Source:
     """Rows [`rows`] of one stored or computed state placed at prompt `positions` (pool `slots`),
-    K rotated by `rotation` (`rope.delta` of the position shift; None: the exact part, K as stored); `layer(l)` gives layer l's
-    parts, in the pieces they were read in."""
+    K rotated by `rotation` (`rope.delta` of the position shift; None: the exact part, K as
+    stored); `layer(l)` gives layer l's parts, in the pieces they were read in."""
 
     layer: Callable[[int], Pieces]
     rows: torch.Tensor | slice | None  # [n] rows of the state to place (a slice: consecutive; None: all, in order)
     slots: torch.Tensor | slice  # [n] (a slice where consecutive in the pool: placed in place)
     positions: torch.Tensor  # [n] prompt positions
     rotation: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [1, 1, hd/2] of new - stored position (None: 0)
+    # read group g's layers (READ_GROUP_LAYERS from g times that) as one view per piece, where the read allows
+    stacks: Callable[[int], Stacked | None] | None = None
 
 
 class _LoadFailed(RestoreMiss):
     """A stored document's state failed a read or a check while the restore ran."""
+
+
+# Consecutive layers' K and V per piece: k, v [layers, rows, kv_heads, hd].
+Stacked = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+def _stacked(layers: Sequence[Pieces]) -> Stacked | None:
+    """Consecutive layers' K/V pieces as one view per piece and part, where every layer's piece is
+    a view of one buffer at an even stride (chunks read as stored: a layer's parts follow the
+    layer before's); None where any is not (copied or reordered reads, hidden-state layers)."""
+    if any(len(pieces) != len(layers[0]) for pieces in layers):
+        return None
+    out = []
+    for i in range(len(layers[0])):
+        k, v = (_even([pieces[i][p] for pieces in layers]) for p in (0, 1))
+        if k is None or v is None:
+            return None
+        out.append((k, v))
+    return tuple(out)
+
+
+def _even(ts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Views of one buffer, alike and at an even stride, as one view [len(ts), ...]; else None."""
+    views = [t for t in ts if t is not None]
+    if len(views) != len(ts):
+        return None
+    t0 = views[0]
+    step = views[1].storage_offset() - t0.storage_offset() if len(views) > 1 else 1
+    if step <= 0 or any(t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() or t.dtype != t0.dtype
+                        or t.shape != t0.shape or t.stride() != t0.stride()
+                        or t.storage_offset() != t0.storage_offset() + j * step for j, t in enumerate(views)):
+        return None
+    return t0.as_strided((len(views), *t0.shape), (step, *t0.stride()), t0.storage_offset())
 
 
 def _computed(st: SegmentState, li: int) -> Pieces:
@@ -99,6 +134,7 @@ class _Loader:
         self.states, self.found = states, list(found)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
         self.data: list[dict[int, Pieces]] = [{} for _ in self.found]
+        self.stacks: list[dict[int, Stacked | None]] = [{} for _ in self.found]  # by group
         self.ready = [threading.Event() for _ in range(layers)]
         self.error: str | None = None
         self.stop = threading.Event()  # the restore was aborted: read no more
@@ -107,7 +143,7 @@ class _Loader:
 
     def _run(self) -> None:
         try:
-            for g in self.groups:
+            for gi, g in enumerate(self.groups):
                 if self.stop.is_set():
                     raise RestoreMiss("aborted")
                 for i, (match, n) in enumerate(self.found):
@@ -115,6 +151,7 @@ class _Loader:
                     if got is None:
                         raise _LoadFailed("a stored document's state could not be read intact")
                     self.data[i].update(got)
+                    self.stacks[i][gi] = _stacked([got[li] for li in g])
                 for li in g:
                     self.ready[li].set()
         except Exception as e:  # a layer never read must fail the restore, never pass
@@ -127,6 +164,12 @@ class _Loader:
         if self.error is not None:
             raise _LoadFailed(self.error)
         return self.data[i][li]
+
+    def stack(self, i: int, g: int) -> Stacked | None:
+        self.ready[self.groups[g][0]].wait()
+        if self.error is not None:
+            raise _LoadFailed(self.error)
+        return self.stacks[i][g]
 
     def close(self) -> None:
         self.stop.set()
@@ -335,13 +378,18 @@ class BlendRestore(PreparedRestore):
             self.blended.segments_stored += 1
             self.stats.chunks_loaded += len(match.chunks)
             self.stats.bytes_read += sum(c.nbytes for c in match.chunks)
-            self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i)))
+            self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
+                                                      functools.partial(self._group_read, i)))
         if found:
             self._loader = _Loader(self.states, found, len(self.layout))
 
     def _layer_read(self, i: int, li: int) -> Pieces:
         assert self._loader is not None  # made with the sources that read through it
         return self._loader.layer(i, li)
+
+    def _group_read(self, i: int, g: int) -> Stacked | None:
+        assert self._loader is not None
+        return self._loader.stack(i, g)
 
     def _exact_source(self) -> _Source:
         """[start, exact_end) from the plan's exact chunks, at their own positions."""
@@ -379,17 +427,19 @@ class BlendRestore(PreparedRestore):
                 spans.append((max(a, position), min(e, end)))
         return spans
 
-    def _segment_source(self, position: int, n: int, layer: Callable[[int], Pieces]) -> _Source:
+    def _segment_source(self, position: int, n: int, layer: Callable[[int], Pieces],
+                        stacks: Callable[[int], Stacked | None] | None = None) -> _Source:
         """A segment of `n` tokens at `position`: the rows of it the plan loads."""
         spans = self._rows_of(position, n)
         rows: torch.Tensor | slice = slice(spans[0][0] - position, spans[0][1] - position) if len(spans) == 1 else \
             self.runner.upload(torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans
                                else torch.zeros(0, dtype=torch.long))
         # Stored K is rotated at offset + row: moved to position + row.
-        return self._source(layer, rows, spans, position - self.states.offset)
+        return self._source(layer, rows, spans, position - self.states.offset, stacks)
 
     def _source(self, layer: Callable[[int], Pieces], rows: torch.Tensor | slice | None,
-                spans: Sequence[tuple[int, int]], shift: int) -> _Source:
+                spans: Sequence[tuple[int, int]], shift: int,
+                stacks: Callable[[int], Stacked | None] | None = None) -> _Source:
         """The rows of a state placed at the prompt positions `spans`, K rotated by `shift` more."""
         up = self.runner.upload
         positions = torch.cat([torch.arange(a, e) for a, e in spans]) if spans else torch.zeros(0, dtype=torch.long)
@@ -397,51 +447,56 @@ class BlendRestore(PreparedRestore):
         slots = whole if whole is not None else \
             up(self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions))
         rotation = self.runner.rope.delta(up(torch.tensor([shift]))) if shift else None  # made once, for every layer
-        return _Source(layer, rows, slots, up(positions), rotation)
+        return _Source(layer, rows, slots, up(positions), rotation, stacks)
 
     def _check_abort(self) -> None:
         if self._error is not None:  # aborted meanwhile: stop at the next layer
             raise RestoreMiss(self._error)
 
     def _place(self, li: int) -> None:
-        """Layer `li` of every source's rows into the pool at their positions."""
+        """Layer `li` of every source's rows into the pool at their positions (a stored document's
+        whole read group with the group's first layer, where its reads stack)."""
         self._check_abort()
+        g, r = divmod(li, READ_GROUP_LAYERS)  # the loader's groups start at multiples of it
         for src in self._sources:
-            n = src.positions.numel()
-            if not n:
+            if not src.positions.numel():
+                continue
+            if isinstance(src.slots, slice) and src.stacks is not None and (stack := src.stacks(g)) is not None:
+                if r == 0:
+                    self._place_run(src, range(li, min(li + READ_GROUP_LAYERS, len(self.layout))), stack)
                 continue
             pieces = src.layer(li)
             if isinstance(src.slots, slice) and self.layout[li] is Repr.KV:
-                # One run of rows to consecutive slots: each piece rotated and copied straight there
-                # (never joined first; elementwise, so the same bits as joined).
-                want = src.rows if isinstance(src.rows, slice) else slice(0, n)
-                at = 0
-                for parts in pieces:
-                    m = rows((parts,))
-                    lo, hi = max(want.start, at), min(want.stop, at + m)
-                    if lo < hi:
-                        first = src.slots.start + lo - want.start
-                        k, v, _ = (None if t is None else t[lo - at : hi - at] for t in parts)
-                        self._put(li, (k, v, None), src, slice(first, first + hi - lo))
-                    at += m
+                self._place_run(src, range(li, li + 1),
+                                tuple((cast(torch.Tensor, k)[None], cast(torch.Tensor, v)[None]) for k, v, _ in pieces))
                 continue
             k, v, h = joined(pieces)
             if isinstance(src.rows, slice):
                 k, v, h = (None if t is None else t[src.rows] for t in (k, v, h))
             elif src.rows is not None:
                 k, v, h = (None if t is None else t.index_select(0, src.rows) for t in (k, v, h))
-            self._put(li, (k, v, h), src, src.slots)
+            if self.layout[li] is Repr.HIDDEN:
+                assert h is not None  # the reads checked every layer's part
+                self.runner.project_in(li, h, src.positions, src.slots)
+            else:
+                assert k is not None and v is not None
+                self.runner.rotate_in(li, k, v, src.rotation, src.slots)
 
-    def _put(self, li: int, parts: Parts, src: _Source, slots: torch.Tensor | slice) -> None:
-        """Rows of layer `li` of `src` into the pool at `slots`: projected from hidden states
-        (every row of the source at once), or K rotated and V copied."""
-        k, v, h = parts
-        if self.layout[li] is Repr.HIDDEN:
-            assert h is not None  # the reads checked every layer's part
-            self.runner.project_in(li, h, src.positions, slots)
-        else:
-            assert k is not None and v is not None
-            self.runner.rotate_in(li, k, v, src.rotation, slots)
+    def _place_run(self, src: _Source, layers: range, stack: Stacked) -> None:
+        """`layers` of a source whose rows go to consecutive slots, K/V per piece [layers, rows,
+        kv_heads, hd]: each piece rotated and copied straight into its slots, never joined first
+        (elementwise: the same bits as joined, or as one layer at a time)."""
+        assert isinstance(src.slots, slice)
+        want = src.rows if isinstance(src.rows, slice) else slice(0, src.positions.numel())
+        at = 0
+        for k, v in stack:
+            m = k.shape[1]
+            lo, hi = max(want.start, at), min(want.stop, at + m)
+            if lo < hi:
+                first = src.slots.start + lo - want.start
+                self.runner.rotate_in_layers(layers, k[:, lo - at : hi - at], v[:, lo - at : hi - at], src.rotation,
+                                             slice(first, first + hi - lo))
+            at += m
 
     def _chosen(self, loaded: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """cacheblend: run the layers up to the check layer over the whole blended region, and pick

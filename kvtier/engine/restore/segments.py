@@ -32,18 +32,12 @@ Parts = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 Pieces = tuple[Parts, ...]
 
 
-def rows(pieces: Sequence[Parts]) -> int:
-    """The rows the pieces hold together."""
-    return sum(next((t.shape[0] for t in p if t is not None), 0) for p in pieces)
-
-
 def joined(pieces: Sequence[Parts]) -> Parts:
     """The pieces' rows as one part each (None where no piece has that part)."""
     def cat(ts: list[torch.Tensor]) -> torch.Tensor | None:
         return None if not ts else ts[0] if len(ts) == 1 else torch.cat(ts)
 
-    return cat([p[0] for p in pieces if p[0] is not None]), cat([p[1] for p in pieces if p[1] is not None]), \
-        cat([p[2] for p in pieces if p[2] is not None])
+    return cast(Parts, tuple(cat([t for p in pieces if (t := p[i]) is not None]) for i in range(3)))
 
 
 # The blend key space (keys.salted_root); the compile context leads each chain, so a different one

@@ -328,6 +328,19 @@ class ModelRunner:
         k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
         self._write(layer, slots, k, v, *(rotation if rotation is not None else (None, None)))
 
+    @torch.inference_mode()
+    def rotate_in_layers(self, layers: range, k: torch.Tensor, v: torch.Tensor,
+                         rotation: tuple[torch.Tensor, torch.Tensor] | None, slots: slice) -> None:
+        """`rotate_in` of consecutive `layers` at once into consecutive `slots`: k, v [layers, n,
+        kv_heads, hd] (one call for the layers: the same elementwise bits as one a layer)."""
+        kc, vc = (c[layers.start : layers.stop, slots] for c in (self.k_cache, self.v_cache))  # [layers, n, kvh, hd]
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
+        if rotation is None:
+            kc.copy_(k)
+        else:
+            rotate_into(k, rotation[0], rotation[1], kc)
+        vc.copy_(v)
+
     def _write(self, layer: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
         """K (rotated by cos/sin [n or 1, 1, hd/2] unless None) and V [n, kv_heads, hd] into the pool."""
