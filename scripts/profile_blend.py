@@ -4,18 +4,44 @@ blended from the memory store, its restore work profiled op by op (torch.profile
     python scripts/profile_blend.py --dtype fp32 --mode legolink --out out/profile_blend.txt
 
 The restore runs on the engine's restore worker, where a profiler must be started: the script wraps
-`BlendRestore._work` for the profiled request only. Prints the untimed-profile TTFTs first (median of
---repeats), then the op table and the same grouped by input shape.
+`BlendRestore._work` for the profiled request only. Prints the TTFTs of the unprofiled blends first
+(median of --repeats) with the wall time of their phases (medians: the restore's work, placing the
+loaded rows, the scattered rows' attention, the runner's steps on the restore worker and on the
+request's own step), then the op table and the same grouped by input shape. The profiler's times
+are its own: under it, some ops run several times slower than in the unprofiled blends (the
+softmax of a layer's first scattered piece, for one), so the phases are the times to go by.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import os
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+
+def _timed(owner: Any, name: str, into: dict[str, float], tag: str) -> Callable[[], None]:
+    """Wrap owner.name to add its wall time to into[tag] (suffixed "@restore" off the main thread);
+    returns the undo."""
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            where = "" if threading.current_thread() is threading.main_thread() else "@restore"
+            into[tag + where] += time.perf_counter() - t
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, f)
 
 
 def main() -> int:
@@ -37,6 +63,8 @@ def main() -> int:
     from kvtier.engine.engine import Engine
     from kvtier.engine.request import SamplingParams
     from kvtier.engine.restore import blend
+    from kvtier.engine.runner.model_runner import ModelRunner
+    from kvtier.models.attention import ScatteredRows
     from kvtier.models.loading import load_model
     from kvtier.planning.blend import BlendOptions
 
@@ -50,9 +78,27 @@ def main() -> int:
         _serve(engine, p.ids[:64], (), SamplingParams(max_tokens=2, temperature=0.0), blend=False, cache_prompt=False)
         engine.precompile(list(p.documents))
         engine.flush(600)
-        ttfts = [_serve(engine, p.ids, p.spans, one, blend=options).ttft or 0.0 for _ in range(args.repeats + 1)][1:]
+        phases: list[dict[str, float]] = []
+        ttfts = []
+        for i in range(args.repeats + 1):
+            into: dict[str, float] = collections.defaultdict(float)
+            undo = [_timed(blend.BlendRestore, "_work", into, "restore work"),
+                    _timed(blend.BlendRestore, "_place", into, "placing loaded rows"),
+                    _timed(ScatteredRows, "attend", into, "scattered attention"),
+                    _timed(ModelRunner, "execute", into, "runner steps")]
+            try:
+                out = _serve(engine, p.ids, p.spans, one, blend=options)
+            finally:
+                for u in undo:
+                    u()
+            if i:  # the first blend reads the documents from the store for the first time: not timed
+                ttfts.append(out.ttft or 0.0)
+                phases.append(into)
         report.append(f"{len(p.ids)} prompt tokens, {args.mode}, {args.dtype}: TTFT median {statistics.median(ttfts):.3f} s "
                       f"over {len(ttfts)} ({' '.join(f'{t:.3f}' for t in ttfts)})")
+        report.append("phases, unprofiled (median s; @restore: on the restore worker, else the request's step):")
+        for tag in sorted({t for ph in phases for t in ph}):
+            report.append(f"  {tag:32s} {statistics.median(ph.get(tag, 0.0) for ph in phases):.3f}")
         work = blend.BlendRestore._work
 
         def profiled(self: Any) -> None:
