@@ -81,7 +81,7 @@ class _Source:
     slots: torch.Tensor | slice  # [n] (a slice where consecutive in the pool: placed in place)
     positions: torch.Tensor  # [n] prompt positions
     rotation: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [1, 1, hd/2] of new - stored position (None: 0)
-    # read group g's layers (READ_GROUP_LAYERS from g times that) as one view per piece, where the read allows
+    # read group g (layers from READ_GROUP_LAYERS * g) as one view per piece (None: no such view of the read)
     stacks: Callable[[int], Stacked | None] | None = None
 
 
