@@ -344,14 +344,11 @@ class ModelRunner:
     def _write(self, layer: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
         """K (rotated by cos/sin [n or 1, 1, hd/2] unless None) and V [n, kv_heads, hd] into the pool."""
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        rotation = None if cos is None or sin is None else (cos, sin)
         if isinstance(slots, slice):  # consecutive slots: rotate straight into the pool's rows
-            if cos is None or sin is None:
-                kc[slots].copy_(k)
-            else:
-                rotate_into(k, cos, sin, kc[slots])
-            vc[slots].copy_(v)
+            self.rotate_in_layers(range(layer, layer + 1), k[None], v[None], rotation, slots)
             return
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
         kc.index_copy_(0, slots, k if cos is None or sin is None else rotate_into(k, cos, sin, torch.empty_like(k)))
         vc.index_copy_(0, slots, v)
 
