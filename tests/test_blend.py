@@ -16,6 +16,7 @@ from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 from kvtier.planning.blend import BlendOptions
 from kvtier.planning.costs import READ_GROUP_LAYERS
+from kvtier.store import staging as staging_module
 
 N = 300
 SEGMENTS = ((20, 120), (125, 260))  # two documents, text between and after them
@@ -262,6 +263,36 @@ def test_documents_read_from_a_tier_on_their_thread_give_the_bits_computed_alone
         read = _blend(engine, ids)
     assert read.restore.bytes_read > 0 and computed.restore.bytes_read == 0
     assert torch.equal(read.first_logits, computed.first_logits)
+
+
+def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_and_go_back(fp32, tmp_path, monkeypatch):
+    """Fresh read memory faults its pages in (on a process's first blend, more than the reads
+    take): disk reads use the store's staging pool, every buffer given back once placed, so a
+    second blend reads into the same memory and allocates none."""
+    ids = _ids(fp32)
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(fp32, store) as engine:
+        want = _blend(engine, ids)
+        assert engine.flush(30)
+    with _engine(fp32, store) as engine:
+        staging = engine.store.staging
+        taken: list[int] = []
+        given: list[int] = []
+        take, give = staging.take, staging.give
+        monkeypatch.setattr(staging, "take", lambda n: (b := take(n), taken.append(b.data_ptr()))[0])
+        monkeypatch.setattr(staging, "give", lambda b: (given.append(b.data_ptr()), give(b))[1])
+        first = _blend(engine, ids)
+        assert engine.flush(30)
+        engine.store.discard(engine.store.keys_for(ids))  # the exact rows it saved: the next reads every document
+        assert taken and sorted(given) == sorted(taken)  # every buffer back once the restore is done
+        fresh: list[int] = []
+        new_buffer = staging_module.aligned_empty
+        monkeypatch.setattr(staging_module, "aligned_empty", lambda *a, **k: (fresh.append(1), new_buffer(*a, **k))[1])
+        taken.clear()
+        second = _blend(engine, ids)
+    assert first.restore.bytes_read > 0 and second.restore.bytes_read == first.restore.bytes_read
+    assert taken and not fresh
+    assert torch.equal(first.first_logits, want.first_logits) and torch.equal(second.first_logits, want.first_logits)
 
 
 def test_hostile_segment_bytes_are_misses(fp32, tmp_path):

@@ -39,7 +39,7 @@ import torch
 
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
-from kvtier.engine.restore.segments import Parts, Pieces, SegmentState, SegmentStates, joined
+from kvtier.engine.restore.segments import Parts, Pieces, SegmentReads, SegmentState, SegmentStates, joined
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
 from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
@@ -128,13 +128,14 @@ def _computed(st: SegmentState, li: int) -> Pieces:
 
 class _Loader:
     """Stored segments read a group of layers at a time on a thread of its own, so that reads from
-    a disk or Redis overlap the recompute, which places each layer as it reaches it."""
+    a disk or Redis overlap the recompute, which places each layer as it reaches it and then gives
+    the group's read memory back (`release`)."""
 
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int) -> None:
-        self.states, self.found = states, list(found)
+        self.reads = SegmentReads(states, found)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
-        self.data: list[dict[int, Pieces]] = [{} for _ in self.found]
-        self.stacks: list[dict[int, Stacked | None]] = [{} for _ in self.found]  # by group
+        self.data: list[dict[int, Pieces]] = [{} for _ in found]
+        self.stacks: list[dict[int, Stacked | None]] = [{} for _ in found]  # by group
         self.ready = [threading.Event() for _ in range(layers)]
         self.error: str | None = None
         self.stop = threading.Event()  # the restore was aborted: read no more
@@ -143,15 +144,17 @@ class _Loader:
 
     def _run(self) -> None:
         try:
+            if not self.reads.open():
+                raise _LoadFailed("a stored document's chunk is gone from its tier")
             for gi, g in enumerate(self.groups):
                 if self.stop.is_set():
                     raise RestoreMiss("aborted")
-                for i, (match, n) in enumerate(self.found):
-                    got = self.states.read_pieces(match, n, g)
-                    if got is None:
-                        raise _LoadFailed("a stored document's state could not be read intact")
-                    self.data[i].update(got)
-                    self.stacks[i][gi] = _stacked([got[li] for li in g])
+                got = self.reads.read(g)
+                if got is None:
+                    raise _LoadFailed("a stored document's state could not be read intact")
+                for i, layers in enumerate(got):
+                    self.data[i].update(layers)
+                    self.stacks[i][gi] = _stacked([layers[li] for li in g])
                 for li in g:
                     self.ready[li].set()
         except Exception as e:  # a layer never read must fail the restore, never pass
@@ -171,9 +174,19 @@ class _Loader:
             raise _LoadFailed(self.error)
         return self.stacks[i][g]
 
+    def release(self, g: int) -> None:
+        """Group g is placed: nothing reads its views again, its staging memory goes back."""
+        self.ready[self.groups[g][-1]].wait()  # read (or failed) before its memory is touched here
+        for data, stacks in zip(self.data, self.stacks):
+            for li in self.groups[g]:
+                data.pop(li, None)
+            stacks.pop(g, None)
+        self.reads.release(self.groups[g].start)
+
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
+        self.reads.close()
 
 
 class _Scattered(LayerAttention):
@@ -280,6 +293,8 @@ class BlendRestore(PreparedRestore):
             self._cleanup()
             self.stats, self.blended = RestoreStats(), BlendStats()
             self._blend(stored=False)
+        if self._loader is not None:  # documents read from below the memory tier are copied up, as exact reads are
+            self.store.promote(self._loader.reads.chunks)
 
     def _blend(self, stored: bool) -> None:
         b = self.blend
@@ -481,6 +496,8 @@ class BlendRestore(PreparedRestore):
             else:
                 assert k is not None and v is not None
                 self.runner.rotate_in(li, k, v, src.rotation, src.slots)
+        if self._loader is not None and (r == READ_GROUP_LAYERS - 1 or li == len(self.layout) - 1):
+            self._loader.release(g)
 
     def _place_run(self, src: _Source, layers: range, stack: Stacked) -> None:
         """`layers` of a source whose rows go to consecutive slots, K/V per piece [layers, rows,

@@ -21,8 +21,9 @@ import torch
 
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.llama import LayerAttention
-from kvtier.store.index import PrefixMatch
+from kvtier.store.index import PrefixMatch, StoredChunk
 from kvtier.store.layout import Repr
+from kvtier.store.reads import LayerGroup
 from kvtier.store.tiered import TieredStore
 
 # A layer's parts: k, v [n, kv_heads, hd] where it stores K/V, h [n, hidden] where hidden states.
@@ -47,14 +48,12 @@ SPACE = "blend-segment"
 
 @dataclass(frozen=True)
 class SegmentState:
-    """A segment's state per layer: k (rotated at positions [0, n)) and v [n, kv_heads, hd] where
+    """A segment's state computed alone, per layer: k (rotated at positions [0, n)) and v [n, kv_heads, hd] where
     the layer stores K/V, h [n, hidden] (the layer's input) where it stores hidden states."""
 
     k: tuple[torch.Tensor | None, ...]
     v: tuple[torch.Tensor | None, ...]
     h: tuple[torch.Tensor | None, ...]
-    stored: bool  # read from the store (else computed here)
-    nbytes: int  # bytes read (0 when computed)
 
 
 class _Alone(LayerAttention):
@@ -106,49 +105,6 @@ class SegmentStates:
         match = self.store.lookup(chain, salt, SPACE)
         return match if match.num_tokens >= len(chain) else None
 
-    def read(self, tokens: Sequence[int], salt: str) -> SegmentState | None:
-        """The whole segment's state from the store; None if any part of it is missing or fails
-        its checks (a miss: it is computed instead)."""
-        match = self.find(tokens, salt)
-        if match is None:
-            return None
-        layers = self.read_layers(match, len(tokens), range(len(self.layout)))
-        if layers is None:
-            return None
-        k, v, h = (tuple(layers[li][p] for li in range(len(self.layout))) for p in range(3))
-        return SegmentState(k, v, h, True, sum(c.nbytes for c in match.chunks))
-
-    def read_layers(self, match: PrefixMatch, n: int, layers: range) -> dict[int, Parts] | None:
-        """`layers` of a segment of `n` tokens from its stored chunks (the context's rows left
-        out): per layer (k, v, h) on the pool's device (None where the layer stores no such part);
-        None on a failed read or check."""
-        got = self.read_pieces(match, n, layers)
-        return None if got is None else {li: joined(p) for li, p in got.items()}
-
-    def read_pieces(self, match: PrefixMatch, n: int, layers: range) -> dict[int, Pieces] | None:
-        """`read_layers` without joining: per layer the segment's rows each stored chunk holds, in
-        order, as views of what the store read where it can (a reader that places rows in place
-        copies them once); None on a failed read or check."""
-        lo, hi = self.offset, self.offset + n  # the segment's rows of the stored chain
-        dev, dtype = self.runner.device, self.runner.k_cache.dtype
-        out: dict[int, list[Parts]] = {li: [] for li in layers}
-        for c in match.chunks:
-            if c.end <= lo or c.start >= hi:
-                continue
-            states = self.store.read_layers(c, layers, copy=False)
-            if states is None:
-                return None
-            a, b = max(lo, c.start) - c.start, min(c.end, hi) - c.start
-            for s in states:
-                out[s.layer].append(cast(Parts, tuple(None if t is None else t[a:b].to(dev, dtype)
-                                                      for t in (s.k, s.v, s.h))))
-        for li in layers:
-            need = (0, 1) if self.layout[li] is Repr.KV else (2,)
-            for i in need:
-                if any(p[i] is None for p in out[li]) or sum(cast(torch.Tensor, p[i]).shape[0] for p in out[li]) != n:
-                    return None
-        return {li: tuple(p) for li, p in out.items()}
-
     @torch.inference_mode()
     def compute(self, tokens: Sequence[int], salt: str) -> SegmentState:
         """The segment's state computed alone (and handed to the store's writer)."""
@@ -163,4 +119,82 @@ class SegmentStates:
 
             self.store.save(chain, 0, stack(alone.k), stack(alone.v), stack(alone.h), salt, SPACE)
         k, v, h = (tuple(None if t is None else t[c:] for t in ts) for ts in (alone.k, alone.v, alone.h))
-        return SegmentState(k, v, h, False, 0)
+        return SegmentState(k, v, h)
+
+
+class SegmentReads:
+    """Stored segments' rows read a group of layers at a time for every segment at once
+    (`PlannedReads`: each chunk opened once, one batched read per tier and group): views of the
+    memory tier's bytes, disk reads into the store's reused staging memory (fresh memory faults
+    its pages in, which on a first blend of a process cost more than the reads themselves). A
+    group's memory goes back to the staging pool once its layers are placed (`release`)."""
+
+    def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]]) -> None:
+        """`found`: each stored segment's chunks and its tokens (the compile context's rows left out)."""
+        self.layout = states.layout
+        self.device, self.dtype = states.runner.device, states.runner.k_cache.dtype
+        self.rows: list[list[tuple[int, int, int]]] = []  # per segment: (chunk index, first row, end row)
+        self.sizes = [n for _, n in found]
+        chunks: list[StoredChunk] = []
+        for match, n in found:
+            lo, hi = states.offset, states.offset + n  # the segment's rows of the stored chain
+            mine = []
+            for c in match.chunks:
+                if c.end > lo and c.start < hi:
+                    mine.append((len(chunks), max(lo, c.start) - c.start, min(c.end, hi) - c.start))
+                    chunks.append(c)
+            self.rows.append(mine)
+        self.chunks = tuple(chunks)
+        self.reads = states.store.planned_reads(chunks)
+        self._held: dict[int, list[LayerGroup]] = {}  # by first layer: the groups read and not released
+
+    def open(self) -> bool:
+        """Open every chunk (its header read and checked); False where any is missing."""
+        return self.reads.open()
+
+    def read(self, layers: range) -> list[dict[int, Pieces]] | None:
+        """`layers`, per segment: per layer its rows in the pieces its stored chunks hold, in order
+        (views of what was read); None on a failed read or check (the chunk is dropped as corrupt)."""
+        out: list[dict[int, list[Parts]]] = [{li: [] for li in layers} for _ in self.rows]
+        held = self._held.setdefault(layers.start, [])
+        for run in _same_repr(self.layout, layers):
+            parts = self.layout[run[0]].parts()
+            group = self.reads.read(run, parts)
+            if group is None:
+                self.release(layers.start)
+                return None
+            held.append(group)
+            for seg, mine in zip(out, self.rows):
+                for c, a, b in mine:
+                    got = [group.parts[p][c] if p in parts else None for p in ("k", "v", "h")]  # [layers, T, ...]
+                    for j, li in enumerate(run):
+                        seg[li].append(cast(Parts, tuple(None if t is None else t[j, a:b].to(self.device, self.dtype)
+                                                         for t in got)))
+        for seg, n in zip(out, self.sizes):  # every row of every layer, in the parts its layout stores
+            for li in layers:
+                for i in (0, 1) if self.layout[li] is Repr.KV else (2,):
+                    if any(p[i] is None for p in seg[li]) or sum(cast(torch.Tensor, p[i]).shape[0] for p in seg[li]) != n:
+                        self.release(layers.start)
+                        return None
+        return [{li: tuple(p) for li, p in seg.items()} for seg in out]
+
+    def release(self, first: int) -> None:
+        """The group read from layer `first` is placed: its staging memory may be reused."""
+        for group in self._held.pop(first, []):
+            self.reads.release(group)
+
+    def close(self) -> None:
+        for first in list(self._held):
+            self.release(first)
+        self.reads.close()
+
+
+def _same_repr(layout: Sequence[Repr], layers: range) -> list[range]:
+    """`layers` cut into runs of one representation (a read asks every layer for the same parts)."""
+    runs: list[range] = []
+    for li in layers:
+        if runs and layout[runs[-1][0]] is layout[li]:
+            runs[-1] = range(runs[-1].start, li + 1)
+        else:
+            runs.append(range(li, li + 1))
+    return runs
