@@ -3,6 +3,8 @@ prefill bit for bit; the plan and the bits do not depend on the batch; tenants n
 other's segments; blended state never serves an exact lookup; hostile segment bytes are misses."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,13 +12,14 @@ from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.prompts import PromptError
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.restore import blend as blend_module
 from kvtier.engine.restore.blend import _stacked
-from kvtier.engine.restore.segments import SPACE
+from kvtier.engine.restore.segments import SPACE, SegmentReads, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
+from kvtier.models.presets import PRESETS
 from kvtier.planning.blend import BlendOptions
 from kvtier.planning.costs import READ_GROUP_LAYERS
-from kvtier.store import staging as staging_module
 
 N = 300
 SEGMENTS = ((20, 120), (125, 260))  # two documents, text between and after them
@@ -265,34 +268,113 @@ def test_documents_read_from_a_tier_on_their_thread_give_the_bits_computed_alone
     assert torch.equal(read.first_logits, computed.first_logits)
 
 
-def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_and_go_back(fp32, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def deep():
+    """tiny-gqa with 11 layers: three read groups of READ_GROUP_LAYERS, the last one short."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(PRESETS, "tiny-deep", dataclasses.replace(PRESETS["tiny-gqa"], num_layers=11))
+        return load_model("tiny-deep", dtype="fp32", tokenizer=False)
+
+
+def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back_group_by_group(deep, tmp_path,
+                                                                                               monkeypatch):
     """Fresh read memory faults its pages in (on a process's first blend, more than the reads
-    take): disk reads use the store's staging pool, every buffer given back once placed, so a
-    second blend reads into the same memory and allocates none."""
-    ids = _ids(fp32)
+    take): disk reads use the store's staging pool. Each read group's memory goes back once its
+    layers are placed, before the restore ends, and nothing reads it after: memory given back is
+    overwritten here, and the bits stay those of the documents computed alone. A second blend
+    reads into memory the first gave back."""
+    assert deep.config.num_layers > 2 * READ_GROUP_LAYERS
+    ids = _ids(deep)
     store = f"disk:{tmp_path}/d:64MB"
-    with _engine(fp32, store) as engine:
+    with _engine(deep, store) as engine:
         want = _blend(engine, ids)
         assert engine.flush(30)
-    with _engine(fp32, store) as engine:
-        staging = engine.store.staging
+    with _engine(deep, store) as engine:
+        staging, disk = engine.store.staging, engine.store.tier("disk")
         taken: list[int] = []
         given: list[int] = []
-        take, give = staging.take, staging.give
+        given_before_close: list[int] = []
+        take, give, close = staging.take, staging.give, blend_module._Loader.close
+
+        def poisoned(b: torch.Tensor) -> None:
+            given.append(b.data_ptr())
+            b.fill_(0xFF)  # NaN in every float dtype: a view read after this shows in the logits
+            give(b)
+
+        def closing(loader) -> None:
+            given_before_close.append(len(given))
+            close(loader)
+
         monkeypatch.setattr(staging, "take", lambda n: (b := take(n), taken.append(b.data_ptr()))[0])
-        monkeypatch.setattr(staging, "give", lambda b: (given.append(b.data_ptr()), give(b))[1])
+        monkeypatch.setattr(staging, "give", poisoned)
+        monkeypatch.setattr(blend_module._Loader, "close", closing)
+        read0 = disk.counters["bytes_read"]
         first = _blend(engine, ids)
+        read1 = disk.counters["bytes_read"]
         assert engine.flush(30)
         engine.store.discard(engine.store.keys_for(ids))  # the exact rows it saved: the next reads every document
-        assert taken and sorted(given) == sorted(taken)  # every buffer back once the restore is done
-        fresh: list[int] = []
-        new_buffer = staging_module.aligned_empty
-        monkeypatch.setattr(staging_module, "aligned_empty", lambda *a, **k: (fresh.append(1), new_buffer(*a, **k))[1])
+        assert len(taken) >= 3 and sorted(given) == sorted(taken)  # a buffer a group, every one back
+        assert given_before_close[0] >= 2  # groups went back as they were placed, not all at the end
+        first_given = set(given)
         taken.clear()
         second = _blend(engine, ids)
-    assert first.restore.bytes_read > 0 and second.restore.bytes_read == first.restore.bytes_read
-    assert taken and not fresh
+        assert disk.counters["bytes_read"] - read1 == read1 - read0 > 0
+    assert first_given & set(taken)  # the second blend read into memory the first gave back
     assert torch.equal(first.first_logits, want.first_logits) and torch.equal(second.first_logits, want.first_logits)
+
+
+def test_a_document_gone_from_the_tier_its_lookup_named_is_read_from_another(fp32, tmp_path, monkeypatch):
+    """Evicted from memory between the lookup and the read, a document still on disk is read from
+    there (looked up again), not computed alone."""
+    ids = _ids(fp32)
+    with _engine(fp32, f"memory:64MB,disk:{tmp_path}/d:64MB") as engine:
+        want = _blend(engine, ids)
+        assert engine.flush(30)
+        engine.store.discard(engine.store.keys_for(ids))
+        find, computed = SegmentStates.find, []
+
+        def evicting(states, tokens, salt):
+            match = find(states, tokens, salt)
+            for c in match.chunks if match is not None else ():
+                if c.tier == "memory":
+                    states.store.memory.delete(c.key)
+            return match
+
+        monkeypatch.setattr(SegmentStates, "find", evicting)
+        monkeypatch.setattr(SegmentStates, "compute", lambda *a: computed.append(a) or pytest.fail("computed alone"))
+        read = engine.store.tier("disk").counters["bytes_read"]
+        out = _blend(engine, ids)
+        assert engine.store.tier("disk").counters["bytes_read"] > read
+    assert out.restore.method == "blend" and out.restore.bytes_read > 0 and not computed
+    assert torch.equal(out.first_logits, want.first_logits)
+
+
+def test_a_restore_aborted_while_waiting_for_a_read_computes_no_document_alone(deep, tmp_path, monkeypatch):
+    ids = _ids(deep)
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(deep, store) as engine:
+        _blend(engine, ids)
+        assert engine.flush(30)
+    restores: list = []
+    computed: list = []
+    init, read, compute = blend_module.BlendRestore.__init__, SegmentReads.read, SegmentStates.compute
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        restores.append(self)
+
+    def aborting(self, layers):
+        if layers.start > 0:  # the worker waits on this group meanwhile, or soon will
+            restores[-1].abort()
+        return read(self, layers)
+
+    monkeypatch.setattr(blend_module.BlendRestore, "__init__", keep)
+    monkeypatch.setattr(SegmentReads, "read", aborting)
+    monkeypatch.setattr(SegmentStates, "compute", lambda *a: (computed.append(a), compute(*a))[1])
+    with _engine(deep, store) as engine:
+        out = _blend(engine, ids)
+    assert restores and restores[-1].failed and not computed
+    assert out.finished and out.restore_method != "blend"
 
 
 def test_hostile_segment_bytes_are_misses(fp32, tmp_path):

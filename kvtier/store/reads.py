@@ -121,18 +121,22 @@ class PlannedReads:
         group = LayerGroup(layers, {}, 0)
         rest: Sequence[int] = wanted
         kind = tuple(sorted(parts))
-        if spans and kind in SPAN_PARTS and self.opened:
-            group.spans, rest = self._spans(layers, wanted, spans, kind)
-            group.nbytes += len(group.spans.chunks) * group.spans.nbytes
-            for i in group.spans.chunks.tolist():
-                decoded[i] = dict.fromkeys(parts)
-        for tier in dict.fromkeys(self.tiers[i] for i in rest):
-            idx = [i for i in rest if self.tiers[i] is tier]
-            if self._views(tier, idx, layers, parts, decoded, group):
-                continue
-            if not self._read_tier(tier, idx, layers, parts, into, raw, decoded, group):
-                self.release(group)
-                return None
+        try:
+            if spans and kind in SPAN_PARTS and self.opened:
+                group.spans, rest = self._spans(layers, wanted, spans, kind)
+                group.nbytes += len(group.spans.chunks) * group.spans.nbytes
+                for i in group.spans.chunks.tolist():
+                    decoded[i] = dict.fromkeys(parts)
+            for tier in dict.fromkeys(self.tiers[i] for i in rest):
+                idx = [i for i in rest if self.tiers[i] is tier]
+                if self._views(tier, idx, layers, parts, decoded, group):
+                    continue
+                if not self._read_tier(tier, idx, layers, parts, into, raw, decoded, group):
+                    self.release(group)
+                    return None
+        except BaseException:  # a read or a decode raised: the group's staging goes back all the same
+            self.release(group)
+            raise
         names = list(parts) + sorted({q for d in decoded.values() for q in d} - set(parts))  # + raw chunks' scales
         group.parts = {p: [decoded[i].get(p) for i in wanted] for p in names}
         return group

@@ -286,12 +286,21 @@ class BlendRestore(PreparedRestore):
 
     # ----- the work ---------------------------------------------------------------------------
     def _work(self) -> None:
-        try:
-            self._blend(stored=True)
-        except _LoadFailed as e:  # a stored document failed its checks: a miss, so computed alone instead
-            log.warning("blended restore: %s; computing the documents alone", e)
-            self._cleanup()
-            self.stats, self.blended = RestoreStats(), BlendStats()
+        # A stored document that fails a read or a check is dropped from its tier (a corrupt copy),
+        # or was gone from the tier its lookup named (evicted meanwhile): the documents are looked
+        # up again once (another tier may hold a copy), then computed alone.
+        for retry in (True, False):
+            try:
+                self._blend(stored=True)
+                break
+            except _LoadFailed as e:
+                if self._error is not None:  # aborted while waiting for a read: no work after it
+                    raise RestoreMiss(self._error) from e
+                log.warning("blended restore: %s; %s", e,
+                            "looking the documents up again" if retry else "computing the documents alone")
+                self._cleanup()
+                self.stats, self.blended = RestoreStats(), BlendStats()
+        else:
             self._blend(stored=False)
         if self._loader is not None:  # documents read from below the memory tier are copied up, as exact reads are
             self.store.promote(self._loader.reads.chunks)
