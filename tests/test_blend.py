@@ -4,6 +4,7 @@ other's segments; blended state never serves an exact lookup; hostile segment by
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -349,7 +350,7 @@ def test_a_document_gone_from_the_tier_its_lookup_named_is_read_from_another(fp3
     assert torch.equal(out.first_logits, want.first_logits)
 
 
-def test_a_restore_aborted_while_waiting_for_a_read_computes_no_document_alone(deep, tmp_path, monkeypatch):
+def test_a_restore_aborted_while_waiting_for_a_read_does_no_more_work(deep, tmp_path, monkeypatch):
     ids = _ids(deep)
     store = f"disk:{tmp_path}/d:64MB"
     with _engine(deep, store) as engine:
@@ -357,23 +358,38 @@ def test_a_restore_aborted_while_waiting_for_a_read_computes_no_document_alone(d
         assert engine.flush(30)
     restores: list = []
     computed: list = []
-    init, read, compute = blend_module.BlendRestore.__init__, SegmentReads.read, SegmentStates.compute
+    looked_up: list = []
+    init, read, compute, find = (blend_module.BlendRestore.__init__, SegmentReads.read, SegmentStates.compute,
+                                 SegmentStates.find)
 
     def keep(self, *a, **k):
         init(self, *a, **k)
         restores.append(self)
 
+    waiting = threading.Event()
+    stack = blend_module._Loader.stack
+
+    def waits(loader, i, g):
+        if g > 0:
+            waiting.set()
+        return stack(loader, i, g)
+
     def aborting(self, layers):
-        if layers.start > 0:  # the worker waits on this group meanwhile, or soon will
-            restores[-1].abort()
-        return read(self, layers)
+        if layers.start == 0:
+            return read(self, layers)
+        assert waiting.wait(30)  # the worker waits for this group: aborted meanwhile, the read gives up
+        restores[-1].abort()
+        return None
 
     monkeypatch.setattr(blend_module.BlendRestore, "__init__", keep)
     monkeypatch.setattr(SegmentReads, "read", aborting)
+    monkeypatch.setattr(blend_module._Loader, "stack", waits)
     monkeypatch.setattr(SegmentStates, "compute", lambda *a: (computed.append(a), compute(*a))[1])
+    monkeypatch.setattr(SegmentStates, "find", lambda *a: (looked_up.append(a), find(*a))[1])
     with _engine(deep, store) as engine:
         out = _blend(engine, ids)
     assert restores and restores[-1].failed and not computed
+    assert len(looked_up) == len(SEGMENTS)  # nor looks them up again
     assert out.finished and out.restore_method != "blend"
 
 
