@@ -21,6 +21,7 @@ from kvtier.models.loading import load_model
 from kvtier.models.presets import PRESETS
 from kvtier.planning.blend import BlendOptions
 from kvtier.planning.costs import READ_GROUP_LAYERS
+from kvtier.store import reads as reads_module
 
 N = 300
 SEGMENTS = ((20, 120), (125, 260))  # two documents, text between and after them
@@ -322,6 +323,34 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
         assert disk.counters["bytes_read"] - read1 == read1 - read0 > 0
     assert first_given & set(taken)  # the second blend read into memory the first gave back
     assert torch.equal(first.first_logits, want.first_logits) and torch.equal(second.first_logits, want.first_logits)
+
+
+def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone(deep, tmp_path,
+                                                                                        monkeypatch):
+    ids = _ids(deep)
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(deep, store) as engine:
+        want = _blend(engine, ids)
+        assert engine.flush(30)
+    decode = reads_module.fmt.decode_run
+
+    def hostile(header, segments, layers, part):
+        if layers[0] >= READ_GROUP_LAYERS:  # the second group: after a first was read and placed
+            raise ValueError("a shape the header cannot have")
+        return decode(header, segments, layers, part)
+
+    monkeypatch.setattr(reads_module.fmt, "decode_run", hostile)
+    with _engine(deep, store) as engine:
+        staging = engine.store.staging
+        taken: list[int] = []
+        given: list[int] = []
+        take, give = staging.take, staging.give
+        monkeypatch.setattr(staging, "take", lambda n: (b := take(n), taken.append(b.data_ptr()))[0])
+        monkeypatch.setattr(staging, "give", lambda b: (given.append(b.data_ptr()), give(b))[1])
+        out = _blend(engine, ids)
+    assert taken and sorted(given) == sorted(taken)
+    assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone
+    assert torch.equal(out.first_logits, want.first_logits)
 
 
 def test_a_document_gone_from_the_tier_its_lookup_named_is_read_from_another(fp32, tmp_path, monkeypatch):
