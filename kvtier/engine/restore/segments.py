@@ -48,8 +48,9 @@ SPACE = "blend-segment"
 
 @dataclass(frozen=True)
 class SegmentState:
-    """A segment's state computed alone, per layer: k (rotated at positions [0, n)) and v [n, kv_heads, hd] where
-    the layer stores K/V, h [n, hidden] (the layer's input) where it stores hidden states."""
+    """A segment's state computed alone, per layer: k (rotated at positions [0, n)) and v [n,
+    kv_heads, hd] where the layer stores K/V, h [n, hidden] (the layer's input) where it stores
+    hidden states."""
 
     k: tuple[torch.Tensor | None, ...]
     v: tuple[torch.Tensor | None, ...]
