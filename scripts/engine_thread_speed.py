@@ -27,12 +27,8 @@ from kvtier.models.loading import load_model
 
 
 def _run(engine: Engine, prompt: list[int], tokens: int) -> RequestOutput:
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
-                             cache_prompt=False)
-    while True:
-        for out in engine.step():
-            if out.finished and out.request_id == rid:
-                return out
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate(prompt, params, cache_prompt=False)[0]
 
 
 def main() -> int:
