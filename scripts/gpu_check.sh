@@ -12,6 +12,8 @@
 # SKIP_MHA=1, HF_COMPILED=auto (add HF's torch.compile decode peer to the forward rows: about a
 # minute more; off by default so the defaults fit one call),
 # COPY_AB=1 (the kv restore again with KVTIER_BATCHED_COPY=0), SKIP_FORWARD=1,
+# BLEND=1 (`kvtier bench blend` on random ids laid out as its RAG prompts, ten passages of BLEND_PASSAGE
+# tokens, default 600: about 6K tokens; BLEND_MODEL default llama3-8b, BLEND_N questions default 4; about 2 minutes),
 # PROFILE=1 (scripts/gpu_profile.py: where a kv restore's, a restoring step's and a saving decode step's
 # time goes, about 170 s; PROFILE_TARGETS picks some of "restore restoring saving"; py-spy is used where
 # it is on PATH, e.g. from a py-spy wheel in .whl/).
@@ -51,6 +53,13 @@ fi
 
 if [ -n "${PROFILE:-}" ]; then
   PATH=/tmp/kvtier-site/bin:$PATH $PY scripts/gpu_profile.py "$OUT" ${PROFILE_TARGETS:-restore restoring saving} 2>&1 | tee "$OUT/profile.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ -n "${BLEND:-}" ]; then  # blended restores: TTFT from pinned host memory and a cold disk beside full prefill
+  $PY -m kvtier bench blend --device cuda --dtype bf16 --synthetic --model "${BLEND_MODEL:-llama3-8b}" \
+      --passage-tokens "${BLEND_PASSAGE:-600}" --n "${BLEND_N:-4}" --speed-n "${BLEND_N:-4}" --max-tokens 8 \
+      --link-tokens 8 --ratios 0.15 --store memory:8GB --json "$OUT/blend.json" 2>&1 | tee "$OUT/blend.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -452,3 +452,60 @@ def test_the_overlap_trial_hides_copies_under_a_busy_compute_stream():
         torch.cuda.synchronize()
 
     assert _overlap(read, compute, _time(compute), device) > 0.5
+
+
+# Blended restores (tests/test_blend.py's checks, run on the GPU).
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_blend_with_every_token_recomputed_is_an_exact_prefill(dtype):
+    import test_blend
+
+    model = load_model("tiny-gqa", dtype=dtype, device="cuda", tokenizer=False)
+    test_blend.test_every_token_recomputed_is_an_exact_prefill_bit_for_bit(model)
+    test_blend.test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(model)
+
+
+def test_a_blends_plan_and_bits_are_the_same_across_runs_and_batches(gqa_cuda):
+    import test_blend
+
+    from kvtier.planning.blend import BlendOptions
+
+    for options, segments in [(BlendOptions(), test_blend.SEGMENTS),
+                              (BlendOptions(mode="cacheblend", ratio=0.2), test_blend.SEGMENTS),
+                              (BlendOptions(mode="naive"), test_blend.GAPS)]:
+        test_blend.test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(gqa_cuda, options, segments)
+
+
+def test_a_blend_on_the_gpu_is_the_cpus_blend(gqa_cuda, tiny_gqa):
+    """Each method blends the same tokens on both devices (the CPU's is checked against the method
+    computed independently, in tests/test_blend.py), to fp32 rounding."""
+    import test_blend
+
+    from kvtier.planning.blend import BlendOptions
+
+    ids = test_blend._ids(tiny_gqa)
+    for options in (BlendOptions(link_tokens=0), BlendOptions(link_tokens=8),
+                    BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1)):
+        outs = []
+        for model in (tiny_gqa, gqa_cuda):
+            with test_blend._engine(model) as engine:
+                outs.append(test_blend._blend(engine, ids, options))
+        cpu, gpu = outs
+        assert gpu.restore.recomputed_tokens == cpu.restore.recomputed_tokens, options
+        assert (gpu.first_logits.cpu() - cpu.first_logits).abs().max().item() <= 1e-4, options
+
+
+def test_blended_documents_read_from_a_disk_through_staging(tmp_path, monkeypatch):
+    """Documents read from a disk into the store's staging memory and placed on the GPU give the
+    bits of the documents computed alone; each read group's memory goes back as it is placed."""
+    import dataclasses
+
+    import test_blend
+
+    from kvtier.models.presets import PRESETS
+
+    monkeypatch.setitem(PRESETS, "tiny-deep", dataclasses.replace(PRESETS["tiny-gqa"], num_layers=11))
+    deep = load_model("tiny-deep", dtype="fp32", device="cuda", tokenizer=False)
+    test_blend.test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back_group_by_group(
+        deep, tmp_path, monkeypatch)

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,8 +34,9 @@ from kvtier.bench.blend import data as blend_data
 from kvtier.bench.blend.ideal import FlopModel, ideal, row_flops
 from kvtier.bench.blend.metrics import Sample, best_f1, kl_first, leading_equal, summarize, token_f1
 from kvtier.bench.blend.report import plot, table
-from kvtier.bench.common import drop_page_cache, machine_info, read_bandwidth, write_json_atomic
+from kvtier.bench.common import drop_page_cache, machine_info, pinned_copy_rate, read_bandwidth, write_json_atomic
 from kvtier.bench.roofline import Rates, measure
+from kvtier.device import describe
 from kvtier.engine import prompts as prompts_
 from kvtier.engine.config import ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
@@ -259,7 +260,7 @@ def _prompts(loaded: LoadedModel, args: argparse.Namespace, synthetic: bool) -> 
 
 
 # What a resumed run must share with the run it continues, for their questions to be one sample.
-RESUME_KEYS = ("model", "dtype", "data", "offset", "max_tokens", "link_tokens", "ratios", "check_layer", "score", "store",
+RESUME_KEYS = ("model", "dtype", "device", "data", "offset", "max_tokens", "link_tokens", "ratios", "check_layer", "score", "store",
                "chunk_tokens", "passage_tokens", "seed", "synthetic")
 
 
@@ -285,6 +286,15 @@ def resumed(args: argparse.Namespace, synthetic: bool) -> tuple[list[dict], list
     return list(doc.get("questions", [])), list(doc.get("disk", [])), doc.get("rates", {}).get("disk_bandwidth")
 
 
+def _rates(device: torch.device, dtype: torch.dtype, repeats: int) -> Rates:
+    """The matmul rate, and the bandwidth the memory tier's reads reach: a copy in host memory on
+    the CPU; on a GPU the tier lives in pinned host memory, so a pinned host-to-device copy."""
+    rates = measure(device, dtype, repeats)
+    if device.type == "cuda":
+        rates = replace(rates, bandwidth=pinned_copy_rate(device, reps=repeats))
+    return rates
+
+
 def _best(a: Rates, b: Rates) -> Rates:
     """The faster of two measurements of each rate: the one other work on the machine disturbed least."""
     return Rates(max(a.bandwidth, b.bandwidth), max(a.flops, b.flops))
@@ -300,13 +310,15 @@ def _document(ctx: Context, path: Path, records: list[dict], disk: list[dict], d
     if not disk_kept:
         fill_ideals(disk, disk_bw or float("nan"), best)
     settings = {k: v for k, v in vars(ctx.args).items() if k not in ("func", "replot")} | dict(synthetic=ctx.synthetic)
-    machine = machine_info() | dict(loadavg_end=[round(x, 2) for x in os.getloadavg()])
+    machine = machine_info() | dict(loadavg_end=[round(x, 2) for x in os.getloadavg()],
+                                    device=describe(next(ctx.loaded.module.parameters()).device))
     return dict(bench="blend", model=ctx.args.model, dtype=ctx.args.dtype, settings=settings,
                 data=None if ctx.synthetic else dict(path=str(path), attribution=blend_data.ATTRIBUTION),
                 machine=machine, date=time.strftime("%Y-%m-%d"),
                 rates=dict(flops=best.flops, memory_bandwidth=best.bandwidth, disk_bandwidth=disk_bw,
                            measured=[asdict(r) for r in rates],
-                           source="bench/roofline.measure (a matmul in the compute dtype, a device copy; the faster "
+                           source="bench/roofline.measure (a matmul in the compute dtype, a copy in host memory, on a GPU a "
+                                  "pinned host-to-device copy: the memory tier's reads; the faster "
                                   "of a measurement before and one after the rows); the disk's cold read of the "
                                   "store's files (bench/common.read_bandwidth); ideal = max(bytes read / bandwidth, "
                                   "FLOPs / matmul rate)"),
@@ -321,7 +333,7 @@ def run(args: argparse.Namespace) -> dict | None:
         print(f"skipped: no MuSiQue data at {path} (give --data PATH or set ${blend_data.DATA_ENV}; "
               "--synthetic runs random ids)")
         return None
-    loaded = load_model(args.model, dtype=args.dtype, tokenizer=not synthetic)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=not synthetic)
     if loaded.tokenizer is None and not synthetic:
         print(f"{args.model} has no tokenizer: running random ids (--synthetic)")
         synthetic = True
@@ -329,7 +341,7 @@ def run(args: argparse.Namespace) -> dict | None:
     prompts = _prompts(loaded, args, synthetic)
     device = next(loaded.module.parameters()).device
     repeats = 1 if synthetic else 5  # random ids are for tests: a second or two, not five runs per rate
-    before = measure(device, loaded.dtype, repeats)
+    before = _rates(device, loaded.dtype, repeats)
     ctx = Context(loaded, args, synthetic, FlopModel.of(loaded.module),
                   SamplingParams(max_tokens=args.max_tokens, temperature=0.0, first_logits=True))
     specs = row_specs(args.link_tokens, args.ratios, args.check_layer, args.score)
@@ -345,7 +357,7 @@ def run(args: argparse.Namespace) -> dict | None:
         if args.json:  # what is done so far, should the run be stopped early
             write_json_atomic(args.json, _document(ctx, path, records, disk, disk_bw, (before, before), specs,
                                                    kept, disk_kept))
-    after = measure(device, loaded.dtype, repeats)
+    after = _rates(device, loaded.dtype, repeats)
     return _document(ctx, path, records, disk, disk_bw, (before, after), specs, kept, disk_kept)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvtier.cli.bench.options import Target, add_bench_options, add_command, add_dtype_argument, float_list, int_list
 from kvtier.cli.engine_args import non_negative_int
 from kvtier.cli.options import option
+from kvtier.device import add_device_argument
 from kvtier.planning.blend import BlendOptions, BlendScore
 
 
@@ -51,6 +52,7 @@ class BlendBenchOptions:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_options(p, BlendBenchOptions)
     add_dtype_argument(p)
+    add_device_argument(p)
 
 
 run = Target("kvtier.bench.blend.run", "cmd")
