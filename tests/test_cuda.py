@@ -454,27 +454,67 @@ def test_the_overlap_trial_hides_copies_under_a_busy_compute_stream():
     assert _overlap(read, compute, _time(compute), device) > 0.5
 
 
-# Blended restores (tests/test_blend.py's checks, run on the GPU).
+
+# Blended restores (tests/test_blend.py's checks on the GPU). CUDA is not lossless yet
+# (docs/exactness.md): where the CPU asserts bits, these assert the restores' tolerance.
+
+BLEND_POOL = EngineConfig(kv_cache_bytes=64 << 20)  # the default takes most of the GPU: engines here overlap
+
+
+def _blend_engine(model, store: str = "memory:256MB", **reuse) -> Engine:
+    from kvtier.planning.blend import BlendOptions
+
+    return Engine(model, BLEND_POOL, store=store, reuse=ReuseConfig(chunk_tokens=64, blend=BlendOptions(), **reuse))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_blend_with_every_token_recomputed_is_an_exact_prefill(dtype):
+def test_a_blend_with_every_token_recomputed_agrees_with_an_exact_prefill(dtype, record_property):
     import test_blend
 
     model = load_model("tiny-gqa", dtype=dtype, device="cuda", tokenizer=False)
-    test_blend.test_every_token_recomputed_is_an_exact_prefill_bit_for_bit(model)
-    test_blend.test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(model)
+    ids = test_blend._ids(model)
+    with Engine(model, BLEND_POOL) as plain:
+        want = plain.generate([ids], test_blend.GREEDY)[0]
+    with _blend_engine(model) as engine:
+        engine.precompile([ids[a:b] for a, b in test_blend.SEGMENTS])
+        out = test_blend._blend(engine, ids, test_blend.EVERY_TOKEN)
+    assert out.restore.recomputed_tokens == test_blend.N - 1 and out.restore.blended_tokens == 0
+    diff = (out.first_logits - want.first_logits).abs().max().item()
+    record_property("max_abs_logit_diff", diff)
+    record_property("greedy_equal", out.output_ids == want.output_ids)
+    if dtype == "fp32":
+        assert diff <= 1e-4 and out.output_ids == want.output_ids, diff
+    else:  # bf16: the restores' measured bound (docs/exactness.md)
+        assert diff <= 0.5, diff
 
 
-def test_a_blends_plan_and_bits_are_the_same_across_runs_and_batches(gqa_cuda):
+def test_a_blends_plan_is_the_same_across_runs_and_batches(gqa_cuda, record_property):
+    """The same plan in any batch; alone, the same bits run after run; in a batch, within fp32's
+    tolerance (no batch-invariant kernels on CUDA yet)."""
     import test_blend
 
-    from kvtier.planning.blend import BlendOptions
+    from kvtier.planning.blend import BlendMode, BlendOptions
 
     for options, segments in [(BlendOptions(), test_blend.SEGMENTS),
                               (BlendOptions(mode="cacheblend", ratio=0.2), test_blend.SEGMENTS),
                               (BlendOptions(mode="naive"), test_blend.GAPS)]:
-        test_blend.test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(gqa_cuda, options, segments)
+        ids = test_blend._ids(gqa_cuda)
+        with _blend_engine(gqa_cuda) as engine:
+            alone = test_blend._blend(engine, ids, options, segments=segments)
+            assert engine.flush(30)
+            again = test_blend._blend(engine, ids, options, segments=segments)
+            for seed in (9, 10):
+                engine.add_request(test_blend._ids(gqa_cuda, seed=seed, n=200),
+                                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            batched = test_blend._blend(engine, ids, options, segments=segments)
+        for out in (again, batched):
+            assert out.restore.recomputed_tokens == alone.restore.recomputed_tokens, options
+            assert out.restore.blended_tokens == alone.restore.blended_tokens, options
+            assert out.output_ids == alone.output_ids, options
+        assert torch.equal(again.first_logits, alone.first_logits), options
+        diff = (batched.first_logits - alone.first_logits).abs().max().item()
+        record_property(f"batched_diff_{BlendMode(options.mode).value}", diff)
+        assert diff <= 1e-4, (options, diff)
 
 
 def test_a_blend_on_the_gpu_is_the_cpus_blend(gqa_cuda, tiny_gqa):
@@ -487,11 +527,10 @@ def test_a_blend_on_the_gpu_is_the_cpus_blend(gqa_cuda, tiny_gqa):
     ids = test_blend._ids(tiny_gqa)
     for options in (BlendOptions(link_tokens=0), BlendOptions(link_tokens=8),
                     BlendOptions(mode="cacheblend", ratio=0.2, check_layer=1)):
-        outs = []
-        for model in (tiny_gqa, gqa_cuda):
-            with test_blend._engine(model) as engine:
-                outs.append(test_blend._blend(engine, ids, options))
-        cpu, gpu = outs
+        with test_blend._engine(tiny_gqa) as engine:
+            cpu = test_blend._blend(engine, ids, options)
+        with _blend_engine(gqa_cuda) as engine:
+            gpu = test_blend._blend(engine, ids, options)
         assert gpu.restore.recomputed_tokens == cpu.restore.recomputed_tokens, options
         assert (gpu.first_logits.cpu() - cpu.first_logits).abs().max().item() <= 1e-4, options
 
@@ -506,6 +545,7 @@ def test_blended_documents_read_from_a_disk_through_staging(tmp_path, monkeypatc
     from kvtier.models.presets import PRESETS
 
     monkeypatch.setitem(PRESETS, "tiny-deep", dataclasses.replace(PRESETS["tiny-gqa"], num_layers=11))
+    monkeypatch.setattr(test_blend, "_engine", _blend_engine)
     deep = load_model("tiny-deep", dtype="fp32", device="cuda", tokenizer=False)
     test_blend.test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back_group_by_group(
         deep, tmp_path, monkeypatch)

@@ -49,6 +49,9 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     """Total and free bytes of a CUDA device (None elsewhere: host memory is not reserved up front)."""
     if device.type != "cuda":
         return None
+    # Blocks torch's allocator caches for this process (a closed engine's pool, say) count as used
+    # in the driver's figure: handed back first, they are free for this budget.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total, free)
 

@@ -11,13 +11,13 @@ from kvtier.engine.runner.backends.base import AttentionBackend, PoolSpec
 from kvtier.engine.runner.backends.cpu_exact import CpuExact
 from kvtier.engine.runner.backends.sdpa import CudaSdpa, Sdpa
 from kvtier.engine.runner.backends.varlen import Varlen
-from kvtier.models import varlen
+from kvtier.models import varlen as varlen_kernels  # not `varlen`: that name is this package's module
 from kvtier.models.attention import exact_cpu
 
 
 def choose(spec: PoolSpec) -> AttentionBackend[Any]:
     if exact_cpu(spec.device, spec.kernels):
         return CpuExact(spec)
-    if varlen.usable(spec.device, spec.dtype, spec.heads, spec.kv_heads, spec.head_dim):
+    if varlen_kernels.usable(spec.device, spec.dtype, spec.heads, spec.kv_heads, spec.head_dim):
         return Varlen(spec)
     return CudaSdpa(spec) if spec.device.type == "cuda" else Sdpa(spec)
