@@ -2,6 +2,7 @@
 blended from the memory store, its restore work profiled op by op (torch.profiler).
 
     python scripts/profile_blend.py --dtype fp32 --mode legolink --out out/profile_blend.txt
+    python scripts/profile_blend.py --device cuda --model llama3-8b --dtype bf16   (random ids, 10 x 600 tokens)
 
 The restore runs on the engine's restore worker, where a profiler must be started: the script wraps
 `BlendRestore._work` for the profiled request only. Prints the TTFTs of the unprofiled blends first
@@ -9,7 +10,10 @@ The restore runs on the engine's restore worker, where a profiler must be starte
 loaded rows, the scattered rows' attention, the runner's steps on the restore worker and on the
 request's own step), then the op table and the same grouped by input shape. The profiler's times
 are its own: under it, some ops run several times slower than in the unprofiled blends (the
-softmax of a layer's first scattered piece, for one), so the phases are the times to go by.
+softmax of a layer's first scattered piece, for one), so the phases are the times to go by. On a GPU the phases are host time (launches, and the waits
+for the device where the code waits), and a second table sorts the ops by their device time.
+A model without a tokenizer (a random-weight preset) runs random ids laid out as the questions
+are (`kvtier bench blend --synthetic`'s), as does --synthetic.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def _timed(owner: Any, name: str, into: dict[str, float], tag: str) -> Callable[
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="model preset, name or path (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    ap.add_argument("--synthetic", action="store_true", help="random ids (the default for a model without a tokenizer)")
+    ap.add_argument("--passage-tokens", type=int, default=600,
+                    help="random ids: tokens per passage (default: %(default)s)")
     ap.add_argument("--dtype", default="fp32", help="compute dtype (default: %(default)s)")
     ap.add_argument("--mode", default="legolink", choices=["legolink", "cacheblend", "naive"],
                     help="the blend (the engine's defaults for it) (default: %(default)s)")
@@ -68,9 +77,14 @@ def main() -> int:
     from kvtier.models.loading import load_model
     from kvtier.planning.blend import BlendOptions
 
-    loaded = load_model("smollm2-135m", dtype=args.dtype)
-    q = blend_data.load_questions(blend_data.data_path(args.data), args.question, 1)[0]
-    p = blend_data.text_prompt(lambda s: prompts.encode(loaded, s), loaded.tokenizer, q, args.question, 0)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.synthetic or loaded.tokenizer is None:
+        p = blend_data.synthetic_prompt(loaded.config.vocab_size, args.question, 0, args.passage_tokens)
+    else:
+        q = blend_data.load_questions(blend_data.data_path(args.data), args.question, 1)[0]
+        p = blend_data.text_prompt(lambda s: prompts.encode(loaded, s), loaded.tokenizer, q, args.question, 0)
+    gpu = loaded.module.lm_head.weight.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
     options = BlendOptions(mode=args.mode)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     report: list[str] = []
@@ -94,7 +108,7 @@ def main() -> int:
             if i:  # the first blend reads the documents from the store for the first time: not timed
                 ttfts.append(out.ttft or 0.0)
                 phases.append(into)
-        report.append(f"{len(p.ids)} prompt tokens, {args.mode}, {args.dtype}: TTFT median {statistics.median(ttfts):.3f} s "
+        report.append(f"{args.model} on {args.device}, {len(p.ids)} prompt tokens, {args.mode}, {args.dtype}: TTFT median {statistics.median(ttfts):.3f} s "
                       f"over {len(ttfts)} ({' '.join(f'{t:.3f}' for t in ttfts)})")
         report.append("phases, unprofiled (median s; @restore: on the restore worker, else the request's step):")
         for tag in sorted({t for ph in phases for t in ph}):
@@ -102,13 +116,15 @@ def main() -> int:
         work = blend.BlendRestore._work
 
         def profiled(self: Any) -> None:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
                 t = time.perf_counter()
                 work(self)
                 report.append(f"restore work (profiled): {time.perf_counter() - t:.3f} s, "
                               f"{self.blended.recomputed} tokens recomputed, {self.blended.loaded} loaded")
             ops = prof.key_averages()
             report.append(ops.table(sort_by="self_cpu_time_total", row_limit=25))
+            if gpu:
+                report.append(ops.table(sort_by="self_cuda_time_total", row_limit=20))
             report.append(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total",
                                                                               row_limit=20))
 
