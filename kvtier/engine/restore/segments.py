@@ -167,15 +167,10 @@ class SegmentReads:
             held.append(group)
             for seg, mine in zip(out, self.rows):
                 for c, a, b in mine:
-                    # One copy per chunk and part for the whole run of layers (none on the CPU where
-                    # the dtype is the pool's): the layers stay views at an even stride, placed a
-                    # read group at a time; a copy per layer and piece was a GPU's launch-bound cost.
-                    got = [group.parts[p][c][:, a:b].to(self.device, self.dtype, non_blocking=True) if p in parts
-                           else None for p in ("k", "v", "h")]  # [layers, rows, ...]
+                    got = [group.parts[p][c] if p in parts else None for p in ("k", "v", "h")]  # [layers, T, ...]
                     for j, li in enumerate(run):
-                        seg[li].append(cast(Parts, tuple(None if t is None else t[j] for t in got)))
-        if self.device.type == "cuda":  # the copies landed before the layers are handed over (and read memory reused)
-            torch.cuda.current_stream(self.device).synchronize()
+                        seg[li].append(cast(Parts, tuple(None if t is None else t[j, a:b].to(self.device, self.dtype)
+                                                         for t in got)))
         for seg, n in zip(out, self.sizes):  # every row of every layer, in the parts its layout stores
             for li in layers:
                 for i in (0, 1) if self.layout[li] is Repr.KV else (2,):
