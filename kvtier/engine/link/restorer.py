@@ -14,7 +14,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from kvtier.engine.config import ReuseConfig
@@ -28,6 +28,7 @@ from kvtier.engine.restore.layerwise import Restore, RestoreMiss
 from kvtier.engine.restore.segments import SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.scheduler_api import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
+from kvtier.engine.transient import TransientWorker
 from kvtier.planning.blend import BlendOptions, plan_blend
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
@@ -64,7 +65,7 @@ class Restorer:
         self.attached: dict[str, _Job] = {}  # ready: placed by their request's next step
         self.reused_by_method: dict[str, int] = {}
         self.reused_by_tier: dict[str, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-restore")
+        self._worker = TransientWorker("kvtier-restore")  # its thread (and OpenMP team) only while restores run
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
@@ -228,7 +229,7 @@ class Restorer:
                 done.set_exception(e)  # finish() raises it again: the step's result is void
             self.attached[req.request_id] = _Job(req, order, restore, done, 0, started)
             return
-        self.jobs[req.request_id] = _Job(req, order, restore, self._pool.submit(restore.prepare), ticket.debt,
+        self.jobs[req.request_id] = _Job(req, order, restore, self._worker.submit(restore.prepare), ticket.debt,
                                          started)
         self.stats.restore_tokens_charged += order.plan.background_tokens - ticket.debt
 
@@ -351,7 +352,7 @@ class Restorer:
     def close(self) -> None:
         for rid in list(self.jobs) + list(self.attached):
             self.abort(rid)
-        self._pool.shutdown(wait=True)
+        self._worker.shutdown(wait=True)
         for job in self.jobs.values():
             try:
                 job.restore.finish()

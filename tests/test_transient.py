@@ -1,0 +1,87 @@
+"""The restore worker's thread lives only while it has work, so the OpenMP team torch gives it
+does not outlive its restores (kvtier/engine/transient.py says why that matters)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier.engine.transient import TransientWorker
+
+
+def _eventually(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_calls_run_one_at_a_time_in_order_and_failures_reach_their_futures():
+    worker = TransientWorker("test-worker")
+    seen: list[int] = []
+    running = []
+    gate = threading.Event()
+
+    def call(i: int):
+        def run() -> int:
+            running.append(i)
+            assert len(running) == 1, running  # never two at once
+            if i == 0:
+                gate.wait(5)
+            seen.append(i)
+            running.remove(i)
+            if i == 3:
+                raise ValueError("three")
+            return i * 10
+        return run
+
+    futures = [worker.submit(call(i)) for i in range(5)]
+    gate.set()
+    assert [f.result(10) for f in futures[:3]] == [0, 10, 20]
+    with pytest.raises(ValueError, match="three"):
+        futures[3].result(10)
+    assert futures[4].result(10) == 40
+    assert seen == [0, 1, 2, 3, 4]
+    worker.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.submit(lambda: None)
+
+
+def test_the_thread_exits_when_idle_and_a_later_call_starts_another():
+    worker = TransientWorker("test-worker")
+    names = []
+    assert worker.submit(lambda: names.append(threading.get_ident())).result(10) is None
+    assert _eventually(lambda: not worker.alive)
+    assert not any(t.name == "test-worker" for t in threading.enumerate() if t.is_alive() and t.ident == names[0])
+    worker.submit(lambda: names.append(threading.get_ident())).result(10)
+    assert _eventually(lambda: not worker.alive)
+    assert len(names) == 2
+    worker.shutdown()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="counts Linux threads of a multi-threaded torch")
+def test_the_openmp_team_of_a_call_goes_with_its_thread():
+    big = torch.ones(20_000_000)
+    big.clone()  # this thread's own team, before counting
+    before = _native_threads()
+    worker = TransientWorker("test-worker")
+    during: list[int] = []
+
+    def parallel_op() -> None:
+        big.clone()  # a parallel copy: torch starts an OpenMP team for this thread
+        during.append(_native_threads())
+
+    worker.submit(parallel_op).result(30)
+    assert during[0] > before + 1  # the worker and at least one OpenMP thread of its own
+    assert _eventually(lambda: _native_threads() <= before), (before, _native_threads())
+    worker.shutdown()
