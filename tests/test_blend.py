@@ -617,3 +617,26 @@ def test_read_groups_stack_only_views_of_one_buffer_at_an_even_stride():
     assert _stacked([layers[0], layers[1][:1], *layers[2:]]) is None  # pieces that differ
     hidden = [((None, None, buf[li, 0, 2:7].flatten(1)),) for li in range(4)]
     assert _stacked(hidden) is None
+
+
+def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_the_restore_worker(fp32, monkeypatch):
+    """A small blend runs on the step thread (a second thread's OpenMP team would slow each of its
+    ops), a larger one or CacheBlend on the restore worker; where it runs never changes its bits."""
+    ids = _ids(fp32)
+    where: list[str] = []
+    work = blend_module.BlendRestore._work
+    monkeypatch.setattr(blend_module.BlendRestore, "_work",
+                        lambda self: (where.append(threading.current_thread().name), work(self))[1])
+    step_thread = threading.current_thread().name
+    with _engine(fp32) as engine:
+        restorer = engine.link.restorer
+        inline = _blend(engine, ids)
+        assert engine.flush(30)
+        restorer.inline_blend_tokens = inline.restore.recomputed_tokens - 1
+        worker = _blend(engine, ids)
+        assert engine.flush(30)
+        restorer.inline_blend_tokens = 10**6
+        cacheblend = _blend(engine, ids, BlendOptions(mode="cacheblend", ratio=0.2))
+    assert where == [step_thread, "kvtier-restore", "kvtier-restore"]
+    assert worker.restore.recomputed_tokens == inline.restore.recomputed_tokens and cacheblend.restore is not None
+    assert torch.equal(worker.first_logits, inline.first_logits) and worker.output_ids == inline.output_ids

@@ -29,7 +29,7 @@ from kvtier.engine.restore.segments import SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.scheduler_api import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
 from kvtier.engine.transient import TransientWorker
-from kvtier.planning.blend import BlendOptions, plan_blend
+from kvtier.planning.blend import BlendMode, BlendOptions, plan_blend
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr
@@ -61,6 +61,7 @@ class Restorer:
         self.config = config
         self.stats = stats
         self.compute_chunk_tokens = compute_chunk_tokens
+        self.inline_blend_tokens = compute_chunk_tokens  # a blend recomputing at most this runs in its step
         self.jobs: dict[str, _Job] = {}  # preparing
         self.attached: dict[str, _Job] = {}  # ready: placed by their request's next step
         self.reused_by_method: dict[str, int] = {}
@@ -168,9 +169,15 @@ class Restorer:
         tiers: dict[str, int] = {}
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, exact_end) - max(c.start, keep)
+        # A blend that recomputes no more than a compute chunk runs inside its request's step, on
+        # the step thread, charged to the step's budget like a chunk: a second thread's OpenMP
+        # team would slow each of its thousands of small ops (kvtier/engine/transient.py).
+        # CacheBlend's check runs layers over every loaded row: on the restore worker.
+        inline = blend.options.mode is not BlendMode.CACHEBLEND and blend.recomputed_tokens <= self.inline_blend_tokens
         # Lossy even where every row is recomputed (an exact prefill's bits): a blended request's
         # state is never published or saved, whatever its options.
-        return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True)
+        return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True,
+                          instant=inline, attach_tokens=blend.recomputed_tokens if inline else 0)
 
     def _instant(self, plan: Plan) -> bool:
         """A layer-wise plan over memory the store holds (views, no waiting) with no compute
