@@ -68,9 +68,18 @@ def test_the_thread_exits_when_idle_and_a_later_call_starts_another():
     worker.shutdown()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
-                    reason="counts Linux threads of a multi-threaded torch")
-def test_the_openmp_team_of_a_call_goes_with_its_thread():
+@pytest.fixture
+def two_threads():
+    """torch on two threads for this test (the suite's parallel workers run one each)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(was)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="counts the Linux threads of an OpenMP team")
+def test_the_openmp_team_of_a_call_goes_with_its_thread(two_threads):
     big = torch.ones(20_000_000)
     big.clone()  # this thread's own team, before counting
     before = _native_threads()
