@@ -141,3 +141,31 @@ def test_a_long_step_prints_a_line_every_few_seconds_without_a_terminal():
     lines = out.getvalue().splitlines()
     assert lines[0] == "converting x ..." and len(lines) >= 4
     assert all(line.startswith("converting x: still at it (") for line in lines[1:])
+
+
+def test_serve_loads_the_model_on_a_thread_that_has_exited_before_it_serves(monkeypatch):
+    """The main thread runs no torch op: the loading thread's OpenMP team goes with it, so the
+    engine's loop thread holds the process's only one (kvtier/engine/transient.py says why)."""
+    from kvtier.engine import factory
+    from kvtier.serve import app as app_module
+
+    loaded_on: list[threading.Thread] = []
+    engines: list = []
+    load, create = factory.load_model, app_module.create_app
+    monkeypatch.setattr(factory, "load_model", lambda *a, **k: (loaded_on.append(threading.current_thread()),
+                                                                 load(*a, **k))[1])
+    monkeypatch.setattr(app_module, "create_app", lambda engine, **k: (engines.append(engine), create(engine, **k))[1])
+    served: list[bool] = []
+
+    def run(self, sockets=None) -> None:  # instead of serving: is the loading thread gone?
+        loaded_on[0].join(10)
+        served.append(loaded_on[0].is_alive())
+
+    monkeypatch.setattr(ReadyServer, "run", run)
+    try:
+        assert main(["serve", "--model", "tiny-gqa", "--port", "0", "--no-store"]) == 0
+    finally:
+        for engine in engines:
+            engine.close()
+    assert loaded_on and loaded_on[0] is not threading.main_thread()
+    assert served == [False]

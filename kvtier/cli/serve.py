@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     """Check everything a start needs, load the model, then serve until interrupted. Returns the
     process exit code. Fails fast: the options, the API keys, the port, the device, the store's
     tiers and the model's name are checked before any weight is read."""
+    from kvtier.engine.transient import TransientWorker
     from kvtier.serve.app import create_app
     from kvtier.serve.server import ReadyServer, listen_socket, uvicorn_config
 
@@ -175,8 +176,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Serve at once: a machine without a saved profile is planned for on an estimate, not
         # measured for minutes before the port answers (`kvtier profile` measures it).
-        engine = engine_options.build(reuse=engine_options.reuse(session_ttl_s=options.session_ttl),
-                                      measure_profile=False)
+        # Loaded on a thread that then exits: the OpenMP team torch gives the loading thread goes
+        # with it, so the engine's loop thread runs the process's only team (two teams make each
+        # of torch's small ops wait for its team to wake: kvtier/engine/transient.py).
+        loading = TransientWorker("kvtier-load").submit(
+            lambda: engine_options.build(reuse=engine_options.reuse(session_ttl_s=options.session_ttl),
+                                         measure_profile=False))
+        engine = loading.result()
         app = create_app(engine, config=config)
         freeze_startup_heap()
         host, port = sock.getsockname()[:2]
