@@ -406,7 +406,7 @@ def test_a_restore_aborted_while_waiting_for_a_read_does_no_more_work(deep, tmp_
     def aborting(self, layers):
         if layers.start == 0:
             return read(self, layers)
-        assert waiting.wait(30)  # the worker waits for this group: aborted meanwhile, the read gives up
+        assert waiting.wait(30)  # the restore waits for this group: aborted meanwhile, the read gives up
         restores[-1].abort()
         return None
 
@@ -418,7 +418,7 @@ def test_a_restore_aborted_while_waiting_for_a_read_does_no_more_work(deep, tmp_
     with _engine(deep, store) as engine:
         out = _blend(engine, ids)
     assert restores and restores[-1].failed and not computed
-    assert len(looked_up) == len(SEGMENTS)  # nor looks them up again
+    assert len(looked_up) == 2 * len(SEGMENTS)  # the offer's lookups and the restore's: none again
     assert out.finished and out.restore_method != "blend"
 
 
@@ -620,8 +620,9 @@ def test_read_groups_stack_only_views_of_one_buffer_at_an_even_stride():
 
 
 def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_the_restore_worker(fp32, monkeypatch):
-    """A small blend runs on the step thread (a second thread's OpenMP team would slow each of its
-    ops), a larger one or CacheBlend on the restore worker; where it runs never changes its bits."""
+    """A small blend of stored documents runs on the step thread (a second thread's OpenMP team
+    would slow each of its ops); a larger one, CacheBlend, or one with a document to compute alone
+    on the restore worker. Where it runs never changes its bits."""
     ids = _ids(fp32)
     where: list[str] = []
     work = blend_module.BlendRestore._work
@@ -630,6 +631,8 @@ def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_th
     step_thread = threading.current_thread().name
     with _engine(fp32) as engine:
         restorer = engine.link.restorer
+        alone = _blend(engine, ids)  # the documents computed alone (and stored)
+        assert engine.flush(30)
         inline = _blend(engine, ids)
         assert engine.flush(30)
         restorer.inline_blend_tokens = inline.restore.recomputed_tokens - 1
@@ -637,6 +640,8 @@ def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_th
         assert engine.flush(30)
         restorer.inline_blend_tokens = 10**6
         cacheblend = _blend(engine, ids, BlendOptions(mode="cacheblend", ratio=0.2))
-    assert where == [step_thread, "kvtier-restore", "kvtier-restore"]
+    assert where == ["kvtier-restore", step_thread, "kvtier-restore", "kvtier-restore"]
+    assert alone.restore.bytes_read == 0 and inline.restore.bytes_read > 0
+    assert torch.equal(alone.first_logits, inline.first_logits)
     assert worker.restore.recomputed_tokens == inline.restore.recomputed_tokens and cacheblend.restore is not None
     assert torch.equal(worker.first_logits, inline.first_logits) and worker.output_ids == inline.output_ids

@@ -94,3 +94,23 @@ def test_the_openmp_team_of_a_call_goes_with_its_thread(two_threads):
     assert during[0] > before + 1  # the worker and at least one OpenMP thread of its own
     assert _eventually(lambda: _native_threads() <= before), (before, _native_threads())
     worker.shutdown()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="counts the Linux threads of an OpenMP team")
+def test_the_store_writers_thread_runs_only_while_saves_are_queued(two_threads):
+    """Joining a request's pieces for a save is a parallel op: the writer's thread, and the team
+    torch gives it, end once the queue is empty; the next save starts another."""
+    from kvtier.store.writer import BackgroundWriter
+
+    big = torch.ones(20_000_000)
+    big.clone()
+    before = _native_threads()
+    written: list[int] = []
+    writer = BackgroundWriter(lambda n: (big.clone(), written.append(n)), max_bytes=1 << 30, name="test-writer")
+    for round_ in range(2):
+        assert writer.submit(round_, 1) and writer.flush(30)
+        assert _eventually(lambda: _native_threads() <= before), (before, _native_threads())
+    assert written == [0, 1]
+    writer.close(10)
+    assert not writer.submit(2, 1)

@@ -46,8 +46,9 @@ class StoreOffer:
     keep: int
     order: RestoreOrder | None = None
     compute_tokens: int = 0
-    # Instant: nothing to wait for (views of memory, no compute before the new tokens), so the
-    # new tokens run in this very step and the restore is placed layer by layer inside it.
+    # Instant: prepared on the step's thread just before its step, which runs the new tokens and
+    # places the restore inside it (views of memory with no compute before the new tokens, or a
+    # blend whose recompute fits a compute chunk).
     instant: bool = False
     attach_tokens: int = 0  # placement beside the new tokens, in prefill tokens (instant only)
     lossy: bool = False  # an importance-only restore: the request's state becomes approximate

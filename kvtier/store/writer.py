@@ -3,6 +3,11 @@
 The engine's side (`submit`) only appends to a deque and never waits: when the pending bytes
 would exceed the bound, the oldest pending jobs are dropped (and counted) to make room, because
 saving is an optimisation and decoding must never stall on it.
+
+The thread runs only while jobs are queued: it exits when the queue is empty and `submit` starts
+another. Joining a request's pieces is a parallel torch op, which gives the thread an OpenMP team
+of its own, and while it lives every other thread's small ops run slower
+(kvtier/engine/transient.py says why).
 """
 from __future__ import annotations
 
@@ -35,8 +40,8 @@ class BackgroundWriter:
         self.dropped_bytes = 0
         self.done = 0
         self.failed = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.name = name
+        self._thread: threading.Thread | None = None  # running while jobs are queued
 
     def submit(self, payload: Any, nbytes: int) -> bool:
         """Queue a job; False if it was dropped (too large for the queue, or writer closed)."""
@@ -55,15 +60,16 @@ class BackgroundWriter:
                 self.dropped_bytes += old.nbytes
             self._q.append(_Job(payload, nbytes))
             self._pending_bytes += nbytes
-            self._cv.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
             return True
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._q and not self._closed:
-                    self._cv.wait()
-                if not self._q and self._closed:
+                if not self._q:  # idle (or closed): the thread, and its OpenMP team, end here
+                    self._thread = None
                     return
                 job = self._q.popleft()
                 self._pending_bytes -= job.nbytes
@@ -100,9 +106,10 @@ class BackgroundWriter:
         self.flush(timeout)
         with self._cv:
             self._closed = True
-            self._cv.notify_all()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        if thread is None or not thread.is_alive():
             # `process` is the owner's bound method: dropped, the owner is freed by reference
             # counting when its last user lets go (with a memory tier's bytes), not at a later
             # garbage collection whose freeing of them lands as a pause in someone's request.

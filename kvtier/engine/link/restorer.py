@@ -171,9 +171,12 @@ class Restorer:
             tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, exact_end) - max(c.start, keep)
         # A blend that recomputes no more than a compute chunk runs inside its request's step, on
         # the step thread, charged to the step's budget like a chunk: a second thread's OpenMP
-        # team would slow each of its thousands of small ops (kvtier/engine/transient.py).
-        # CacheBlend's check runs layers over every loaded row: on the restore worker.
-        inline = blend.options.mode is not BlendMode.CACHEBLEND and blend.recomputed_tokens <= self.inline_blend_tokens
+        # team would slow each of its thousands of small ops (kvtier/engine/transient.py). On the
+        # restore worker: CacheBlend (its check runs layers over every loaded row) and a blend with
+        # a document to compute alone (a prefill's worth of work).
+        assert self.segments is not None  # offer() blends only with segment states
+        inline = blend.options.mode is not BlendMode.CACHEBLEND and blend.recomputed_tokens <= self.inline_blend_tokens \
+            and all(self.segments.find(s.tokens, req.cache_salt) is not None for s in blend.segments)
         # Lossy even where every row is recomputed (an exact prefill's bits): a blended request's
         # state is never published or saved, whatever its options.
         return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True,
