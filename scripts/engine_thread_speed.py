@@ -1,7 +1,7 @@
-"""The same requests stepped on the main thread, on another thread (as the server's engine loop
-and the restore worker run), and on the main thread while an idle thread holds an OpenMP team of
-its own (as the restore worker does between restores): time to the first token and time
-between tokens of each.
+"""The same requests stepped on the main thread, on another thread while the main thread holds
+an OpenMP team (as the server's engine loop ran when the main thread loaded the model), and on
+the main thread while an idle thread holds an OpenMP team of its own (as a thread pool's restore
+worker would between restores): time to the first token and time between tokens of each.
 
     python scripts/engine_thread_speed.py [--model smollm2-135m] [--dtype bf16] [--prompt 150] [--rounds 1]
 
