@@ -645,3 +645,33 @@ def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_th
     assert torch.equal(alone.first_logits, inline.first_logits)
     assert worker.restore.recomputed_tokens == inline.restore.recomputed_tokens and cacheblend.restore is not None
     assert torch.equal(worker.first_logits, inline.first_logits) and worker.output_ids == inline.output_ids
+
+
+@pytest.mark.parametrize("where", ["disk", "budget"])
+def test_a_small_blend_reading_a_disk_or_over_the_steps_budget_runs_on_the_restore_worker(fp32, tmp_path, monkeypatch,
+                                                                                          where):
+    """In its request's step only over the memory tier's state (a read from a disk would stall the
+    step) and where its compute fits the step's token budget; else on the worker, its compute
+    paid from the budget step by step. The bits are the same either way."""
+    from kvtier.engine.config import EngineConfig
+
+    ids = _ids(fp32)
+    threads: list[str] = []
+    work = blend_module.BlendRestore._work
+    monkeypatch.setattr(blend_module.BlendRestore, "_work",
+                        lambda self: (threads.append(threading.current_thread().name), work(self))[1])
+    with _engine(fp32) as engine:
+        engine.precompile([ids[a:b] for a, b in SEGMENTS])
+        assert engine.flush(30)
+        want = _blend(engine, ids)
+    store = f"disk:{tmp_path}/d:64MB" if where == "disk" else "memory:256MB"
+    budget = want.restore.recomputed_tokens - 1 if where == "budget" else 512
+    with Engine(fp32, EngineConfig(max_batched_tokens=budget), store=store,
+                reuse=ReuseConfig(chunk_tokens=64, blend=BlendOptions())) as engine:
+        engine.precompile([ids[a:b] for a, b in SEGMENTS])
+        assert engine.flush(30)
+        got = _blend(engine, ids)
+        charged = engine.link.stats.restore_tokens_charged
+    assert threads == [threading.current_thread().name, "kvtier-restore"]
+    assert charged == got.restore.recomputed_tokens
+    assert torch.equal(got.first_logits, want.first_logits)

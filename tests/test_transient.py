@@ -114,3 +114,43 @@ def test_the_store_writers_thread_runs_only_while_saves_are_queued(two_threads):
     assert written == [0, 1]
     writer.close(10)
     assert not writer.submit(2, 1)
+
+
+def test_shutdown_and_close_join_a_thread_still_exiting_after_its_last_job():
+    """A thread past its last job but not yet gone, left running at interpreter exit, aborts the
+    process: shutdown and close wait for it."""
+    from kvtier.store.writer import BackgroundWriter
+
+    worker = TransientWorker("test-worker")
+    worker.submit(lambda: None).result(10)
+    worker.shutdown()
+    assert worker._last is not None and not worker._last.is_alive()
+    writer = BackgroundWriter(lambda _: None, max_bytes=1 << 20, name="test-writer")
+    assert writer.submit(0, 1) and writer.flush(10)
+    writer.close(10)
+    assert writer._last is not None and not writer._last.is_alive()
+
+
+def test_a_thread_that_cannot_start_leaves_nothing_queued_for_no_one(monkeypatch):
+    from kvtier.store.writer import BackgroundWriter
+
+    start = threading.Thread.start
+    refuse = [True]
+
+    def flaky(self):
+        if refuse[0] and self.name.startswith("test-"):
+            refuse[0] = False
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", flaky)
+    worker = TransientWorker("test-worker")
+    with pytest.raises(RuntimeError, match="can't start"):
+        worker.submit(lambda: 1)
+    assert worker.submit(lambda: 2).result(10) == 2  # the refused call is gone, the next one runs
+    worker.shutdown()
+    refuse[0] = True
+    writer = BackgroundWriter(lambda _: None, max_bytes=1 << 20, name="test-writer")
+    assert not writer.submit(0, 5) and writer.dropped == 1 and writer.dropped_bytes == 5
+    assert writer.submit(1, 1) and writer.flush(10) and writer.done == 1
+    writer.close(10)

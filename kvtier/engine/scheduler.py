@@ -282,7 +282,9 @@ class Scheduler:
         # for a long context) would stretch their time between tokens: it is prepared on the restore worker
         # instead, like a read from a device.
         deferred = self.defer_instant and any(r.status is RequestStatus.DECODE for r in self.running)
-        if probe.instant and not deferred:  # the caller schedules its new tokens in this step, placement beside them
+        # One that computes (an inline blend) runs in this step only where its compute fits the budget.
+        fits = probe.compute_tokens == 0 or probe.attach_tokens <= budget
+        if probe.instant and not deferred and fits:  # the caller schedules its new tokens in this step, placement beside them
             req.num_computed, req.attach_tokens = probe.target, probe.attach_tokens
             for tier, n in probe.order.tier_tokens.items():
                 req.metrics.note_reuse(tier, n)

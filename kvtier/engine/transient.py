@@ -26,7 +26,8 @@ class TransientWorker:
         self.name = name
         self._lock = threading.Lock()
         self._queue: deque[tuple[Future, Callable[[], Any]]] = deque()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # running calls (None once it has taken its last)
+        self._last: threading.Thread | None = None  # the latest started: joined at shutdown, even while exiting
         self._closed = False
 
     def submit(self, fn: Callable[[], Any]) -> Future:
@@ -36,8 +37,13 @@ class TransientWorker:
                 raise RuntimeError(f"{self.name}: submit after shutdown")
             self._queue.append((future, fn))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except BaseException:  # no thread for it (the process's limit): never a call queued for no one
+                    self._queue.pop()
+                    raise
+                self._thread = self._last = thread
         return future
 
     def _run(self) -> None:
@@ -64,6 +70,6 @@ class TransientWorker:
         """Take no more calls; with `wait`, return once those queued have run."""
         with self._lock:
             self._closed = True
-            thread = self._thread
+            thread = self._last
         if wait and thread is not None:
-            thread.join()
+            thread.join()  # also one past its last call: a thread still exiting at interpreter exit aborts it

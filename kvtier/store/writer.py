@@ -42,6 +42,7 @@ class BackgroundWriter:
         self.failed = 0
         self.name = name
         self._thread: threading.Thread | None = None  # running while jobs are queued
+        self._last: threading.Thread | None = None  # the latest started: joined at close, even while exiting
 
     def submit(self, payload: Any, nbytes: int) -> bool:
         """Queue a job; False if it was dropped (too large for the queue, or writer closed)."""
@@ -58,11 +59,18 @@ class BackgroundWriter:
                 self._pending_bytes -= old.nbytes
                 self.dropped += 1
                 self.dropped_bytes += old.nbytes
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as e:  # no thread to write it (the process's limit): dropped, said
+                    self.dropped += 1
+                    self.dropped_bytes += nbytes
+                    log.warning("kvtier store: no writer thread (%s): a save of %d bytes dropped", e, nbytes)
+                    return False
+                self._thread = self._last = thread
             self._q.append(_Job(payload, nbytes))
             self._pending_bytes += nbytes
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
             return True
 
     def _run(self) -> None:
@@ -106,7 +114,7 @@ class BackgroundWriter:
         self.flush(timeout)
         with self._cv:
             self._closed = True
-            thread = self._thread
+            thread = self._last  # also one past its last job: a thread still exiting at interpreter exit aborts it
         if thread is not None:
             thread.join(timeout)
         if thread is None or not thread.is_alive():

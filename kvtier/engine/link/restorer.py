@@ -29,7 +29,7 @@ from kvtier.engine.restore.segments import SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.scheduler_api import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
 from kvtier.engine.transient import TransientWorker
-from kvtier.planning.blend import BlendMode, BlendOptions, plan_blend
+from kvtier.planning.blend import BlendMode, BlendOptions, BlendPlan, plan_blend
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr
@@ -169,18 +169,27 @@ class Restorer:
         tiers: dict[str, int] = {}
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, exact_end) - max(c.start, keep)
-        # A blend that recomputes no more than a compute chunk runs inside its request's step, on
-        # the step thread, charged to the step's budget like a chunk: a second thread's OpenMP
-        # team would slow each of its thousands of small ops (kvtier/engine/transient.py). On the
-        # restore worker: CacheBlend (its check runs layers over every loaded row) and a blend with
-        # a document to compute alone (a prefill's worth of work).
-        assert self.segments is not None  # offer() blends only with segment states
-        inline = blend.options.mode is not BlendMode.CACHEBLEND and blend.recomputed_tokens <= self.inline_blend_tokens \
-            and all(self.segments.find(s.tokens, req.cache_salt) is not None for s in blend.segments)
+        inline = self._inline_blend(blend, chunks, req.cache_salt)
         # Lossy even where every row is recomputed (an exact prefill's bits): a blended request's
         # state is never published or saved, whatever its options.
         return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True,
                           instant=inline, attach_tokens=blend.recomputed_tokens if inline else 0)
+
+    def _inline_blend(self, blend: BlendPlan, chunks: Sequence, salt: str) -> bool:
+        """Whether a blend runs inside its request's step, on the step thread, charged to the
+        step's budget like a prefill chunk (where it fits: the scheduler's check): one that
+        recomputes no more than a compute chunk over state the memory tier holds. A second
+        thread's OpenMP team would slow each of its thousands of small ops
+        (kvtier/engine/transient.py). On the restore worker: CacheBlend (its check runs layers over
+        every loaded row), and a blend with a document to compute alone (a prefill's worth of
+        work) or to read from a disk or Redis (a wait)."""
+        if blend.options.mode is BlendMode.CACHEBLEND or blend.recomputed_tokens > self.inline_blend_tokens:
+            return False
+        assert self.segments is not None  # offer() blends only with segment states
+        tiers = {t.name: t for t in self.store.tiers}
+        found = [self.segments.find(s.tokens, salt) for s in blend.segments]
+        return all(m is not None and all(tiers[c.tier].zero_copy for c in m.chunks) for m in found) \
+            and all(tiers[c.tier].zero_copy for c in chunks)
 
     def _instant(self, plan: Plan) -> bool:
         """A layer-wise plan over memory the store holds (views, no waiting) with no compute
@@ -231,6 +240,7 @@ class Restorer:
         order, started = ticket.order, time.perf_counter()
         restore = self._job_for(req, ticket)
         if ticket.instant:
+            self.stats.restore_tokens_charged += order.plan.background_tokens  # an inline blend's, paid by this step
             done: Future = Future()
             try:
                 restore.prepare()
