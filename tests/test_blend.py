@@ -619,17 +619,17 @@ def test_read_groups_stack_only_views_of_one_buffer_at_an_even_stride():
     assert _stacked(hidden) is None
 
 
-def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_the_restore_worker(fp32, monkeypatch):
+def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_the_restore_worker(model, monkeypatch):
     """A small blend of stored documents runs on the step thread (a second thread's OpenMP team
     would slow each of its ops); a larger one, CacheBlend, or one with a document to compute alone
     on the restore worker. Where it runs never changes its bits."""
-    ids = _ids(fp32)
+    ids = _ids(model)
     where: list[str] = []
     work = blend_module.BlendRestore._work
     monkeypatch.setattr(blend_module.BlendRestore, "_work",
                         lambda self: (where.append(threading.current_thread().name), work(self))[1])
     step_thread = threading.current_thread().name
-    with _engine(fp32) as engine:
+    with _engine(model) as engine:
         restorer = engine.link.restorer
         alone = _blend(engine, ids)  # the documents computed alone (and stored)
         assert engine.flush(30)
@@ -648,25 +648,25 @@ def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_th
 
 
 @pytest.mark.parametrize("where", ["disk", "budget"])
-def test_a_small_blend_reading_a_disk_or_over_the_steps_budget_runs_on_the_restore_worker(fp32, tmp_path, monkeypatch,
+def test_a_small_blend_reading_a_disk_or_over_the_steps_budget_runs_on_the_restore_worker(model, tmp_path, monkeypatch,
                                                                                           where):
     """In its request's step only over the memory tier's state (a read from a disk would stall the
     step) and where its compute fits the step's token budget; else on the worker, its compute
     paid from the budget step by step. The bits are the same either way."""
     from kvtier.engine.config import EngineConfig
 
-    ids = _ids(fp32)
+    ids = _ids(model)
     threads: list[str] = []
     work = blend_module.BlendRestore._work
     monkeypatch.setattr(blend_module.BlendRestore, "_work",
                         lambda self: (threads.append(threading.current_thread().name), work(self))[1])
-    with _engine(fp32) as engine:
+    with _engine(model) as engine:
         engine.precompile([ids[a:b] for a, b in SEGMENTS])
         assert engine.flush(30)
         want = _blend(engine, ids)
     store = f"disk:{tmp_path}/d:64MB" if where == "disk" else "memory:256MB"
     budget = want.restore.recomputed_tokens - 1 if where == "budget" else 512
-    with Engine(fp32, EngineConfig(max_batched_tokens=budget), store=store,
+    with Engine(model, EngineConfig(max_batched_tokens=budget), store=store,
                 reuse=ReuseConfig(chunk_tokens=64, blend=BlendOptions())) as engine:
         engine.precompile([ids[a:b] for a, b in SEGMENTS])
         assert engine.flush(30)
