@@ -652,7 +652,8 @@ def test_a_small_blend_reading_a_disk_or_over_the_steps_budget_runs_on_the_resto
                                                                                           where):
     """In its request's step only over the memory tier's state (a read from a disk would stall the
     step) and where its compute fits the step's token budget; else on the worker, its compute
-    paid from the budget step by step. (That where it runs never changes its bits is checked
+    paid from the budget step by step until the worker is done (what is left then is owed no
+    more: the worker computes nothing further). (That where it runs never changes its bits is checked
     within one engine above: across two engines of one process under the suite's parallel
     workers, their bits differed in 2 of about 15 runs, a cause not yet found.)"""
     from kvtier.engine.config import EngineConfig
@@ -675,4 +676,7 @@ def test_a_small_blend_reading_a_disk_or_over_the_steps_budget_runs_on_the_resto
         got = _blend(engine, ids)
         charged = engine.link.stats.restore_tokens_charged
     assert threads == [threading.current_thread().name, "kvtier-restore"]
-    assert charged == got.restore.recomputed_tokens == want.restore.recomputed_tokens
+    assert got.restore.recomputed_tokens == want.restore.recomputed_tokens
+    # the starting step pays what its budget holds; a later step the rest, unless the worker
+    # finished first
+    assert min(budget, want.restore.recomputed_tokens) <= charged <= want.restore.recomputed_tokens
