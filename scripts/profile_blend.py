@@ -4,14 +4,16 @@ blended from the memory store, its restore work profiled op by op (torch.profile
     python scripts/profile_blend.py --dtype fp32 --mode legolink --out out/profile_blend.txt
     python scripts/profile_blend.py --device cuda --model llama3-8b --dtype bf16   (random ids, 10 x 600 tokens)
 
-The restore runs on the engine's restore worker, where a profiler must be started: the script wraps
-`BlendRestore._work` for the profiled request only. Prints the TTFTs of the unprofiled blends first
-(median of --repeats) with the wall time of their phases (medians: the restore's work, placing the
-loaded rows, the scattered rows' attention, the runner's steps on the restore worker and on the
-request's own step), then the op table and the same grouped by input shape. The profiler's times
-are its own: under it, some ops run several times slower than in the unprofiled blends (the
-softmax of a layer's first scattered piece, for one), so the phases are the times to go by. On a GPU the phases are host time (launches, and the waits
-for the device where the code waits), and a second table sorts the ops by their device time.
+The restore runs in its request's step or on the engine's restore worker (a blend too large to run
+in a step, CacheBlend's), in either case inside `BlendRestore._work`, where the script starts a
+profiler for the profiled request only. Prints the TTFTs of the unprofiled blends first (median of
+--repeats) with the wall time of their phases (medians: the restore's work, placing the loaded
+rows, the scattered rows' attention, the runner's steps; "@restore": on the restore worker), then
+the op table and the same grouped by input shape. The profiler's times are its own: under it, some
+ops run several times slower than in the unprofiled blends (the softmax of a layer's first
+scattered piece, for one), so the phases are the times to go by. On a GPU the phases are host time
+(launches, and the waits for the device where the code waits), and a second table sorts the ops by
+their device time.
 A model without a tokenizer (a random-weight preset) runs random ids laid out as the questions
 are (`kvtier bench blend --synthetic`'s), as does --synthetic.
 """
@@ -110,7 +112,7 @@ def main() -> int:
                 phases.append(into)
         report.append(f"{args.model} on {args.device}, {len(p.ids)} prompt tokens, {args.mode}, {args.dtype}: TTFT median {statistics.median(ttfts):.3f} s "
                       f"over {len(ttfts)} ({' '.join(f'{t:.3f}' for t in ttfts)})")
-        report.append("phases, unprofiled (median s; @restore: on the restore worker, else the request's step):")
+        report.append("phases, unprofiled (median s; @restore: on the restore worker, else the step thread):")
         for tag in sorted({t for ph in phases for t in ph}):
             report.append(f"  {tag:32s} {statistics.median(ph.get(tag, 0.0) for ph in phases):.3f}")
         work = blend.BlendRestore._work
