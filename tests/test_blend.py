@@ -583,8 +583,12 @@ def test_cacheblend_without_rows_after_the_last_document_picks_by_the_deviation_
     assert not torch.equal(weighted.first_logits, alone.first_logits)
 
 
-def test_the_llm_finds_its_precompiled_documents_in_a_text_prompt():
+def test_the_llm_finds_its_precompiled_documents_in_a_text_prompt(tmp_path, monkeypatch):
     from kvtier.llm import LLM
+
+    # The LLM measures and saves a hardware profile: under a home of its own, so that the suite's
+    # other engines of this model do not change their stored layout partway through the run.
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
 
     doc = "the river runs north past the old mill and the stone bridge, then east to the sea " * 3
     prompt = f"Read this. {doc}Where does the river run?"

@@ -7,7 +7,10 @@ import pytest
 from kvtier.cli.main import main
 
 
-def test_documents_are_stored_once_and_found_after(tmp_path, capsys):
+def test_documents_are_stored_once_and_found_after(tmp_path, capsys, monkeypatch):
+    # A home of its own: a hardware profile another test saves between the two runs would change
+    # the layout the store's namespace is keyed by.
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
     (tmp_path / "a.txt").write_text("a first document about rivers and bridges")
     (tmp_path / "b.jsonl").write_text('"a second document"\n\n{"text": "a third document"}\n')
     args = ["precompile", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--model", "tiny-gqa",

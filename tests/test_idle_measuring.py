@@ -127,7 +127,8 @@ def test_measuring_waits_for_a_quiet_moment(tiny_gqa, tmp_path, monkeypatch):
             assert engine.idle.running is None and engine.profile_source == "estimate"
         done_at = time.monotonic()
         _wait(lambda: engine.idle.running is not None)
-        assert time.monotonic() - done_at >= 0.9
+        # (the engine's idle clock starts before the last step ends: a bound below idle_after_s)
+        assert time.monotonic() - done_at >= 0.5
     finally:
         bg.close()
         engine.close()

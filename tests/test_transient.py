@@ -63,7 +63,7 @@ def test_the_thread_exits_when_idle_and_a_later_call_starts_another():
     names = []
     assert worker.submit(lambda: names.append(threading.get_ident())).result(10) is None
     assert _eventually(lambda: not worker.alive)
-    assert not any(t.name == "test-worker" for t in threading.enumerate() if t.is_alive() and t.ident == names[0])
+    assert _eventually(lambda: not any(t.ident == names[0] for t in threading.enumerate() if t.is_alive()))
     worker.submit(lambda: names.append(threading.get_ident())).result(10)
     assert _eventually(lambda: not worker.alive)
     assert len(names) == 2

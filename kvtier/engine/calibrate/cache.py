@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,7 +48,8 @@ def save(kind: str, key: str, doc: dict[str, Any], home: Path | None = None) -> 
 
 def write_json(path: Path, doc: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # a name of this writer's own: two processes saving one key at once each replace whole
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(path)  # readers see the old file or the new one, never half of one
     return path
