@@ -65,16 +65,20 @@ def test_every_token_recomputed_is_an_exact_prefill_bit_for_bit(model):
         engine.precompile([ids[a:b] for a, b in SEGMENTS])
         out = _blend(engine, ids, EVERY_TOKEN)
         assert engine.flush(30)
-        again = engine.generate([ids], GREEDY)[0]  # not blending: its prefix is the store's
+        again = engine.generate([ids], GREEDY)[0]  # not blending: its prefix is the device's
+        engine.reset_prefix_cache()
+        stored = engine.generate([ids], GREEDY)[0]  # then the store's
     assert out.restore is not None and out.restore.method == "blend"
     assert out.restore.recomputed_tokens == N - 1 and out.restore.blended_tokens == 0
     assert out.restore.bytes_read == 0  # nothing loaded: no document read
     assert torch.equal(out.first_logits, want.first_logits)
     assert out.output_ids == want.output_ids
-    # Nothing is published on the device; every token being exact, its whole chunks were saved
-    # under the exact keys, and they restore a prefill's bits.
-    assert again.reused_by_tier == {"memory": N // 64 * 64}
-    assert torch.equal(again.first_logits, want.first_logits)
+    # Every token being exact, its whole blocks were published on the device and its whole chunks
+    # saved under the exact keys, and both give a prefill's bits.
+    assert again.reused_by_tier == {"device": (N - 1) // 16 * 16}
+    assert stored.reused_by_tier == {"memory": N // 64 * 64}
+    for o in (again, stored):
+        assert torch.equal(o.first_logits, want.first_logits)
 
 
 def test_the_default_blend_loads_the_segments_and_recomputes_the_rest(fp32):
@@ -82,6 +86,7 @@ def test_the_default_blend_loads_the_segments_and_recomputes_the_rest(fp32):
     with _engine(fp32) as engine:
         first = _blend(engine, ids)
         assert engine.flush(30)
+        engine.reset_prefix_cache()  # (its exact lead's blocks: the device would serve them)
         again = _blend(engine, ids)
     k = BlendOptions().link_tokens
     loaded = sum(b - a - k for a, b in SEGMENTS)
@@ -104,7 +109,9 @@ def test_the_plan_and_the_bits_are_the_same_across_runs_and_batches(fp32, option
     with _engine(fp32) as engine:
         alone = _blend(engine, ids, options, segments=segments)
         assert engine.flush(30)
+        engine.reset_prefix_cache()  # each from nothing on the device (its exact lead's blocks are published)
         again = _blend(engine, ids, options, segments=segments)
+        engine.reset_prefix_cache()
         # In a batch: other requests prefilling and decoding beside it.
         for seed in (9, 10):
             engine.add_request(_ids(fp32, seed=seed, n=200), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -136,12 +143,14 @@ def test_the_bits_do_not_depend_on_whether_the_requests_blocks_lie_consecutive(m
             return place(layers, *a, **k)
 
         runner.rotate_in_layers = placed  # type: ignore[method-assign]
+        engine.reset_prefix_cache()  # each from nothing on the device (its exact lead's blocks are published)
         whole = _blend(engine, ids)  # read back: a piece per stored chunk (64 tokens; documents of 100 and 135)
         assert READ_GROUP_LAYERS in layers_a_call  # read groups placed at once: the path compared here
         # The same slots, cut into one run per block (every user of the runs reads them as given).
         runner.slot_runs = lambda block_ids, start, end: [  # type: ignore[method-assign]
             r for b in range(start - start % bs, end, bs)
             for r in ModelRunner.slot_runs(runner, block_ids, max(b, start), min(b + bs, end))]
+        engine.reset_prefix_cache()
         gathered = _blend(engine, ids)
     assert computed.restore.bytes_read == 0 and whole.restore.bytes_read > 0 and gathered.restore.bytes_read > 0
     for out in (whole, gathered):
@@ -209,7 +218,10 @@ def test_a_blended_request_never_serves_an_exact_lookup(fp32):
         seg = ids[SEGMENTS[0][0]:SEGMENTS[0][1]]
         assert store.lookup(seg).num_tokens == 0  # segment state lies in its own key space
         exact = engine.generate([ids], GREEDY)[0]  # the same prompt, not blending
-    assert exact.prompt_tokens_reused == 0 and exact.restore is None  # no device block, no stored chunk
+    # No stored chunk; on the device only the whole blocks of its exact lead (the text before the
+    # first document and that document's link rows: 28 tokens), none holding a loaded row.
+    lead = SEGMENTS[0][0] + BlendOptions().link_tokens
+    assert exact.reused_by_tier == {"device": lead // 16 * 16} and exact.restore is None
     assert torch.equal(exact.first_logits, want.first_logits)
 
 
@@ -232,6 +244,7 @@ def test_the_exact_rows_before_the_first_loaded_one_are_saved_under_the_exact_ke
         store = engine.store
         assert store.lookup(ids, "a").num_tokens == 128  # whole chunks only, none past a loaded row
         assert store.lookup(ids).num_tokens == 0  # under the request's tenant only
+        engine.reset_prefix_cache()  # (the device holds the lead's whole blocks too)
         again = _blend(engine, other, False, salt="a", segments=())  # an exact request
     assert again.reused_by_tier == {"memory": 128}
     assert torch.equal(again.first_logits, want.first_logits)
@@ -686,3 +699,31 @@ def test_a_small_blend_reading_a_disk_or_over_the_steps_budget_runs_on_the_resto
     # finished first
     assert min(budget, want.restore.recomputed_tokens) <= charged <= want.restore.recomputed_tokens
     assert torch.equal(got.first_logits, want.first_logits) and got.output_ids == want.output_ids
+
+
+def test_a_blends_exact_prefix_is_published_to_the_device_prefix_cache_and_nothing_past_it(model):
+    """The text before the first document and that document's link rows are computed over exact
+    keys with the step's kernels: their whole blocks serve a later request from the device as an
+    exact prefill's would (a system prompt shared by RAG requests); no block holding a loaded row
+    ever does."""
+    ids = _ids(model)
+    segments = ((40, 140), (145, 280))  # 40 tokens before the first document: with its 8 link rows, 48
+    other = ids[:64] + _ids(model, seed=9, n=40)  # shares 64 tokens: 48 exact, then 16 of the document
+    with Engine(model) as plain:
+        want = plain.generate([other], GREEDY)[0]
+    with _engine(model) as engine:
+        engine.precompile([ids[a:b] for a, b in segments])
+        assert engine.flush(30)
+        first = _blend(engine, ids, segments=segments)
+        again = _blend(engine, ids, segments=segments)
+        exact = engine.generate([other], GREEDY)[0]  # (its own blocks then hold 64 exact tokens of ids)
+        assert engine.reset_prefix_cache() > 0
+        cold = _blend(engine, ids, segments=segments)
+    assert first.restore.method == "blend" and first.prompt_tokens_reused == 0
+    assert exact.prompt_tokens_reused == 48 and exact.reused_by_tier == {"device": 48}
+    assert torch.equal(exact.first_logits, want.first_logits)  # the published blocks are exact state
+    assert again.reused_by_tier.get("device") == 48
+    assert again.restore.recomputed_tokens == first.restore.recomputed_tokens - 48
+    assert torch.equal(again.first_logits, first.first_logits) and again.output_ids == first.output_ids
+    assert cold.restore.recomputed_tokens == first.restore.recomputed_tokens  # reset: from nothing again
+    assert torch.equal(cold.first_logits, first.first_logits)

@@ -210,3 +210,15 @@ def test_where_no_row_can_open_the_run_takes_blocks_in_lru_order():
     pool.release([0])  # 1 and 3 stay in use: free blocks never lie two in a row
     assert pool.allocate(2, room=2) == [2, 0]
     assert set(pool.cached) == {hs[1], hs[3]}
+
+
+def test_forget_free_cleans_the_cached_blocks_no_one_holds_and_keeps_those_in_use():
+    pool = BlockPool(4, 2)
+    hs = block_hashes([5, 6, 7, 8, 9, 10], 2)
+    blocks = pool.allocate(3)
+    for b, h in zip(blocks, hs, strict=True):
+        pool.register(b, h)
+    pool.release(blocks[1:])  # blocks 1 and 2 free but cached; block 0 still held
+    assert pool.forget_free() == 2
+    assert list(pool.evictable) == [] and pool.hash_of == [hs[0], None, None, None]
+    assert set(pool.clean) == {1, 2, 3} and pool.match_prefix(hs) == [0]  # the held block still hits

@@ -123,6 +123,13 @@ class BlockPool:
         self.hash_of[b] = self.parent_of[b] = None
         self.clean[b] = None
 
+    def forget_free(self) -> int:
+        """Every cached block no run holds made clean (its content forgotten) -> how many."""
+        free = list(self.evictable)
+        for b in free:
+            self.drop(b)
+        return len(free)
+
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block. Freed in reverse so a prefix outlives its tail."""
         for b in reversed(blocks):

@@ -341,6 +341,11 @@ class Engine:
         """The engine's TieredStore (None without one): its own statistics and admin calls."""
         return self.link.store
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the device prefix cache's blocks no request holds (a benchmark's rows each start
+        from the same device state); call it from the thread that steps. -> blocks forgotten."""
+        return self.pool.forget_free()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save handed to the store so far is written. False on timeout."""
         return self.link.flush(timeout)

@@ -240,8 +240,11 @@ class Request:
     # approximate (kept tokens once saw the dropped ones), so it is restored but never saved.
     source_ids: list[int] | None = None
     kept: list[int] | None = None
-    # A lossy restore (importance-only, blended) brought its prefix back: its state is approximate.
+    # A lossy restore (importance-only, blended) brought its prefix back: its state is approximate,
+    # but for its first `exact_upto` positions (a blend's exact prefix and the run continuing it),
+    # whose whole blocks are published to the device prefix cache as an exact prefill's are.
     restored_lossy: bool = False
+    exact_upto: int = 0
     # Marked documents: prompt spans [a, b) a blended restore may load from state computed alone,
     # and how (None: the request does not blend; planning/blend.py).
     segments: tuple[tuple[int, int], ...] = ()
@@ -280,7 +283,7 @@ class Request:
 
     def make_exact(self) -> None:
         """Its state is being recomputed from its tokens: nothing approximate remains."""
-        self.restored_lossy, self.unslotted = False, self.fed
+        self.restored_lossy, self.exact_upto, self.unslotted = False, 0, self.fed
 
     def feed_from(self, upto: int) -> None:
         """Positions [fed, upto) leave its slots too: from now on they are fed each step."""

@@ -273,6 +273,7 @@ class Scheduler:
         if probe.target <= req.num_computed or probe.order is None:
             return None
         req.restored_lossy, req.unslotted = probe.lossy, probe.unslotted  # before growing: those have no slots
+        req.exact_upto = probe.exact_upto if probe.lossy else 0
         if not self._grow(req, probe.target + 1):
             req.make_exact()
             return None  # not enough blocks now: prefill normally instead
@@ -336,12 +337,13 @@ class Scheduler:
         return done
 
     def _publish(self, req: Request) -> None:
-        """Register the request's newly full blocks in the device prefix cache. Never for a
-        truncated context: its K/V are approximations and must not be reused as exact. Nor for
+        """Register the request's newly full blocks in the device prefix cache. Of approximate
+        state (a truncated context, an importance-only or blended restore), only the blocks of its
+        exact prefix (`Request.exact_upto`): the rest must never be reused as exact. Nothing for
         cache_prompt false: its blocks go back to the pool clean, for no other request to hit."""
-        if not self.prefix_cache or req.approximate or not req.cache_prompt:
+        if not self.prefix_cache or not req.cache_prompt:
             return
-        full = req.num_computed // self.pool.block_size
+        full = min(req.num_computed, req.exact_upto if req.approximate else req.num_computed) // self.pool.block_size
         if full <= req.num_published:
             return
         req.block_hashes = block_hashes(req.all_ids[: full * self.pool.block_size], self.pool.block_size,

@@ -51,7 +51,8 @@ class StoreOffer:
     # blend whose recompute fits a compute chunk).
     instant: bool = False
     attach_tokens: int = 0  # placement beside the new tokens, in prefill tokens (instant only)
-    lossy: bool = False  # an importance-only restore: the request's state becomes approximate
+    lossy: bool = False  # an importance-only or blended restore: the request's state becomes approximate
+    exact_upto: int = 0  # a lossy restore: the positions [0, exact_upto) whose state stays exact
     dropped: int = 0  # prefix tokens the restore leaves out of the pool (importance-only)
 
     @property

@@ -124,6 +124,17 @@ class BlendPlan:
     def blended_tokens(self) -> int:
         return sum(b - a for a, b in self.loaded)
 
+    @property
+    def lead(self) -> tuple[int, int] | None:
+        """The recomputed run that continues the exact prefix (None: the first row past it is
+        loaded): computed over exact keys only, with the step's kernels, it is exact state."""
+        return self.runs[0] if self.runs and self.runs[0][0] == max(self.start, self.exact_end) else None
+
+    @property
+    def exact_upto(self) -> int:
+        """Positions [0, exact_upto) hold exact state: the exact prefix and the lead."""
+        return self.lead[1] if self.lead else max(self.start, self.exact_end)
+
 
 def merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sorted union of [a, b) spans, adjacent ones joined."""

@@ -81,11 +81,13 @@ def _serve(engine: Engine, ids: Sequence[int], spans: Sequence[tuple[int, int]],
 
 def _blended(engine: Engine, ids: Sequence[int], params: SamplingParams, spans: Sequence[tuple[int, int]],
              blend: BlendOptions) -> RequestOutput:
-    """A blended row, then the exact chunks it saved (those before its first loaded row) deleted:
-    each row starts from the same store, whatever row ran before it."""
+    """A blended row, then the exact state it kept (the chunks it saved before its first loaded
+    row, its blocks in the device prefix cache) forgotten: each row starts from the same store
+    and device, whatever row ran before it."""
     out = _serve(engine, ids, spans, params, blend=blend)
     engine.flush(600)
     engine.store.discard(engine.store.keys_for(ids))
+    engine.reset_prefix_cache()
     return out
 
 

@@ -173,7 +173,8 @@ class Restorer:
         # Lossy even where every row is recomputed (an exact prefill's bits): a blended request's
         # state is never published or saved, whatever its options.
         return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True,
-                          instant=inline, attach_tokens=blend.recomputed_tokens if inline else 0)
+                          exact_upto=blend.exact_upto, instant=inline,
+                          attach_tokens=blend.recomputed_tokens if inline else 0)
 
     def _inline_blend(self, blend: BlendPlan, chunks: Sequence, salt: str) -> bool:
         """Whether a blend runs inside its request's step, on the step thread, charged to the
