@@ -278,7 +278,8 @@ class Request:
     @property
     def approximate(self) -> bool:
         """Its K/V are not those of its tokens computed in full (a truncated context, or a prefix
-        restored by importance or blended): never saved, published or reused as exact state."""
+        restored by importance or blended): never saved, published or reused as exact state, but
+        for its first `exact_upto` positions."""
         return self.kept is not None or self.restored_lossy
 
     def make_exact(self) -> None:

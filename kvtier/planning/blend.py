@@ -124,16 +124,20 @@ class BlendPlan:
     def blended_tokens(self) -> int:
         return sum(b - a for a, b in self.loaded)
 
-    @property
-    def lead(self) -> tuple[int, int] | None:
-        """The recomputed run that continues the exact prefix (None: the first row past it is
-        loaded): computed over exact keys only, with the step's kernels, it is exact state."""
-        return self.runs[0] if self.runs and self.runs[0][0] == max(self.start, self.exact_end) else None
+    def lead(self, runs: Sequence[tuple[int, int]] | None = None) -> tuple[int, int] | None:
+        """The recomputed run of `runs` (default: the plan's; a restore's may add CacheBlend's
+        chosen rows, never remove one) that continues the exact prefix, None where the first row
+        past it is loaded: computed over exact keys only, with the step's kernels, it is exact
+        state."""
+        runs = self.runs if runs is None else runs
+        return runs[0] if runs and runs[0][0] == max(self.start, self.exact_end) else None
 
     @property
     def exact_upto(self) -> int:
-        """Positions [0, exact_upto) hold exact state: the exact prefix and the lead."""
-        return self.lead[1] if self.lead else max(self.start, self.exact_end)
+        """Positions [0, exact_upto) hold exact state: the exact prefix and the plan's lead (a
+        restore's lead is at least as long)."""
+        lead = self.lead()
+        return lead[1] if lead else max(self.start, self.exact_end)
 
 
 def merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -170,8 +170,8 @@ class Restorer:
         for c in chunks:
             tiers[c.tier] = tiers.get(c.tier, 0) + min(c.end, exact_end) - max(c.start, keep)
         inline = self._inline_blend(blend, chunks, req.cache_salt)
-        # Lossy even where every row is recomputed (an exact prefill's bits): a blended request's
-        # state is never published or saved, whatever its options.
+        # Lossy even where every row is recomputed (an exact prefill's bits): of a blended request's
+        # state, only its exact prefix and lead (`exact_upto`) are ever saved or published.
         return StoreOffer(end, keep, RestoreOrder(plan, None, tiers, blend), blend.recomputed_tokens, lossy=True,
                           exact_upto=blend.exact_upto, instant=inline,
                           attach_tokens=blend.recomputed_tokens if inline else 0)

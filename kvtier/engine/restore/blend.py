@@ -327,7 +327,7 @@ class BlendRestore(PreparedRestore):
             return
         # The run that continues the exact prefix, up to the first loaded row, is exact state: its
         # own passes (the step's kernels), then its whole chunks saved under the exact keys.
-        lead = runs[0] if runs[0][0] == max(b.start, b.exact_end) else None
+        lead = b.lead(runs)
         groups = pieces(runs, self.chunk_tokens) if lead is None else \
             pieces([lead], self.chunk_tokens) + pieces(runs[1:], self.chunk_tokens)
         hidden: list[torch.Tensor] = []  # the lead's hidden-state layers' inputs, pass by pass
