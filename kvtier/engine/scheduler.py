@@ -273,7 +273,7 @@ class Scheduler:
         if probe.target <= req.num_computed or probe.order is None:
             return None
         req.restored_lossy, req.unslotted = probe.lossy, probe.unslotted  # before growing: those have no slots
-        req.exact_upto = probe.exact_upto if probe.lossy else 0
+        req.exact_upto = probe.exact_upto
         if not self._grow(req, probe.target + 1):
             req.make_exact()
             return None  # not enough blocks now: prefill normally instead
@@ -343,7 +343,8 @@ class Scheduler:
         cache_prompt false: its blocks go back to the pool clean, for no other request to hit."""
         if not self.prefix_cache or not req.cache_prompt:
             return
-        full = min(req.num_computed, req.exact_upto if req.approximate else req.num_computed) // self.pool.block_size
+        upto = min(req.num_computed, req.exact_upto) if req.approximate else req.num_computed
+        full = upto // self.pool.block_size
         if full <= req.num_published:
             return
         req.block_hashes = block_hashes(req.all_ids[: full * self.pool.block_size], self.pool.block_size,
