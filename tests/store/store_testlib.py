@@ -1,6 +1,8 @@
 """Helpers shared by the store tests (a plain module: tests/ is not a package)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvtier.store import StoreNamespace
@@ -25,3 +27,18 @@ def make_state(n_tokens: int, seed: int = 0, dtype=torch.float32):
 def tokens(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(0, 50000, (n,), generator=g).tolist()
+
+
+def open_fds() -> set[tuple[str, str]]:
+    """This process's open descriptors and what each points at, sockets and pipes left out (other
+    tests' servers and clients open and close theirs at any time, some only when the garbage
+    collector runs): a store's files, directories, eventfds and rings are all here."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            continue
+        if not target.startswith(("socket:", "pipe:")):
+            out.add((fd, target))
+    return out

@@ -113,7 +113,7 @@ def test_writer_drops_oldest_pending_never_blocks():
 
     w = BackgroundWriter(process, max_bytes=100)
     assert w.submit("first", 10)
-    started.wait(5)  # "first" is being written; the queue is empty
+    assert started.wait(5)  # "first" is being written; the queue is empty
     assert w.submit("A", 40) and w.submit("B", 40)
     assert w.submit("C", 40)  # 120 > 100: drop the oldest pending (A)
     assert not w.submit("huge", 101)

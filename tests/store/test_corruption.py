@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.store import TieredStore
 
-from store_testlib import make_ns, make_state, tokens
+from store_testlib import make_ns, make_state, open_fds, tokens
 
 
 def _one_chunk_store(spec, ns):
@@ -175,14 +175,14 @@ def test_opening_many_disk_chunks_at_once_keeps_order_and_leaks_nothing(tmp_path
     monkeypatch.setattr(uring.RingPool, "read", failing_ring_read)
     if ring:
         disk._rings.read([])  # the ring (and its eventfd), kept for the next reads, exists before the count
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = open_fds()
     opened = disk.open_chunks([store._expect(r.key) for r in refs])
     assert [oc is not None for oc in opened] == [True, False, False, False, False, True]
     assert [oc.header.key for oc in opened if oc is not None] == [refs[i].key for i in (0, 5)]
     for oc in opened:
         if oc is not None:
             oc.close()
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert open_fds() - fds == set()
     assert disk.counters["corrupt"] == 1 and disk.counters["misses"] >= 2
     store.close()
 

@@ -18,7 +18,7 @@ import pytest
 from kvtier.cli import store as store_cli
 from kvtier.store import TieredStore
 
-from store_testlib import LAYERS, make_state, tokens
+from store_testlib import LAYERS, make_state, open_fds, tokens
 
 C = 16  # chunk tokens: a full chunk of C tokens and a partial one of fewer have no lead directory
 DEAD_PID = 4_194_305  # above Linux's largest pid: never a live writer
@@ -311,7 +311,7 @@ def test_kept_handles_serve_every_shard_and_none_leaks(tmp_path, ns, monkeypatch
 
     if few:
         monkeypatch.setattr(disk, "fd_budget", lambda: 0)  # the floor: a few kept handles per root
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = open_fds()
     root = tmp_path / "d"
     store = _open(root, ns)
     prompts = [tokens(C + 5, s) for s in range(12)]  # full chunks in many shards, partials under many parents
@@ -325,4 +325,4 @@ def test_kept_handles_serve_every_shard_and_none_leaks(tmp_path, ns, monkeypatch
     assert all(store.read_chunk(store.lookup(t).chunks[1]) is not None for t in prompts)
     store.clear()
     store.close()
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert open_fds() - fds == set()
