@@ -22,8 +22,15 @@ from collections.abc import Callable
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port on loopback that nobody listens on right now, for a server that binds it later
+    (a subprocess, seconds after): chosen at random below the ephemeral range, then checked, since
+    a port inside it can be handed meanwhile to any other socket that binds port 0 or connects."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(_ephemeral_low(), 11000))
+        if _bindable(port):
+            return port
+    with socket.socket() as s:  # every one tried was taken: the OS picks one
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
