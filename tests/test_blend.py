@@ -22,6 +22,7 @@ from kvtier.models.presets import PRESETS
 from kvtier.planning.blend import BlendOptions
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.store import reads as reads_module
+from kvtier.testing.transfers import RecordingTransfer
 
 N = 300
 SEGMENTS = ((20, 120), (125, 260))  # two documents, text between and after them
@@ -250,8 +251,10 @@ def test_the_exact_rows_before_the_first_loaded_one_are_saved_under_the_exact_ke
     assert torch.equal(again.first_logits, want.first_logits)
 
 
-@pytest.mark.parametrize("where", ["device", "store"])
-def test_the_exact_prefix_comes_from_the_device_or_the_store_exactly(fp32, tmp_path, where):
+@pytest.mark.parametrize("where", ["device", "store", "store, copied to a device"])
+def test_the_exact_prefix_comes_from_the_device_or_the_store_exactly(fp32, tmp_path, where, monkeypatch):
+    """(copied to a device: the recording back end, whose copies deliver garbage until waited on)"""
+    rec = RecordingTransfer()
     ids = _ids(fp32)
     head = ids[:128] + _ids(fp32, seed=5, n=50)  # an exact request sharing the first 128 tokens
     store = f"disk:{tmp_path}/d:64MB"
@@ -260,9 +263,14 @@ def test_the_exact_prefix_comes_from_the_device_or_the_store_exactly(fp32, tmp_p
         assert engine.flush(30)
         if where == "device":
             out = _blend(engine, ids, EVERY_TOKEN)
-    if where == "store":
+    if where.startswith("store"):
+        if "copied" in where:
+            monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
         with _engine(fp32, store) as engine:  # a fresh device: the prefix comes from the disk
             out = _blend(engine, ids, EVERY_TOKEN)
+        monkeypatch.undo()
+    if "copied" in where:
+        assert rec.uploads and rec.uploads[0][1] == 2, rec.uploads  # its two chunks, a copy each
     with Engine(fp32) as plain:
         want = plain.generate([ids], GREEDY)[0]
     assert out.prompt_tokens_reused == 128  # exact: the device's whole blocks, or the stored chunks
@@ -328,6 +336,7 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
         read1 = disk.counters["bytes_read"]
         assert engine.flush(30)
         engine.store.discard(engine.store.keys_for(ids))  # the exact rows it saved: the next reads every document
+        engine.reset_prefix_cache()  # and computes its lead again (on CUDA the lead's bits depend on its passes)
         assert len(taken) >= 3 and sorted(given) == sorted(taken)  # a buffer a group, every one back
         assert given_before_close[0] >= 2  # groups went back as they were placed, not all at the end
         first_given = set(given)
@@ -336,6 +345,35 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
         assert disk.counters["bytes_read"] - read1 == read1 - read0 > 0
     assert first_given & set(taken)  # the second blend read into memory the first gave back
     assert torch.equal(first.first_logits, want.first_logits) and torch.equal(second.first_logits, want.first_logits)
+
+
+def test_stored_documents_go_to_a_device_in_one_copy_per_chunk_and_read_group(deep, monkeypatch):
+    """Off the CPU (the recording back end: CUDA's operations, copies that deliver garbage until
+    waited on), a read group of every stored document goes over as one submission of one run per
+    chunk, placed from views of the copied bytes; the bits are the host path's."""
+    ids = _ids(deep)
+
+    def blend_read(rec: RecordingTransfer | None):
+        with pytest.MonkeyPatch.context() as mp:
+            if rec is not None:
+                mp.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
+            with _engine(deep) as engine:
+                _blend(engine, ids)  # the documents computed alone and stored
+                assert engine.flush(30)
+                engine.store.discard(engine.store.keys_for(ids))  # the exact rows it saved
+                engine.reset_prefix_cache()
+                if rec is not None:
+                    rec.uploads.clear()
+                return _blend(engine, ids)
+
+    want = blend_read(None)
+    rec = RecordingTransfer()
+    got = blend_read(rec)
+    assert got.restore.bytes_read > 0 and torch.equal(got.first_logits, want.first_logits)
+    groups = -(-deep.config.num_layers // READ_GROUP_LAYERS)
+    assert len(rec.uploads) == groups, rec.uploads  # nothing else went over this way: no exact prefix stored
+    views, runs = rec.uploads[0]
+    assert runs >= 2 and all(u == (2 * runs, runs) for u in rec.uploads)  # K and V of each chunk: one run
 
 
 def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone(deep, tmp_path,

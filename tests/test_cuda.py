@@ -502,7 +502,9 @@ def test_a_blends_plan_is_the_same_across_runs_and_batches(gqa_cuda, record_prop
         with _blend_engine(gqa_cuda) as engine:
             alone = test_blend._blend(engine, ids, options, segments=segments)
             assert engine.flush(30)
+            engine.reset_prefix_cache()  # each from nothing on the device (its exact lead's blocks are published)
             again = test_blend._blend(engine, ids, options, segments=segments)
+            engine.reset_prefix_cache()
             for seed in (9, 10):
                 engine.add_request(test_blend._ids(gqa_cuda, seed=seed, n=200),
                                    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -549,3 +551,21 @@ def test_blended_documents_read_from_a_disk_through_staging(tmp_path, monkeypatc
     deep = load_model("tiny-deep", dtype="fp32", device="cuda", tokenizer=False)
     test_blend.test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back_group_by_group(
         deep, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_uploaded_views_equal_the_host_views(pinned):
+    """Host views of a layer group (strided, K and V of each chunk side by side; bf16) arrive as
+    device views of the same shapes and strides holding the same values, from pageable or pinned
+    host memory, through the batched driver call where it is offered."""
+    from kvtier.engine.runner.transfer import make_transfer
+
+    transfer = make_transfer(torch.device("cuda"))
+    chunks = [torch.randn(8, 2, 16, 2, 8, dtype=torch.bfloat16) for _ in range(3)]  # [layers, K|V, T, kvh, hd]
+    if pinned:
+        chunks = [c.pin_memory() for c in chunks]
+    views = [c[4:8, p, 3:] for c in chunks for p in (0, 1)]
+    got, handle = transfer.upload_views(views)
+    transfer.sync(handle)
+    for g, v in zip(got, views, strict=True):
+        assert g.is_cuda and g.shape == v.shape and g.stride() == v.stride() and torch.equal(g.cpu(), v)

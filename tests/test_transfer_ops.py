@@ -225,6 +225,32 @@ def test_span_runs_move_every_byte_under_the_views_once():
         assert torch.equal(stage[off:off + r.numel()].view(torch.float32).view(3, 2, 4, 3), c[1:4])
 
 
+def test_uploaded_views_read_what_the_host_views_read():
+    """`upload_views` off the CPU (the lazy back end: nothing arrives until waited on): one run per
+    host buffer, and device views of the copied spans with the host views' values, shapes and
+    strides; a chunk's K and V of a layer group stay views of one buffer at the host's distance
+    (a blend places a group's layers in one call from them); int8 values and fp32 scales of one
+    buffer at odd places land aligned."""
+    chunks = [torch.randn(6, 2, 5, 3).to(dt) for dt in (torch.bfloat16, torch.float32)]  # [layers, K|V, T, dim]
+    views = [c[1:4, p] for c in chunks for p in (0, 1)]  # [3 layers, T, dim], strided
+    raw = torch.zeros(200, dtype=torch.uint8)
+    raw[3:43] = torch.arange(40, dtype=torch.uint8)
+    raw[52:68] = torch.tensor([0.5, -2.0, 3.25, 8.0]).view(torch.uint8)
+    views += [raw[3:43].view(torch.int8).view(8, 5)[::2], raw[52:68].view(torch.float32)]
+    lazy = LazyTransfer()
+    got, handle = lazy.packed_upload(views)
+    assert not lazy.done(handle)
+    lazy.wait(handle)
+    for g, v in zip(got, views, strict=True):
+        assert g.dtype == v.dtype and g.shape == v.shape and g.stride() == v.stride() and torch.equal(g, v)
+        assert g.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+    for c in range(2):
+        k, v = got[2 * c], got[2 * c + 1]
+        assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        assert v.storage_offset() - k.storage_offset() == views[2 * c + 1].storage_offset() - views[2 * c].storage_offset()
+    assert Transfer("cpu").upload_views(views)[0][0] is views[0]  # on the CPU: the views themselves
+
+
 @pytest.mark.parametrize("method", ["kv", "hidden"])
 def test_staged_restore_and_pool_saving_are_bit_identical_in_bf16(rec, method):
     """bf16 through the staged path (the lazy back end's async placement; hidden states through

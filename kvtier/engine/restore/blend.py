@@ -435,8 +435,12 @@ class BlendRestore(PreparedRestore):
                         parts[st.layer][p].append(t[lo - c.start : hi - c.start])
         if sum(t.shape[0] for t in parts[0]["k"] + parts[0]["h"]) != b.exact_end - b.start:
             raise RestoreMiss("the exact chunks do not cover the planned prefix")
-        dev, dtype = self.runner.device, self.runner.k_cache.dtype
-        by_layer = [tuple(torch.cat(parts[li][p]).to(dev, dtype) if parts[li][p] else None for p in ("k", "v", "h"))
+        dtype, names = self.runner.k_cache.dtype, ("k", "v", "h")
+        host = [t if t.dtype == dtype else t.to(dtype) for layer in parts for p in names for t in layer[p]]
+        views, handle = self.runner.transfer.upload_views(host)  # a copy per chunk, not per layer and part
+        self.runner.transfer.sync(handle)  # the chunks' bytes may go (evicted) once this returns
+        moved = iter(views)
+        by_layer = [tuple(torch.cat([next(moved) for _ in parts[li][p]]) if parts[li][p] else None for p in names)
                     for li in range(n)]
         return self._source(lambda li: (cast(Parts, by_layer[li]),), None, [(b.start, b.exact_end)], 0)
 

@@ -133,7 +133,7 @@ class SegmentReads:
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]]) -> None:
         """`found`: each stored segment's chunks and its tokens (the compile context's rows left out)."""
         self.layout = states.layout
-        self.device, self.dtype = states.runner.device, states.runner.k_cache.dtype
+        self.transfer, self.dtype = states.runner.transfer, states.runner.k_cache.dtype
         self.rows: list[list[tuple[int, int, int]]] = []  # per segment: (chunk index, first row, end row)
         self.sizes = [n for _, n in found]
         chunks: list[StoredChunk] = []
@@ -165,12 +165,12 @@ class SegmentReads:
                 self.release(layers.start)
                 return None
             held.append(group)
+            here = self._on_device(group, parts)
             for seg, mine in zip(out, self.rows):
                 for c, a, b in mine:
-                    got = [group.parts[p][c] if p in parts else None for p in ("k", "v", "h")]  # [layers, T, ...]
+                    got = [here[p][c] if p in parts else None for p in ("k", "v", "h")]  # [layers, T, ...]
                     for j, li in enumerate(run):
-                        seg[li].append(cast(Parts, tuple(None if t is None else t[j, a:b].to(self.device, self.dtype)
-                                                         for t in got)))
+                        seg[li].append(cast(Parts, tuple(None if t is None else t[j, a:b] for t in got)))
         for seg, n in zip(out, self.sizes):  # every row of every layer, in the parts its layout stores
             for li in layers:
                 for i in (0, 1) if self.layout[li] is Repr.KV else (2,):
@@ -178,6 +178,18 @@ class SegmentReads:
                         self.release(layers.start)
                         return None
         return [{li: tuple(p) for li, p in seg.items()} for seg in out]
+
+    def _on_device(self, group: LayerGroup, parts: Sequence[str]) -> dict[str, list[torch.Tensor | None]]:
+        """The group's parts [layers, T, ...] per chunk, in the compute dtype, on the engine's
+        device: on the CPU the read's views; else each chunk's read group in one copy, waited
+        for here (on the reading thread) so that its staging memory may go back once placed."""
+        host = {p: [None if t is None else t if t.dtype == self.dtype else t.to(self.dtype) for t in group.parts[p]]
+                for p in parts}
+        flat = [t for p in parts for t in host[p] if t is not None]
+        views, handle = self.transfer.upload_views(flat)
+        self.transfer.sync(handle)
+        moved = iter(views)
+        return {p: [None if t is None else next(moved) for t in host[p]] for p in parts}
 
     def release(self, first: int) -> None:
         """The group read from layer `first` is placed: its staging memory may be reused."""

@@ -7,6 +7,8 @@ Every host<->device copy of the restore and saving paths goes through a `Transfe
                          submission (a restore's DMA of a layer group of every chunk)
     scatter(dst, idx, src) dst[idx] = src on the compute stream (placing staged rows in the pool)
     stage(src)           the same into fresh device tensors (hidden states to project, rows to remap)
+    upload_views(src)    host views -> device views alike, one copy per host buffer and no scatter
+                         (a blend's stored documents: each chunk's read group goes over whole)
     to_host(src)         enqueue device pieces -> fresh host tensors (pinned on CUDA); -> a Handle
     wait(handle)         make the compute stream wait for it (no host sync)
     sync(handle)         block the host until it is done (a staging buffer may then be reused,
@@ -28,6 +30,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -111,6 +114,22 @@ class Transfer:
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
         return out, self.to_device(out, src)
+
+    def upload_views(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        """Host views (strided: parts of a layer group of stored chunks) as device views of the same
+        shapes and strides: the span of each host buffer under them goes over in one copy (one
+        batched submission for all), and the views are made on the copied bytes, so a group's
+        layers of one chunk stay views of one buffer at an even stride. The sources must stay
+        untouched until the handle is done. On the CPU: the sources themselves."""
+        if self.device.type == "cpu":
+            return list(src), DONE
+        return self.packed_upload(src)
+
+    def packed_upload(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        """`upload_views`' copies, on any device (the CPU's tests take this path too)."""
+        runs, nbytes = span_runs(src)
+        stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return packed_views(stage, src), self.to_stage(stage, runs)
 
     def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
                  equal: EqualRuns | None = None) -> Handle:
@@ -325,8 +344,9 @@ def byte_range(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
 
 
-def _spans(src: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[int]]]:
-    """Sources grouped by the host buffer they view: (one of them, first byte, end byte, indices)."""
+def _spans(src: Sequence[torch.Tensor], align: int = 1) -> list[tuple[torch.Tensor, int, int, list[int]]]:
+    """Sources grouped by the host buffer they view: (one of them, first byte, end byte, indices);
+    the first byte rounded down to a multiple of `align`."""
     groups: dict[int, list] = {}
     for i, t in enumerate(src):
         lo, hi = byte_range(t)
@@ -336,7 +356,7 @@ def _spans(src: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, li
         else:
             g[1], g[2] = min(g[1], lo), max(g[2], hi)
             g[3].append(i)
-    return [tuple(g) for g in groups.values()]
+    return [(g[0], g[1] - g[1] % align, g[2], g[3]) for g in groups.values()]
 
 
 _BATCH: list = []  # [the cuda-bindings driver module] once it worked, [None] once it did not
@@ -382,10 +402,25 @@ def span_runs(src: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor
     """`to_stage` runs moving the bytes under host views `src`: one run per host buffer (the span
     its views cover), packed back to back. -> (runs, staging bytes needed)."""
     runs, pos = [], 0
-    for first, lo, hi, _ in _spans(src):
+    for first, lo, hi, _ in _spans(src, align=16):
         runs.append((pos, storage_bytes(first)[lo:hi]))
         pos += -(-(hi - lo) // _ALIGN) * _ALIGN
     return runs, pos
+
+
+def packed_views(stage: torch.Tensor, src: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `stage` (uint8) that hold what the host views `src` read, once `span_runs(src)`'s
+    runs are copied into it: each at its place in its buffer's span, shapes and strides kept."""
+    out: list[torch.Tensor | None] = [None] * len(src)
+    pos = 0
+    for _, lo, hi, idx in _spans(src, align=16):  # as span_runs packs them
+        for i in idx:
+            t = src[i]
+            base = stage.view(t.dtype)  # the stage's length and the span's start: multiples of any width
+            at = pos + byte_range(t)[0] - lo  # bytes into the stage: a multiple of the view's width
+            out[i] = base.as_strided(t.shape, t.stride(), base.storage_offset() + at // t.element_size())
+        pos += -(-(hi - lo) // _ALIGN) * _ALIGN
+    return cast("list[torch.Tensor]", out)
 
 
 def _can_pin() -> bool:
