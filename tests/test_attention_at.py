@@ -48,6 +48,22 @@ def test_scattered_rows_attend_to_their_own_keys_only(dtype, tol, heads, kv_head
     assert torch.equal(again[:-1], out[:-1]) and not torch.equal(again[-1], out[-1])
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.06)])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
+def test_the_grouped_form_cuda_takes_attends_as_the_reference(dtype, tol, heads, kv_heads):
+    """CUDA's form (each K/V head's query heads as a batch entry over K and V expanded), run here
+    on the CPU: each row sees its own keys only."""
+    torch.manual_seed(0)
+    ctx, hd = 700, 64
+    k, v = (torch.randn(ctx, kv_heads, hd).to(dtype) for _ in range(2))
+    positions = [0, 1, 2, *range(90, 98), 301, *range(480, 505), ctx - 1]
+    q = torch.randn(len(positions), heads, hd).to(dtype)
+    out = ScatteredRows.of(positions, dtype, CPU, rows=16)._grouped(q, k, v)
+    assert out.dtype == dtype and out.shape == q.shape
+    err = (out.double() - _reference(q, k, v, positions)).abs().max().item()
+    assert err < tol, err
+
+
 def test_the_rows_per_piece_change_no_row_beyond_rounding():
     """The pieces bound each call's keys; the output is the attention however rows are grouped."""
     torch.manual_seed(1)

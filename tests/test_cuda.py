@@ -569,3 +569,44 @@ def test_uploaded_views_equal_the_host_views(pinned):
     transfer.sync(handle)
     for g, v in zip(got, views, strict=True):
         assert g.is_cuda and g.shape == v.shape and g.stride() == v.stride() and torch.equal(g.cpu(), v)
+
+
+def test_uploaded_views_land_while_the_compute_stream_is_busy():
+    """A blend's document reads go over beside its recompute: `upload_views` copies into the copy
+    stream's own memory without waiting for the compute stream, and the views stay valid after."""
+    from kvtier.engine.runner.transfer import CudaTransfer
+
+    device = torch.device("cuda")
+    transfer = CudaTransfer(device)
+    host = torch.randn(4, 2, 64, 8, 16).pin_memory()  # [layers, K|V, T, kvh, hd]
+    views = [host[:, 0], host[:, 1]]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about a second of a busy compute (default) stream
+    got, handle = transfer.upload_views(views)
+    transfer.sync(handle)
+    busy = not torch.cuda.default_stream(device).query()
+    torch.cuda.synchronize()
+    assert busy
+    assert all(torch.equal(g.cpu(), v) for g, v in zip(got, views, strict=True))
+
+
+def test_scattered_rows_attend_through_the_memory_efficient_kernel(monkeypatch):
+    """The blend's scattered rows on CUDA: the grouped form is one the memory-efficient kernel
+    takes (only it allowed here), and each row attends to its own keys (test_attention_at's
+    float64 reference)."""
+    from test_attention_at import _reference
+    from torch.nn.attention import SDPBackend
+
+    from kvtier.models import attention
+    from kvtier.models.attention import ScatteredRows
+
+    monkeypatch.setattr(attention, "_EAGER_BACKENDS", [SDPBackend.EFFICIENT_ATTENTION])
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.06)):
+        ctx, hd = 700, 64
+        k, v = (torch.randn(ctx, 3, hd, device="cuda").to(dtype) for _ in range(2))
+        positions = [0, 1, 2, *range(90, 98), 301, *range(480, 505), ctx - 1]
+        q = torch.randn(len(positions), 9, hd, device="cuda").to(dtype)
+        out = ScatteredRows.of(positions, dtype, q.device, rows=16).attend(q, k, v)
+        err = (out.double() - _reference(q, k, v, positions)).abs().max().item()
+        assert out.dtype == dtype and err < tol, (dtype, err)

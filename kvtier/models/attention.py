@@ -121,13 +121,19 @@ class ScatteredRows:
             return self.masks[i]
         a, e, n = self.pieces[i]
         seen = torch.arange(n, device=self.at.device)[None, :] <= self.at[a:e, None]  # [r, n]
-        return torch.zeros(seen.shape, dtype=self.dtype, device=self.at.device).masked_fill_(~seen, float("-inf"))
+        # On CUDA rows at a stride of whole 16 elements: the memory-efficient kernel's alignment,
+        # which SDPA would otherwise meet with a padded copy per call.
+        width = -(-n // 16) * 16 if self.at.is_cuda else n
+        mask = torch.zeros(e - a, width, dtype=self.dtype, device=self.at.device)[:, :n]
+        return mask.masked_fill_(~seen, float("-inf"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [m, heads, hd] at the positions, k/v [ctx, kv_heads, hd] at positions [0, ctx) ->
         [m, heads, hd]; the bits depend on these rows and keys alone, never on a batch."""
         if scattered_gemm(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], self.kernels):
             return self._gemms(q, k, v)
+        if q.is_cuda:
+            return self._grouped(q, k, v)
         kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, kv_heads, ctx, hd]
         gqa = q.shape[1] != k.shape[1]
         out = []
@@ -137,6 +143,24 @@ class ScatteredRows:
                 out.append(F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], attn_mask=self.mask(i),
                                                           enable_gqa=gqa)[0].transpose(0, 1))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA per piece with each K/V head's query heads as the heads of one batch entry, over
+        that head's K and V expanded (a view, nothing copied), so the memory-efficient kernel
+        takes the additive mask: called with `enable_gqa`, SDPA runs its math kernel on CUDA,
+        a dozen kernels and an fp32 copy of every input per call."""
+        m, heads, hd = q.shape
+        kvh = k.shape[1]
+        g = heads // kvh
+        kh, vh = (x.transpose(0, 1).unsqueeze(1) for x in (k, v))  # [kvh, 1, ctx, hd]
+        out = q.new_empty(m, heads, hd)
+        with _eager_backends(q):
+            for i, (a, e, n) in enumerate(self.pieces):
+                qh = q[a:e].unflatten(1, (kvh, g)).permute(1, 2, 0, 3)  # [kvh, g, r, hd]
+                o = F.scaled_dot_product_attention(qh, kh[:, :, :n].expand(kvh, g, n, hd),
+                                                   vh[:, :, :n].expand(kvh, g, n, hd), attn_mask=self.mask(i))
+                out[a:e] = o.permute(2, 0, 1, 3).flatten(1, 2)  # [r, heads, hd]
+        return out
 
     def _gemms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """HF eager attention's arithmetic per piece: the query heads sharing a K/V head as the rows

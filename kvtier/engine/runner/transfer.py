@@ -242,6 +242,21 @@ class CudaTransfer(Transfer):
             ev.record(self.h2d)
         return Handle(event=ev)
 
+    def packed_upload(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        """The stage is the copy stream's memory, so the copy need not wait for the compute
+        stream's queued kernels (memory they free is the compute stream's to reuse): a blend's
+        reads go over while its recompute runs. The compute stream is recorded on it, so it is
+        reused only once the kernels that read its views have run."""
+        runs, nbytes = span_runs(src)
+        with torch.cuda.stream(self.h2d):
+            stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if not _batched_copy(stage, runs, None, self.h2d):
+                torch._foreach_copy_([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        stage.record_stream(torch.cuda.current_stream(self.device))
+        return packed_views(stage, src), Handle(event=ev)
+
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # Allocated on the compute stream, which reads them after waiting on the copy's event.
         out = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in src]
