@@ -270,7 +270,7 @@ def test_the_exact_prefix_comes_from_the_device_or_the_store_exactly(fp32, tmp_p
             out = _blend(engine, ids, EVERY_TOKEN)
         monkeypatch.undo()
     if "copied" in where:
-        assert rec.uploads and rec.uploads[0][1] == 2, rec.uploads  # its two chunks, a copy each
+        assert rec.uploads and rec.uploads[0] == 2, rec.uploads  # its two chunks, a copy each
     with Engine(fp32) as plain:
         want = plain.generate([ids], GREEDY)[0]
     assert out.prompt_tokens_reused == 128  # exact: the device's whole blocks, or the stored chunks
@@ -347,10 +347,16 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
     assert torch.equal(first.first_logits, want.first_logits) and torch.equal(second.first_logits, want.first_logits)
 
 
-def test_stored_documents_go_to_a_device_in_one_copy_per_chunk_and_read_group(deep, monkeypatch):
+@pytest.mark.parametrize("options, segments, pieces", [(None, SEGMENTS, 5),
+                                                       (BlendOptions(mode="cacheblend", ratio=0.2), SEGMENTS, 5),
+                                                       (BlendOptions(mode="naive"), GAPS, 5)],
+                         ids=["legolink", "cacheblend", "naive-three-documents"])
+def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep, monkeypatch, options, segments,
+                                                                            pieces):
     """Off the CPU (the recording back end: CUDA's operations, copies that deliver garbage until
-    waited on), a read group of every stored document goes over as one submission of one run per
-    chunk, placed from views of the copied bytes; the bits are the host path's."""
+    waited on), a read group of every stored document goes over as one submission of a run per
+    layer, part and stored piece of the rows placed, and is placed with one rotation and two
+    scatters; the bits are the host path's."""
     ids = _ids(deep)
 
     def blend_read(rec: RecordingTransfer | None):
@@ -358,22 +364,28 @@ def test_stored_documents_go_to_a_device_in_one_copy_per_chunk_and_read_group(de
             if rec is not None:
                 mp.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
             with _engine(deep) as engine:
-                _blend(engine, ids)  # the documents computed alone and stored
+                _blend(engine, ids, options, segments=segments)  # the documents computed alone and stored
                 assert engine.flush(30)
                 engine.store.discard(engine.store.keys_for(ids))  # the exact rows it saved
                 engine.reset_prefix_cache()
                 if rec is not None:
                     rec.uploads.clear()
-                return _blend(engine, ids)
+                return _blend(engine, ids, options, segments=segments)
 
     want = blend_read(None)
     rec = RecordingTransfer()
+    placed: list[int] = []
+    place_rows = ModelRunner.place_rows
+    monkeypatch.setattr(ModelRunner, "place_rows", lambda self, layers, *a: (placed.append(len(layers)),
+                                                                             place_rows(self, layers, *a))[1])
     got = blend_read(rec)
     assert got.restore.bytes_read > 0 and torch.equal(got.first_logits, want.first_logits)
-    groups = -(-deep.config.num_layers // READ_GROUP_LAYERS)
-    assert len(rec.uploads) == groups, rec.uploads  # nothing else went over this way: no exact prefix stored
-    views, runs = rec.uploads[0]
-    assert runs >= 2 and all(u == (2 * runs, runs) for u in rec.uploads)  # K and V of each chunk: one run
+    sizes = [len(range(a, min(a + READ_GROUP_LAYERS, deep.config.num_layers)))
+             for a in range(0, deep.config.num_layers, READ_GROUP_LAYERS)]
+    assert len(rec.uploads) == len(sizes), rec.uploads  # nothing else went over this way: no exact prefix stored
+    # a run per layer, K or V, and stored piece of the rows placed (documents cut by 64-row chunks)
+    assert rec.uploads == [2 * n * pieces for n in sizes], rec.uploads
+    assert placed == sizes  # a group of every document placed at once
 
 
 def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone(deep, tmp_path,

@@ -34,7 +34,7 @@ class RecordingTransfer(LazyTransfer):
         self.ops: list[Op] = []
         self.stages: set[int] = set()  # every staging buffer (ring slot) a restore copied into
         self.equal_runs = 0  # runs handed over as arrays (EqualRuns), not a view each
-        self.uploads: list[tuple[int, int]] = []  # each upload_views call: (views, host buffers under them)
+        self.uploads: list[int] = []  # the runs of each upload_runs (and upload_views) submission
         self.step_thread = threading.current_thread()
         self._saves: dict[int, Handle] = {}  # id -> handle of every device-to-host copy
 
@@ -57,8 +57,11 @@ class RecordingTransfer(LazyTransfer):
 
     def upload_views(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # As the CUDA back end: the spans under the views copied into a stage, the views made on it.
-        self.uploads.append((len(src), len(span_runs(src)[0])))
         return self.packed_upload(src)
+
+    def upload_runs(self, runs: Sequence[tuple[int, torch.Tensor]], nbytes: int) -> tuple[torch.Tensor, Handle]:
+        self.uploads.append(len(runs))
+        return super().upload_runs(runs, nbytes)
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         self.ops.append(Op("scatter", (src.nbytes,)))

@@ -28,6 +28,7 @@ approximate: never saved, published to the device prefix cache or served as exac
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import logging
 import threading
@@ -39,7 +40,7 @@ import torch
 
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
-from kvtier.engine.restore.segments import Parts, Pieces, SegmentReads, SegmentState, SegmentStates, joined
+from kvtier.engine.restore.segments import Packed, Parts, Pieces, SegmentReads, SegmentState, SegmentStates, joined
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
 from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
@@ -83,6 +84,7 @@ class _Source:
     rotation: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [1, 1, hd/2] of new - stored position (None: 0)
     # read group g (layers from READ_GROUP_LAYERS * g) as one view per piece (None: no such view of the read)
     stacks: Callable[[int], Stacked | None] | None = None
+    packed: bool = False  # its rows are in the loader's packed groups, where a group is packed
 
 
 class _LoadFailed(RestoreMiss):
@@ -131,11 +133,13 @@ class _Loader:
     a disk or Redis overlap the recompute, which places each layer as it reaches it and then gives
     the group's read memory back (`release`)."""
 
-    def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int) -> None:
-        self.reads = SegmentReads(states, found)
+    def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int,
+                 placed: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+        self.reads = SegmentReads(states, found, placed)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
         self.data: list[dict[int, Pieces]] = [{} for _ in found]
         self.stacks: list[dict[int, Stacked | None]] = [{} for _ in found]  # by group
+        self.packed: dict[int, Packed | None] = {}  # by group
         self.ready = [threading.Event() for _ in range(layers)]
         self.error: str | None = None
         self.stop = threading.Event()  # the restore was aborted: read no more
@@ -149,9 +153,10 @@ class _Loader:
             for gi, g in enumerate(self.groups):
                 if self.stop.is_set():
                     raise RestoreMiss("aborted")
-                got = self.reads.read(g)
-                if got is None:
+                read = self.reads.read(g)
+                if read is None:
                     raise _LoadFailed("a stored document's state could not be read intact")
+                got, self.packed[gi] = read
                 for i, layers in enumerate(got):
                     self.data[i].update(layers)
                     self.stacks[i][gi] = _stacked([layers[li] for li in g])
@@ -174,6 +179,13 @@ class _Loader:
             raise _LoadFailed(self.error)
         return self.stacks[i][g]
 
+    def packed_group(self, g: int) -> Packed | None:
+        """Group g of every document packed on the device (None: placed from views)."""
+        self.ready[self.groups[g][0]].wait()
+        if self.error is not None:
+            raise _LoadFailed(self.error)
+        return self.packed[g]
+
     def release(self, g: int) -> None:
         """Group g is placed: nothing reads its views again, its staging memory goes back."""
         self.ready[self.groups[g][-1]].wait()  # read (or failed) before its memory is touched here
@@ -181,6 +193,7 @@ class _Loader:
             for li in self.groups[g]:
                 data.pop(li, None)
             stacks.pop(g, None)
+        self.packed.pop(g, None)
         self.reads.release(self.groups[g].start)
 
     def close(self) -> None:
@@ -273,11 +286,12 @@ class BlendRestore(PreparedRestore):
         self.blended = BlendStats()
         self._sources: list[_Source] = []
         self._loader: _Loader | None = None
+        self._packed_rows: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # slots, rotation
 
     def _cleanup(self) -> None:
         if self._loader is not None:
             self._loader.close()
-        self._sources, self._loader = [], None
+        self._sources, self._loader, self._packed_rows = [], None, None
 
     def abort(self) -> None:
         super().abort()
@@ -388,6 +402,8 @@ class BlendRestore(PreparedRestore):
         not `stored`: read nothing; saved either way), else read by the loader a group of layers
         at a time."""
         found: list[tuple[PrefixMatch, int]] = []
+        placed: list[list[tuple[int, int]]] = []  # per stored segment, the rows of it placed
+        pack = self.runner.transfer.is_async  # a device with memory of its own: a group's rows go over packed
         for s in self.blend.segments:
             if not self._rows_of(s.position, len(s.tokens)):
                 continue  # every row of it recomputed: nothing to read or compute alone
@@ -399,13 +415,32 @@ class BlendRestore(PreparedRestore):
                 continue
             i = len(found)
             found.append((match, len(s.tokens)))
+            placed.append([(a - s.position, e - s.position) for a, e in self._rows_of(s.position, len(s.tokens))])
             self.blended.segments_stored += 1
             self.stats.chunks_loaded += len(match.chunks)
             self.stats.bytes_read += sum(c.nbytes for c in match.chunks)
-            self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
-                                                      functools.partial(self._group_read, i)))
+            src = self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
+                                       functools.partial(self._group_read, i))
+            self._sources.append(dataclasses.replace(src, packed=pack))
         if found:
-            self._loader = _Loader(self.states, found, len(self.layout))
+            self._loader = _Loader(self.states, found, len(self.layout), placed if pack else None)
+            if pack:
+                self._packed_rows = self._packed_targets([src for src in self._sources if src.packed])
+
+    def _packed_targets(self, sources: Sequence[_Source]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The pool slots [rows] of the packed documents' rows, in the packed order (source by
+        source), and each row's rotation (cos, sin [rows, 1, hd/2])."""
+        up = self.runner.upload
+        still = self.runner.rope.delta(up(torch.zeros(1, dtype=torch.long)))  # a shift of 0: cos 1, sin 0
+        slots, cos, sin = [], [], []
+        for src in sources:
+            n = src.positions.numel()
+            s = src.slots
+            slots.append(up(torch.arange(s.start, s.stop)) if isinstance(s, slice) else s)
+            c, si = src.rotation if src.rotation is not None else still
+            cos.append(c.expand(n, -1, -1))
+            sin.append(si.expand(n, -1, -1))
+        return torch.cat(slots), (torch.cat(cos), torch.cat(sin))
 
     def _layer_read(self, i: int, li: int) -> Pieces:
         assert self._loader is not None  # made with the sources that read through it
@@ -486,8 +521,13 @@ class BlendRestore(PreparedRestore):
         whole read group with the group's first layer, where its reads stack)."""
         self._check_abort()
         g, r = divmod(li, READ_GROUP_LAYERS)  # the loader's groups start at multiples of it
+        packed = self._loader.packed_group(g) if self._loader is not None and self._packed_rows is not None else None
+        if packed is not None and r == 0:
+            assert self._packed_rows is not None
+            slots, rotation = self._packed_rows
+            self.runner.place_rows(range(li, li + packed.k.shape[0]), packed.k, packed.v, rotation, slots)
         for src in self._sources:
-            if not src.positions.numel():
+            if not src.positions.numel() or (packed is not None and src.packed):
                 continue
             if isinstance(src.slots, slice) and src.stacks is not None and (stack := src.stacks(g)) is not None:
                 if r == 0:

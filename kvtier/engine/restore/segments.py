@@ -20,6 +20,7 @@ from typing import cast
 import torch
 
 from kvtier.engine.runner.model_runner import ModelRunner
+from kvtier.engine.runner.transfer import byte_view
 from kvtier.models.llama import LayerAttention
 from kvtier.store.index import PrefixMatch, StoredChunk
 from kvtier.store.layout import Repr
@@ -123,15 +124,32 @@ class SegmentStates:
         return SegmentState(k, v, h)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A read group's layers of K and V of the rows a blend places of every stored segment, on
+    the device in one buffer laid out as the pool's rows: k, v [layers, rows, kv_heads, hd], the
+    rows segment by segment as `SegmentReads`' `placed` names them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 class SegmentReads:
     """Stored segments' rows read a group of layers at a time for every segment at once
     (`PlannedReads`: each chunk opened once, one batched read per tier and group): views of the
     memory tier's bytes, disk reads into the store's reused staging memory (fresh memory faults
     its pages in, which on a first blend of a process cost more than the reads themselves). A
-    group's memory goes back to the staging pool once its layers are placed (`release`)."""
+    group's memory goes back to the staging pool once its layers are placed (`release`).
 
-    def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]]) -> None:
-        """`found`: each stored segment's chunks and its tokens (the compile context's rows left out)."""
+    Given `placed` (on a device with memory of its own), a group of K/V layers goes over as the
+    rows placed alone, packed (`Packed`): one submission of a run per layer, part and stored
+    piece, and the blend places them with one rotation and two scatters for the group."""
+
+    def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]],
+                 placed: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+        """`found`: each stored segment's chunks and its tokens (the compile context's rows left
+        out); `placed`: per segment, the spans of its rows [a, b) to pack (None: views)."""
+        self.placed = placed
         self.layout = states.layout
         self.transfer, self.dtype = states.runner.transfer, states.runner.k_cache.dtype
         self.rows: list[list[tuple[int, int, int]]] = []  # per segment: (chunk index, first row, end row)
@@ -153,11 +171,14 @@ class SegmentReads:
         """Open every chunk (its header read and checked); False where any is missing."""
         return self.reads.open()
 
-    def read(self, layers: range) -> list[dict[int, Pieces]] | None:
+    def read(self, layers: range) -> tuple[list[dict[int, Pieces]], Packed | None] | None:
         """`layers`, per segment: per layer its rows in the pieces its stored chunks hold, in order
-        (views of what was read); None on a failed read or check (the chunk is dropped as corrupt)."""
+        (views of what was read, on the engine's device), and the group packed where it is (its
+        pieces are then host views, for the checks alone); None on a failed read or check (the
+        chunk is dropped as corrupt)."""
         out: list[dict[int, list[Parts]]] = [{li: [] for li in layers} for _ in self.rows]
         held = self._held.setdefault(layers.start, [])
+        packed = None
         for run in _same_repr(self.layout, layers):
             parts = self.layout[run[0]].parts()
             group = self.reads.read(run, parts)
@@ -165,7 +186,8 @@ class SegmentReads:
                 self.release(layers.start)
                 return None
             held.append(group)
-            here = self._on_device(group, parts)
+            packed = self._pack(group, len(run)) if run == layers and self.layout[run[0]] is Repr.KV else None
+            here = group.parts if packed is not None else self._on_device(group, parts)
             for seg, mine in zip(out, self.rows):
                 for c, a, b in mine:
                     got = [here[p][c] if p in parts else None for p in ("k", "v", "h")]  # [layers, T, ...]
@@ -177,7 +199,42 @@ class SegmentReads:
                     if any(p[i] is None for p in seg[li]) or sum(cast(torch.Tensor, p[i]).shape[0] for p in seg[li]) != n:
                         self.release(layers.start)
                         return None
-        return [{li: tuple(p) for li, p in seg.items()} for seg in out]
+        return [{li: tuple(p) for li, p in seg.items()} for seg in out], packed
+
+    def _pack(self, group: LayerGroup, n: int) -> Packed | None:
+        """The placed rows of the group's `n` K/V layers of every segment, packed on the device
+        (the copy waited for here, on the reading thread); None where packing is off or a part is
+        not rows of the compute dtype lying whole (then views go over)."""
+        if self.placed is None:
+            return None
+        pieces = []  # (chunk, first row, end row, packed row)
+        at = 0
+        for mine, spans in zip(self.rows, self.placed, strict=True):
+            for a, b in spans:  # rows of the segment
+                off = 0
+                for c, f, e in mine:
+                    lo, hi = max(a, off), min(b, off + e - f)
+                    if lo < hi:
+                        pieces.append((c, f + lo - off, f + hi - off, at + lo - a))
+                    off += e - f
+                at += b - a
+        ks, vs = group.parts.get("k", []), group.parts.get("v", [])
+        if not pieces or any(t is None or t.dtype != self.dtype for t in (*ks, *vs)):
+            return None
+        kvh, hd = cast(torch.Tensor, ks[0]).shape[2:]
+        row = kvh * hd * self.dtype.itemsize
+        runs = []
+        for c, f, e, r in pieces:
+            for p, t in enumerate((ks[c], vs[c])):
+                for j in range(n):
+                    x = cast(torch.Tensor, t)[j, f:e]  # [rows, kvh, hd]
+                    if not x.is_contiguous():
+                        return None
+                    runs.append((((j * 2 + p) * at + r) * row, byte_view(x)))
+        stage, handle = self.transfer.upload_runs(runs, n * 2 * at * row)
+        self.transfer.sync(handle)
+        kv = stage.view(self.dtype).view(n, 2, at, kvh, hd)
+        return Packed(kv[:, 0], kv[:, 1])
 
     def _on_device(self, group: LayerGroup, parts: Sequence[str]) -> dict[str, list[torch.Tensor | None]]:
         """The group's parts [layers, T, ...] per chunk, in the compute dtype, on the engine's

@@ -341,6 +341,15 @@ class ModelRunner:
             rotate_into(k, rotation[0], rotation[1], kc)
         vc.copy_(v)
 
+    def place_rows(self, layers: range, k: torch.Tensor, v: torch.Tensor,
+                   rotation: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
+        """Rows of consecutive `layers` into the pool's `slots` [n]: k, v [layers, n, kv_heads,
+        hd], K rotated row by row (cos, sin [n, 1, hd/2]); one rotation and two scatters for the
+        layers (elementwise: the bits of `rotate_in_layers` piece by piece)."""
+        kc, vc = (c[layers.start : layers.stop] for c in (self.k_cache, self.v_cache))  # [layers, slots, kvh, hd]
+        kc.index_copy_(1, slots, rotate_into(k, rotation[0], rotation[1], torch.empty_like(k)))
+        vc.index_copy_(1, slots, v)
+
     def _write(self, layer: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
         """K (rotated by cos/sin [n or 1, 1, hd/2] unless None) and V [n, kv_heads, hd] into the pool."""

@@ -8,7 +8,8 @@ Every host<->device copy of the restore and saving paths goes through a `Transfe
     scatter(dst, idx, src) dst[idx] = src on the compute stream (placing staged rows in the pool)
     stage(src)           the same into fresh device tensors (hidden states to project, rows to remap)
     upload_views(src)    host views -> device views alike, one copy per host buffer and no scatter
-                         (a blend's stored documents: each chunk's read group goes over whole)
+    upload_runs(runs)    host byte runs into a fresh device buffer, one batched submission (a blend's
+                         documents' rows of a read group, laid out as the pool's rows)
     to_host(src)         enqueue device pieces -> fresh host tensors (pinned on CUDA); -> a Handle
     wait(handle)         make the compute stream wait for it (no host sync)
     sync(handle)         block the host until it is done (a staging buffer may then be reused,
@@ -128,8 +129,15 @@ class Transfer:
     def packed_upload(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         """`upload_views`' copies, on any device (the CPU's tests take this path too)."""
         runs, nbytes = span_runs(src)
+        stage, handle = self.upload_runs(runs, nbytes)
+        return packed_views(stage, src), handle
+
+    def upload_runs(self, runs: Sequence[tuple[int, torch.Tensor]], nbytes: int) -> tuple[torch.Tensor, Handle]:
+        """Host byte runs (offset, contiguous uint8) into a fresh device byte buffer of `nbytes`,
+        in one batched submission. The sources must stay untouched until the handle is done, and
+        the buffer is read only after it (`wait` or `sync`)."""
         stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return packed_views(stage, src), self.to_stage(stage, runs)
+        return stage, self.to_stage(stage, runs)
 
     def to_stage(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
                  equal: EqualRuns | None = None) -> Handle:
@@ -242,12 +250,11 @@ class CudaTransfer(Transfer):
             ev.record(self.h2d)
         return Handle(event=ev)
 
-    def packed_upload(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
-        """The stage is the copy stream's memory, so the copy need not wait for the compute
+    def upload_runs(self, runs: Sequence[tuple[int, torch.Tensor]], nbytes: int) -> tuple[torch.Tensor, Handle]:
+        """The buffer is the copy stream's memory, so the copy need not wait for the compute
         stream's queued kernels (memory they free is the compute stream's to reuse): a blend's
         reads go over while its recompute runs. The compute stream is recorded on it, so it is
-        reused only once the kernels that read its views have run."""
-        runs, nbytes = span_runs(src)
+        reused only once the kernels that read it have run."""
         with torch.cuda.stream(self.h2d):
             stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if not _batched_copy(stage, runs, None, self.h2d):
@@ -255,7 +262,7 @@ class CudaTransfer(Transfer):
             ev = torch.cuda.Event()
             ev.record(self.h2d)
         stage.record_stream(torch.cuda.current_stream(self.device))
-        return packed_views(stage, src), Handle(event=ev)
+        return stage, Handle(event=ev)
 
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # Allocated on the compute stream, which reads them after waiting on the copy's event.
