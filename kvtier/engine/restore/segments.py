@@ -17,14 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 
 from kvtier.engine.runner.model_runner import ModelRunner
-from kvtier.engine.runner.transfer import byte_view
+from kvtier.engine.runner.transfer import byte_range
 from kvtier.models.llama import LayerAttention
 from kvtier.store.index import PrefixMatch, StoredChunk
 from kvtier.store.layout import Repr
-from kvtier.store.reads import LayerGroup
+from kvtier.store.reads import LayerGroup, storage_bytes
 from kvtier.store.tiered import TieredStore
 
 # A layer's parts: k, v [n, kv_heads, hd] where it stores K/V, h [n, hidden] where hidden states.
@@ -141,9 +142,9 @@ class SegmentReads:
     its pages in, which on a first blend of a process cost more than the reads themselves). A
     group's memory goes back to the staging pool once its layers are placed (`release`).
 
-    Given `placed` (on a device with memory of its own), a group of K/V layers goes over as the
-    rows placed alone, packed (`Packed`): one submission of a run per layer, part and stored
-    piece, and the blend places them with one rotation and two scatters for the group."""
+    Given `placed` (on a device with memory of its own), a group of K/V layers goes over as one
+    submission of a run per stored chunk, and one gather on the device packs the rows placed
+    (`Packed`), which the blend places with one rotation and two scatters for the group."""
 
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]],
                  placed: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
@@ -223,17 +224,38 @@ class SegmentReads:
             return None
         kvh, hd = cast(torch.Tensor, ks[0]).shape[2:]
         row = kvh * hd * self.dtype.itemsize
-        runs = []
+        # Each chunk's K and V of these layers go over as the one span of bytes they lie in (or a
+        # span each), at a whole row of the stage: every stored row is then a row of the stage,
+        # and one gather on the device packs the placed ones (a run per chunk, not per layer,
+        # part and piece).
+        runs: list[tuple[int, torch.Tensor]] = []
+        first: dict[tuple[int, int], tuple[int, int]] = {}  # (chunk, part) -> its first row in the stage, rows per layer
+        pos = 0
+        for c in sorted({c for c, *_ in pieces}):
+            k, v = cast(torch.Tensor, ks[c]), cast(torch.Tensor, vs[c])
+            together = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() and \
+                (byte_range(v)[0] - byte_range(k)[0]) % row == 0
+            for part in [((0, k), (1, v))] if together else [((0, k),), ((1, v),)]:
+                lo = min(byte_range(t)[0] for _, t in part)
+                hi = max(byte_range(t)[1] for _, t in part)
+                for p, t in part:
+                    step = t.stride(0) * t.element_size()  # bytes from one layer's rows to the next's
+                    if step % row or t.stride(1) * t.element_size() != row or t.stride(2) != hd or t.stride(3) != 1:
+                        return None  # not rows lying whole: views go over
+                    first[c, p] = (pos + (byte_range(t)[0] - lo) // row, step // row)
+                runs.append((pos * row, storage_bytes(part[0][1])[lo:hi]))
+                pos += -(-(hi - lo) // row)
+        index = np.empty(n * 2 * at, dtype=np.int64)  # [layers, K|V, placed rows]: the stage row of each
         for c, f, e, r in pieces:
-            for p, t in enumerate((ks[c], vs[c])):
+            for p in (0, 1):
+                base, per = first[c, p]
                 for j in range(n):
-                    x = cast(torch.Tensor, t)[j, f:e]  # [rows, kvh, hd]
-                    if not x.is_contiguous():
-                        return None
-                    runs.append((((j * 2 + p) * at + r) * row, byte_view(x)))
-        stage, handle = self.transfer.upload_runs(runs, n * 2 * at * row)
-        self.transfer.sync(handle)
-        kv = stage.view(self.dtype).view(n, 2, at, kvh, hd)
+                    o = (j * 2 + p) * at + r
+                    index[o : o + e - f] = np.arange(base + j * per + f, base + j * per + e)
+        stage, handle = self.transfer.upload_runs(runs, pos * row)
+        self.transfer.sync(handle)  # here, on the reading thread: the compute stream never waits for a read
+        rows = stage.view(self.dtype).view(pos, kvh, hd)  # [stage rows, kvh, hd]
+        kv = rows.index_select(0, self.transfer.upload(torch.from_numpy(index))).view(n, 2, at, kvh, hd)
         return Packed(kv[:, 0], kv[:, 1])
 
     def _on_device(self, group: LayerGroup, parts: Sequence[str]) -> dict[str, list[torch.Tensor | None]]:
