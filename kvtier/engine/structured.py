@@ -11,6 +11,7 @@ is a copy of the ready matcher kept per spec.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
@@ -25,10 +26,28 @@ from kvtier.engine.request import GrammarSpec
 # llguidance's torch and transformers helpers are imported on first use, on the caller's thread
 # (`Grammars.tokenizer`): `llguidance.torch` defines a torch.compile'd function, which costs
 # seconds of every process's start on a small CPU, and most processes never constrain a request.
+# A server builds the grammar tokenizer as it starts (serve/app.py), before any request is read.
 
 # Compact JSON: what a schema-following model emits; a free-whitespace grammar lets a small model
 # pad with newlines until max_tokens.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, dict[int, llguidance.LLTokenizer]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_tokenizer(hf: Any, vocab: int) -> llguidance.LLTokenizer:
+    """The grammar tokenizer of an HF tokenizer, built once per process (its trie takes a third of
+    a second for a 49K vocabulary and holds the GIL meanwhile; engines of one model share it)."""
+    with _SHARED_LOCK:
+        built = _SHARED.setdefault(hf, {})
+        if vocab not in built:
+            import llguidance.hf
+            import llguidance.torch  # noqa: F401 - for Constraint.fill_mask, here rather than on the step thread
+
+            built[vocab] = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+        return built[vocab]
 
 
 class Constraint:
@@ -81,15 +100,22 @@ class Grammars:
         self._cache_bytes = cache_bytes
 
     @property
+    def available(self) -> bool:
+        """Whether grammars can be compiled at all (the model has a tokenizer)."""
+        return self._hf is not None
+
+    @property
+    def built(self) -> bool:
+        """Whether the grammar tokenizer is built (no request waits for it)."""
+        return self._tokenizer is not None
+
+    @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # its token trie is costly to build: once per model
             if self._tokenizer is None:
                 if self._hf is None:
                     raise GrammarError("structured output needs the model's tokenizer")
-                import llguidance.hf
-                import llguidance.torch  # noqa: F401 - for Constraint.fill_mask, here rather than on the step thread
-
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab)
+                self._tokenizer = _shared_tokenizer(self._hf, self._vocab)
             return self._tokenizer
 
     def ready(self) -> Future[llguidance.LLTokenizer]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from importlib.metadata import PackageNotFoundError, version
@@ -21,6 +23,8 @@ from kvtier.serve.middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMet
 from kvtier.serve.ops import models_router, ops_router
 from kvtier.serve.stats_log import run_stats_log
 from kvtier.serve.tokenize import router as tokenizer_router
+
+log = logging.getLogger(__name__)
 
 
 def create_app(
@@ -82,6 +86,7 @@ def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], AbstractAsyncContextMan
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.start()
+        await _grammars_ready(ctx)
         interval = ctx.config.stats_interval_s
         stats = asyncio.create_task(run_stats_log(ctx.metrics, ctx.engine, interval)) if interval > 0 else None
         try:
@@ -96,6 +101,22 @@ def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], AbstractAsyncContextMan
                 ctx.engine.close()  # drain pending saves into the store before the process exits
 
     return lifespan
+
+
+async def _grammars_ready(ctx: ServerContext) -> None:
+    """Build the model's grammar tokenizer before serving: it holds the GIL for a third of a second
+    (and its imports for a second more), a stall of every request in flight were the first
+    structured request to pay it. A failure is logged; structured requests then get its error."""
+    grammars = ctx.engine.grammars
+    if not grammars.available or grammars.built:
+        return
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wrap_future(grammars.ready())
+    except Exception as e:  # a tokenizer llguidance cannot read: only structured output is lost
+        log.warning("structured output unavailable: the grammar tokenizer failed to build (%s)", e)
+        return
+    log.info("grammar tokenizer ready (%.1f s)", time.perf_counter() - t0)
 
 
 def _add_middleware(app: FastAPI, config: ServeConfig, metrics: ServerMetrics) -> None:

@@ -197,3 +197,19 @@ def test_a_first_start_serves_at_once_on_an_estimate(kvtier_process):
     assert health["profile"] == "estimate", health
     assert "kvtier profile --model tiny-gqa" in kvtier_process.log.read_text()
     assert not list((kvtier_process.home).rglob("profiles/*.json"))
+
+
+def test_the_grammar_tokenizer_is_built_before_the_server_reads_a_request(tiny_model):
+    """Its build holds the GIL (a third of a second for a 49K vocabulary, a second more for its
+    imports): a server pays it as it starts, never a request beside others in flight; engines of
+    one model share it."""
+    from kvtier.engine.structured import Grammars
+
+    gen = serve(tiny_model)
+    served = next(gen)
+    try:
+        assert served.engine.grammars.built
+        again = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size)
+        assert not again.built and again.tokenizer is served.engine.grammars.tokenizer
+    finally:
+        gen.close()
