@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -349,21 +350,26 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
 
 @pytest.mark.parametrize("options, segments, tier", [(None, SEGMENTS, "memory"), (None, SEGMENTS, "disk"),
                                                      (BlendOptions(mode="cacheblend", ratio=0.2), SEGMENTS, "memory"),
-                                                     (BlendOptions(mode="naive"), GAPS, "memory")],
-                         ids=["legolink", "legolink-disk", "cacheblend", "naive-three-documents"])
+                                                     (BlendOptions(mode="naive"), GAPS, "memory"),
+                                                     (None, SEGMENTS, "memory, hidden layers")],
+                         ids=["legolink", "legolink-disk", "cacheblend", "naive-three-documents", "hidden-layers"])
 def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep, monkeypatch, tmp_path, options,
                                                                             segments, tier):
     """Off the CPU (the recording back end: CUDA's operations, copies that deliver garbage until
     waited on), a read group of every stored document goes over as one submission of a run per
     stored chunk, is packed by one gather and placed with one rotation and two scatters; the
-    bits are the host path's."""
+    bits are the host path's. A group mixing hidden-state and K/V layers goes over as views, a
+    copy per chunk and run of one kind of layer."""
     ids = _ids(deep)
+    layers = deep.config.num_layers
+    layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if "hidden" in tier else None
 
     def blend_read(rec: RecordingTransfer | None):
         with pytest.MonkeyPatch.context() as mp:
             if rec is not None:
                 mp.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda device: rec)
-            with _engine(deep, f"disk:{tmp_path}/{rec is None}:64MB" if tier == "disk" else "memory:256MB") as engine:
+            with _engine(deep, f"disk:{tmp_path}/{rec is None}:64MB" if tier == "disk" else "memory:256MB",
+                         layout=layout) as engine:
                 _blend(engine, ids, options, segments=segments)  # the documents computed alone and stored
                 assert engine.flush(30)
                 engine.store.discard(engine.store.keys_for(ids))  # the exact rows it saved
@@ -382,13 +388,46 @@ def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep
     assert got.restore.bytes_read > 0 and torch.equal(got.first_logits, want.first_logits)
     sizes = [len(range(a, min(a + READ_GROUP_LAYERS, deep.config.num_layers)))
              for a in range(0, deep.config.num_layers, READ_GROUP_LAYERS)]
-    assert len(rec.uploads) == len(sizes), rec.uploads  # nothing else went over this way: no exact prefix stored
-    # a run per stored chunk: documents of 100 and 135 rows (or 100, 79 and 59) in 64-row chunks
-    if tier == "memory":  # (a disk's reads land in staging buffers that hold several chunks)
-        assert rec.uploads == [5] * len(sizes), rec.uploads
-    else:
-        assert len(rec.uploads) == len(sizes) and got.restore.bytes_read > 0
+    # Nothing else went over this way (no exact prefix stored); a run per stored chunk: documents
+    # of 100 and 135 rows (or 100, 79 and 59) in 64-row chunks.
+    if layout is not None:  # every group mixes the two: a view per layer and piece, a copy per chunk and run
+        assert placed == [] and len(rec.uploads) == len(_same_runs(layout)), rec.uploads
+        assert all(u == 5 for u in rec.uploads), rec.uploads
+        return
     assert placed == sizes  # a group of every document placed at once
+    if tier == "memory":
+        assert rec.uploads == [5] * len(sizes), rec.uploads
+    else:  # a disk's partial chunk may read its K and V apart: a run each
+        assert len(rec.uploads) == len(sizes) and all(5 <= u <= 10 for u in rec.uploads), rec.uploads
+
+
+def test_the_loader_holds_at_most_two_read_groups(deep, tmp_path, monkeypatch):
+    """Reads run ahead of the placing by at most READ_AHEAD groups, placing made slow here: a
+    blend's memory for reads (disk staging, device copies) stays two groups' whatever the
+    documents' size; the bits are those of an unhurried blend."""
+    ids = _ids(deep)
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(deep, store) as engine:
+        want = _blend(engine, ids)
+        assert engine.flush(30)
+    held: list[int] = []
+    read, place = SegmentReads.read, blend_module.BlendRestore._place
+    monkeypatch.setattr(SegmentReads, "read", lambda self, layers: (read(self, layers), held.append(len(self._held)))[0])
+    monkeypatch.setattr(blend_module.BlendRestore, "_place", lambda self, li: (time.sleep(0.05), place(self, li))[1])
+    with _engine(deep, store) as engine:
+        got = _blend(engine, ids)
+    assert got.restore.bytes_read > 0 and torch.equal(got.first_logits, want.first_logits)
+    assert len(held) == 3 and max(held) == blend_module.READ_AHEAD == 2, held
+
+
+def _same_runs(layout) -> list[range]:
+    """The runs of one kind of layer within each read group (what a group's read asks for at once)."""
+    from kvtier.engine.restore.segments import _same_repr
+    from kvtier.store.layout import Repr
+
+    reprs = [Repr(r) for r in layout]
+    return [run for a in range(0, len(reprs), READ_GROUP_LAYERS)
+            for run in _same_repr(reprs, range(a, min(a + READ_GROUP_LAYERS, len(reprs))))]
 
 
 def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone(deep, tmp_path,

@@ -610,3 +610,28 @@ def test_scattered_rows_attend_through_the_memory_efficient_kernel(monkeypatch):
         out = ScatteredRows.of(positions, dtype, q.device, rows=16).attend(q, k, v)
         err = (out.double() - _reference(q, k, v, positions)).abs().max().item()
         assert out.dtype == dtype and err < tol, (dtype, err)
+
+
+def test_stored_documents_are_packed_and_placed_a_group_at_once_on_the_gpu(gqa_cuda, monkeypatch):
+    """The packed path runs on CUDA (no silent fall back to views): every read group of the stored
+    documents placed in one call; the logits those of the blend that computed them alone."""
+    import test_blend
+
+    from kvtier.engine.runner.model_runner import ModelRunner
+    from kvtier.planning.costs import READ_GROUP_LAYERS
+
+    placed: list[int] = []
+    place_rows = ModelRunner.place_rows
+    monkeypatch.setattr(ModelRunner, "place_rows",
+                        lambda self, layers, *a: (placed.append(len(layers)), place_rows(self, layers, *a))[1])
+    ids = test_blend._ids(gqa_cuda)
+    with _blend_engine(gqa_cuda) as engine:
+        computed = test_blend._blend(engine, ids)
+        assert engine.flush(30) and not placed
+        engine.store.discard(engine.store.keys_for(ids))
+        engine.reset_prefix_cache()
+        read = test_blend._blend(engine, ids)
+    layers = gqa_cuda.config.num_layers
+    assert read.restore.bytes_read > 0
+    assert placed == [min(READ_GROUP_LAYERS, layers - a) for a in range(0, layers, READ_GROUP_LAYERS)]
+    assert (read.first_logits - computed.first_logits).abs().max().item() <= 1e-4

@@ -159,7 +159,7 @@ class ScatteredRows:
                 qh = q[a:e].unflatten(1, (kvh, g)).permute(1, 2, 0, 3)  # [kvh, g, r, hd]
                 o = F.scaled_dot_product_attention(qh, kh[:, :, :n].expand(kvh, g, n, hd),
                                                    vh[:, :, :n].expand(kvh, g, n, hd), attn_mask=self.mask(i))
-                out[a:e] = o.permute(2, 0, 1, 3).flatten(1, 2)  # [r, heads, hd]
+                out[a:e].view(e - a, kvh, g, hd).copy_(o.permute(2, 0, 1, 3))  # [r, kvh, g, hd]
         return out
 
     def _gemms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ approximate: never saved, published to the device prefix cache or served as exac
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import logging
 import threading
@@ -128,10 +127,15 @@ def _computed(st: SegmentState, li: int) -> Pieces:
     return ((st.k[li], st.v[li], st.h[li]),)
 
 
+# Read groups the loader holds at once (read and not yet placed): the next one reads while one is
+# placed, and a blend's memory for reads stays two groups' whatever the documents' size.
+READ_AHEAD = 2
+
+
 class _Loader:
     """Stored segments read a group of layers at a time on a thread of its own, so that reads from
     a disk or Redis overlap the recompute, which places each layer as it reaches it and then gives
-    the group's read memory back (`release`)."""
+    the group's read memory back (`release`), letting the next group be read (`READ_AHEAD`)."""
 
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int,
                  placed: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
@@ -143,6 +147,7 @@ class _Loader:
         self.ready = [threading.Event() for _ in range(layers)]
         self.error: str | None = None
         self.stop = threading.Event()  # the restore was aborted: read no more
+        self.window = threading.Semaphore(READ_AHEAD)
         self.thread = threading.Thread(target=self._run, name="kvtier-blend-io", daemon=True)
         self.thread.start()
 
@@ -151,6 +156,9 @@ class _Loader:
             if not self.reads.open():
                 raise _LoadFailed("a stored document's chunk is gone from its tier")
             for gi, g in enumerate(self.groups):
+                while not self.window.acquire(timeout=0.05):  # an earlier group is placed first
+                    if self.stop.is_set():
+                        raise RestoreMiss("aborted")
                 if self.stop.is_set():
                     raise RestoreMiss("aborted")
                 read = self.reads.read(g)
@@ -159,7 +167,7 @@ class _Loader:
                 got, self.packed[gi] = read
                 for i, layers in enumerate(got):
                     self.data[i].update(layers)
-                    self.stacks[i][gi] = _stacked([layers[li] for li in g])
+                    self.stacks[i][gi] = None if self.packed[gi] is not None else _stacked([layers[li] for li in g])
                 for li in g:
                     self.ready[li].set()
         except Exception as e:  # a layer never read must fail the restore, never pass
@@ -195,6 +203,7 @@ class _Loader:
             stacks.pop(g, None)
         self.packed.pop(g, None)
         self.reads.release(self.groups[g].start)
+        self.window.release()
 
     def close(self) -> None:
         self.stop.set()
@@ -419,9 +428,8 @@ class BlendRestore(PreparedRestore):
             self.blended.segments_stored += 1
             self.stats.chunks_loaded += len(match.chunks)
             self.stats.bytes_read += sum(c.nbytes for c in match.chunks)
-            src = self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
-                                       functools.partial(self._group_read, i))
-            self._sources.append(dataclasses.replace(src, packed=pack))
+            self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
+                                                      functools.partial(self._group_read, i), packed=pack))
         if found:
             self._loader = _Loader(self.states, found, len(self.layout), placed if pack else None)
             if pack:
@@ -451,9 +459,12 @@ class BlendRestore(PreparedRestore):
         return self._loader.stack(i, g)
 
     def _exact_source(self) -> _Source:
-        """[start, exact_end) from the plan's exact chunks, at their own positions."""
+        """[start, exact_end) from the plan's exact chunks, at their own positions: per layer a
+        piece per chunk (views of one copy per chunk on a device; placed piece by piece, never
+        joined where the slots are consecutive)."""
         b, n = self.blend, len(self.layout)
-        parts: list[dict[str, list[torch.Tensor]]] = [{"k": [], "v": [], "h": []} for _ in range(n)]
+        dtype = self.runner.k_cache.dtype
+        pieces: list[list[Parts]] = [[] for _ in range(n)]  # per layer, per chunk: (k, v, h)
         for c in self.plan.chunks:
             lo, hi = max(c.start, b.start), min(c.end, b.exact_end)
             if lo >= hi:
@@ -464,20 +475,17 @@ class BlendRestore(PreparedRestore):
             self.stats.bytes_read += c.nbytes
             self.stats.chunks_loaded += 1
             for st in states:
-                for p in ("k", "v", "h"):
-                    t = getattr(st, p)
-                    if t is not None:
-                        parts[st.layer][p].append(t[lo - c.start : hi - c.start])
-        if sum(t.shape[0] for t in parts[0]["k"] + parts[0]["h"]) != b.exact_end - b.start:
+                pieces[st.layer].append(cast(Parts, tuple(
+                    None if t is None else t[lo - c.start : hi - c.start].to(dtype) for t in (st.k, st.v, st.h))))
+        if sum(cast(torch.Tensor, k if k is not None else h).shape[0] for k, _, h in pieces[0]) != b.exact_end - b.start:
             raise RestoreMiss("the exact chunks do not cover the planned prefix")
-        dtype, names = self.runner.k_cache.dtype, ("k", "v", "h")
-        host = [t if t.dtype == dtype else t.to(dtype) for layer in parts for p in names for t in layer[p]]
+        host = [t for layer in pieces for part in layer for t in part if t is not None]
         views, handle = self.runner.transfer.upload_views(host)  # a copy per chunk, not per layer and part
         self.runner.transfer.sync(handle)  # the chunks' bytes may go (evicted) once this returns
         moved = iter(views)
-        by_layer = [tuple(torch.cat([next(moved) for _ in parts[li][p]]) if parts[li][p] else None for p in names)
-                    for li in range(n)]
-        return self._source(lambda li: (cast(Parts, by_layer[li]),), None, [(b.start, b.exact_end)], 0)
+        placed = [tuple(cast(Parts, tuple(None if t is None else next(moved) for t in part)) for part in layer)
+                  for layer in pieces]
+        return self._source(lambda li: placed[li], None, [(b.start, b.exact_end)], 0)
 
     def _rows_of(self, position: int, n: int) -> list[tuple[int, int]]:
         """The spans of prompt positions of a segment of `n` tokens at `position` that the plan loads."""
@@ -491,18 +499,19 @@ class BlendRestore(PreparedRestore):
         return spans
 
     def _segment_source(self, position: int, n: int, layer: Callable[[int], Pieces],
-                        stacks: Callable[[int], Stacked | None] | None = None) -> _Source:
-        """A segment of `n` tokens at `position`: the rows of it the plan loads."""
+                        stacks: Callable[[int], Stacked | None] | None = None, packed: bool = False) -> _Source:
+        """A segment of `n` tokens at `position`: the rows of it the plan loads (`packed`: in the
+        loader's packed groups)."""
         spans = self._rows_of(position, n)
         rows: torch.Tensor | slice = slice(spans[0][0] - position, spans[0][1] - position) if len(spans) == 1 else \
             self.runner.upload(torch.cat([torch.arange(a, e) for a, e in spans]) - position if spans
                                else torch.zeros(0, dtype=torch.long))
         # Stored K is rotated at offset + row: moved to position + row.
-        return self._source(layer, rows, spans, position - self.states.offset, stacks)
+        return self._source(layer, rows, spans, position - self.states.offset, stacks, packed)
 
     def _source(self, layer: Callable[[int], Pieces], rows: torch.Tensor | slice | None,
                 spans: Sequence[tuple[int, int]], shift: int,
-                stacks: Callable[[int], Stacked | None] | None = None) -> _Source:
+                stacks: Callable[[int], Stacked | None] | None = None, packed: bool = False) -> _Source:
         """The rows of a state placed at the prompt positions `spans`, K rotated by `shift` more."""
         up = self.runner.upload
         positions = torch.cat([torch.arange(a, e) for a, e in spans]) if spans else torch.zeros(0, dtype=torch.long)
@@ -510,7 +519,7 @@ class BlendRestore(PreparedRestore):
         slots = whole if whole is not None else \
             up(self.runner.slots(self.block_ids, 0, self.blend.end + 1).index_select(0, positions))
         rotation = self.runner.rope.delta(up(torch.tensor([shift]))) if shift else None  # made once, for every layer
-        return _Source(layer, rows, slots, up(positions), rotation, stacks)
+        return _Source(layer, rows, slots, up(positions), rotation, stacks, packed)
 
     def _check_abort(self) -> None:
         if self._error is not None:  # aborted meanwhile: stop at the next layer

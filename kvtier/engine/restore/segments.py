@@ -245,15 +245,22 @@ class SegmentReads:
                     first[c, p] = (pos + (byte_range(t)[0] - lo) // row, step // row)
                 runs.append((pos * row, storage_bytes(part[0][1])[lo:hi]))
                 pos += -(-(hi - lo) // row)
-        index = np.empty(n * 2 * at, dtype=np.int64)  # [layers, K|V, placed rows]: the stage row of each
+        index = np.full(n * 2 * at, -1, dtype=np.int64)  # [layers, K|V, placed rows]: the stage row of each
         for c, f, e, r in pieces:
-            for p in (0, 1):
+            for p, x in enumerate((ks[c], vs[c])):
+                if e > cast(torch.Tensor, x).shape[1]:
+                    return None  # a short read: the checks after this refuse it
                 base, per = first[c, p]
                 for j in range(n):
                     o = (j * 2 + p) * at + r
                     index[o : o + e - f] = np.arange(base + j * per + f, base + j * per + e)
+        if index.min() < 0 or index.max() >= pos:  # rows no chunk covers: never a gather out of bounds
+            return None
         stage, handle = self.transfer.upload_runs(runs, pos * row)
-        self.transfer.sync(handle)  # here, on the reading thread: the compute stream never waits for a read
+        # Waited for here, on the reading thread: the compute stream never waits for a read. The
+        # gather then runs on this thread's stream, the default one, which every engine thread
+        # computes on (the stage is recorded on it: `upload_runs`).
+        self.transfer.sync(handle)
         rows = stage.view(self.dtype).view(pos, kvh, hd)  # [stage rows, kvh, hd]
         kv = rows.index_select(0, self.transfer.upload(torch.from_numpy(index))).view(n, 2, at, kvh, hd)
         return Packed(kv[:, 0], kv[:, 1])

@@ -341,11 +341,13 @@ class ModelRunner:
             rotate_into(k, rotation[0], rotation[1], kc)
         vc.copy_(v)
 
+    @torch.inference_mode()
     def place_rows(self, layers: range, k: torch.Tensor, v: torch.Tensor,
                    rotation: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
         """Rows of consecutive `layers` into the pool's `slots` [n]: k, v [layers, n, kv_heads,
         hd], K rotated row by row (cos, sin [n, 1, hd/2]); one rotation and two scatters for the
-        layers (elementwise: the bits of `rotate_in_layers` piece by piece)."""
+        layers (elementwise: the bits of `rotate_in_layers` piece by piece, where a row of no
+        shift, rotated by cos 1 and sin 0, is a copy up to the sign of a zero)."""
         kc, vc = (c[layers.start : layers.stop] for c in (self.k_cache, self.v_cache))  # [layers, slots, kvh, hd]
         kc.index_copy_(1, slots, rotate_into(k, rotation[0], rotation[1], torch.empty_like(k)))
         vc.index_copy_(1, slots, v)

@@ -253,8 +253,11 @@ class CudaTransfer(Transfer):
     def upload_runs(self, runs: Sequence[tuple[int, torch.Tensor]], nbytes: int) -> tuple[torch.Tensor, Handle]:
         """The buffer is the copy stream's memory, so the copy need not wait for the compute
         stream's queued kernels (memory they free is the compute stream's to reuse): a blend's
-        reads go over while its recompute runs. The compute stream is recorded on it, so it is
-        reused only once the kernels that read it have run."""
+        reads go over while its recompute runs. The calling thread's stream (the default stream,
+        which the engine computes on in every thread) is recorded on it, so it is reused only
+        once the kernels that read it there have run."""
+        if not runs:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device), DONE
         with torch.cuda.stream(self.h2d):
             stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if not _batched_copy(stage, runs, None, self.h2d):
