@@ -9,7 +9,7 @@ Every host<->device copy of the restore and saving paths goes through a `Transfe
     stage(src)           the same into fresh device tensors (hidden states to project, rows to remap)
     upload_views(src)    host views -> device views alike, one copy per host buffer and no scatter
     upload_runs(runs)    host byte runs into a fresh device buffer, one batched submission (a blend's
-                         documents' rows of a read group, laid out as the pool's rows)
+                         stored chunks of a read group, packed on the device after)
     to_host(src)         enqueue device pieces -> fresh host tensors (pinned on CUDA); -> a Handle
     wait(handle)         make the compute stream wait for it (no host sync)
     sync(handle)         block the host until it is done (a staging buffer may then be reused,
