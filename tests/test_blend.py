@@ -527,7 +527,12 @@ def test_a_restore_aborted_while_waiting_for_a_read_does_no_more_work(deep, tmp_
     assert out.finished and out.restore_method != "blend"
 
 
-def test_hostile_segment_bytes_are_misses(fp32, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "copied to a device"])
+def test_hostile_segment_bytes_are_misses(fp32, tmp_path, monkeypatch, device):
+    """(copied to a device: the recording back end, where a read group goes over packed)"""
+    if device != "cpu":
+        rec = RecordingTransfer()
+        monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda d: rec)
     ids = _ids(fp32)
     store = f"disk:{tmp_path}/d:64MB"
     with _engine(fp32, store) as engine:
