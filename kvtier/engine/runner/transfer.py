@@ -418,7 +418,11 @@ def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
             raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
         return True
     except Exception as e:  # ImportError, an old driver, a refused stream: plain copies serve
-        log.info("batched host-to-device copies unavailable (%s): one copy call per run", e)
+        # No cuda-bindings, or turned off: expected. The driver refusing a call is worth seeing:
+        # from then on every restore pays a copy call per run.
+        missing = isinstance(e, ImportError) or str(e) == "KVTIER_BATCHED_COPY=0"
+        (log.info if missing else log.warning)(
+            "batched host-to-device copies unavailable (%s: %s): one copy call per run", type(e).__name__, e)
         _BATCH[:] = [None]
         return False
 
