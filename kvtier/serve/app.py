@@ -26,6 +26,8 @@ from kvtier.serve.tokenize import router as tokenizer_router
 
 log = logging.getLogger(__name__)
 
+GRAMMAR_WARMUP_S = 60.0  # the longest a server's start waits for the grammar tokenizer
+
 
 def create_app(
     engine: Engine | BackgroundEngine,
@@ -112,7 +114,10 @@ async def _grammars_ready(ctx: ServerContext) -> None:
         return
     t0 = time.perf_counter()
     try:
-        await asyncio.wrap_future(grammars.ready())
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammars.ready())), GRAMMAR_WARMUP_S)
+    except TimeoutError:  # the server starts all the same; the first structured request waits for the rest
+        log.warning("the grammar tokenizer is still building after %.0f s; serving meanwhile", GRAMMAR_WARMUP_S)
+        return
     except Exception as e:  # a tokenizer llguidance cannot read: only structured output is lost
         log.warning("structured output unavailable: the grammar tokenizer failed to build (%s)", e)
         return

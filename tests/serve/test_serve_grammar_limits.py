@@ -213,3 +213,23 @@ def test_the_grammar_tokenizer_is_built_before_the_server_reads_a_request(tiny_m
         assert not again.built and again.tokenizer is served.engine.grammars.tokenizer
     finally:
         gen.close()
+
+
+def test_a_server_starts_without_waiting_long_for_a_slow_grammar_tokenizer(tiny_model, monkeypatch):
+    """The start waits for the grammar tokenizer at most GRAMMAR_WARMUP_S (here 0.2 s against a
+    2 s build): then it serves, and the build finishes on its grammar thread."""
+    from kvtier.engine import structured
+    from kvtier.serve import app
+
+    build = structured._shared_tokenizer
+    monkeypatch.setattr(structured, "_shared_tokenizer", lambda hf, vocab: (time.sleep(2.0), build(hf, vocab))[1])
+    monkeypatch.setattr(app, "GRAMMAR_WARMUP_S", 0.2)
+    gen = serve(tiny_model)
+    served = next(gen)
+    try:
+        assert not served.engine.grammars.built  # started before the build ended
+        assert httpx.get(f"{served.url}/health").status_code == 200
+        served.engine.grammars.ready().result(30)
+        assert served.engine.grammars.built
+    finally:
+        gen.close()
