@@ -292,12 +292,16 @@ def test_documents_read_from_a_tier_on_their_thread_give_the_bits_computed_alone
     assert torch.equal(read.first_logits, computed.first_logits)
 
 
-@pytest.fixture(scope="module")
-def deep():
+def _deep(dtype: str):
     """tiny-gqa with 11 layers: three read groups of READ_GROUP_LAYERS, the last one short."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(PRESETS, "tiny-deep", dataclasses.replace(PRESETS["tiny-gqa"], num_layers=11))
-        return load_model("tiny-deep", dtype="fp32", tokenizer=False)
+        return load_model("tiny-deep", dtype=dtype, tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return _deep("fp32")
 
 
 def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back_group_by_group(deep, tmp_path,
@@ -351,8 +355,10 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
 @pytest.mark.parametrize("options, segments, tier", [(None, SEGMENTS, "memory"), (None, SEGMENTS, "disk"),
                                                      (BlendOptions(mode="cacheblend", ratio=0.2), SEGMENTS, "memory"),
                                                      (BlendOptions(mode="naive"), GAPS, "memory"),
-                                                     (None, SEGMENTS, "memory, hidden layers")],
-                         ids=["legolink", "legolink-disk", "cacheblend", "naive-three-documents", "hidden-layers"])
+                                                     (None, SEGMENTS, "memory, hidden layers"),
+                                                     (None, SEGMENTS, "memory, bf16")],
+                         ids=["legolink", "legolink-disk", "cacheblend", "naive-three-documents", "hidden-layers",
+                              "legolink-bf16"])
 def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep, monkeypatch, tmp_path, options,
                                                                             segments, tier):
     """Off the CPU (the recording back end: CUDA's operations, copies that deliver garbage until
@@ -360,6 +366,8 @@ def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep
     stored chunk, is packed by one gather and placed with one rotation and two scatters; the
     bits are the host path's. A group mixing hidden-state and K/V layers goes over as views, a
     copy per chunk and run of one kind of layer."""
+    if "bf16" in tier:
+        deep = _deep("bf16")
     ids = _ids(deep)
     layers = deep.config.num_layers
     layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if "hidden" in tier else None
