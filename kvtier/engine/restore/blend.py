@@ -41,7 +41,16 @@ import torch
 
 from kvtier.engine.restore.layerwise import RestoreMiss, RestoreStats
 from kvtier.engine.restore.prepared import PreparedRestore
-from kvtier.engine.restore.segments import Packed, Parts, Pieces, SegmentReads, SegmentState, SegmentStates, joined
+from kvtier.engine.restore.segments import (
+    Packed,
+    Parts,
+    Pieces,
+    SegmentReads,
+    SegmentState,
+    SegmentStates,
+    joined,
+    uploaded,
+)
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
 from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
@@ -481,12 +490,9 @@ class BlendRestore(PreparedRestore):
                     None if t is None else t[lo - c.start : hi - c.start].to(dtype) for t in (st.k, st.v, st.h))))
         if sum(cast(torch.Tensor, k if k is not None else h).shape[0] for k, _, h in pieces[0]) != b.exact_end - b.start:
             raise RestoreMiss("the exact chunks do not cover the planned prefix")
-        host = [t for layer in pieces for part in layer for t in part if t is not None]
-        views, handle = self.runner.transfer.upload_views(host)  # a copy per chunk, not per layer and part
-        self.runner.transfer.sync(handle)  # the chunks' bytes may go (evicted) once this returns
-        moved = iter(views)
-        placed = [tuple(cast(Parts, tuple(None if t is None else next(moved) for t in part)) for part in layer)
-                  for layer in pieces]
+        # A copy per chunk, not per layer and part; the chunks' bytes may go (evicted) once it is done.
+        moved = iter(uploaded(self.runner.transfer, [t for layer in pieces for part in layer for t in part]))
+        placed = [tuple(cast(Parts, tuple(next(moved) for _ in part)) for part in layer) for layer in pieces]
         return self._source(lambda li: placed[li], None, [(b.start, b.exact_end)], 0)
 
     def _rows_of(self, position: int, n: int) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.engine.runner.model_runner import ModelRunner
-from kvtier.engine.runner.transfer import byte_range
+from kvtier.engine.runner.transfer import Transfer, byte_range
 from kvtier.models.llama import LayerAttention
 from kvtier.store.index import PrefixMatch, StoredChunk
 from kvtier.store.layout import Repr
@@ -133,6 +133,15 @@ class Packed:
 
     k: torch.Tensor
     v: torch.Tensor
+
+
+def uploaded(transfer: Transfer, ts: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Host views (None kept in place) on the engine's device, a copy per host buffer
+    (`Transfer.upload_views`), waited for here: the host memory under them may go once this returns."""
+    views, handle = transfer.upload_views([t for t in ts if t is not None])
+    transfer.sync(handle)
+    moved = iter(views)
+    return [None if t is None else next(moved) for t in ts]
 
 
 class SegmentReads:
@@ -269,13 +278,9 @@ class SegmentReads:
         """The group's parts [layers, T, ...] per chunk, in the compute dtype, on the engine's
         device: on the CPU the read's views; else each chunk's read group in one copy, waited
         for here (on the reading thread) so that its staging memory may go back once placed."""
-        host = {p: [None if t is None else t if t.dtype == self.dtype else t.to(self.dtype) for t in group.parts[p]]
-                for p in parts}
-        flat = [t for p in parts for t in host[p] if t is not None]
-        views, handle = self.transfer.upload_views(flat)
-        self.transfer.sync(handle)
-        moved = iter(views)
-        return {p: [None if t is None else next(moved) for t in host[p]] for p in parts}
+        host = [None if t is None else t.to(self.dtype) for p in parts for t in group.parts[p]]
+        moved = iter(uploaded(self.transfer, host))
+        return {p: [next(moved) for _ in group.parts[p]] for p in parts}
 
     def release(self, first: int) -> None:
         """The group read from layer `first` is placed: its staging memory may be reused."""
