@@ -62,7 +62,7 @@ def cmd_stats(args) -> int:
         t.add_row(name, *[_fmt(d.get(c)) for c in cols], d.get("emulated") or "")
     Console().print(t)
     w = st["writer"]
-    print(f"writer: queue_depth={w['queue_depth']} dropped_saves={w['dropped_saves']} "
+    print(f"writer: queue_depth={w['queue_depth']} writing={w['writing']} dropped_saves={w['dropped_saves']} "
           "(counters are for this process; stats of a running engine come from the engine)")
     return 0
 

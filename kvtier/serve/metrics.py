@@ -308,6 +308,8 @@ _TIER_FAMILIES: tuple[tuple[str, str, str, str, float], ...] = (
 _STORE_FAMILIES: tuple[tuple[str, str, str, str, str], ...] = (
     ("store_dropped_saves", "counter", "Saves dropped because the writer queue was full", "writer", "dropped_saves"),
     ("store_write_queue_depth", "gauge", "Saves waiting in the asynchronous writer", "writer", "queue_depth"),
+    ("store_writer_busy", "gauge", "1 while the asynchronous writer is writing a job (a save, a promotion, a "
+     "reorder), else 0", "writer", "writing"),
     ("store_chunks_written", "counter", "Chunks the writer stored", "store", "chunks_written"),
     ("store_chunks_skipped", "counter", "Chunks not stored because the state of their first tokens was not at hand",
      "store", "chunks_skipped"),

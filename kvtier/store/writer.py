@@ -125,7 +125,7 @@ class BackgroundWriter:
 
     def stats(self) -> dict:
         with self._cv:
-            return dict(queue_depth=len(self._q), queue_bytes=self._pending_bytes,
+            return dict(queue_depth=len(self._q), writing=int(self._busy), queue_bytes=self._pending_bytes,
                         queue_capacity_bytes=self.max_bytes, dropped_saves=self.dropped,
                         dropped_bytes=self.dropped_bytes, jobs_done=self.done,
                         jobs_failed=self.failed)

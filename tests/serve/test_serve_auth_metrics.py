@@ -137,7 +137,7 @@ class FakeStore:
         return {
             "tiers": {"memory": {"bytes_used": 1024, "capacity": 4096, "hits": 7, "misses": 2, "evictions": 3},
                       "disk": {"bytes_used": 10, "capacity": 100, "hits": 1, "misses": 0, "evictions": 0}},
-            "writer": {"dropped_saves": 5, "queue_depth": 1},
+            "writer": {"dropped_saves": 5, "queue_depth": 1, "writing": 1},
             "store": {"chunks_written": 11, "chunks_skipped": 2},
         }
 
@@ -156,6 +156,7 @@ def test_store_metrics(tiny_model) -> None:
         assert _value(s, "kvtier:store_evictions_total", tier="memory") == 3
         assert _value(s, "kvtier:store_dropped_saves_total") == 5
         assert _value(s, "kvtier:store_write_queue_depth") == 1
+        assert _value(s, "kvtier:store_writer_busy") == 1
         assert _value(s, "kvtier:store_chunks_written_total") == 11
         assert _value(s, "kvtier:store_chunks_skipped_total") == 2
         served.engine.link.store = BrokenStore()  # a scrape must survive an unreachable tier

@@ -101,15 +101,15 @@ def _ask(p: Proc, messages: list[dict]) -> tuple[str, int, int]:
 
 
 def _saves_settled(p: Proc, timeout: float = 60) -> None:
-    """Until the server's writer queue is empty and its written-chunk count has stopped moving."""
-    deadline, last = time.monotonic() + timeout, -1.0
+    """Until the server's writer is idle (nothing queued, nothing being written) with chunks written.
+    The engine hands a request's saves to the writer before the response goes out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = metrics(p.url)
-        written = metric(m, "kvtier:store_chunks_written_total")
-        if metric(m, "kvtier:store_write_queue_depth") == 0 and written == last and written > 0:
+        idle = metric(m, "kvtier:store_write_queue_depth") == 0 and metric(m, "kvtier:store_writer_busy") == 0
+        if idle and metric(m, "kvtier:store_chunks_written_total") > 0:
             return
-        last = written
-        time.sleep(0.3)
+        time.sleep(0.1)
     raise AssertionError(f"{p.name}'s saves did not settle")
 
 

@@ -118,8 +118,10 @@ def test_writer_drops_oldest_pending_never_blocks():
     assert w.submit("C", 40)  # 120 > 100: drop the oldest pending (A)
     assert not w.submit("huge", 101)
     assert w.stats()["queue_depth"] == 2 and w.stats()["dropped_saves"] == 2
+    assert w.stats()["writing"] == 1  # "first", still being written, is not in the queue
     gate.set()
     assert w.flush(10)
+    assert w.stats()["writing"] == 0 and w.stats()["queue_depth"] == 0
     assert done == ["first", "B", "C"]
     w.close()
 
