@@ -10,10 +10,11 @@ is a copy of the ready matcher kept per spec.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import llguidance
@@ -23,17 +24,21 @@ from kvtier.engine.grammar_limits import GrammarError, GrammarLimits, check
 from kvtier.engine.grammar_threads import grammar_threads
 from kvtier.engine.request import GrammarSpec
 
-# llguidance's torch and transformers helpers are imported on first use, on the caller's thread
-# (`Grammars.tokenizer`): `llguidance.torch` defines a torch.compile'd function, which costs
-# seconds of every process's start on a small CPU, and most processes never constrain a request.
-# A server builds the grammar tokenizer as it starts (serve/app.py), before any request is read.
+# llguidance's torch and transformers helpers are imported when the grammar tokenizer is built
+# (`Grammars.tokenizer`), on the thread that builds it: `llguidance.torch` defines a
+# torch.compile'd function, which costs seconds of a process's start on a small CPU, and a library
+# or CLI process that never constrains a request never pays it. A server builds the grammar
+# tokenizer as it starts (serve/app.py), before any request is read.
 
 # Compact JSON: what a schema-following model emits; a free-whitespace grammar lets a small model
 # pad with newlines until max_tokens.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
 
 
-_SHARED: weakref.WeakKeyDictionary[Any, dict[int, llguidance.LLTokenizer]] = weakref.WeakKeyDictionary()
+# Per HF tokenizer: its grammar tokenizers by vocabulary size, and the lock their builds take (one
+# model's build never waits for another's).
+_SHARED: weakref.WeakKeyDictionary[Any, tuple[dict[int, llguidance.LLTokenizer], threading.Lock]] = \
+    weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
@@ -41,7 +46,8 @@ def _shared_tokenizer(hf: Any, vocab: int) -> llguidance.LLTokenizer:
     """The grammar tokenizer of an HF tokenizer, built once per process (its trie takes a third of
     a second for a 49K vocabulary and holds the GIL meanwhile; engines of one model share it)."""
     with _SHARED_LOCK:
-        built = _SHARED.setdefault(hf, {})
+        built, lock = _SHARED.setdefault(hf, ({}, threading.Lock()))
+    with lock:
         if vocab not in built:
             import llguidance.hf
             import llguidance.torch  # noqa: F401 - for Constraint.fill_mask, here rather than on the step thread
@@ -94,6 +100,8 @@ class Grammars:
         self._vocab = vocab_size
         self.limits = limits or GrammarLimits()
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._failed: GrammarError | None = None  # why the grammar tokenizer cannot be built: said, never retried
+        self._building: Future[llguidance.LLTokenizer] | None = None
         self._lock = threading.Lock()
         self._ready: OrderedDict[GrammarSpec, tuple[Constraint, int]] = OrderedDict()
         self._ready_bytes = 0
@@ -111,21 +119,48 @@ class Grammars:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
+        """The model's grammar tokenizer, built here if it is not yet (raises GrammarError if the
+        grammar engine cannot read the model's tokenizer, at once after the first failure)."""
         with self._lock:  # its token trie is costly to build: once per model
             if self._tokenizer is None:
+                if self._failed is not None:
+                    raise self._failed
                 if self._hf is None:
                     raise GrammarError("structured output needs the model's tokenizer")
-                self._tokenizer = _shared_tokenizer(self._hf, self._vocab)
+                try:
+                    self._tokenizer = _shared_tokenizer(self._hf, self._vocab)
+                except Exception as e:  # llguidance refuses some tokenizers (slow ones: a ValueError)
+                    self._failed = GrammarError(
+                        f"structured output is unavailable: the grammar engine cannot read this model's tokenizer ({e})")
+                    raise self._failed from e
             return self._tokenizer
 
     def ready(self) -> Future[llguidance.LLTokenizer]:
         """The model's grammar tokenizer, built on a grammar thread if it is not yet: a per-model
-        cost, which callers wait for before a grammar's deadline starts."""
-        if self._tokenizer is not None:
-            done: Future[llguidance.LLTokenizer] = Future()
-            done.set_result(self._tokenizer)
-            return done
-        return grammar_threads().submit(lambda: self.tokenizer)
+        cost, which callers wait for before a grammar's deadline starts. Every caller waits for
+        the one build (raising GrammarError if it fails), through a future of its own: a caller
+        that cancels its wait (a client gone) never cancels the build for the others."""
+        mine: Future[llguidance.LLTokenizer] = Future()
+        with self._lock:
+            if self._tokenizer is not None:  # no thread to wait behind
+                mine.set_result(self._tokenizer)
+                return mine
+            if self._failed is not None:
+                mine.set_exception(self._failed)
+                return mine
+            if self._building is None:
+                self._building = grammar_threads().submit(lambda: self.tokenizer)
+            building = self._building
+
+        def settle(done: Future[llguidance.LLTokenizer]) -> None:
+            with contextlib.suppress(InvalidStateError):  # its caller cancelled it
+                if (error := done.exception()) is not None:
+                    mine.set_exception(error)
+                else:
+                    mine.set_result(done.result())
+
+        building.add_done_callback(settle)
+        return mine
 
     def build(self, spec: GrammarSpec) -> Future[Constraint]:
         """A constraint for `spec` at its start, made on a grammar thread (raises GrammarError

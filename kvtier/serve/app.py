@@ -88,10 +88,11 @@ def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], AbstractAsyncContextMan
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.start()
-        await _grammars_ready(ctx)
-        interval = ctx.config.stats_interval_s
-        stats = asyncio.create_task(run_stats_log(ctx.metrics, ctx.engine, interval)) if interval > 0 else None
-        try:
+        stats: asyncio.Task[None] | None = None
+        try:  # from here on, a stop (a signal while the grammar tokenizer builds, too) closes the engine
+            await _grammars_ready(ctx)
+            interval = ctx.config.stats_interval_s
+            stats = asyncio.create_task(run_stats_log(ctx.metrics, ctx.engine, interval)) if interval > 0 else None
             yield
         finally:
             if stats is not None:
@@ -114,7 +115,7 @@ async def _grammars_ready(ctx: ServerContext) -> None:
         return
     t0 = time.perf_counter()
     try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammars.ready())), GRAMMAR_WARMUP_S)
+        await asyncio.wait_for(asyncio.wrap_future(grammars.ready()), GRAMMAR_WARMUP_S)  # cancels only its own wait
     except TimeoutError:  # the server starts all the same; the first structured request waits for the rest
         log.warning("the grammar tokenizer is still building after %.0f s; serving meanwhile", GRAMMAR_WARMUP_S)
         return

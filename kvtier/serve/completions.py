@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -13,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
 from kvtier.engine.engine import Engine, PromptError, RequestOutput
+from kvtier.engine.grammar_limits import GrammarError
 from kvtier.engine.request import GrammarSpec, SamplingError
 from kvtier.serve import responses as r
 from kvtier.serve.bridge import ClientGone, EngineFailed, Generation, GrammarFailed
@@ -126,10 +128,14 @@ def _prepare(ctx: ServerContext, ids: Sequence[int], body: ChatCompletionRequest
 
 async def _token_text(engine: Engine, logprobs: bool, as_ids: bool) -> TokenText:
     """How logprobs name tokens; their exact bytes come from the grammar engine's tokenizer, built
-    once per model on a pool thread (never on the event loop)."""
+    once per model on a grammar thread (never on the event loop). Where it cannot be built the
+    bytes are null (as OpenAI's API allows); the texts stay."""
     if not logprobs or engine.model.tokenizer is None:
         return TokenText(engine.model.tokenizer, None, as_ids)
-    ll = await run_in_threadpool(lambda: engine.grammars.tokenizer)
+    try:
+        ll = await asyncio.wrap_future(engine.grammars.ready())
+    except GrammarError:
+        return TokenText(engine.model.tokenizer, None, as_ids)
     return TokenText(engine.model.tokenizer, ll.decode_bytes, as_ids)
 
 

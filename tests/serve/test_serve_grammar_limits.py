@@ -233,3 +233,79 @@ def test_a_server_starts_without_waiting_long_for_a_slow_grammar_tokenizer(tiny_
         assert served.engine.grammars.built
     finally:
         gen.close()
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_once_built_never_retried(tiny_model, monkeypatch):
+    """llguidance refuses some tokenizers (slow ones, with a ValueError): the server starts, a
+    structured request is a 400 naming its field and saying why, the build is tried once, and
+    logprobs are served with null bytes."""
+    from kvtier.engine import structured
+
+    calls = []
+
+    def refuse(hf, vocab):
+        calls.append(vocab)
+        raise ValueError("Only fast tokenizers are supported")
+
+    monkeypatch.setattr(structured, "_shared_tokenizer", refuse)
+    gen = serve(tiny_model)
+    served = next(gen)
+    try:
+        for _ in range(2):
+            r = _chat(served.url, **_schema_format('{"type": "object"}'))
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "response_format" and "cannot read this model's tokenizer" in err["message"]
+        r = _chat(served.url, logprobs=True, top_logprobs=2, max_tokens=3)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert content and all(c["bytes"] is None and c["token"] for c in content)
+        assert httpx.get(f"{served.url}/health").status_code == 200
+        assert len(calls) == 1
+    finally:
+        gen.close()
+
+
+def test_waiters_share_one_grammar_tokenizer_build_and_a_cancelled_wait_cancels_nothing(tiny_model, monkeypatch):
+    from kvtier.engine import structured
+
+    calls = []
+    build = structured._shared_tokenizer
+
+    def slow(hf, vocab):
+        calls.append(vocab)
+        time.sleep(0.5)
+        return build(hf, vocab)
+
+    monkeypatch.setattr(structured, "_shared_tokenizer", slow)
+    grammars = structured.Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size)
+    waits = [grammars.ready() for _ in range(4)]
+    assert waits[0].cancel()  # a client gone before the build ended
+    got = {id(w.result(60)) for w in waits[1:]}
+    assert len(got) == 1 and grammars.built and len(calls) == 1
+    assert grammars.ready().result(0) is grammars.tokenizer  # built: answered at once
+
+
+def test_a_stop_while_the_grammar_tokenizer_builds_closes_the_engine(tiny_model, monkeypatch):
+    """A signal during the start's wait for the grammar tokenizer still stops the step loop (and
+    drains the engine's saves): the wait lies inside the lifespan's shutdown path."""
+    from kvtier.engine import structured
+    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.engine import Engine
+    from kvtier.serve.app import create_app
+
+    build = structured._shared_tokenizer
+    monkeypatch.setattr(structured, "_shared_tokenizer", lambda hf, vocab: (time.sleep(1.0), build(hf, vocab))[1])
+    app = create_app(Engine(tiny_model, EngineConfig(kv_cache_bytes=16 << 20, max_model_len=256)))
+    ctx = app.state.kvtier
+
+    async def start_then_stop() -> None:
+        starting = asyncio.ensure_future(app.router.lifespan_context(app).__aenter__())
+        await asyncio.sleep(0.3)
+        assert not starting.done() and ctx.background is not None and ctx.background.alive
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(start_then_stop())
+    assert not ctx.background.alive
