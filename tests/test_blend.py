@@ -410,7 +410,7 @@ def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep
 
 
 def test_the_loader_holds_at_most_two_read_groups(deep, tmp_path, monkeypatch):
-    """Reads run ahead of the placing by at most READ_AHEAD groups, placing made slow here: a
+    """The loader holds at most READ_AHEAD groups (the one placed and the next), placing made slow here: a
     blend's memory for reads (disk staging, device copies) stays two groups' whatever the
     documents' size; the bits are those of an unhurried blend."""
     ids = _ids(deep)

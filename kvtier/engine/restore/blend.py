@@ -16,8 +16,8 @@ blocks, on the restore worker.
    each row attends to the request's keys at or before its position). Either way their rows
    replace the loaded ones in every layer, and residual and MLP run for them only. Loaded rows are
    placed layer by layer just before the first pass reaches each layer; stored documents are read
-   a group of layers at a time on a thread of their own meanwhile, at most `READ_AHEAD` groups
-   ahead (`_Loader`). On a device with memory of its own a group of every stored document goes
+   a group of layers at a time on a thread of their own meanwhile, holding at most `READ_AHEAD`
+   groups (the one placed and the next: `_Loader`). On a device with memory of its own a group of every stored document goes
    over as a copy per chunk, is packed there and placed at once (`SegmentReads`' `Packed`).
 
 The recomputed run that continues the exact prefix, up to the first loaded row, has passes of
@@ -139,7 +139,7 @@ def _computed(st: SegmentState, li: int) -> Pieces:
 
 
 # Read groups the loader holds at once (read and not yet placed): the next one reads while one is
-# placed, and a blend's memory for reads stays two groups' whatever the documents' size.
+# placed (one group ahead), and a blend's memory for reads stays two groups' whatever the documents' size.
 READ_AHEAD = 2
 
 
@@ -167,9 +167,7 @@ class _Loader:
             if not self.reads.open():
                 raise _LoadFailed("a stored document's chunk is gone from its tier")
             for gi, g in enumerate(self.groups):
-                while not self.window.acquire(timeout=0.05):  # an earlier group is placed first
-                    if self.stop.is_set():
-                        raise RestoreMiss("aborted")
+                self.window.acquire()  # an earlier group is placed first (`close` lets a stopped loader through)
                 if self.stop.is_set():
                     raise RestoreMiss("aborted")
                 read = self.reads.read(g)
@@ -186,23 +184,23 @@ class _Loader:
             for ev in self.ready:
                 ev.set()
 
-    def layer(self, i: int, li: int) -> Pieces:
+    def _wait(self, li: int) -> None:
+        """Until layer li is read; raises _LoadFailed if the reads failed."""
         self.ready[li].wait()
         if self.error is not None:
             raise _LoadFailed(self.error)
+
+    def layer(self, i: int, li: int) -> Pieces:
+        self._wait(li)
         return self.data[i][li]
 
     def stack(self, i: int, g: int) -> Stacked | None:
-        self.ready[self.groups[g][0]].wait()
-        if self.error is not None:
-            raise _LoadFailed(self.error)
+        self._wait(self.groups[g][0])
         return self.stacks[i][g]
 
     def packed_group(self, g: int) -> Packed | None:
         """Group g of every document packed on the device (None: placed from views)."""
-        self.ready[self.groups[g][0]].wait()
-        if self.error is not None:
-            raise _LoadFailed(self.error)
+        self._wait(self.groups[g][0])
         return self.packed[g]
 
     def release(self, g: int) -> None:
@@ -218,6 +216,7 @@ class _Loader:
 
     def close(self) -> None:
         self.stop.set()
+        self.window.release()  # a loader waiting for room wakes, sees the stop and ends
         self.thread.join()
         self.reads.close()
 
@@ -315,8 +314,9 @@ class BlendRestore(PreparedRestore):
 
     def abort(self) -> None:
         super().abort()
-        if self._loader is not None:
-            self._loader.stop.set()
+        loader = self._loader  # the restore's own thread may clear it meanwhile (`_cleanup`)
+        if loader is not None:
+            loader.stop.set()
 
     # ----- the work ---------------------------------------------------------------------------
     def _work(self) -> None:
