@@ -242,13 +242,7 @@ class CudaTransfer(Transfer):
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         stage.record_stream(self.h2d)  # freed early (a failed restore), it is not reused under the copy
         with torch.cuda.stream(self.h2d):
-            if not _batched_copy(stage, runs, equal, self.h2d):
-                every = all_runs(runs, equal)
-                torch._foreach_copy_([stage[o:o + r.numel()] for o, r in every], [r for _, r in every],
-                                     non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.h2d)
-        return Handle(event=ev)
+            return self._copy_runs(stage, runs, equal)
 
     def upload_runs(self, runs: Sequence[tuple[int, torch.Tensor]], nbytes: int) -> tuple[torch.Tensor, Handle]:
         """The buffer is the copy stream's memory, so the copy need not wait for the compute
@@ -260,12 +254,20 @@ class CudaTransfer(Transfer):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device), DONE
         with torch.cuda.stream(self.h2d):
             stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            if not _batched_copy(stage, runs, None, self.h2d):
-                torch._foreach_copy_([stage[o:o + r.numel()] for o, r in runs], [r for _, r in runs], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.h2d)
+            handle = self._copy_runs(stage, runs, None)
         stage.record_stream(torch.cuda.current_stream(self.device))
-        return stage, Handle(event=ev)
+        return stage, handle
+
+    def _copy_runs(self, stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
+                   equal: EqualRuns | None) -> Handle:
+        """On the copy stream (entered by the caller): the runs into `stage`, one driver call where
+        the batched copy is at hand, else one C++ loop of copies; an event after them."""
+        if not _batched_copy(stage, runs, equal, self.h2d):
+            every = all_runs(runs, equal)
+            torch._foreach_copy_([stage[o:o + r.numel()] for o, r in every], [r for _, r in every], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(self.h2d)
+        return Handle(event=ev)
 
     def stage(self, src: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         # Allocated on the compute stream, which reads them after waiting on the copy's event.
@@ -394,10 +396,12 @@ def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
     again in this process); KVTIER_BATCHED_COPY=0 turns it off (to compare the two)."""
     if _BATCH == [None]:
         return False
+    if not _BATCH and os.environ.get("KVTIER_BATCHED_COPY", "1") == "0":
+        log.info("batched host-to-device copies turned off (KVTIER_BATCHED_COPY=0): one copy call per run")
+        _BATCH[:] = [None]
+        return False
     try:
         if not _BATCH:
-            if os.environ.get("KVTIER_BATCHED_COPY", "1") == "0":
-                raise RuntimeError("KVTIER_BATCHED_COPY=0")
             from cuda.bindings import driver
             _BATCH.append(driver)
         driver = _BATCH[0]
@@ -418,37 +422,41 @@ def _batched_copy(stage: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]],
             raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
         return True
     except Exception as e:  # ImportError, an old driver, a refused stream: plain copies serve
-        # No cuda-bindings, or turned off: expected. The driver refusing a call is worth seeing:
-        # from then on every restore pays a copy call per run.
-        missing = isinstance(e, ImportError) or str(e) == "KVTIER_BATCHED_COPY=0"
-        (log.info if missing else log.warning)(
+        # No cuda-bindings: expected. The driver refusing a call is worth seeing: from then on
+        # every restore pays a copy call per run.
+        (log.info if isinstance(e, ImportError) else log.warning)(
             "batched host-to-device copies unavailable (%s: %s): one copy call per run", type(e).__name__, e)
         _BATCH[:] = [None]
         return False
 
 
+def _staged_spans(src: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor, int, int, list[int]]], int]:
+    """The host buffers under views `src` as spans packed back to back in a stage: (its offset in the
+    stage, one view of the buffer, first byte, end byte, the views' indices); the stage's bytes."""
+    out, pos = [], 0
+    for first, lo, hi, idx in _spans(src, align=16):
+        out.append((pos, first, lo, hi, idx))
+        pos += -(-(hi - lo) // _ALIGN) * _ALIGN
+    return out, pos
+
+
 def span_runs(src: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor]], int]:
     """`to_stage` runs moving the bytes under host views `src`: one run per host buffer (the span
     its views cover), packed back to back. -> (runs, staging bytes needed)."""
-    runs, pos = [], 0
-    for first, lo, hi, _ in _spans(src, align=16):
-        runs.append((pos, storage_bytes(first)[lo:hi]))
-        pos += -(-(hi - lo) // _ALIGN) * _ALIGN
-    return runs, pos
+    spans, nbytes = _staged_spans(src)
+    return [(pos, storage_bytes(first)[lo:hi]) for pos, first, lo, hi, _ in spans], nbytes
 
 
 def packed_views(stage: torch.Tensor, src: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `stage` (uint8) that hold what the host views `src` read, once `span_runs(src)`'s
     runs are copied into it: each at its place in its buffer's span, shapes and strides kept."""
     out: list[torch.Tensor | None] = [None] * len(src)
-    pos = 0
-    for _, lo, hi, idx in _spans(src, align=16):  # as span_runs packs them
+    for pos, _, lo, _, idx in _staged_spans(src)[0]:
         for i in idx:
             t = src[i]
             base = stage.view(t.dtype)  # the stage's length and the span's start: multiples of any width
             at = pos + byte_range(t)[0] - lo  # bytes into the stage: a multiple of the view's width
             out[i] = base.as_strided(t.shape, t.stride(), base.storage_offset() + at // t.element_size())
-        pos += -(-(hi - lo) // _ALIGN) * _ALIGN
     return cast("list[torch.Tensor]", out)
 
 
