@@ -102,7 +102,8 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._failed: GrammarError | None = None  # why the grammar tokenizer cannot be built: said, never retried
         self._building: Future[llguidance.LLTokenizer] | None = None
-        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()  # held through the build (seconds): never on the event loop
+        self._lock = threading.Lock()  # held briefly: the ready matchers, the build's future
         self._ready: OrderedDict[GrammarSpec, tuple[Constraint, int]] = OrderedDict()
         self._ready_bytes = 0
         self._cache_bytes = cache_bytes
@@ -121,7 +122,7 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         """The model's grammar tokenizer, built here if it is not yet (raises GrammarError if the
         grammar engine cannot read the model's tokenizer, at once after the first failure)."""
-        with self._lock:  # its token trie is costly to build: once per model
+        with self._build_lock:  # its token trie is costly to build: once per model
             if self._tokenizer is None:
                 if self._failed is not None:
                     raise self._failed
@@ -141,13 +142,10 @@ class Grammars:
         the one build (raising GrammarError if it fails), through a future of its own: a caller
         that cancels its wait (a client gone) never cancels the build for the others."""
         mine: Future[llguidance.LLTokenizer] = Future()
-        with self._lock:
-            if self._tokenizer is not None:  # no thread to wait behind
-                mine.set_result(self._tokenizer)
-                return mine
-            if self._failed is not None:
-                mine.set_exception(self._failed)
-                return mine
+        if self._tokenizer is not None:  # no thread to wait behind
+            mine.set_result(self._tokenizer)
+            return mine
+        with self._lock:  # not the build's lock: the event loop calls this
             if self._building is None:
                 self._building = grammar_threads().submit(lambda: self.tokenizer)
             building = self._building

@@ -267,20 +267,29 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_once_built_never_re
 
 
 def test_waiters_share_one_grammar_tokenizer_build_and_a_cancelled_wait_cancels_nothing(tiny_model, monkeypatch):
+    """Every wait for the grammar tokenizer is answered by one build; asking for it while the
+    build runs never blocks the asker (the event loop asks), and a wait given up is its own."""
     from kvtier.engine import structured
 
-    calls = []
+    calls, started, gate = [], threading.Event(), threading.Event()
     build = structured._shared_tokenizer
 
-    def slow(hf, vocab):
+    def held(hf, vocab):
         calls.append(vocab)
-        time.sleep(0.5)
+        started.set()
+        gate.wait(60)
         return build(hf, vocab)
 
-    monkeypatch.setattr(structured, "_shared_tokenizer", slow)
+    monkeypatch.setattr(structured, "_shared_tokenizer", held)
     grammars = structured.Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size)
-    waits = [grammars.ready() for _ in range(4)]
+    waits = [grammars.ready()]
+    assert started.wait(30)  # the build runs, holding its lock
+    asking = threading.Thread(target=lambda: waits.extend(grammars.ready() for _ in range(3)))
+    asking.start()
+    asking.join(20)  # far past any honest answer: a wait here is a blocked event loop
+    assert not asking.is_alive() and len(waits) == 4 and not any(w.done() for w in waits)
     assert waits[0].cancel()  # a client gone before the build ended
+    gate.set()
     got = {id(w.result(60)) for w in waits[1:]}
     assert len(got) == 1 and grammars.built and len(calls) == 1
     assert grammars.ready().result(0) is grammars.tokenizer  # built: answered at once

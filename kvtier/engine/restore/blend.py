@@ -17,8 +17,9 @@ blocks, on the restore worker.
    replace the loaded ones in every layer, and residual and MLP run for them only. Loaded rows are
    placed layer by layer just before the first pass reaches each layer; stored documents are read
    a group of layers at a time on a thread of their own meanwhile, holding at most `READ_AHEAD`
-   groups (the one placed and the next: `_Loader`). On a device with memory of its own a group of every stored document goes
-   over as a copy per chunk, is packed there and placed at once (`SegmentReads`' `Packed`).
+   groups (the one placed and the next: `_Loader`). On a device with memory of its own a group of
+   every stored document goes over as a copy per chunk, is packed there and placed at once
+   (`SegmentReads`' `Packed`).
 
 The recomputed run that continues the exact prefix, up to the first loaded row, has passes of
 its own (the step's kernels), so its rows are exact: their whole chunks are saved under the
