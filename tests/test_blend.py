@@ -292,11 +292,13 @@ def test_documents_read_from_a_tier_on_their_thread_give_the_bits_computed_alone
     assert torch.equal(read.first_logits, computed.first_logits)
 
 
-def _deep(dtype: str):
-    """tiny-gqa with 11 layers: three read groups of READ_GROUP_LAYERS, the last one short."""
+def _deep(dtype: str, layers: int = 11):
+    """tiny-gqa with 11 layers: three read groups of READ_GROUP_LAYERS, the last one short (with
+    9, a group of one layer last)."""
+    name = "tiny-deep" if layers == 11 else f"tiny-deep-{layers}"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(PRESETS, "tiny-deep", dataclasses.replace(PRESETS["tiny-gqa"], num_layers=11))
-        return load_model("tiny-deep", dtype=dtype, tokenizer=False)
+        mp.setitem(PRESETS, name, dataclasses.replace(PRESETS["tiny-gqa"], num_layers=layers))
+        return load_model(name, dtype=dtype, tokenizer=False)
 
 
 @pytest.fixture(scope="module")
@@ -356,9 +358,10 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
                                                      (BlendOptions(mode="cacheblend", ratio=0.2), SEGMENTS, "memory"),
                                                      (BlendOptions(mode="naive"), GAPS, "memory"),
                                                      (None, SEGMENTS, "memory, hidden layers"),
-                                                     (None, SEGMENTS, "memory, bf16")],
+                                                     (None, SEGMENTS, "memory, bf16"),
+                                                     (None, SEGMENTS, "memory, 9 layers")],
                          ids=["legolink", "legolink-disk", "cacheblend", "naive-three-documents", "hidden-layers",
-                              "legolink-bf16"])
+                              "legolink-bf16", "legolink-a-one-layer-group"])
 def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep, monkeypatch, tmp_path, options,
                                                                             segments, tier):
     """Off the CPU (the recording back end: CUDA's operations, copies that deliver garbage until
@@ -368,6 +371,8 @@ def test_stored_documents_go_to_a_device_packed_a_submission_per_read_group(deep
     copy per chunk and run of one kind of layer."""
     if "bf16" in tier:
         deep = _deep("bf16")
+    if "9 layers" in tier:
+        deep = _deep("fp32", 9)
     ids = _ids(deep)
     layers = deep.config.num_layers
     layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if "hidden" in tier else None

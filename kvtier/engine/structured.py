@@ -100,7 +100,7 @@ class Grammars:
         self._vocab = vocab_size
         self.limits = limits or GrammarLimits()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._failed: GrammarError | None = None  # why the grammar tokenizer cannot be built: said, never retried
+        self._failed: str | None = None  # why the grammar tokenizer cannot be built: said, never retried
         self._building: Future[llguidance.LLTokenizer] | None = None
         self._build_lock = threading.Lock()  # held through the build (seconds): never on the event loop
         self._lock = threading.Lock()  # held briefly: the ready matchers, the build's future
@@ -124,16 +124,17 @@ class Grammars:
         grammar engine cannot read the model's tokenizer, at once after the first failure)."""
         with self._build_lock:  # its token trie is costly to build: once per model
             if self._tokenizer is None:
+                # A new error each time: one raised again and again would grow its traceback
+                # with every raiser's frames, and keep them.
                 if self._failed is not None:
-                    raise self._failed
+                    raise GrammarError(self._failed)
                 if self._hf is None:
                     raise GrammarError("structured output needs the model's tokenizer")
                 try:
                     self._tokenizer = _shared_tokenizer(self._hf, self._vocab)
                 except Exception as e:  # llguidance refuses some tokenizers (slow ones: a ValueError)
-                    self._failed = GrammarError(
-                        f"structured output is unavailable: the grammar engine cannot read this model's tokenizer ({e})")
-                    raise self._failed from e
+                    self._failed = f"structured output is unavailable: the grammar engine cannot read this model's tokenizer ({e})"
+                    raise GrammarError(self._failed) from e
             return self._tokenizer
 
     def ready(self) -> Future[llguidance.LLTokenizer]:
@@ -152,8 +153,11 @@ class Grammars:
 
         def settle(done: Future[llguidance.LLTokenizer]) -> None:
             with contextlib.suppress(InvalidStateError):  # its caller cancelled it
-                if (error := done.exception()) is not None:
-                    mine.set_exception(error)
+                if done.cancelled():  # nothing cancels the build; were it cancelled, no wait hangs
+                    mine.cancel()
+                elif (error := done.exception()) is not None:
+                    # each waiter an error of its own (see `tokenizer`)
+                    mine.set_exception(GrammarError(str(error)) if isinstance(error, GrammarError) else error)
                 else:
                     mine.set_result(done.result())
 

@@ -95,13 +95,15 @@ def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], AbstractAsyncContextMan
             stats = asyncio.create_task(run_stats_log(ctx.metrics, ctx.engine, interval)) if interval > 0 else None
             yield
         finally:
-            if stats is not None:
-                stats.cancel()
-                with suppress(asyncio.CancelledError):
-                    await stats
-            if ctx.owns_background and ctx.background is not None:
-                ctx.background.close()
-                ctx.engine.close()  # drain pending saves into the store before the process exits
+            try:
+                if stats is not None:
+                    stats.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await stats
+            finally:  # a second stop while the stats task ends still closes the engine
+                if ctx.owns_background and ctx.background is not None:
+                    ctx.background.close()
+                    ctx.engine.close()  # drain pending saves into the store before the process exits
 
     return lifespan
 

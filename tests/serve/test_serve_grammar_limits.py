@@ -256,7 +256,7 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_once_built_never_re
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == "response_format" and "cannot read this model's tokenizer" in err["message"]
-        r = _chat(served.url, logprobs=True, top_logprobs=2, max_tokens=3)
+        r = _chat(served.url, logprobs=True, top_logprobs=2, max_tokens=3, temperature=0)
         assert r.status_code == 200, r.text
         content = r.json()["choices"][0]["logprobs"]["content"]
         assert content and all(c["bytes"] is None and c["token"] for c in content)
@@ -266,9 +266,34 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_once_built_never_re
         gen.close()
 
 
-def test_waiters_share_one_grammar_tokenizer_build_and_a_cancelled_wait_cancels_nothing(tiny_model, monkeypatch):
+def test_a_failed_grammar_tokenizer_is_a_new_error_for_every_asker(tiny_model, monkeypatch):
+    """One error object raised again and again would keep every raiser's frames in its traceback
+    (a request's grammar among them): each asker gets an error of its own, from one build."""
+    from kvtier.engine import structured
+    from kvtier.engine.grammar_limits import GrammarError
+
+    calls = []
+
+    def refuse(hf, vocab):
+        calls.append(vocab)
+        raise ValueError("slow tokenizer")
+
+    monkeypatch.setattr(structured, "_shared_tokenizer", refuse)
+    grammars = structured.Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size)
+    errors = [grammars.ready().exception(30) for _ in range(3)]
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="cannot read this model's tokenizer") as raised:
+            _ = grammars.tokenizer
+        errors.append(raised.value)
+    assert all(isinstance(e, GrammarError) for e in errors) and len({id(e) for e in errors}) == len(errors)
+    assert len(calls) == 1
+
+
+def test_waiters_share_one_grammar_tokenizer_build_and_a_cancelled_wait_cancels_nothing(tiny_model, monkeypatch,
+                                                                                         caplog):
     """Every wait for the grammar tokenizer is answered by one build; asking for it while the
-    build runs never blocks the asker (the event loop asks), and a wait given up is its own."""
+    build runs never blocks the asker (the event loop asks), and a wait given up is its own (no
+    error settling it)."""
     from kvtier.engine import structured
 
     calls, started, gate = [], threading.Event(), threading.Event()
@@ -283,38 +308,48 @@ def test_waiters_share_one_grammar_tokenizer_build_and_a_cancelled_wait_cancels_
     monkeypatch.setattr(structured, "_shared_tokenizer", held)
     grammars = structured.Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size)
     waits = [grammars.ready()]
-    assert started.wait(30)  # the build runs, holding its lock
-    asking = threading.Thread(target=lambda: waits.extend(grammars.ready() for _ in range(3)))
-    asking.start()
-    asking.join(20)  # far past any honest answer: a wait here is a blocked event loop
-    assert not asking.is_alive() and len(waits) == 4 and not any(w.done() for w in waits)
-    assert waits[0].cancel()  # a client gone before the build ended
-    gate.set()
+    try:
+        assert started.wait(30)  # the build runs, holding its lock
+        asking = threading.Thread(target=lambda: waits.extend(grammars.ready() for _ in range(3)))
+        asking.start()
+        asking.join(20)  # far past any honest answer: a wait here is a blocked event loop
+        assert not asking.is_alive() and len(waits) == 4 and not any(w.done() for w in waits)
+        assert waits[0].cancel()  # a client gone before the build ended
+    finally:
+        gate.set()
     got = {id(w.result(60)) for w in waits[1:]}
+    assert "exception calling callback" not in caplog.text
     assert len(got) == 1 and grammars.built and len(calls) == 1
     assert grammars.ready().result(0) is grammars.tokenizer  # built: answered at once
 
 
 def test_a_stop_while_the_grammar_tokenizer_builds_closes_the_engine(tiny_model, monkeypatch):
-    """A signal during the start's wait for the grammar tokenizer still stops the step loop (and
-    drains the engine's saves): the wait lies inside the lifespan's shutdown path."""
+    """A signal during the start's wait for the grammar tokenizer still stops the step loop and
+    closes the engine (which drains its saves): the wait lies inside the lifespan's shutdown path."""
     from kvtier.engine import structured
     from kvtier.engine.config import EngineConfig
     from kvtier.engine.engine import Engine
     from kvtier.serve.app import create_app
 
-    build = structured._shared_tokenizer
-    monkeypatch.setattr(structured, "_shared_tokenizer", lambda hf, vocab: (time.sleep(1.0), build(hf, vocab))[1])
-    app = create_app(Engine(tiny_model, EngineConfig(kv_cache_bytes=16 << 20, max_model_len=256)))
+    build, gate = structured._shared_tokenizer, threading.Event()
+    monkeypatch.setattr(structured, "_shared_tokenizer", lambda hf, vocab: (gate.wait(60), build(hf, vocab))[1])
+    engine = Engine(tiny_model, EngineConfig(kv_cache_bytes=16 << 20, max_model_len=256))
+    closed = []
+    monkeypatch.setattr(engine, "close", lambda: closed.append(True))
+    app = create_app(engine)
     ctx = app.state.kvtier
 
     async def start_then_stop() -> None:
         starting = asyncio.ensure_future(app.router.lifespan_context(app).__aenter__())
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the build is held: the start waits for it
         assert not starting.done() and ctx.background is not None and ctx.background.alive
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
 
-    asyncio.run(start_then_stop())
-    assert not ctx.background.alive
+    try:
+        asyncio.run(start_then_stop())
+    finally:
+        gate.set()
+    assert not ctx.background.alive and closed == [True]
+    Engine.close(engine)

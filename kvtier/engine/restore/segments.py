@@ -23,6 +23,7 @@ import torch
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.runner.transfer import Transfer, byte_range
 from kvtier.models.llama import LayerAttention
+from kvtier.store import format as fmt
 from kvtier.store.index import PrefixMatch, StoredChunk
 from kvtier.store.layout import Repr
 from kvtier.store.reads import LayerGroup, storage_bytes
@@ -232,9 +233,9 @@ class SegmentReads:
         if not pieces or any(t is None or t.dtype != self.dtype for t in (*ks, *vs)):
             return None
         parts = [cast(torch.Tensor, t) for t in (*ks, *vs)]
-        kvh, hd = parts[0].shape[2:]
-        if any(t.dim() != 4 or t.shape[0] != n or t.shape[2:] != (kvh, hd) for t in parts):
+        if any(t.dim() != 4 or t.shape[0] != n or t.shape[2:] != parts[0].shape[2:] for t in parts):
             return None  # parts that disagree with the group's shape: views go over (and the checks refuse them)
+        kvh, hd = parts[0].shape[2:]
         row = kvh * hd * self.dtype.itemsize
         # Each chunk's K and V of these layers go over as the one span of bytes they lie in (or a
         # span each), at a whole row of the stage: every stored row is then a row of the stage,
@@ -245,12 +246,12 @@ class SegmentReads:
         pos = 0
         for c in sorted({c for c, *_ in pieces}):
             k, v = cast(torch.Tensor, ks[c]), cast(torch.Tensor, vs[c])
-            # Together where the layer-major layout lays them (each layer's K then V): one span of
-            # the group's own layers, never more bytes than they hold
+            # Together where the layer-major layout lays them (each layer's K, then its V after at
+            # most an alignment's padding): one span of the group's own layers, never more bytes
             together = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() and \
                 (byte_range(v)[0] - byte_range(k)[0]) % row == 0 and \
                 max(byte_range(k)[1], byte_range(v)[1]) - min(byte_range(k)[0], byte_range(v)[0]) <= \
-                n * k.stride(0) * k.element_size()
+                (n - 1) * k.stride(0) * k.element_size() + k[0].nbytes + v[0].nbytes + fmt.ALIGN
             for part in [((0, k), (1, v))] if together else [((0, k),), ((1, v),)]:
                 lo = min(byte_range(t)[0] for _, t in part)
                 hi = max(byte_range(t)[1] for _, t in part)
