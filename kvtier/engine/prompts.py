@@ -16,10 +16,31 @@ class PromptError(ValueError):
     """A prompt the engine cannot run (empty, too long, bad token ids, no tokenizer)."""
 
 
+def check_text(value: Any, where: str) -> None:
+    """Every string in `value` (nested in lists and dicts, keys too) is well-formed Unicode: a lone
+    surrogate, which a JSON escape like \\ud800 can carry, has no UTF-8 form and the tokenizer
+    refuses it with a TypeError. Raises PromptError naming `where`."""
+    stack = [value]
+    while stack:  # a loop, not recursion: nesting depth is the sender's to choose
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PromptError(f"{where} hold a lone surrogate (U+{ord(v[e.start]):04X}), which is not valid "
+                                  "Unicode; send well-formed text") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
 def encode(model: LoadedModel, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise PromptError(f"model {model.name} has no tokenizer; pass token ids")
+        check_text(prompt, "the prompt's texts")
         return list(model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     return [int(t) for t in prompt]
 
@@ -31,6 +52,7 @@ def encode_chat(model: LoadedModel, messages: Sequence[dict[str, Any]], add_gene
         raise PromptError(f"model {model.name} has no chat template")
     if not messages:
         raise PromptError("messages must not be empty")
+    check_text([messages, tools], "the messages and tools")
     ids = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
                                   tools=tools)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

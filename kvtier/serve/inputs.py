@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from kvtier.engine.engine import Engine, PromptError
+from kvtier.engine.prompts import check_text
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
 from kvtier.engine.structured import Constraint, GrammarError, too_slow
 from kvtier.planning.blend import BlendOptions
@@ -110,6 +111,10 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup,
     # tool_choice "none": the model is not shown the tools, so it cannot call one.
     messages, tools_arg = prepare_messages(template_messages(body.messages),
                                            tools.tools if tools.mode != "none" else None, template)
+    try:
+        check_text([messages, tools_arg, body.chat_template_kwargs], "the messages and tools")
+    except PromptError as e:
+        raise APIError(400, str(e), param="messages") from None
     try:
         parts = content_parts(body) if marks(engine, body) else []
         find = None if parts else finder(engine, body, salt)

@@ -162,6 +162,29 @@ def test_unknown_path_and_method(http: httpx.Client) -> None:
     assert resp.status_code == 405 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
+LONE = "a\ud800b"  # JSON can carry it (an escape); no UTF-8 form, and the tokenizer raises on it
+TOOL = {"type": "function", "function": {"name": "f", "description": LONE, "parameters": {"type": "object"}}}
+SURROGATES = [
+    ("chat content", CHAT, chat(messages=[{"role": "user", "content": LONE}]), "messages"),
+    ("content part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]), "messages"),
+    ("tool description", CHAT, chat(tools=[TOOL], tool_choice="required"), "messages"),
+    ("tool call arguments", CHAT, chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": LONE}}]},
+        {"role": "user", "content": "x"}]), "messages"),
+    ("streamed chat", CHAT, chat(messages=[{"role": "user", "content": LONE}], stream=True), "messages"),
+    ("completion prompt", COMPLETIONS, completion(prompt=LONE), "prompt"),
+    ("tokenize prompt", "/tokenize", {"prompt": LONE}, "prompt"),
+    ("tokenize messages", "/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param", SURROGATES, ids=[c[0] for c in SURROGATES])
+def test_a_lone_surrogate_anywhere_in_the_text_is_a_400(http: httpx.Client, name, path, body, param) -> None:
+    assert_error(http.post(path, content=json.dumps(body), headers={"content-type": "application/json"}), 400, param)
+
+
 def test_server_survives_bad_input(http: httpx.Client, tiny_server: Served) -> None:
     """Runs after the cases above (file order): nothing broke, nothing leaked."""
     assert http.get("/health").json()["status"] == "ok"
