@@ -110,3 +110,34 @@ def test_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--help"])
     assert "--max-output-entries" in capsys.readouterr().out
+
+
+def test_a_whole_answer_is_built_and_written_off_the_event_loop(limited: Served, monkeypatch) -> None:
+    """At the limit a non-streamed answer with logprobs runs to tens of megabytes: its choices are
+    built, and the answer written as JSON, on a worker thread, never on the event loop that every
+    other request and stream shares."""
+    import asyncio
+
+    from kvtier.serve import completions
+
+    on_loop: list[bool] = []
+
+    def watched(build):
+        def choice(*a, **k):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+            return build(*a, **k)
+        return choice
+
+    monkeypatch.setattr(completions, "chat_choice", watched(completions.chat_choice))
+    monkeypatch.setattr(completions, "completion_choice", watched(completions.completion_choice))
+    with limited.client() as c:
+        chat = _chat(c, n=4, max_tokens=4, logprobs=True, top_logprobs=3)
+        text = _completion(c, n=4, max_tokens=4, logprobs=3)
+    assert chat.status_code == 200 and text.status_code == 200, (chat.text, text.text)
+    assert on_loop == [False] * 8
+    assert chat.headers["content-type"] == "application/json"
+    assert len(chat.json()["choices"]) == 4 and len(chat.json()["choices"][0]["logprobs"]["content"]) == 4
