@@ -197,7 +197,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     outs = await _finish(gen, request)
     if isinstance(outs, Response):
         return outs
-    return await _answer(lambda: r.ChatCompletion(
+    return await r.built_off_the_loop(lambda: r.ChatCompletion(
         **base, choices=[chat_choice(o, tools, body.parallel_tool_calls, text, echo, reasoning) for o in outs],
         usage=usage(outs),
         prompt_logprobs=prompt_logprobs(outs[0], text),
@@ -239,16 +239,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     outs = await _finish(gen, request)
     if isinstance(outs, Response):
         return outs
-    return await _answer(lambda: r.Completion(**base, choices=[completion_choice(o, text, echo) for o in outs],
+    return await r.built_off_the_loop(lambda: r.Completion(**base, choices=[completion_choice(o, text, echo) for o in outs],
                                               usage=usage(outs)))
-
-
-async def _answer(build: Callable[[], BaseModel]) -> Response:
-    """A whole (not streamed) answer, built and written as JSON on a worker thread: with logprobs
-    for many samples it runs to tens of megabytes, seconds of work that on the event loop would
-    stall every other request and stream. (Returned as a Response, FastAPI neither validates
-    the model again nor serializes it there.)"""
-    return Response(await run_in_threadpool(lambda: build().model_dump_json()), media_type="application/json")
 
 
 def _echoed_prompt(engine: Engine, body: CompletionRequest) -> str:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
+from fastapi import Response
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
 FinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
+async def built_off_the_loop(build: Callable[[], BaseModel]) -> Response:
+    """A body built and written as JSON on a worker thread: a whole answer with logprobs for many
+    samples, or a long prompt's token ids, runs to megabytes, seconds of work that on the event
+    loop would stall every other request and stream. (Returned as a Response, FastAPI neither
+    validates the model again nor serializes it there.)"""
+    return Response(await run_in_threadpool(lambda: build().model_dump_json()), media_type="application/json")
 
 
 class PromptTokensDetails(BaseModel):

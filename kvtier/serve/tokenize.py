@@ -9,7 +9,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
 from fastapi.concurrency import run_in_threadpool
 from jinja2 import TemplateError
 
@@ -30,11 +30,12 @@ T = TypeVar("T")
 
 
 @router.post("/tokenize", response_model=r.TokenizeResponse, responses=ERRORS, summary="Token ids of a prompt")
-async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_context)) -> r.TokenizeResponse:
+async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_context)) -> Response:
     if body.model is not None:
         ctx.check_model(body.model)
     ids = await _off_the_loop(ctx, _encode, ctx.engine, body)
-    return r.TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids)
+    return await r.built_off_the_loop(
+        lambda: r.TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids))
 
 
 @router.post("/detokenize", response_model=r.DetokenizeResponse, responses=ERRORS, summary="Text of token ids")
