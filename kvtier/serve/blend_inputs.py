@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kvtier.engine import documents
 from kvtier.engine.corpus import Finder
 from kvtier.engine.engine import Engine
-from kvtier.planning.blend import BlendOptions
+from kvtier.planning.blend import BlendMode, BlendOptions
 from kvtier.serve.errors import APIError
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -33,7 +33,18 @@ def blend_asked(engine: Engine, body: SamplingFields) -> bool | BlendOptions | N
     if asked is True:
         return True
     given = {k: v for k, v in asked.model_dump().items() if v is not None}
-    return dataclasses.replace(engine.blend, **given)
+    options = dataclasses.replace(engine.blend, **given)
+    mode = BlendMode(options.mode)
+    for name, applies in _APPLIES.items():  # a field the mode does not read is refused, never ignored
+        if name in given and mode is not applies:
+            raise APIError(400, f"blend.{name} applies to mode {applies.value} only, and this request blends in "
+                           f"mode {mode.value}; drop it, or send blend.mode {applies.value!r}",
+                           param=f"blend.{name}")
+    return options
+
+
+# The request's blend fields that one mode alone reads.
+_APPLIES = {"link_tokens": BlendMode.LEGOLINK, "ratio": BlendMode.CACHEBLEND}
 
 
 def marks(engine: Engine, body: SamplingFields) -> bool:

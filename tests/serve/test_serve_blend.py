@@ -37,7 +37,7 @@ def test_content_parts_blend_and_usage_says_how_much(blend_server):
     off = _chat(blend_server.url, blend=False)
     assert off.status_code == 200 and off.json()["usage"]["prompt_tokens_details"]["blended_tokens"] is None
     # The documents in the other order (this prompt's prefix is not in the device cache), naive.
-    own = _chat(blend_server.url, DOCS[::-1], blend={"link_tokens": 0, "mode": "naive"})
+    own = _chat(blend_server.url, DOCS[::-1], blend={"mode": "naive"})
     assert own.json()["usage"]["prompt_tokens_details"]["blended_tokens"] > details["blended_tokens"]
 
 
@@ -53,6 +53,16 @@ def test_a_completions_prompt_marks_the_parts_between_separators(blend_server):
 def test_bad_blend_values_are_400s_naming_the_field(blend_server, bad):
     r = _chat(blend_server.url, blend=bad)
     assert r.status_code == 400 and "blend" in r.text
+
+
+@pytest.mark.parametrize("given, field", [({"mode": "legolink", "ratio": 0.3}, "ratio"),
+                                          ({"ratio": 0.3}, "ratio"),  # the server's mode: legolink
+                                          ({"mode": "naive", "link_tokens": 4}, "link_tokens"),
+                                          ({"mode": "cacheblend", "link_tokens": 4}, "link_tokens")])
+def test_a_blend_field_its_mode_does_not_read_is_a_400_naming_it(blend_server, given, field):
+    r = _chat(blend_server.url, blend=given)
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"blend.{field}", r.text
+    assert _chat(blend_server.url, blend={"mode": "cacheblend", "ratio": 0.3}).status_code == 200
 
 
 def test_asking_to_blend_where_the_server_does_not_is_a_400_naming_the_flag(tiny_server):
