@@ -120,11 +120,13 @@ async def _on_http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
     message = {
+        # FastAPI's only 400 of its own: a body json.loads refused (malformed, not UTF-8, nested too deep)
+        400: "the request body is not valid JSON (malformed, not UTF-8, or nested too deep)",
         404: "no such endpoint; see GET /openapi.json for the API",
         405: "method not allowed for this endpoint",
         413: "the request body is too large",
     }.get(status, str(exc.detail))
-    code = {413: "request_too_large", 404: "unknown_url"}.get(status)
+    code = {400: "invalid_json", 413: "request_too_large", 404: "unknown_url"}.get(status)
     return JSONResponse(error_body(message, error_type(status), None, code), status, headers=exc.headers)
 
 

@@ -292,10 +292,14 @@ def _max_tokens(body: SamplingFields, prompt_len: int, window: int, truncated: b
 
 def _logit_bias(body: SamplingFields, vocab: int) -> dict[int, float]:
     """`logit_bias` keyed by token id; a 400 if it or `stop_token_ids` names a token outside the vocabulary."""
-    try:
-        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    given = body.logit_bias or {}
+    # Plain decimal ids only: int() would also read " 5", "+5", "05" and full-width digits, and two
+    # spellings of one id would silently merge.
+    odd = next((k for k in given if not (k.isascii() and k.isdigit() and (k == "0" or k[0] != "0"))), None)
+    if odd is not None:
+        raise APIError(400, f"logit_bias keys must be token ids in plain decimal digits, got {odd!r}",
+                       param="logit_bias")
+    bias = {int(k): v for k, v in given.items()}
     for name, ids_given in (("logit_bias", bias), ("stop_token_ids", body.stop_token_ids or ())):
         if any(not 0 <= t < vocab for t in ids_given):
             raise APIError(400, f"token ids must be in [0, {vocab})", param=name)

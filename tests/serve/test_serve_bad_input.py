@@ -124,6 +124,19 @@ def test_malformed_json(http: httpx.Client, raw: bytes) -> None:
     assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
 
 
+@pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000, b'{"model": "\xff\xfe"}',
+                                 '{"model": "caf\u00e9"}'.encode("latin-1")],
+                         ids=["nested 5000 deep", "invalid utf-8", "latin-1"])
+def test_a_body_json_cannot_read_is_a_400_invalid_json(http: httpx.Client, raw: bytes) -> None:
+    assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400, code="invalid_json")
+
+
+@pytest.mark.parametrize("key", [" 5", "+5", "\uff15", "05", "5.0", "-1", ""])
+def test_logit_bias_keys_are_plain_decimal_ids(http: httpx.Client, key: str) -> None:
+    """No coercion: int() would read " 5", "+5" and a full-width 5 as 5, and "05" would merge with "5"."""
+    assert_error(http.post(CHAT, json=chat(logit_bias={key: 1, "5": 2})), 400, "logit_bias")
+
+
 def test_nan_temperature(http: httpx.Client) -> None:
     raw = b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}' % TINY.encode()
     assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400, "temperature")
