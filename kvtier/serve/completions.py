@@ -239,8 +239,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     outs = await _finish(gen, request)
     if isinstance(outs, Response):
         return outs
-    return await r.built_off_the_loop(lambda: r.Completion(**base, choices=[completion_choice(o, text, echo) for o in outs],
-                                              usage=usage(outs)))
+    return await r.built_off_the_loop(
+        lambda: r.Completion(**base, choices=[completion_choice(o, text, echo) for o in outs], usage=usage(outs)))
 
 
 def _echoed_prompt(engine: Engine, body: CompletionRequest) -> str:
