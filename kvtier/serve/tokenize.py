@@ -39,10 +39,11 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_conte
 
 
 @router.post("/detokenize", response_model=r.DetokenizeResponse, responses=ERRORS, summary="Text of token ids")
-async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_context)) -> r.DetokenizeResponse:
+async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_context)) -> Response:
     if body.model is not None:
         ctx.check_model(body.model)
-    return r.DetokenizeResponse(prompt=await _off_the_loop(ctx, _decode, ctx.engine, body.tokens))
+    text = await _off_the_loop(ctx, _decode, ctx.engine, body.tokens)  # up to tens of MB: written off the loop too
+    return await r.built_off_the_loop(lambda: r.DetokenizeResponse(prompt=text))
 
 
 async def _off_the_loop(ctx: ServerContext, work: Callable[..., T], *args: Any) -> T:

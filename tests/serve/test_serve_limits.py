@@ -141,3 +141,21 @@ def test_a_whole_answer_is_built_and_written_off_the_event_loop(limited: Served,
     assert on_loop == [False] * 8
     assert chat.headers["content-type"] == "application/json"
     assert len(chat.json()["choices"]) == 4 and len(chat.json()["choices"][0]["logprobs"]["content"]) == 4
+
+
+def test_a_whole_answer_is_written_in_pieces_with_the_bytes_of_one_dump(limited: Served) -> None:
+    """One dump of tens of megabytes holds the GIL, and so the event loop, throughout: answers are
+    written in pieces (models field by field, long lists a slice at a time), which join to the very
+    bytes pydantic's own dump writes."""
+    from kvtier.serve import responses as r
+
+    with limited.client() as c:
+        chat = _chat(c, n=4, max_tokens=4, logprobs=True, top_logprobs=3)
+    answer = r.ChatCompletion.model_validate(chat.json())
+    long = answer.model_copy(update={"choices": [answer.choices[0].model_copy(update={"logprobs": r.ChatLogprobs(
+        content=answer.choices[0].logprobs.content * 300)})] * 3})  # 1,200 entries a choice: sliced
+    ids = r.TokenizeResponse(count=1000, max_model_len=2048, tokens=list(range(1000)))
+    for model in (answer, long, ids):
+        pieces = list(r.json_pieces(model))
+        assert b"".join(pieces) == model.model_dump_json().encode()
+    assert len(list(r.json_pieces(long))) > 3 * (1200 // 256)
