@@ -18,6 +18,7 @@ from typing import Any, Literal, overload
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
+from kvtier.engine import documents
 from kvtier.engine.engine import Engine, PromptError
 from kvtier.engine.prompts import check_text
 from kvtier.engine.request import GrammarSpec, SamplingError, SamplingParams
@@ -167,6 +168,8 @@ def completion_prompt(engine: Engine, body: CompletionRequest, separator: str | 
         if marked is not None:
             return marked
         if isinstance(prompt, str):
+            if separator is not None and separator in prompt:  # the server's markup: out, blended or not
+                prompt = documents.split_separated(prompt, separator)[0]
             return engine.encode(prompt, body.add_special_tokens), ()
         return engine.encode(list(prompt)), ()  # type: ignore[arg-type]
     except PromptError as e:

@@ -635,6 +635,12 @@ class TokenizeRequest(BaseModel):
             raise ValueError("tool function names must be unique")
         return self
 
+    def as_completion(self) -> CompletionRequest:
+        """The completions request whose prompt this is; checked already."""
+        assert self.prompt is not None
+        return CompletionRequest.model_construct(model=self.model or "", prompt=self.prompt,
+                                                 add_special_tokens=self.add_special_tokens is not False)
+
     def as_chat(self) -> ChatCompletionRequest:
         """The chat request whose prompt this is (tools shown, as with tool_choice auto); checked already."""
         assert self.messages is not None

@@ -17,7 +17,7 @@ from kvtier.engine.engine import Engine, PromptError
 from kvtier.serve import responses as r
 from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
-from kvtier.serve.inputs import chat_prompt, tool_setup
+from kvtier.serve.inputs import chat_prompt, completion_prompt, tool_setup
 from kvtier.serve.schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(tags=["tokenizer"])
@@ -33,7 +33,7 @@ T = TypeVar("T")
 async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(get_context)) -> Response:
     if body.model is not None:
         ctx.check_model(body.model)
-    ids = await _off_the_loop(ctx, _encode, ctx.engine, body)
+    ids = await _off_the_loop(ctx, _encode, ctx.engine, body, ctx.config.blend_separator)
     return await r.built_off_the_loop(
         lambda: r.TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids))
 
@@ -57,13 +57,12 @@ async def _off_the_loop(ctx: ServerContext, work: Callable[..., T], *args: Any) 
         ctx.release()
 
 
-def _encode(engine: Engine, body: TokenizeRequest) -> list[int]:
+def _encode(engine: Engine, body: TokenizeRequest, separator: str | None) -> list[int]:
     try:
         if body.messages is not None:
             chat = body.as_chat()
             return chat_prompt(engine, chat, tool_setup(engine, chat))[0]  # as a generation marks its documents
-        assert body.prompt is not None  # the request model requires one of the two
-        return engine.encode(body.prompt, body.add_special_tokens is not False)  # default true
+        return completion_prompt(engine, body.as_completion(), separator)[0]  # the --blend-separator taken out
     except (PromptError, TemplateError) as e:
         raise APIError(400, f"cannot tokenize: {e}", param="messages" if body.messages else "prompt") from e
 

@@ -141,3 +141,23 @@ def test_a_bos_before_a_prompt_that_opens_with_a_document_stays_outside_its_span
     body = CompletionRequest(model="tiny-gqa", prompt=DOCS[0] + "Which way?")
     ids, spans = marked_completion(engine, body, None, corpus.finder())
     assert ids[0] == bos and spans == ((1, 1 + len(DOCS[0])),) and ids[1:1 + len(DOCS[0])] == encode(DOCS[0])
+
+
+def test_the_separator_is_markup_tokenize_counts_as_a_request_and_blend_false_takes_it_out(blend_server):
+    """/tokenize counts what a completions request costs, separators taken out; a request that
+    refuses to blend runs on the same text (the separators are the server's markup, never the
+    prompt's words)."""
+    prompt = "Read these.##" + "##".join(DOCS) + "##Which animal?"
+    plain = "Read these." + "".join(DOCS) + "Which animal?"
+
+    def completion(**fields):
+        r = httpx.post(blend_server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny-gqa", "prompt": prompt, "max_tokens": 1, "temperature": 0, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    def count(text):
+        return httpx.post(blend_server.url + "/tokenize", json={"prompt": text}, timeout=60).json()["count"]
+
+    assert count(prompt) == completion()
+    assert completion(blend=False) == count(plain)
