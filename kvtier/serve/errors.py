@@ -38,7 +38,8 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        # A 400 without a code of its own is an invalid value (docs/serve.md's table): never null.
+        self.code = code if code is not None or status != 400 else "invalid_value"
         self.type = type or error_type(status)
 
 

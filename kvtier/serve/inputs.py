@@ -112,10 +112,13 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup,
     # tool_choice "none": the model is not shown the tools, so it cannot call one.
     messages, tools_arg = prepare_messages(template_messages(body.messages),
                                            tools.tools if tools.mode != "none" else None, template)
-    try:
-        check_text([messages, tools_arg, body.chat_template_kwargs], "the messages and tools")
-    except PromptError as e:
-        raise APIError(400, str(e), param="messages") from None
+    # The request's tools first: a template without tools of its own gets them inside a message.
+    for value, field in ((tools.tools, "tools"), (body.chat_template_kwargs, "chat_template_kwargs"),
+                         (messages, "messages")):
+        try:
+            check_text(value, f"the {field}")
+        except PromptError as e:
+            raise APIError(400, str(e), param=field) from None
     try:
         parts = content_parts(body) if marks(engine, body) else []
         find = None if parts else finder(engine, body, salt)

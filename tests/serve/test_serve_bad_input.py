@@ -106,6 +106,8 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, co
         assert err["param"] == param, err
     if code is not None:
         assert err["code"] == code, err
+    if status == 400:
+        assert err["code"], err  # every 400 says what kind it is
     return err
 
 
@@ -180,7 +182,8 @@ TOOL = {"type": "function", "function": {"name": "f", "description": LONE, "para
 SURROGATES = [
     ("chat content", CHAT, chat(messages=[{"role": "user", "content": LONE}]), "messages"),
     ("content part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]), "messages"),
-    ("tool description", CHAT, chat(tools=[TOOL], tool_choice="required"), "messages"),
+    ("tool description", CHAT, chat(tools=[TOOL], tool_choice="required"), "tools"),
+    ("template variable", CHAT, chat(chat_template_kwargs={"x": LONE}), "chat_template_kwargs"),
     ("tool call arguments", CHAT, chat(messages=[
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None,
