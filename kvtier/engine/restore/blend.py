@@ -426,7 +426,8 @@ class BlendRestore(PreparedRestore):
         placed: list[list[tuple[int, int]]] = []  # per stored segment, the rows of it placed
         pack = self.runner.transfer.is_async  # a device with memory of its own: a group's rows go over packed
         for s in self.blend.segments:
-            if not self._rows_of(s.position, len(s.tokens)):
+            spans = self._rows_of(s.position, len(s.tokens))
+            if not spans:
                 continue  # every row of it recomputed: nothing to read or compute alone
             match = self.states.find(s.tokens, self.salt) if stored else None
             if match is None:
@@ -436,7 +437,7 @@ class BlendRestore(PreparedRestore):
                 continue
             i = len(found)
             found.append((match, len(s.tokens)))
-            placed.append([(a - s.position, e - s.position) for a, e in self._rows_of(s.position, len(s.tokens))])
+            placed.append([(a - s.position, e - s.position) for a, e in spans])
             self.blended.segments_stored += 1
             self.stats.chunks_loaded += len(match.chunks)
             self.stats.bytes_read += sum(c.nbytes for c in match.chunks)
