@@ -22,8 +22,9 @@ checks that at first use per head geometry and thread count (every row count at 
 length the kernel makes, each batch count at the fewest and most rows, then the kernel itself on a
 2,600-token context), and where it fails the flash kernel serves instead. The model's
 `Kernels.bf16_attention` (the engine's `--bf16-attention`), passed as `mode`, picks the kernel:
-auto (GEMMs on CPUs with avx512_bf16 and no AMX, where `usable`; the flash kernel on AMX, where
-this kernel has not been checked by a run of the test suite), gemm (wherever `usable`) or flash.
+auto (GEMMs on CPUs with avx512_bf16 and no AMX, where `usable`; the flash kernel on AMX, which is
+faster there, and where this kernel's 512-key value products are not row-invariant, so `usable`
+refuses it: docs/exactness.md), gemm (wherever `usable`) or flash.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def why(dtype: torch.dtype, heads: int, kv_heads: int, hd: int, mode: str) -> st
     if mode == "auto" and not cpu_has_bf16():
         return "the flash kernel (this CPU has no native bf16: no avx512_bf16 or amx_bf16)"
     if mode == "auto" and cpu_has_amx():
-        return "the flash kernel (auto on an AMX CPU, where only the flash kernel is known exact; --bf16-attention gemm tries the GEMMs, checked first)"
+        return "the flash kernel (auto on an AMX CPU: faster there than the GEMMs, whose check refuses them there)"
     geometry = f"{heads} heads over {kv_heads}, head_dim {hd}, {torch.get_num_threads()} threads"
     if active(dtype, heads, kv_heads, hd, mode):
         return f"bf16 GEMMs ({'--bf16-attention gemm' if mode == 'gemm' else 'auto'}; checked row-invariant here for {geometry})"
