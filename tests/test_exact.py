@@ -16,7 +16,7 @@ import torch
 from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.request import SamplingParams
-from kvtier.models import exact_matmul, llama
+from kvtier.models import exact_matmul
 from kvtier.models.kernels import Kernels
 from kvtier.models.loading import LoadedModel, cpu_has_bf16, load_model
 from kvtier.models.presets import PRESETS
@@ -189,30 +189,6 @@ def test_smollm2_shapes_in_steps_of_4096_700_64_and_after_a_hit(dtype: str, monk
     finally:
         e.close()
     assert hit.prompt_tokens_reused == 1232 and same(hit, fresh)
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_a_long_steps_layer_finish_in_row_blocks_is_the_whole_steps_bits(dtype: str, monkeypatch):
-    """The exact CPU path runs a long step's residual, o_proj and MLP FINISH_ROWS rows at a time:
-    on SmolLM2's layer shapes the blocks give every row the bits one pass over all rows gives
-    (1,000 rows: whole blocks and a short last one)."""
-    if dtype != "fp32" and not cpu_has_bf16():
-        pytest.skip(f"{dtype} is emulated on this CPU (it has no AVX-512 bf16 or AMX): SmolLM2's linears take a "
-                    "minute and a half here; fp32 runs")
-    m = model("smollm2-shape-2", dtype, monkeypatch)
-    layer = m.module.model.layers[0]
-    c = m.config
-    g = torch.Generator().manual_seed(3)
-    h = torch.randn(1000, c.hidden_size, generator=g).to(m.dtype)  # [tokens, hidden]
-    attn = torch.randn(1000, c.num_heads, c.head_dim, generator=g).to(m.dtype)  # [tokens, heads, hd]
-    assert 1000 > llama.FINISH_ROWS and 1000 % llama.FINISH_ROWS
-    calls = []
-    plain = type(layer)._finish
-    monkeypatch.setattr(type(layer), "_finish", lambda self, h, a: calls.append(h.shape[0]) or plain(self, h, a))
-    with torch.inference_mode():
-        blocked = layer.finish(h, attn)
-        assert calls == [llama.FINISH_ROWS] * (1000 // llama.FINISH_ROWS) + [1000 % llama.FINISH_ROWS]
-        assert torch.equal(blocked, plain(layer, h, attn))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -66,9 +66,6 @@ class Attention(nn.Module):
         return out
 
 
-FINISH_ROWS = 256  # rows per block of a layer's finish on the exact CPU path (a block's MLP activations: 1.5 MB for SmolLM2 in bf16)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -102,20 +99,7 @@ class DecoderLayer(nn.Module):
         return k, v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual + o_proj + MLP. h: [tokens, hidden], attn: [tokens, heads, hd] -> next layer input.
-        On the exact CPU path a long step runs it FINISH_ROWS rows at a time: every op here is
-        row-wise and the linears' rows do not depend on their call's (`invariant`), so the bits are
-        the whole step's, while a block's MLP activations stay in the core's cache instead of being
-        written out whole (and concatenated from the linears' calls)."""
-        rows = h.shape[0]
-        if rows <= FINISH_ROWS or not self.mlp.down_proj.exact or h.device.type != "cpu":
-            return self._finish(h, attn)
-        out = torch.empty_like(h)  # [tokens, hidden]
-        for a in range(0, rows, FINISH_ROWS):
-            out[a : a + FINISH_ROWS] = self._finish(h[a : a + FINISH_ROWS], attn[a : a + FINISH_ROWS])
-        return out
-
-    def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj + MLP. h: [tokens, hidden], attn: [tokens, heads, hd] -> next layer input."""
         h = h + self.self_attn.o_proj(attn.flatten(1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
