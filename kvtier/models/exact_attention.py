@@ -54,7 +54,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mode: 
         return exact_matmul.causal(q, k, v, start)
     g = heads // kv_heads
     kt, vt = (cut_or_pad(x, key_rows(start + n)).transpose(0, 1)[None] for x in (k, v))  # [1, kvh, keys, hd]
-    outs = []
+    out = q.new_empty(n, kv_heads, g, hd)
     lo = start
     while lo < start + n:
         base = lo - lo % KEY_BLOCK
@@ -75,9 +75,9 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mode: 
         if base:  # every query of the block sees [0, base): one unmasked call
             full, full_lse = _call(whole, kt[:, :, :base], vt[:, :, :base], None, g * m)
             o = _merge(full.view(kv_heads, g, m, hd), full_lse.view(kv_heads, g, m), o, lse)
-        outs.append(o.permute(2, 0, 1, 3).reshape(m, heads, hd))  # [m, heads, hd]
+        out[lo - start : hi - start] = o.permute(2, 0, 1, 3)  # [m, kvh, g, hd]
         lo = hi
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.view(n, heads, hd)
 
 
 def decode(q: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor],
@@ -211,7 +211,9 @@ def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.T
     vector body and scalar tail round differently, so a row's bits would depend on its index."""
     top = torch.maximum(lse1, lse2)
     e1, e2 = torch.exp(lse1 - top).unsqueeze(-1), torch.exp(lse2 - top).unsqueeze(-1)  # [..., rows, 1]
-    return ((o1.float() * e1 + o2.float() * e2) / (e1 + e2)).to(o1.dtype)
+    # The same products, sum and quotient as (o1 e1 + o2 e2) / (e1 + e2), in place on fp32 copies.
+    num = o1.to(torch.float32, copy=True).mul_(e1).add_(o2.to(torch.float32, copy=True).mul_(e2))
+    return num.div_(e1 + e2).to(o1.dtype)
 
 
 @functools.lru_cache(maxsize=32)  # a piece's mask depends on its place in its key block: few per step
