@@ -147,3 +147,31 @@ def _failing_above(check, rows):
         yield
         return False
     return failing
+
+
+def test_a_short_call_that_rounds_otherwise_on_few_rows_is_refused(monkeypatch):
+    """A kernel that sums a short call's rows in another order shows it, once rounded, in few of
+    the rows it computes (an fp16 row alone: 2 of 576 outputs). Each row count is checked on
+    CHECK_ROWS rows or more, so a one-row call that is off on one input row in 16 is refused,
+    where the one offset checked per count would have let it through."""
+    w = torch.randn(96, 64)
+    plan = invariant.RowPlan(chunk=64, min_rows=1)
+    seen: list[int] = []
+
+    def row_by_row(x, weight, packed, bias, p):  # row-invariant by construction
+        return torch.cat([torch.nn.functional.linear(x[i : i + 1], weight) for i in range(x.shape[0])])
+
+    def off_on_some_rows(x, weight, packed, bias, p):
+        y = row_by_row(x, weight, packed, bias, p)
+        if x.shape[0] == 1:
+            seen.append(1)
+            if len(seen) % 16 == 0:  # one one-row call in 16 rounds another way
+                y = y.clone()
+                y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(invariant, "_call", row_by_row)
+    assert invariant._holds(plan, w, None, None)  # every row count holds
+    monkeypatch.setattr(invariant, "_call", off_on_some_rows)
+    assert not invariant._holds(plan, w, None, None)
+    assert len(seen) == 16  # refused at the first call that differed

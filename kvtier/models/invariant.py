@@ -163,8 +163,8 @@ def refine() -> Generator[None, None, None]:
 # one of this module's candidates is taken from the file; anything else there is ignored.
 _CHECK_VERSION = 3  # bump when what a check proves or which plans it tries changes
 # Rows each row count is checked on: a kernel that sums a short call's rows in another order shows
-# it in few of a row's outputs once rounded (an fp16 row of SmolLM2's down_proj: 2 of 576 on
-# Sapphire Rapids), so one call of one row may miss what 64 rows show.
+# it in few of a row's outputs once rounded (an fp16 row of SmolLM2's down_proj: 2 of 576 on an
+# Intel Xeon with AMX), so one call of one row may miss what 64 rows show.
 CHECK_ROWS = 64
 
 
