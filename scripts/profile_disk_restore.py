@@ -1,8 +1,11 @@
 """Where a cold disk restore's time goes: engine A saves H tokens and closes, engine B (a restart)
 drops the page cache and restores them for H + 64 tokens, three times; prints wall and CPU time,
-the time spent opening the chunks, and a profile of the main thread for the last one.
+the time spent opening the chunks, and a profile of the main thread for the last one. With
+--same-engine, instead: one engine restores H tokens again and again (new tokens after them each
+time) from a disk-only store, and another from a memory-only one, without a restart: the median
+TTFT of each, so the disk tier's own cost is seen apart from a restart's.
 
-    python scripts/profile_disk_restore.py [H] [--dtype bf16]
+    python scripts/profile_disk_restore.py [H] [--dtype bf16] [--same-engine]
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import cProfile
 import itertools
 import os
 import pstats
+import statistics
 import tempfile
 import time
 
@@ -82,16 +86,38 @@ def timed_restore(engine: Engine, ids: list[int], once: SamplingParams, history:
     return wall
 
 
+def same_engine(model, config: EngineConfig, history: int, once: SamplingParams, rounds: int = 6) -> None:
+    """One engine per tier restoring `history` tokens again and again, the tiers taking turns."""
+    ids = torch.randint(100, 40000, (history + 64,), generator=torch.Generator().manual_seed(0)).tolist()
+    with tempfile.TemporaryDirectory() as d:
+        save_context(model, config, f"disk:{d}:20GB", ids, history, once)
+        with Engine(model, config, store=f"disk:{d}:20GB") as disk, Engine(model, config, store="memory:8GB") as memory:
+            memory.generate([ids[:history]], once)
+            memory.flush()
+            times: dict[str, list[float]] = {"disk only": [], "memory only": []}
+            for r in range(rounds + 2):  # two warm-up rounds
+                for name, engine in (("disk only", disk), ("memory only", memory)):
+                    t = timed_restore(engine, fresh_tail(ids, history), once, history, name)
+                    if r >= 2:
+                        times[name].append(t)
+    for name, ts in times.items():
+        print(f"{name}: median {statistics.median(ts) * 1e3:.1f} ms over {rounds} ({' '.join(f'{t * 1e3:.0f}' for t in ts)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("history", type=int, nargs="?", default=4096)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--same-engine", action="store_true", help="disk-only against memory-only restores, no restart")
     args = ap.parse_args()
     model = load_model("smollm2-135m", dtype=args.dtype)
     freeze_startup_heap()  # as the server does: no full collection over torch's modules in a timing
     opening = time_opening()
     once = SamplingParams(max_tokens=1, temperature=0.0)
     config = EngineConfig(kv_cache_bytes=1 << 30, max_model_len=8192, enable_prefix_cache=False)
+    if args.same_engine:
+        same_engine(model, config, args.history, once)
+        return
     with tempfile.TemporaryDirectory() as d:
         spec = f"memory:8GB,disk:{d}:20GB"
         for i in range(3):
