@@ -11,8 +11,9 @@ decoded tokens costs), `decode+save+backlog` while the writer still writes them 
 prompts just arrived). `continuation` rows time a chunk of new tokens after a history the
 engine holds in its prefix cache (HF: the same chunk on a cache of that history). `--modes
 exact,inexact` runs our rows twice, the exact default and `--fast-inexact`, so the cost of
-exactness comes from the same run; mode `eager` is the exact engine with its decode steps dynamic
-(no static buffers, no CUDA graphs: `--enforce-eager`).
+exactness comes from the same run (each row's modes back to back, their order alternating from row
+to row, so a machine's drift falls on both); mode `eager` is the exact engine with its decode steps
+dynamic (no static buffers, no CUDA graphs: `--enforce-eager`).
 
 Decode rows also time HF with a static cache under `torch.compile(mode="reduce-overhead")` (the
 gpt-fast recipe: one CUDA graph per step) where `--hf-compiled` is on (by default on a GPU), and
@@ -23,10 +24,11 @@ rate, measured in the same run).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -301,20 +303,33 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
         shape = roofline.shape_of(loaded.module)
         print(f"  {name} on {dev}: copy {rates.bandwidth / 1e9:.1f} GB/s, matmul {rates.flops / 1e12:.2f} TFLOP/s",
               flush=True)
-        for mode in modes:
-            _MODE = MODES[mode]
-            for n in lengths:
+        # Each row's modes run back to back, their order alternating from row to row: a VM's speed
+        # drifts over minutes, and modes run a whole table apart compared unlike machines.
+        turns = itertools.count()
+
+        def each_mode() -> Iterator[str]:
+            global _MODE
+            order = modes if next(turns) % 2 == 0 else modes[::-1]
+            for mode in order:
+                _MODE = MODES[mode]
+                yield mode
+            _MODE = {}
+
+        for n in lengths:
+            for mode in each_mode():
                 o, h = bench_prefill(loaded, hf, n, repeats)
                 add(Row(model, name, "prefill", n, o, h, repeats, mode, roofline.prefill_tok_s(shape, rates, n)))
                 print(f"  prefill {name} {mode} {n:5d} tokens: kvtier {o:8.1f} tok/s  transformers {h:8.1f} tok/s "
                       f"({rows[-1].of_roofline:.0%} of the roofline)", flush=True)
-            for n in continuations or []:
+        for n in continuations or []:
+            for mode in each_mode():
                 o, h = bench_continuation(loaded, hf, history, n, repeats)
                 add(Row(model, name, "continuation", n, o, h, repeats, mode,
                                 roofline.prefill_tok_s(shape, rates, n, history)))
                 print(f"  continuation {name} {mode} {n} after {history}: kvtier {o:8.1f} tok/s  "
                       f"transformers {h:8.1f} tok/s", flush=True)
-            for b in batches:
+        for b in batches:
+            for mode in each_mode():
                 o, h = bench_decode(loaded, hf, b, prompt_len, new_tokens, repeats)
                 c = float("nan")
                 if compiled and mode == modes[0]:
