@@ -313,7 +313,6 @@ def run(model: str, dtypes: list[str], lengths: list[int], batches: list[int], n
             for mode in order:
                 _MODE = MODES[mode]
                 yield mode
-            _MODE = {}
 
         for n in lengths:
             for mode in each_mode():
