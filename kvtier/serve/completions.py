@@ -17,6 +17,7 @@ from kvtier.engine.engine import Engine, PromptError, RequestOutput
 from kvtier.engine.grammar_limits import GrammarError
 from kvtier.engine.request import GrammarSpec, SamplingError
 from kvtier.serve import responses as r
+from kvtier.serve.bodies import OffLoopBodyRoute
 from kvtier.serve.bridge import ClientGone, EngineFailed, Generation, GrammarFailed
 from kvtier.serve.choices import (
     ChatChoiceStream,
@@ -44,7 +45,7 @@ from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from kvtier.serve.sse import SSE_EVENT_SCHEMA, GenerationStream, stream_events
 from kvtier.serve.tenants import cache_salt, session_id, tenant_of
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OffLoopBodyRoute)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": r.ErrorResponse, "description": why}

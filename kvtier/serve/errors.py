@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtier.serve.bodies import BodyInvalid
+
 log = logging.getLogger("kvtier.serve")
 
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}
@@ -100,6 +102,8 @@ def _describe_validation(exc: RequestValidationError) -> APIError:
 
 
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, BodyInvalid):  # validated off the loop (serve/bodies.py): FastAPI's errors all the same
+        exc = RequestValidationError(exc.errors)
     assert isinstance(exc, RequestValidationError)
     content_type = request.headers.get("content-type", "")
     if content_type and "json" not in content_type.lower():
@@ -139,6 +143,7 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(BodyInvalid, _on_validation)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Exception, _on_unexpected)

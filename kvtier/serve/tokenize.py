@@ -15,12 +15,13 @@ from jinja2 import TemplateError
 
 from kvtier.engine.engine import Engine, PromptError
 from kvtier.serve import responses as r
+from kvtier.serve.bodies import OffLoopBodyRoute
 from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
 from kvtier.serve.inputs import chat_prompt, completion_prompt, tool_setup
 from kvtier.serve.schemas import DetokenizeRequest, TokenizeRequest
 
-router = APIRouter(tags=["tokenizer"])
+router = APIRouter(tags=["tokenizer"], route_class=OffLoopBodyRoute)
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": r.ErrorResponse}, 404: {"model": r.ErrorResponse},
     429: {"model": r.ErrorResponse, "description": "the server is at capacity; retry after Retry-After"},

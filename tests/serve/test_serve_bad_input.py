@@ -8,6 +8,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvtier.serve.bodies import OFF_LOOP_BYTES
+
 from serve_testlib import BODY_LIMIT, TINY, WINDOW, Served, wait_idle
 
 CHAT = "/v1/chat/completions"
@@ -111,9 +113,14 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, co
     return err
 
 
+# Padded with whitespace past OFF_LOOP_BYTES, the same body is decoded and validated off the event loop.
+PADS = pytest.mark.parametrize("pad", [0, OFF_LOOP_BYTES], ids=["small", "validated off the loop"])
+
+
+@PADS
 @pytest.mark.parametrize("name,path,body,status,param,code", CASES, ids=[c[0] for c in CASES])
-def test_bad_json_body(http: httpx.Client, name, path, body, status, param, code) -> None:
-    assert_error(http.post(path, content=json.dumps(body), headers={"content-type": "application/json"}),
+def test_bad_json_body(http: httpx.Client, name, path, body, status, param, code, pad: int) -> None:
+    assert_error(http.post(path, content=json.dumps(body) + " " * pad, headers={"content-type": "application/json"}),
                  status, param, code)
 
 
@@ -122,15 +129,18 @@ def test_bad_json_body(http: httpx.Client, name, path, body, status, param, code
     [b"{bad json", b"", b'{"model": ', b"\xff\xfe\x00", b"NaN", b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}"],
     ids=["garbage", "empty", "truncated", "binary", "nan", "5000-digit integer"],
 )
-def test_malformed_json(http: httpx.Client, raw: bytes) -> None:
-    assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
+@PADS
+def test_malformed_json(http: httpx.Client, raw: bytes, pad: int) -> None:
+    assert_error(http.post(CHAT, content=raw + b" " * pad, headers={"content-type": "application/json"}), 400)
 
 
 @pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000, b'{"model": "\xff\xfe"}',
                                  '{"model": "caf\u00e9"}'.encode("latin-1")],
                          ids=["nested 5000 deep", "invalid utf-8", "latin-1"])
-def test_a_body_json_cannot_read_is_a_400_invalid_json(http: httpx.Client, raw: bytes) -> None:
-    assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400, code="invalid_json")
+@PADS
+def test_a_body_json_cannot_read_is_a_400_invalid_json(http: httpx.Client, raw: bytes, pad: int) -> None:
+    assert_error(http.post(CHAT, content=raw + b" " * pad, headers={"content-type": "application/json"}), 400,
+                 code="invalid_json")
 
 
 @pytest.mark.parametrize("key", [" 5", "+5", "\uff15", "05", "5.0", "-1", ""])
