@@ -11,7 +11,10 @@ taking the GIL from the loop with many threads.
 
 The errors are FastAPI's: invalid JSON raises the same exceptions from `Request.json()`, and
 field errors reach the same handler (`BodyInvalid` carries them through FastAPI's body reader,
-which lets only HTTP exceptions pass).
+which lets only HTTP exceptions pass). One limit is added, the same for a body of any size: JSON
+nested deeper than MAX_DEPTH is invalid. Without it the depth `json.loads` accepts would be what
+the caller's stack leaves of the recursion limit (about 960 on the loop, 990 on a worker), and a
+value accepted deep on a worker could fail `json.dumps` on the loop.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 OFF_LOOP_BYTES = 32 << 10  # on the loop, a body below this takes at most a few milliseconds
 PARSE_THREADS = 2
+MAX_DEPTH = 512  # arrays and objects within each other; a grammar's own limit is lower (grammar_limits.py)
 _LIMITER: RunVar[anyio.CapacityLimiter] = RunVar("kvtier_body_parse_limiter")  # one per event loop
 
 
@@ -40,12 +44,15 @@ class BodyInvalid(HTTPException):
 
 
 class OffLoopBodyRoute(APIRoute):
-    """An APIRoute whose JSON body, when large, is decoded and validated off the event loop."""
+    """An APIRoute whose JSON body, when large, is decoded and validated off the event loop. Only
+    a route whose one body parameter is the whole body: FastAPI wraps several (or an embedded
+    one) in a model of its own, read as a dict afterwards; such routes keep FastAPI's reader."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         field = self.body_field
-        if field is None:
+        params = self.dependant.body_params
+        if field is None or len(params) != 1 or getattr(params[0].field_info, "embed", False):
             return handler
 
         async def handle(request: Request) -> Response:
@@ -63,16 +70,43 @@ class _ThreadParsedRequest(Request):
         if not hasattr(self, "_json"):
             raw = await self.body()
             if len(raw) < OFF_LOOP_BYTES:
-                self._json = json.loads(raw)  # what Starlette's own json() does; FastAPI validates it
+                self._json = decode(raw)  # FastAPI validates it, as always
             else:
-                self._json = await anyio.to_thread.run_sync(self._parse, raw, limiter=_limiter())
+                value, errors = await anyio.to_thread.run_sync(_parse, self._validate, raw, limiter=_limiter())
+                if errors:  # raised here, not on the worker: its frames would keep the body alive
+                    raise BodyInvalid([{k: v for k, v in e.items() if k != "input"} for e in errors])
+                self._json = value
         return self._json
 
-    def _parse(self, raw: bytes) -> Any:
-        value, errors = self._validate(json.loads(raw), {}, loc=("body",))
-        if errors:
-            raise BodyInvalid(errors)
-        return value
+
+def decode(raw: bytes) -> Any:
+    """`json.loads`, with arrays and objects nested at most MAX_DEPTH deep."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    if deeper_than(value, MAX_DEPTH):
+        raise _too_deep()
+    return value
+
+
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` deep in `value` (without recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
+    return False
+
+
+def _too_deep() -> json.JSONDecodeError:
+    return json.JSONDecodeError(f"nested deeper than {MAX_DEPTH} levels", "", 0)
+
+
+def _parse(validate: Callable[..., tuple[Any, list[dict[str, Any]]]], raw: bytes) -> tuple[Any, list[dict[str, Any]]]:
+    return validate(decode(raw), {}, loc=("body",))
 
 
 def _limiter() -> anyio.CapacityLimiter:

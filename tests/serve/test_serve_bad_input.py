@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvtier.serve.bodies import OFF_LOOP_BYTES
+from kvtier.serve.bodies import MAX_DEPTH, OFF_LOOP_BYTES
 
 from serve_testlib import BODY_LIMIT, TINY, WINDOW, Served, wait_idle
 
@@ -219,3 +219,17 @@ def test_server_survives_bad_input(http: httpx.Client, tiny_server: Served) -> N
     wait_idle(tiny_server.engine)
     metrics = http.get("/metrics").text
     assert 'code="500"' not in metrics
+
+
+@PADS
+@pytest.mark.parametrize("levels", [MAX_DEPTH - 4, 980])
+def test_a_deep_schema_is_a_400_at_any_body_size(http: httpx.Client, levels: int, pad: int) -> None:
+    """A schema nested MAX_DEPTH deep in the body is read and refused by the grammar limits; past
+    it the body is invalid JSON, whatever its size (json.loads alone accepts more on a worker
+    thread than on the event loop, and a value read deep there fails json.dumps on the loop)."""
+    raw = (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": '
+           b'{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "default": '
+           % TINY.encode() + b"[" * levels + b"]" * levels + b"}}}}" + b" " * pad)  # the list: 4 levels down
+    err = assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
+    assert (err["code"] == "invalid_json") == (levels > MAX_DEPTH - 4), err
+    assert err["param"] == ("response_format" if levels <= MAX_DEPTH - 4 else None), err

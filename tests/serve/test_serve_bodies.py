@@ -14,7 +14,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvtier.serve.bodies import OFF_LOOP_BYTES, PARSE_THREADS, OffLoopBodyRoute
+from kvtier.serve.bodies import MAX_DEPTH, OFF_LOOP_BYTES, PARSE_THREADS, OffLoopBodyRoute, deeper_than
 from kvtier.serve.errors import install_error_handlers
 
 VALIDATED_ON: list[int] = []  # the thread of each validation of Probe.text
@@ -27,6 +27,7 @@ class Probe(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     text: str
     n: int = Field(0, ge=0)
+    data: list | None = None
 
     @field_validator("text")
     @classmethod
@@ -124,3 +125,34 @@ def test_at_most_parse_threads_bodies_are_worked_on_at_once(client) -> None:
     finally:
         HOLD.set()
     assert ACTIVE[1] == PARSE_THREADS and len(VALIDATED_ON) == n
+
+
+def _nested(levels: int) -> list:
+    """`levels` lists within each other: [[...[]...]]."""
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_deeper_than_counts_arrays_and_objects() -> None:
+    assert not deeper_than("x" * 100, 0) and not deeper_than(3, 0)
+    assert not deeper_than({"a": [1, {"b": []}]}, 4) and deeper_than({"a": [1, {"b": []}]}, 3)
+    assert not deeper_than(_nested(100_000), 100_000) and deeper_than(_nested(100_000), 99_999)
+
+
+@pytest.mark.parametrize("size", [0, OFF_LOOP_BYTES], ids=["small", "large"])
+def test_nesting_up_to_max_depth_is_read_at_any_size(client, size: int) -> None:
+    c, _ = client
+    r = _post(c, _raw({"text": "x", "data": _nested(MAX_DEPTH - 1)}, size))  # the body's own object: one more
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH, 960, 980, 5000])
+def test_nesting_past_max_depth_is_the_same_400_at_any_size(client, levels: int) -> None:
+    """json.loads alone would take ~990 levels on a worker thread and fewer on the loop."""
+    c, _ = client
+    body = b'{"text": "x", "data": ' + b"[" * levels + b"]" * levels + b"}"  # levels + 1 deep
+    for r in (_post(c, body), _post(c, body + b" " * OFF_LOOP_BYTES)):
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert f"nested deeper than {MAX_DEPTH}" in r.json()["error"]["message"]
