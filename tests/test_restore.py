@@ -516,3 +516,10 @@ def test_a_cake_loader_that_dies_fails_the_restore(tiny_gqa, tmp_path):
     with pytest.raises(RestoreMiss):
         restore.finish()
     store.close()
+
+
+def test_a_grouped_read_pays_each_calls_latency_and_an_emulated_limits_wait() -> None:
+    rates = TierRates(chunk_bps=4e9, layer_bps=2e9, read_latency_s=1e-4)
+    assert TierLink(rates).grouped_read_s(10**9, 8) == pytest.approx(0.5 + 8e-4)
+    slow = TierLink(rates, emulated_bps=1e8, emulated_latency_s=0.01)
+    assert slow.grouped_read_s(10**9, 8) == pytest.approx(0.5 + 8e-4 + 8 * 0.01 + 10.0)

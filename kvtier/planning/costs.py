@@ -108,6 +108,12 @@ class TierLink:
         wait = calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
         return nbytes / bps + calls * self.rates.read_latency_s, wait
 
+    def grouped_read_s(self, nbytes: int, calls: int) -> float:
+        """Seconds to read `nbytes` in `calls` batched reads (a blend reads every document's layer
+        group at once), waits for an emulated limit included."""
+        wait = calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
+        return nbytes / self.rates.layer_bps + calls * self.rates.read_latency_s + wait
+
     def stolen_s(self, nbytes: int, whole_chunk: bool) -> float:
         """Compute time a read takes away from work running beside it: its unhidden busy part, or
         where a copy engine moves the bytes its call's fixed host cost (a layer pays its share of

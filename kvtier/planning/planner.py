@@ -92,6 +92,10 @@ class Planner:
             link = self.links[tier] = TierLink(self.profile.rates(tier))
         return link
 
+    def grouped_read_s(self, tier: str, nbytes: int, calls: int) -> float:
+        """Predicted seconds to read `nbytes` from `tier` in `calls` batched reads."""
+        return self._link(tier).grouped_read_s(nbytes, calls)
+
     def _per_layer(self, chunks: Sequence[StoredChunk], bytes_per_token: int) -> tuple[float, float]:
         io = steal = 0.0
         for c in chunks:

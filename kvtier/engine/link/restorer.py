@@ -30,12 +30,17 @@ from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.engine.scheduler_api import RestoreDone, RestoreOrder, RestoreTicket, StoreOffer
 from kvtier.engine.transient import TransientWorker
 from kvtier.planning.blend import BlendMode, BlendOptions, BlendPlan, plan_blend
+from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.planning.plan import Method, Plan, PlannedChunk
 from kvtier.planning.planner import Planner
 from kvtier.store.layout import Repr
 from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
+
+# The most a step may wait for a blend's reads from this host's disks, were none of them hidden
+# under its recompute; on the restore worker the blend would pay a second OpenMP team (docs/blend.md).
+INLINE_BLEND_READ_S = 0.25
 
 
 @dataclass
@@ -179,18 +184,30 @@ class Restorer:
     def _inline_blend(self, blend: BlendPlan, chunks: Sequence, salt: str) -> bool:
         """Whether a blend runs inside its request's step, on the step thread, charged to the
         step's budget like a prefill chunk (where it fits: the scheduler's check): one that
-        recomputes no more than a compute chunk over state the memory tier holds. A second
-        thread's OpenMP team would slow each of its thousands of small ops
-        (kvtier/engine/transient.py). On the restore worker: CacheBlend (its check runs layers over
-        every loaded row), and a blend with a document to compute alone (a prefill's worth of
-        work) or to read from a disk or Redis (a wait)."""
+        recomputes no more than a compute chunk over state the memory tier holds, or that this
+        host's disks give in at most INLINE_BLEND_READ_S at their predicted rate (the most the step
+        could wait for them, were no read hidden under the recompute). A second thread's OpenMP
+        team would slow each of its thousands of small ops (kvtier/engine/transient.py). On the
+        restore worker: CacheBlend (its check runs layers over every loaded row), and a blend with
+        a document to compute alone (a prefill's worth of work), or reading from Redis or more than
+        a local disk gives in that time (a wait)."""
         if blend.options.mode is BlendMode.CACHEBLEND or blend.recomputed_tokens > self.inline_blend_tokens:
             return False
         assert self.segments is not None  # offer() blends only with segment states
-        tiers = {t.name: t for t in self.store.tiers}
         found = [self.segments.find(s.tokens, salt) for s in blend.segments]
-        return all(m is not None and all(tiers[c.tier].zero_copy for c in m.chunks) for m in found) \
-            and all(tiers[c.tier].zero_copy for c in chunks)
+        if any(m is None for m in found):
+            return False
+        tiers = {t.name: t for t in self.store.tiers}
+        reads: dict[str, int] = {}
+        for c in [c for m in found if m is not None for c in m.chunks] + list(chunks):
+            tier = tiers[c.tier]
+            if tier.zero_copy:
+                continue
+            if not tier.local_reads:
+                return False
+            reads[c.tier] = reads.get(c.tier, 0) + c.nbytes
+        calls = -(-len(self.layout) // READ_GROUP_LAYERS)  # the loader's reads: a layer group of every document at once
+        return sum(self.planner.grouped_read_s(t, n, calls) for t, n in reads.items()) <= INLINE_BLEND_READ_S
 
     def _instant(self, plan: Plan) -> bool:
         """A layer-wise plan over memory the store holds (views, no waiting) with no compute

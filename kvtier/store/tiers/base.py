@@ -243,6 +243,7 @@ class Tier(ABC):
     verify_reads: bool = True  # memory skips checksums: its bytes never left this process
     owned_buffers: bool = True  # reads return fresh memory (False: views of cached bytes)
     stages_reads: bool = False  # a restore reads it into reused aligned buffers (direct I/O needs them)
+    local_reads: bool = False  # reads come from this host's memory or disks, never over a network
     seal: Seal = Seal()  # the store's secret (set by the store): only sealed chunks are read when set
 
     @property

@@ -265,6 +265,7 @@ def _pid_alive(pid: int) -> bool:
 class DiskTier(Tier):
     name = "disk"
     stages_reads = True
+    local_reads = True
 
     def __init__(self, roots: list[str], capacities: list[int], ns: str | None,
                  make_policy: Callable[[], EvictionPolicy], emulation: Emulation = Emulation(),

@@ -46,6 +46,7 @@ class MemoryTier(Tier):
     name = "memory"
     verify_reads = False  # bytes were checked (or produced) on their way in and never left RAM
     owned_buffers = False  # reads are views of the cached blob: decoding must copy
+    local_reads = True
 
     def __init__(self, capacity: int, policy: EvictionPolicy | None = None,
                  emulation: Emulation = Emulation(), pin: bool = False) -> None:
