@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier.engine.config import ReuseConfig
+from kvtier.engine.link import restorer as restorer_module
 from kvtier.engine.engine import Engine
 from kvtier.engine.prompts import PromptError
 from kvtier.engine.request import SamplingParams
@@ -443,21 +444,39 @@ def _same_runs(layout) -> list[range]:
             for run in _same_repr(reprs, range(a, min(a + READ_GROUP_LAYERS, len(reprs))))]
 
 
-def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone(deep, tmp_path,
-                                                                                        monkeypatch):
+@pytest.mark.parametrize("where", ["restore worker", "step", "step, slow read"])
+def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone_or_the_request_prefills(
+        deep, tmp_path, monkeypatch, where):
+    """A read that fails (again, once looked up afresh): on the restore worker the documents are
+    computed alone; in the request's step, where that would hold every other request for a
+    prefill's worth of work, the restore is a miss and the request prefills in chunks: an exact
+    prefill's logits. Either way the staging memory goes back."""
     ids = _ids(deep)
     store = f"disk:{tmp_path}/d:64MB"
     with _engine(deep, store) as engine:
         want = _blend(engine, ids)
         assert engine.flush(30)
+    with Engine(deep) as plain:
+        exact = plain.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, first_logits=True))[0]
     decode = reads_module.fmt.decode_run
 
     def hostile(header, segments, layers, part):
         if layers[0] >= READ_GROUP_LAYERS:  # the second group: after a first was read and placed
-            raise ValueError("a shape the header cannot have")
+            if where == "step, slow read":
+                time.sleep(0.3)  # past the step's wait, but a read that succeeds
+            else:
+                raise ValueError("a shape the header cannot have")
         return decode(header, segments, layers, part)
 
     monkeypatch.setattr(reads_module.fmt, "decode_run", hostile)
+    if where == "step, slow read":
+        monkeypatch.setattr(restorer_module, "INLINE_BLEND_READ_S", 0.1)
+    if where == "restore worker":
+        monkeypatch.setattr(restorer_module, "INLINE_BLEND_READ_S", 0.0)
+    threads: list[str] = []
+    work = blend_module.BlendRestore._work
+    monkeypatch.setattr(blend_module.BlendRestore, "_work",
+                        lambda self: (threads.append(threading.current_thread().name), work(self))[1])
     with _engine(deep, store) as engine:
         staging = engine.store.staging
         taken: list[int] = []
@@ -467,8 +486,14 @@ def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_compute
         monkeypatch.setattr(staging, "give", lambda b: (given.append(b.data_ptr()), give(b))[1])
         out = _blend(engine, ids)
     assert taken and sorted(given) == sorted(taken)
-    assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone
-    assert torch.equal(out.first_logits, want.first_logits)
+    if where.startswith("step"):
+        assert threads == [threading.current_thread().name]
+        assert out.restore is None or out.restore.method != "blend", out.restore
+        assert torch.equal(out.first_logits, exact.first_logits)
+    else:
+        assert threads == ["kvtier-restore"]
+        assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone
+        assert torch.equal(out.first_logits, want.first_logits)
 
 
 def test_a_document_gone_from_the_tier_its_lookup_named_is_read_from_another(fp32, tmp_path, monkeypatch):

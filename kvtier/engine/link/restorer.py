@@ -38,9 +38,11 @@ from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
-# The most a step may wait for a blend's reads from this host's disks, were none of them hidden
-# under its recompute; on the restore worker the blend would pay a second OpenMP team (docs/blend.md).
-INLINE_BLEND_READ_S = 0.25
+# A blend reading this host's disks runs in its request's step (on the restore worker it would pay a
+# second OpenMP team, docs/blend.md) where its reads are predicted to take at most this long, were
+# none hidden under its recompute: about what a blend's own recompute holds the step. In the step it
+# waits at most this long for any layer, and a failed or slower read makes it a miss (a chunked prefill).
+INLINE_BLEND_READ_S = 0.5
 
 
 @dataclass
@@ -198,16 +200,19 @@ class Restorer:
         if any(m is None for m in found):
             return False
         tiers = {t.name: t for t in self.store.tiers}
-        reads: dict[str, int] = {}
-        for c in [c for m in found if m is not None for c in m.chunks] + list(chunks):
+        groups = -(-len(self.layout) // READ_GROUP_LAYERS)
+        reads: dict[str, tuple[int, int]] = {}  # tier -> (bytes, read calls)
+        # The loader reads a layer group of every document's chunks at once (a call per chunk and
+        # group, as the profile counts them); the exact prefix's chunks are read whole, one call each.
+        for c, calls in [(c, groups) for m in found if m is not None for c in m.chunks] + [(c, 1) for c in chunks]:
             tier = tiers[c.tier]
             if tier.zero_copy:
                 continue
             if not tier.local_reads:
                 return False
-            reads[c.tier] = reads.get(c.tier, 0) + c.nbytes
-        calls = -(-len(self.layout) // READ_GROUP_LAYERS)  # the loader's reads: a layer group of every document at once
-        return sum(self.planner.grouped_read_s(t, n, calls) for t, n in reads.items()) <= INLINE_BLEND_READ_S
+            n, k = reads.get(c.tier, (0, 0))
+            reads[c.tier] = (n + c.nbytes, k + calls)
+        return sum(self.planner.grouped_read_s(t, n, k) for t, (n, k) in reads.items()) <= INLINE_BLEND_READ_S
 
     def _instant(self, plan: Plan) -> bool:
         """A layer-wise plan over memory the store holds (views, no waiting) with no compute
@@ -276,7 +281,8 @@ class Restorer:
         if plan.method is Method.BLEND:
             assert ticket.order.blend is not None and self.segments is not None  # set by _offer_blend
             return BlendRestore(plan, ticket.order.blend, self.segments, self.store, self.runner, req.all_ids,
-                                req.block_ids, req.cache_salt, self.compute_chunk_tokens)
+                                req.block_ids, req.cache_salt, self.compute_chunk_tokens,
+                                read_wait_s=INLINE_BLEND_READ_S if ticket.instant else None)
         if plan.method is Method.IMPRESS:
             return ImpressRestore(plan, self.importance, self.store, self.runner, req.all_ids, req.block_ids)
         return Restore(plan, self.store, self.runner, req.all_ids, req.block_ids, ticket.start, ticket.order.source,

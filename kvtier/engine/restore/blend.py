@@ -150,7 +150,8 @@ class _Loader:
     the group's read memory back (`release`), letting the next group be read (`READ_AHEAD`)."""
 
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int,
-                 placed: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+                 placed: Sequence[Sequence[tuple[int, int]]] | None = None, wait_s: float | None = None) -> None:
+        self.wait_s = wait_s  # the longest a layer is waited for (None: no limit)
         self.reads = SegmentReads(states, found, placed)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
         self.data: list[dict[int, Pieces]] = [{} for _ in found]
@@ -186,8 +187,9 @@ class _Loader:
                 ev.set()
 
     def _wait(self, li: int) -> None:
-        """Until layer li is read; raises _LoadFailed if the reads failed."""
-        self.ready[li].wait()
+        """Until layer li is read; raises _LoadFailed if the reads failed or took over `wait_s`."""
+        if not self.ready[li].wait(self.wait_s):
+            raise _LoadFailed(f"reading a stored document's layer took over {self.wait_s} s")
         if self.error is not None:
             raise _LoadFailed(self.error)
 
@@ -295,9 +297,15 @@ class BlendRestore(PreparedRestore):
 
     def __init__(self, plan: Plan, blend: BlendPlan, states: SegmentStates, store: TieredStore,
                  runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str,
-                 chunk_tokens: int = 512) -> None:
-        """`chunk_tokens`: the most rows one pass through the layers computes (bounded activations)."""
+                 chunk_tokens: int = 512, read_wait_s: float | None = None) -> None:
+        """`chunk_tokens`: the most rows one pass through the layers computes (bounded activations).
+        `read_wait_s`: in its request's step, the longest the recompute waits for a read. A failed
+        or slower read has the documents looked up again once; failing again, or a document gone
+        from every tier, the restore is a miss (the request then prefills in chunks: never a
+        prefill's worth of work in one step). None, on the restore worker: reads take what they
+        take, and the documents are then computed alone."""
         super().__init__(runner)
+        self.read_wait_s = read_wait_s
         self.plan, self.blend, self.states, self.store = plan, blend, states, store
         self.chunk_tokens = chunk_tokens
         self.token_ids, self.block_ids, self.salt = list(token_ids), list(block_ids), salt
@@ -331,6 +339,8 @@ class BlendRestore(PreparedRestore):
             except _LoadFailed as e:
                 if self._error is not None:  # aborted while waiting for a read: no work after it
                     raise RestoreMiss(self._error) from e
+                if not retry and self.read_wait_s is not None:  # in the step: never a prefill's worth of work
+                    raise RestoreMiss(f"{e}: the request prefills instead") from e
                 log.warning("blended restore: %s; %s", e,
                             "looking the documents up again" if retry else "computing the documents alone")
                 self._cleanup()
@@ -430,6 +440,8 @@ class BlendRestore(PreparedRestore):
             if not spans:
                 continue  # every row of it recomputed: nothing to read or compute alone
             match = self.states.find(s.tokens, self.salt) if stored else None
+            if match is None and stored and self.read_wait_s is not None:
+                raise _LoadFailed("a stored document is gone from every tier")
             if match is None:
                 st = self.states.compute(s.tokens, self.salt)
                 self.blended.segments_computed += 1
@@ -444,7 +456,7 @@ class BlendRestore(PreparedRestore):
             self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
                                                       functools.partial(self._group_read, i), packed=pack))
         if found:
-            self._loader = _Loader(self.states, found, len(self.layout), placed if pack else None)
+            self._loader = _Loader(self.states, found, len(self.layout), placed if pack else None, self.read_wait_s)
             if pack:
                 self._packed_rows = self._packed_targets([src for src in self._sources if src.packed])
 
