@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvtier.engine.config import ReuseConfig
-from kvtier.engine.link import restorer as restorer_module
 from kvtier.engine.engine import Engine
+from kvtier.engine.link import restorer as restorer_module
 from kvtier.engine.prompts import PromptError
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.restore import blend as blend_module
