@@ -566,11 +566,16 @@ def test_a_restore_aborted_while_waiting_for_a_read_does_no_more_work(deep, tmp_
 
 
 @pytest.mark.parametrize("device", ["cpu", "copied to a device"])
-def test_hostile_segment_bytes_are_misses(fp32, tmp_path, monkeypatch, device):
-    """(copied to a device: the recording back end, where a read group goes over packed)"""
+@pytest.mark.parametrize("where", ["restore worker", "step"])
+def test_hostile_segment_bytes_are_misses(fp32, tmp_path, monkeypatch, device, where):
+    """(copied to a device: the recording back end, where a read group goes over packed). On the
+    restore worker the documents are then computed alone; in the request's step the restore is a
+    miss and the request prefills (an exact prefill's logits)."""
     if device != "cpu":
         rec = RecordingTransfer()
         monkeypatch.setattr("kvtier.engine.runner.model_runner.make_transfer", lambda d: rec)
+    if where == "restore worker":
+        monkeypatch.setattr(restorer_module, "INLINE_BLEND_READ_S", 0.0)
     ids = _ids(fp32)
     store = f"disk:{tmp_path}/d:64MB"
     with _engine(fp32, store) as engine:
@@ -583,10 +588,17 @@ def test_hostile_segment_bytes_are_misses(fp32, tmp_path, monkeypatch, device):
         for i in range(len(raw) - 2048, len(raw), 97):
             raw[i] ^= 0xFF
         p.write_bytes(bytes(raw))
+    with Engine(fp32) as plain:
+        exact = plain.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, first_logits=True))[0]
     with _engine(fp32, store) as engine:
         out = _blend(engine, ids)
-    assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone again
-    assert torch.equal(out.first_logits, want.first_logits)
+        corrupt = engine.store.tiers[0].counters["corrupt"]
+    assert corrupt > 0
+    if where == "step":
+        assert out.restore is None and torch.equal(out.first_logits, exact.first_logits)
+    else:
+        assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone again
+        assert torch.equal(out.first_logits, want.first_logits)
 
 
 def test_blending_is_refused_with_a_message_where_it_is_off(fp32):

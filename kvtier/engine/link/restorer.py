@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # A blend reading this host's disks runs in its request's step (on the restore worker it would pay a
 # second OpenMP team, docs/blend.md) where its reads are predicted to take at most this long, were
 # none hidden under its recompute: about what a blend's own recompute holds the step. In the step it
-# waits at most this long for any layer, and a failed or slower read makes it a miss (a chunked prefill).
+# waits at most this long for its reads in all; failed or slower reads make it a miss (a chunked prefill).
 INLINE_BLEND_READ_S = 0.5
 
 

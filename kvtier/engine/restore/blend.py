@@ -34,6 +34,7 @@ import bisect
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -151,7 +152,8 @@ class _Loader:
 
     def __init__(self, states: SegmentStates, found: Sequence[tuple[PrefixMatch, int]], layers: int,
                  placed: Sequence[Sequence[tuple[int, int]]] | None = None, wait_s: float | None = None) -> None:
-        self.wait_s = wait_s  # the longest a layer is waited for (None: no limit)
+        self.wait_s = wait_s  # the longest the reads are waited for, in all (None: no limit)
+        self.waited = 0.0
         self.reads = SegmentReads(states, found, placed)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
         self.data: list[dict[int, Pieces]] = [{} for _ in found]
@@ -187,9 +189,16 @@ class _Loader:
                 ev.set()
 
     def _wait(self, li: int) -> None:
-        """Until layer li is read; raises _LoadFailed if the reads failed or took over `wait_s`."""
-        if not self.ready[li].wait(self.wait_s):
-            raise _LoadFailed(f"reading a stored document's layer took over {self.wait_s} s")
+        """Until layer li is read; raises _LoadFailed if the reads failed, or if waiting for them
+        took over `wait_s` in all."""
+        if self.wait_s is None:
+            self.ready[li].wait()
+        elif not self.ready[li].is_set():
+            t = time.perf_counter()
+            done = self.ready[li].wait(max(0.0, self.wait_s - self.waited))
+            self.waited += time.perf_counter() - t
+            if not done:
+                raise _LoadFailed(f"the reads of the stored documents were waited for over {self.wait_s} s")
         if self.error is not None:
             raise _LoadFailed(self.error)
 
@@ -299,7 +308,7 @@ class BlendRestore(PreparedRestore):
                  runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str,
                  chunk_tokens: int = 512, read_wait_s: float | None = None) -> None:
         """`chunk_tokens`: the most rows one pass through the layers computes (bounded activations).
-        `read_wait_s`: in its request's step, the longest the recompute waits for a read. A failed
+        `read_wait_s`: in its request's step, the longest the recompute waits for reads in all. A failed
         or slower read has the documents looked up again once; failing again, or a document gone
         from every tier, the restore is a miss (the request then prefills in chunks: never a
         prefill's worth of work in one step). None, on the restore worker: reads take what they
