@@ -105,14 +105,15 @@ class TierLink:
         at a time, so a layer pays that share of a call's latency."""
         bps = self.rates.chunk_bps if whole_chunk else self.rates.layer_bps
         calls = 1.0 if whole_chunk else 1.0 / READ_GROUP_LAYERS
-        wait = calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
-        return nbytes / bps + calls * self.rates.read_latency_s, wait
+        return nbytes / bps + calls * self.rates.read_latency_s, self._emulated_wait(nbytes, calls)
 
     def grouped_read_s(self, nbytes: int, calls: int) -> float:
-        """Seconds to read `nbytes` in `calls` batched reads (a blend reads every document's layer
-        group at once), waits for an emulated limit included."""
-        wait = calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
-        return nbytes / self.rates.layer_bps + calls * self.rates.read_latency_s + wait
+        """Seconds to read `nbytes` in `calls` reads of a layer group of one chunk each (a blend
+        reads such a group of every document at once), waits for an emulated limit included."""
+        return nbytes / self.rates.layer_bps + calls * self.rates.read_latency_s + self._emulated_wait(nbytes, calls)
+
+    def _emulated_wait(self, nbytes: int, calls: float) -> float:
+        return calls * self.emulated_latency_s + (nbytes / self.emulated_bps if self.emulated_bps else 0.0)
 
     def stolen_s(self, nbytes: int, whole_chunk: bool) -> float:
         """Compute time a read takes away from work running beside it: its unhidden busy part, or

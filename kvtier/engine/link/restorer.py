@@ -187,8 +187,8 @@ class Restorer:
         """Whether a blend runs inside its request's step, on the step thread, charged to the
         step's budget like a prefill chunk (where it fits: the scheduler's check): one that
         recomputes no more than a compute chunk over state the memory tier holds, or that this
-        host's disks give in at most INLINE_BLEND_READ_S at their predicted rate (the most the step
-        could wait for them, were no read hidden under the recompute). A second thread's OpenMP
+        host's disks give in at most INLINE_BLEND_READ_S at their predicted rate (then also the
+        most the step waits for them: `BlendRestore`'s `read_wait_s`). A second thread's OpenMP
         team would slow each of its thousands of small ops (kvtier/engine/transient.py). On the
         restore worker: CacheBlend (its check runs layers over every loaded row), and a blend with
         a document to compute alone (a prefill's worth of work), or reading from Redis or more than
