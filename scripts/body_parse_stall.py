@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from kvtier.bench.common import machine_info
+from kvtier.bench.loop_stall import loop_stall
 from kvtier.serve.bodies import OffLoopBodyRoute
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
 from kvtier.serve.errors import install_error_handlers
@@ -58,26 +58,8 @@ def _bodies(limit: int) -> dict[str, tuple[str, bytes]]:
 
 
 async def _one(client: httpx.AsyncClient, path: str, raw: bytes) -> tuple[float, float, int]:
-    gaps: list[float] = []
-    stop = asyncio.Event()
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.02)
-    t0 = time.perf_counter()
-    r = await client.post(path, content=raw, headers={"content-type": "application/json"})
-    took = time.perf_counter() - t0
-    await asyncio.sleep(0.02)
-    stop.set()
-    await ticker
-    return max(gaps) * 1e3, took * 1e3, r.status_code
+    r, took, gap = await loop_stall(lambda: client.post(path, content=raw, headers={"content-type": "application/json"}))
+    return gap * 1e3, took * 1e3, r.status_code
 
 
 async def _run(rounds: int, limit: int) -> dict[str, Any]:

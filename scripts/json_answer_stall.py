@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from collections.abc import Callable
 
 from fastapi.concurrency import run_in_threadpool
 
 from kvtier.bench.common import machine_info
+from kvtier.bench.loop_stall import loop_stall
 from kvtier.serve import responses as r
 
 
@@ -34,25 +34,8 @@ def answer(samples: int, tokens: int, top: int) -> r.ChatCompletion:
 
 
 async def stall(write: Callable[[], bytes]) -> tuple[int, float, float]:
-    gaps: list[float] = []
-    done = asyncio.Event()
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.05)
-    t0 = time.perf_counter()
-    out = await run_in_threadpool(write)
-    took = time.perf_counter() - t0
-    done.set()
-    await ticker
-    return len(out), took, max(gaps)
+    out, took, gap = await loop_stall(lambda: run_in_threadpool(write), tick_s=0.005, settle_s=0.05)
+    return len(out), took, gap
 
 
 def main() -> int:
