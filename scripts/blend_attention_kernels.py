@@ -10,6 +10,9 @@ Rows at the positions of a LegoLink-8 plan over ten 606-token documents and a 28
 Prints each case's median milliseconds per layer and its rate in GFLOP/s over the causal
 query-key pairs (4 x heads x head_dim FLOPs each: q.k and p.v), and the largest difference from
 a float64 reference. Medians of --repeats calls on the threads torch uses (the engine's).
+Beside them, a floor no softmax attention can beat on this CPU: the exponentials alone, one
+`torch.exp` in fp32 over as many elements as the case has causal query-key pairs per head times
+the heads.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ def main() -> int:
                                 gflops=flops / ms / 1e6, max_abs_err=err))
                 print(f"{out[-1]['dtype']:8s} {name:16s} {len(pos):4d} rows  {kernel:22s} {ms:7.1f} ms  "
                       f"{flops / ms / 1e6:6.1f} GFLOP/s  max |err| {err:.2g}", flush=True)
+            scores = torch.randn(HEADS * sum(p + 1 for p in pos))  # one fp32 score per causal pair and head
+            dst = torch.empty_like(scores)
+            ms = median_of(lambda: torch.exp(scores, out=dst), args.repeats) * 1000
+            out.append(dict(dtype=str(dtype).removeprefix("torch."), case=name, rows=len(pos), kernel="exp alone",
+                            ms=ms, pairs_per_s=scores.numel() / ms * 1000))
+            print(f"{out[-1]['dtype']:8s} {name:16s} {len(pos):4d} rows  {'exp alone (a floor)':22s} {ms:7.1f} ms  "
+                  f"{scores.numel() / ms / 1e6:6.2f} G pairs/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine_info(), threads=torch.get_num_threads(), cases=out), f, indent=1)
