@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -332,9 +333,9 @@ def test_documents_read_from_a_disk_land_in_the_stores_staging_memory_given_back
             b.fill_(0xFF)  # NaN in every float dtype: a view read after this shows in the logits
             give(b)
 
-        def closing(loader) -> None:
+        def closing(loader, wait: bool = True):
             given_before_close.append(len(given))
-            close(loader)
+            return close(loader, wait)
 
         monkeypatch.setattr(staging, "take", lambda n: (b := take(n), taken.append(b.data_ptr()))[0])
         monkeypatch.setattr(staging, "give", poisoned)
@@ -444,13 +445,16 @@ def _same_runs(layout) -> list[range]:
             for run in _same_repr(reprs, range(a, min(a + READ_GROUP_LAYERS, len(reprs))))]
 
 
-@pytest.mark.parametrize("where", ["restore worker", "step", "step, slow read"])
-def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_computed_alone_or_the_request_prefills(
+@pytest.mark.parametrize("where", ["restore worker", "step", "step, hung read"])
+def test_a_read_that_raises_or_hangs_gives_its_staging_back_and_the_documents_are_computed_alone_or_the_request_prefills(
         deep, tmp_path, monkeypatch, where):
     """A read that fails (again, once looked up afresh): on the restore worker the documents are
     computed alone; in the request's step, where that would hold every other request for a
-    prefill's worth of work, the restore is a miss and the request prefills in chunks: an exact
-    prefill's logits. Either way the staging memory goes back."""
+    prefill's worth of work, the restore is a miss at once (no second try) and the request
+    prefills in chunks: an exact prefill's logits. A read that hangs past the step's wait is a miss
+    the same way, the step never waiting for the read itself: the read still hangs when the
+    request is done, its thread gives the staging memory back once it ends, and a blend reading a
+    disk right after goes to the restore worker. Either way the staging memory goes back."""
     ids = _ids(deep)
     store = f"disk:{tmp_path}/d:64MB"
     with _engine(deep, store) as engine:
@@ -459,18 +463,20 @@ def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_compute
     with Engine(deep) as plain:
         exact = plain.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, first_logits=True))[0]
     decode = reads_module.fmt.decode_run
+    entered, release = [], threading.Event()
 
     def hostile(header, segments, layers, part):
-        if layers[0] >= READ_GROUP_LAYERS:  # the second group: after a first was read and placed
-            if where == "step, slow read":
-                time.sleep(0.3)  # past the step's wait, but a read that succeeds
+        if layers[0] >= READ_GROUP_LAYERS and not release.is_set():  # the second group: after a first was placed
+            entered.append(layers[0])
+            if where == "step, hung read":
+                assert release.wait(60)  # a read that hangs till the test lets it end
             else:
                 raise ValueError("a shape the header cannot have")
         return decode(header, segments, layers, part)
 
     monkeypatch.setattr(reads_module.fmt, "decode_run", hostile)
-    if where == "step, slow read":
-        monkeypatch.setattr(restorer_module, "INLINE_BLEND_READ_S", 0.1)
+    if where == "step, hung read":
+        monkeypatch.setattr(restorer_module, "INLINE_BLEND_WAIT_S", 0.1)
     if where == "restore worker":
         monkeypatch.setattr(restorer_module, "INLINE_BLEND_READ_S", 0.0)
     threads: list[str] = []
@@ -485,15 +491,97 @@ def test_a_read_that_raises_gives_its_staging_back_and_the_documents_are_compute
         monkeypatch.setattr(staging, "take", lambda n: (b := take(n), taken.append(b.data_ptr()))[0])
         monkeypatch.setattr(staging, "give", lambda b: (given.append(b.data_ptr()), give(b))[1])
         out = _blend(engine, ids)
+        if where == "step, hung read":
+            assert not release.is_set() and sorted(given) != sorted(taken)  # the read still hangs, holding its memory
+            release.set()
+            other = _ids(deep, seed=4, n=20) + ids[20:]  # the same documents after another start (not prefilled)
+            after = _blend(engine, other)  # backed off: on the worker
+            assert threads[-1] == "kvtier-restore" and after.restore.method == "blend"
+    assert not [t for t in threading.enumerate() if t.name == "kvtier-blend-io"]
     assert taken and sorted(given) == sorted(taken)
     if where.startswith("step"):
-        assert threads == [threading.current_thread().name]
+        assert threads[0] == threading.current_thread().name
+        assert len(entered) == 1, entered  # never a second try
         assert out.restore is None or out.restore.method != "blend", out.restore
         assert torch.equal(out.first_logits, exact.first_logits)
     else:
         assert threads == ["kvtier-restore"]
         assert out.restore.method == "blend" and out.restore.bytes_read == 0  # computed alone
         assert torch.equal(out.first_logits, want.first_logits)
+
+
+def test_an_exact_prefix_read_that_hangs_never_holds_the_step(deep, tmp_path, monkeypatch):
+    """A blend in its step reads its exact prefix's chunks from a disk on a thread of its own,
+    within the step's wait: one that hangs makes the restore a miss (the request prefills: an
+    exact prefill's logits) while it still hangs."""
+    ids = _ids(deep)
+    store = f"disk:{tmp_path}/d:64MB"
+    with _engine(deep, store) as engine:
+        engine.generate([ids[:130]], SamplingParams(max_tokens=1, temperature=0.0))  # the exact prefix [0, 128)
+        engine.precompile([ids[140:250]])
+        assert engine.flush(30)
+    with Engine(deep) as plain:
+        exact = plain.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, first_logits=True))[0]
+    from kvtier.store.tiers.disk import DiskTier
+
+    read, release, hung = DiskTier.read, threading.Event(), []
+
+    def hanging(self, expect, layers=None, parts=("k", "v", "h")):
+        # the exact chunks are read whole (the documents a layer group at a time)
+        if threading.current_thread().name == "kvtier-blend-io" and len(list(layers or ())) > READ_GROUP_LAYERS \
+                and not release.is_set():
+            hung.append(threading.current_thread().name)
+            assert release.wait(60)
+        return read(self, expect, layers, parts)
+
+    monkeypatch.setattr(DiskTier, "read", hanging)
+    monkeypatch.setattr(restorer_module, "INLINE_BLEND_WAIT_S", 0.1)
+    threads: list[str] = []
+    work = blend_module.BlendRestore._work
+    monkeypatch.setattr(blend_module.BlendRestore, "_work",
+                        lambda self: (threads.append(threading.current_thread().name), work(self))[1])
+    try:
+        with _engine(deep, store) as engine:
+            out = _blend(engine, ids, segments=((140, 250),))
+            assert hung and not release.is_set()
+    finally:
+        release.set()
+    assert threads == [threading.current_thread().name]
+    assert out.restore is None or out.restore.method != "blend", out.restore
+    assert torch.equal(out.first_logits, exact.first_logits)
+
+
+def test_a_document_found_over_a_network_at_restore_time_is_never_read_in_the_step(deep, tmp_path, monkeypatch,
+                                                                                    redis_url):
+    """Offered in its step over a local disk, a blend whose document is found only in Redis when
+    its restore starts (evicted from the disk meanwhile) is a miss: no network read in the step."""
+    ids = _ids(deep)
+    store = f"disk:{tmp_path}/d:64MB,{redis_url}"
+    with _engine(deep, store) as engine:
+        _blend(engine, ids)
+        assert engine.flush(30)
+    with Engine(deep) as plain:
+        exact = plain.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, first_logits=True))[0]
+    find, restoring, tiers_read = SegmentStates.find, [], []
+
+    def evicting(states, tokens, salt):
+        if restoring:  # the restore's own lookup: the disk's copy is gone
+            for c in (find(states, tokens, salt) or SimpleNamespace(chunks=())).chunks:
+                if c.tier == "disk":
+                    states.store.tier("disk").delete(c.key)
+        return find(states, tokens, salt)
+
+    work, init = blend_module.BlendRestore._work, SegmentReads.__init__
+    monkeypatch.setattr(SegmentStates, "find", evicting)
+    monkeypatch.setattr(blend_module.BlendRestore, "_work",
+                        lambda self: (restoring.append(threading.current_thread().name), work(self))[1])
+    monkeypatch.setattr(SegmentReads, "__init__", lambda self, states, found, placed=None: (
+        init(self, states, found, placed), tiers_read.extend(c.tier for c in self.chunks))[0])
+    with _engine(deep, store) as engine:
+        out = _blend(engine, ids)
+    assert restoring == [threading.current_thread().name] and "redis" not in tiers_read
+    assert out.restore is None or out.restore.method != "blend", out.restore
+    assert torch.equal(out.first_logits, exact.first_logits)
 
 
 def test_a_document_gone_from_the_tier_its_lookup_named_is_read_from_another(fp32, tmp_path, monkeypatch):

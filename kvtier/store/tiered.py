@@ -179,24 +179,26 @@ class TieredStore:
         return oc.header.prefix
 
     def read_layers(self, ref_or_key: ChunkRef | str, layers: Iterable[int],
-                    parts: Iterable[str] = ("k", "v", "h"), copy: bool = True) -> list[fmt.LayerState] | None:
-        """Parts of `layers` of one chunk, in the compute dtype; None if no tier has it intact.
+                    parts: Iterable[str] = ("k", "v", "h"), copy: bool = True,
+                    tier: str | None = None) -> list[fmt.LayerState] | None:
+        """Parts of `layers` of one chunk, in the compute dtype; None if no tier (or not `tier`,
+        where named) has it intact.
 
         copy=False lets tensors alias the memory tier's cached bytes: for readers that never
         modify what they get (the restore executor), it saves a copy per read."""
-        return self._read(ref_or_key, list(layers), tuple(parts), copy)
+        return self._read(ref_or_key, list(layers), tuple(parts), copy, only=tier)
 
     def read_chunk(self, ref_or_key: ChunkRef | str, copy: bool = True) -> list[fmt.LayerState] | None:
         """Every layer of one chunk (one sequential read per tier)."""
         return self._read(ref_or_key, None, ("k", "v", "h"), copy)
 
     def _read(self, ref_or_key, layers: list[int] | None, parts: tuple[str, ...], copy: bool = True,
-              expect: Expect | None = None):
+              expect: Expect | None = None, only: str | None = None):
         self._ns()
         key = ref_or_key.key if isinstance(ref_or_key, ChunkRef) else ref_or_key
         if expect is None:
             expect = self._expect_chunk(ref_or_key) if isinstance(ref_or_key, ChunkRef) else self._expect(key)
-        for t in self.tiers:
+        for t in self.tiers if only is None else [self.tier(only)]:
             data = t.read(expect, layers, parts)
             if data is None:
                 continue  # a miss or a corrupt copy (removed): a lower tier may still hold it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -39,10 +40,17 @@ from kvtier.store.tiered import TieredStore
 log = logging.getLogger(__name__)
 
 # A blend reading this host's disks runs in its request's step (on the restore worker it would pay a
-# second OpenMP team, docs/blend.md) where its reads are predicted to take at most this long, were
-# none hidden under its recompute: about what a blend's own recompute holds the step. In the step it
-# waits at most this long for its reads in all; failed or slower reads make it a miss (a chunked prefill).
-INLINE_BLEND_READ_S = 0.5
+# second OpenMP team, docs/blend.md) where its reads are predicted to take at most INLINE_BLEND_READ_S,
+# were none hidden under its recompute. In the step it waits at most INLINE_BLEND_WAIT_S for its reads
+# in all (about what a blend's own recompute holds the step; twice the prediction, so a disk a little
+# slower than its profile still blends); failed or slower reads make it a miss (a chunked prefill),
+# and reads that were too slow send blends reading below the memory tier to the worker for
+# INLINE_BLEND_BACKOFF_S (the profile overrated this disk, or it is busy).
+INLINE_BLEND_READ_S = 0.25
+INLINE_BLEND_WAIT_S = 0.5
+INLINE_BLEND_BACKOFF_S = 60.0
+# At close, how long the reads an in-step blend gave up on are waited for (a hung disk never ends them).
+LINGERING_JOIN_S = 5.0
 
 
 @dataclass
@@ -74,6 +82,8 @@ class Restorer:
         self.reused_by_method: dict[str, int] = {}
         self.reused_by_tier: dict[str, int] = {}
         self._worker = TransientWorker("kvtier-restore")  # its thread (and OpenMP team) only while restores run
+        self._slow_reads_until = 0.0  # (monotonic) till then, blends reading below memory go to the worker
+        self._lingering: list[threading.Thread] = []  # reads in-step blends gave up on, still running
         all_kv = all(r is Repr.KV for r in self.layout)
         # The methods the stored layout allows: all-KV state loads layer by layer or races compute
         # from the front (Cake); any other layout only as what it is.
@@ -187,12 +197,13 @@ class Restorer:
         """Whether a blend runs inside its request's step, on the step thread, charged to the
         step's budget like a prefill chunk (where it fits: the scheduler's check): one that
         recomputes no more than a compute chunk over state the memory tier holds, or that this
-        host's disks give in at most INLINE_BLEND_READ_S at their predicted rate (then also the
-        most the step waits for them: `BlendRestore`'s `read_wait_s`). A second thread's OpenMP
+        host's disks give in at most INLINE_BLEND_READ_S at their predicted rate (the step waits
+        for them at most INLINE_BLEND_WAIT_S: `BlendRestore`'s `read_wait_s`). A second thread's OpenMP
         team would slow each of its thousands of small ops (kvtier/engine/transient.py). On the
         restore worker: CacheBlend (its check runs layers over every loaded row), and a blend with
         a document to compute alone (a prefill's worth of work), or reading from Redis or more than
-        a local disk gives in that time (a wait)."""
+        a local disk gives in that time (a wait), or reading a disk while in-step reads were lately
+        too slow (INLINE_BLEND_BACKOFF_S)."""
         if blend.options.mode is BlendMode.CACHEBLEND or blend.recomputed_tokens > self.inline_blend_tokens:
             return False
         assert self.segments is not None  # offer() blends only with segment states
@@ -212,6 +223,8 @@ class Restorer:
                 return False
             n, k = reads.get(c.tier, (0, 0))
             reads[c.tier] = (n + c.nbytes, k + calls)
+        if reads and time.monotonic() < self._slow_reads_until:
+            return False
         return sum(self.planner.grouped_read_s(t, n, k) for t, (n, k) in reads.items()) <= INLINE_BLEND_READ_S
 
     def _instant(self, plan: Plan) -> bool:
@@ -270,6 +283,12 @@ class Restorer:
                 done.set_result(None)
             except RestoreMiss as e:
                 done.set_exception(e)  # finish() raises it again: the step's result is void
+            if isinstance(restore, BlendRestore):
+                if restore.reads_too_slow:
+                    self._slow_reads_until = time.monotonic() + INLINE_BLEND_BACKOFF_S
+                    log.warning("a blend's reads took over %.2f s in its step: blends reading below memory run "
+                                "on the restore worker for %.0f s", INLINE_BLEND_WAIT_S, INLINE_BLEND_BACKOFF_S)
+                self._lingering = [t for t in self._lingering if t.is_alive()] + restore.lingering()
             self.attached[req.request_id] = _Job(req, order, restore, done, 0, started)
             return
         self.jobs[req.request_id] = _Job(req, order, restore, self._worker.submit(restore.prepare), ticket.debt,
@@ -282,7 +301,7 @@ class Restorer:
             assert ticket.order.blend is not None and self.segments is not None  # set by _offer_blend
             return BlendRestore(plan, ticket.order.blend, self.segments, self.store, self.runner, req.all_ids,
                                 req.block_ids, req.cache_salt, self.compute_chunk_tokens,
-                                read_wait_s=INLINE_BLEND_READ_S if ticket.instant else None)
+                                in_step=ticket.instant, read_wait_s=INLINE_BLEND_WAIT_S if ticket.instant else None)
         if plan.method is Method.IMPRESS:
             return ImpressRestore(plan, self.importance, self.store, self.runner, req.all_ids, req.block_ids)
         return Restore(plan, self.store, self.runner, req.all_ids, req.block_ids, ticket.start, ticket.order.source,
@@ -403,3 +422,9 @@ class Restorer:
             except RestoreMiss:
                 pass
         self.jobs.clear()
+        deadline = time.monotonic() + LINGERING_JOIN_S
+        for t in self._lingering:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._lingering):
+            log.warning("a read a blend gave up on has not ended after %.0f s: its thread is left to the process "
+                        "(a daemon)", LINGERING_JOIN_S)

@@ -58,7 +58,8 @@ from kvtier.models.attention import ScatteredRows, column_importance
 from kvtier.models.llama import LayerAttention
 from kvtier.planning.blend import BlendMode, BlendPlan, BlendScore, merged, pieces, subtract
 from kvtier.planning.costs import READ_GROUP_LAYERS
-from kvtier.planning.plan import Plan
+from kvtier.planning.plan import Plan, PlannedChunk
+from kvtier.store import format as fmt
 from kvtier.store.index import PrefixMatch
 from kvtier.store.layout import Repr
 from kvtier.store.saving import PendingSave
@@ -101,6 +102,10 @@ class _Source:
 
 class _LoadFailed(RestoreMiss):
     """A stored document's state failed a read or a check while the restore ran."""
+
+
+class _ReadsTooSlow(_LoadFailed):
+    """In the step: the reads were waited for longer than the step may wait for them."""
 
 
 # Consecutive layers' K and V per piece: k, v [layers, rows, kv_heads, hd].
@@ -154,6 +159,9 @@ class _Loader:
                  placed: Sequence[Sequence[tuple[int, int]]] | None = None, wait_s: float | None = None) -> None:
         self.wait_s = wait_s  # the longest the reads are waited for, in all (None: no limit)
         self.waited = 0.0
+        self._lock = threading.Lock()
+        self._ended = False  # the thread is past its last read
+        self._orphaned = False  # closed without waiting for the thread: it gives the staging memory back itself
         self.reads = SegmentReads(states, found, placed)
         self.groups = [range(a, min(a + READ_GROUP_LAYERS, layers)) for a in range(0, layers, READ_GROUP_LAYERS)]
         self.data: list[dict[int, Pieces]] = [{} for _ in found]
@@ -187,6 +195,12 @@ class _Loader:
             self.error = f"{type(e).__name__}: {e}"
             for ev in self.ready:
                 ev.set()
+        finally:
+            with self._lock:
+                self._ended = True
+                orphaned = self._orphaned
+            if orphaned:
+                self.reads.close()
 
     def _wait(self, li: int) -> None:
         """Until layer li is read; raises _LoadFailed if the reads failed, or if waiting for them
@@ -198,7 +212,7 @@ class _Loader:
             done = self.ready[li].wait(max(0.0, self.wait_s - self.waited))
             self.waited += time.perf_counter() - t
             if not done:
-                raise _LoadFailed(f"the reads of the stored documents were waited for over {self.wait_s} s")
+                raise _ReadsTooSlow(f"the reads of the stored documents were waited for over {self.wait_s} s")
         if self.error is not None:
             raise _LoadFailed(self.error)
 
@@ -226,11 +240,20 @@ class _Loader:
         self.reads.release(self.groups[g].start)
         self.window.release()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> threading.Thread | None:
+        """Stop reading and give the staging memory back. `wait`: for a read in progress to end
+        (else, as in the step, which must not wait for a read that hangs, the thread gives the
+        memory back when its read ends). -> the thread where it still runs."""
         self.stop.set()
         self.window.release()  # a loader waiting for room wakes, sees the stop and ends
-        self.thread.join()
+        if wait or all(ev.is_set() for ev in self.ready):  # every layer read or failed: it is ending
+            self.thread.join()
+        with self._lock:
+            if not self._ended:
+                self._orphaned = True
+                return self.thread
         self.reads.close()
+        return None
 
 
 class _Scattered(LayerAttention):
@@ -306,15 +329,19 @@ class BlendRestore(PreparedRestore):
 
     def __init__(self, plan: Plan, blend: BlendPlan, states: SegmentStates, store: TieredStore,
                  runner: ModelRunner, token_ids: Sequence[int], block_ids: Sequence[int], salt: str,
-                 chunk_tokens: int = 512, read_wait_s: float | None = None) -> None:
+                 chunk_tokens: int = 512, in_step: bool = False, read_wait_s: float | None = None) -> None:
         """`chunk_tokens`: the most rows one pass through the layers computes (bounded activations).
-        `read_wait_s`: in its request's step, the longest the recompute waits for reads in all. A failed
-        or slower read has the documents looked up again once; failing again, or a document gone
-        from every tier, the restore is a miss (the request then prefills in chunks: never a
-        prefill's worth of work in one step). None, on the restore worker: reads take what they
-        take, and the documents are then computed alone."""
+        `in_step`: run by its request's step, on the step thread. Then a read that fails or waits
+        past `read_wait_s` in all (None: any time), a document gone from every tier or found in a
+        tier read over a network makes the restore a miss at once (the request then prefills in
+        chunks: never a prefill's worth of work, a second try or a network read in one step), and
+        no read in progress is waited for as it ends (`lingering`). On the restore worker a failed
+        read has the documents looked up again once, then computed alone."""
         super().__init__(runner)
-        self.read_wait_s = read_wait_s
+        self.in_step, self.read_wait_s = in_step, read_wait_s
+        self.reads_too_slow = False  # in the step: the reads took longer than it waits
+        self._waited = 0.0  # in the step: seconds waited for the exact prefix's reads
+        self._lingering: list[threading.Thread] = []
         self.plan, self.blend, self.states, self.store = plan, blend, states, store
         self.chunk_tokens = chunk_tokens
         self.token_ids, self.block_ids, self.salt = list(token_ids), list(block_ids), salt
@@ -326,9 +353,13 @@ class BlendRestore(PreparedRestore):
         self._packed_rows: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # slots, rotation
 
     def _cleanup(self) -> None:
-        if self._loader is not None:
-            self._loader.close()
+        if self._loader is not None and (thread := self._loader.close(wait=not self.in_step)) is not None:
+            self._lingering.append(thread)
         self._sources, self._loader, self._packed_rows = [], None, None
+
+    def lingering(self) -> list[threading.Thread]:
+        """Threads of this restore's reads still running (in the step, a read it gave up on)."""
+        return [t for t in self._lingering if t.is_alive()]
 
     def abort(self) -> None:
         super().abort()
@@ -348,7 +379,8 @@ class BlendRestore(PreparedRestore):
             except _LoadFailed as e:
                 if self._error is not None:  # aborted while waiting for a read: no work after it
                     raise RestoreMiss(self._error) from e
-                if not retry and self.read_wait_s is not None:  # in the step: never a prefill's worth of work
+                if self.in_step:
+                    self.reads_too_slow = isinstance(e, _ReadsTooSlow)
                     raise RestoreMiss(f"{e}: the request prefills instead") from e
                 log.warning("blended restore: %s; %s", e,
                             "looking the documents up again" if retry else "computing the documents alone")
@@ -449,8 +481,12 @@ class BlendRestore(PreparedRestore):
             if not spans:
                 continue  # every row of it recomputed: nothing to read or compute alone
             match = self.states.find(s.tokens, self.salt) if stored else None
-            if match is None and stored and self.read_wait_s is not None:
-                raise _LoadFailed("a stored document is gone from every tier")
+            if self.in_step:
+                if match is None:
+                    raise _LoadFailed("a stored document is gone from every tier")
+                far = [c.tier for c in match.chunks if not self.store.tier(c.tier).local_reads]
+                if far:
+                    raise _LoadFailed(f"a stored document is now found in {far[0]}, read over a network")
             if match is None:
                 st = self.states.compute(s.tokens, self.salt)
                 self.blended.segments_computed += 1
@@ -465,7 +501,8 @@ class BlendRestore(PreparedRestore):
             self._sources.append(self._segment_source(s.position, len(s.tokens), functools.partial(self._layer_read, i),
                                                       functools.partial(self._group_read, i), packed=pack))
         if found:
-            self._loader = _Loader(self.states, found, len(self.layout), placed if pack else None, self.read_wait_s)
+            wait_s = None if self.read_wait_s is None else self.read_wait_s - self._waited
+            self._loader = _Loader(self.states, found, len(self.layout), placed if pack else None, wait_s)
             if pack:
                 self._packed_rows = self._packed_targets([src for src in self._sources if src.packed])
 
@@ -499,11 +536,9 @@ class BlendRestore(PreparedRestore):
         b, n = self.blend, len(self.layout)
         dtype = self.runner.k_cache.dtype
         pieces: list[list[Parts]] = [[] for _ in range(n)]  # per layer, per chunk: (k, v, h)
-        for c in self.plan.chunks:
+        chunks = [c for c in self.plan.chunks if max(c.start, b.start) < min(c.end, b.exact_end)]
+        for c, states in zip(chunks, self._read_exact(chunks)):
             lo, hi = max(c.start, b.start), min(c.end, b.exact_end)
-            if lo >= hi:
-                continue
-            states = self.store.read_layers(c.key, range(n), copy=False)
             if states is None:
                 raise RestoreMiss(f"chunk {c.key[:12]} could not be read intact")
             self.stats.bytes_read += c.nbytes
@@ -517,6 +552,42 @@ class BlendRestore(PreparedRestore):
         moved = iter(uploaded(self.runner.transfer, [t for layer in pieces for part in layer for t in part]))
         placed = [tuple(cast(Parts, tuple(next(moved) for _ in part)) for part in layer) for layer in pieces]
         return self._source(lambda li: placed[li], None, [(b.start, b.exact_end)], 0)
+
+    def _read_exact(self, chunks: Sequence[PlannedChunk]) -> list[list[fmt.LayerState] | None]:
+        """Every layer of each of the exact prefix's `chunks` (None: not read intact). In the step,
+        from the tier the plan names, and where any is below the memory tier's views, on a thread
+        of their own, waited for within `read_wait_s` (a read that hangs never holds the step)."""
+        layers = range(len(self.layout))
+        if not self.in_step:
+            return [self.store.read_layers(c.key, layers, copy=False) for c in chunks]
+
+        def read() -> list[list[fmt.LayerState] | None]:
+            return [self.store.read_layers(c.key, layers, copy=False, tier=c.tier) for c in chunks]
+
+        if all(self.store.tier(c.tier).zero_copy for c in chunks):
+            return read()
+        got: list[list[list[fmt.LayerState] | None] | Exception] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                got.append(read())
+            except Exception as e:  # a failed read is a miss, never lost on this thread
+                got.append(e)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name="kvtier-blend-io", daemon=True)
+        t = time.perf_counter()
+        thread.start()
+        ended = done.wait(self.read_wait_s)
+        self._waited += time.perf_counter() - t
+        if not ended:
+            self._lingering.append(thread)  # it reads into memory of its own: left to end alone
+            raise _ReadsTooSlow(f"the exact prefix's reads were waited for over {self.read_wait_s} s")
+        if isinstance(got[0], Exception):
+            raise _LoadFailed(f"the exact prefix's reads failed: {type(got[0]).__name__}: {got[0]}")
+        return got[0]
 
     def _rows_of(self, position: int, n: int) -> list[tuple[int, int]]:
         """The spans of prompt positions of a segment of `n` tokens at `position` that the plan loads."""
