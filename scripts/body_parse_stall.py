@@ -4,7 +4,10 @@ Two apps serve the server's own request models: one with FastAPI's route (the bo
 validated on the loop), one with kvtier's (`serve/bodies.py`: on a worker thread). A task ticks
 every millisecond on the loop; its longest gap during a request is the stall every other request
 and stream would see. Bodies at the server's default size limit, made of many small objects, the
-worst case for validation. Rounds alternate the two routes.
+worst case for validation, and of many empty arrays, the worst case for decoding (a full garbage
+collection scans the process's heap each time the body's containers trigger one: the process
+keeps --heap small objects alive, as many as a server of SmolLM2 holds). Rounds alternate the two
+routes.
 
     python scripts/body_parse_stall.py --rounds 7 --json FILE
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 from typing import Any
@@ -27,6 +31,9 @@ from kvtier.serve.bodies import OffLoopBodyRoute
 from kvtier.serve.config import DEFAULT_MAX_BODY_BYTES
 from kvtier.serve.errors import install_error_handlers
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+# len(gc.get_objects()) in a process serving SmolLM2-135M (create_app over an Engine, after gc.collect()).
+SERVED_HEAP = 344_000
 
 
 def _app(route_class: type[APIRoute]) -> FastAPI:
@@ -52,9 +59,13 @@ def _bodies(limit: int) -> dict[str, tuple[str, bytes]]:
     chat = {"model": "m", "messages": [msg] * n}
     bad = {"model": "m", "messages": [msg] * (n - 1) + [{"role": "wizard", "content": "a"}]}
     ids = {"model": "m", "prompt": [1] * ((limit - 100) // 3)}
+    empty = {"model": "m", "messages": [{}] * ((limit - 100) // 3)}
+    arrays = {"model": "m", "messages": [msg], "x": [[]] * ((limit - 100) // 3)}
     return {f"chat, {n:,} messages": ("/chat", json.dumps(chat).encode()),
             f"chat, {n:,} messages, the last invalid": ("/chat", json.dumps(bad).encode()),
-            f"completion, {len(ids['prompt']):,} token ids": ("/completion", json.dumps(ids).encode())}
+            f"completion, {len(ids['prompt']):,} token ids": ("/completion", json.dumps(ids).encode()),
+            f"chat, {len(empty['messages']):,} empty (invalid) messages": ("/chat", json.dumps(empty).encode()),
+            f"chat, an unknown field of {len(arrays['x']):,} empty arrays": ("/chat", json.dumps(arrays).encode())}
 
 
 async def _one(client: httpx.AsyncClient, path: str, raw: bytes) -> tuple[float, float, int]:
@@ -86,8 +97,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="body size (default: the server's limit)")
+    ap.add_argument("--heap", type=int, default=SERVED_HEAP,
+                    help="small objects kept alive (default: %(default)s, the gc-tracked objects of a served SmolLM2)")
     ap.add_argument("--json", help="write the raw timings here")
     args = ap.parse_args()
+    heap = [[i] for i in range(args.heap)]  # noqa: F841 (alive while the rounds run)
+    gc.collect()
     rows = asyncio.run(_run(args.rounds, args.bytes))
     print(f"{'body | route':78} {'loop stall ms, median (range)':>30} {'request ms':>11} status")
     for key, row in rows.items():
@@ -96,7 +111,7 @@ def main() -> None:
               f" {statistics.median(row['request_ms']):9.0f}   {sorted(set(row['status']))}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "bytes": args.bytes,
+            json.dump({"machine": machine_info(), "bytes": args.bytes, "heap": args.heap,
                        "rounds": args.rounds, "rows": rows}, f, indent=1)
 
 

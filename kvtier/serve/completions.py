@@ -32,6 +32,7 @@ from kvtier.serve.context import ServerContext, get_context
 from kvtier.serve.errors import APIError
 from kvtier.serve.inputs import (
     Prepared,
+    ToolSetup,
     build_constraint,
     chat_prompt,
     check_unknown_fields,
@@ -167,13 +168,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     check_unknown_fields(body, ctx.config.unknown_fields)
     ctx.check_model(body.model)
     engine = ctx.engine
-    tools = tool_setup(engine, body)
     salt = _salt(ctx, body, request)
     echo = body.echo_text()
     reasoning: ReasoningParser | None = None  # how this request's output is split (its prompt's end says)
+    tools: ToolSetup | None = None
 
     async def inputs() -> tuple[Prepared, Grammar | None]:
-        nonlocal reasoning
+        nonlocal reasoning, tools
+        tools = await run_in_threadpool(tool_setup, engine, body)  # (copies every tool: off the loop)
         ids, spans = await run_in_threadpool(chat_prompt, engine, body, tools, salt)
         grammar = grammar_spec(body, tools)
         reasoning = request_parser(ctx.config.reasoning_parser, engine.model.tokenizer, ids, grammar is not None)
@@ -182,6 +184,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     text = await _token_text(engine, body.logprobs or body.prompt_logprobs is not None, body.return_tokens_as_token_ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = await _start(ctx, body, rid, "chat", received, request, inputs)
+    assert tools is not None  # set by inputs()
     base: dict[str, Any] = dict(
         id=rid, created=int(time.time()), model=ctx.model_name, system_fingerprint=ctx.system_fingerprint
     )
@@ -216,12 +219,16 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     engine = ctx.engine
     salt = _salt(ctx, body, request)
 
+    echo = ""
+
     async def inputs() -> tuple[Prepared, Grammar | None]:
+        nonlocal echo
         ids, spans = await run_in_threadpool(completion_prompt, engine, body, ctx.config.blend_separator, salt)
         grammar = grammar_spec(body)
-        return _prepare(ctx, ids, body, grammar, spans), grammar
+        prepared = _prepare(ctx, ids, body, grammar, spans)  # the prompt checked against the context first
+        echo = await run_in_threadpool(_echoed_prompt, engine, body)
+        return prepared, grammar
 
-    echo = _echoed_prompt(engine, body)
     text = await _token_text(engine, body.logprobs is not None or body.prompt_logprobs is not None,
                              body.return_tokens_as_token_ids)
     rid = f"cmpl-{uuid.uuid4().hex}"

@@ -11,7 +11,7 @@ from fastapi import Request
 from kvtier.engine.background import BackgroundEngine
 from kvtier.engine.engine import Engine
 from kvtier.serve.config import ServeConfig
-from kvtier.serve.errors import APIError
+from kvtier.serve.errors import APIError, quoted
 from kvtier.serve.metrics import ServerMetrics
 
 
@@ -67,7 +67,7 @@ class ServerContext:
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.engine.model.name):
             raise APIError(
-                404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                404, f"the model {quoted(name)} does not exist; this server serves '{self.model_name}'",
                 param="model", code="model_not_found",
             )
 

@@ -8,6 +8,7 @@ Bad input is a 4xx with a message that names the field; only a genuine server fa
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,6 +21,14 @@ from kvtier.serve.bodies import BodyInvalid
 log = logging.getLogger("kvtier.serve")
 
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}
+DESCRIBED_ERRORS = 64  # of a body's field errors, those a message is made from (the rest are counted)
+QUOTED_CHARS = 100  # of a value a message quotes back
+
+
+def quoted(value: object) -> str:
+    """`value` as a message quotes it: repr, cut to QUOTED_CHARS (a value can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS] + "..."
 
 
 class APIError(Exception):
@@ -70,6 +79,8 @@ def _param(loc: tuple) -> list[str]:
 
 def _describe_validation(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
+    total = len(errors)
+    errors = list(errors[:DESCRIBED_ERRORS])
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
@@ -89,7 +100,7 @@ def _describe_validation(exc: RequestValidationError) -> APIError:
     if shared:  # one field (maybe a union): every message is about it
         msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors))
     else:  # several fields (or the body itself): report the first, count the rest
-        more = len(errors) - 1
+        more = total - 1
         tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
         msgs = [f"{first.get('msg', 'invalid value')}{tail}"]
     if first.get("type") == "missing" and len(errors) == 1 and param:
@@ -106,13 +117,19 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
         exc = RequestValidationError(exc.errors)
     assert isinstance(exc, RequestValidationError)
     content_type = request.headers.get("content-type", "")
-    if content_type and "json" not in content_type.lower():
+    if content_type and not _read_as_json(content_type):
         # e.g. `curl -d` without -H: the body was never read as JSON, so every field looks missing.
         return error_response(APIError(
-            400, f"the request body must be JSON sent with 'Content-Type: application/json' (got '{content_type}')",
+            400, f"the request body must be JSON sent with 'Content-Type: application/json' (got {quoted(content_type)})",
             code="invalid_content_type",
         ))
     return error_response(_describe_validation(exc))
+
+
+def _read_as_json(content_type: str) -> bool:
+    """FastAPI's rule for reading a body as JSON: application/json or application/*+json."""
+    main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
@@ -131,6 +148,8 @@ async def _on_http(_: Request, exc: Exception) -> JSONResponse:
         405: "method not allowed for this endpoint",
         413: "the request body is too large",
     }.get(status, str(exc.detail))
+    if status == 413 and exc.detail != HTTPStatus(413).phrase:  # the size limit's own message (middleware.py)
+        message = str(exc.detail)
     code = {400: "invalid_json", 413: "request_too_large", 404: "unknown_url"}.get(status)
     return JSONResponse(error_body(message, error_type(status), None, code), status, headers=exc.headers)
 

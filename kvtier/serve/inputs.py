@@ -26,7 +26,7 @@ from kvtier.engine.structured import Constraint, GrammarError, too_slow
 from kvtier.planning.blend import BlendOptions
 from kvtier.serve.blend_inputs import Spans, blend_asked, content_parts, finder, marked_chat, marked_completion, marks
 from kvtier.serve.budget import check_output_budget
-from kvtier.serve.errors import APIError
+from kvtier.serve.errors import APIError, quoted
 from kvtier.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -303,7 +303,7 @@ def _logit_bias(body: SamplingFields, vocab: int) -> dict[int, float]:
     # spellings of one id would silently merge.
     odd = next((k for k in given if not (k.isascii() and k.isdigit() and (k == "0" or k[0] != "0"))), None)
     if odd is not None:
-        raise APIError(400, f"logit_bias keys must be token ids in plain decimal digits, got {odd!r}",
+        raise APIError(400, f"logit_bias keys must be token ids in plain decimal digits, got {quoted(odd)}",
                        param="logit_bias")
     bias = {int(k): v for k, v in given.items()}
     for name, ids_given in (("logit_bias", bias), ("stop_token_ids", body.stop_token_ids or ())):

@@ -52,7 +52,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise HTTPException(413)
+                    raise HTTPException(413, self._error().message)  # an HTTP exception: FastAPI's body reader passes it
             return message
 
         await self.app(scope, limited_receive, send)

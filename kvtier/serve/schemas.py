@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvtier.engine.request import MAX_LOGPROBS, MAX_N, MAX_PRIORITY, MIN_PRIORITY
+from kvtier.serve.errors import quoted
 
 # Bound on the free-form identifier fields (user, prompt_cache_key, cache_salt); OpenAI's limit for
 # `user`. They are kept per request and per session, so an unbounded one would be a memory lever.
@@ -24,7 +25,10 @@ MAX_ID_CHARS = 256
 
 StopString = Annotated[str, Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# A list fails at its first bad item (fail_fast): a body of a million bad items is one error, not a
+# million to build and describe.
+FAIL_FAST = Field(fail_fast=True)
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1), FAIL_FAST]
 
 
 def only(schema: dict[str, Any], description: str) -> Any:
@@ -87,9 +91,9 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
     # "developer" is OpenAI's newer name for "system"; "tool" carries a tool's result back.
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = Field(None, validate_default=True)
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant only: the calls it made")
+    tool_calls: Annotated[list[ToolCallIn], FAIL_FAST] | None = Field(None, description="assistant only: the calls it made")
     tool_call_id: str | None = Field(None, description="tool only: the call this is the result of")
 
     @field_validator("content")
@@ -170,7 +174,7 @@ class StructuredOutputs(BaseModel):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
     json_object: bool | None = Field(None, description="any JSON object")
     regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1, description="exactly one of these strings")
+    choice: Annotated[list[str], FAIL_FAST] | None = Field(None, min_length=1, description="exactly one of these strings")
     grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
 
     @model_validator(mode="after")
@@ -410,7 +414,7 @@ class SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], FAIL_FAST] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool = Field(False, description="return each output token's logprob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and the k likeliest (needs logprobs)")
@@ -465,13 +469,13 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} variables")
         for key, value in v.items():
             if not _TEMPLATE_NAME.fullmatch(key):
-                raise ValueError(f"{key[:80]!r} is not a template variable name (letters, digits, _)")
+                raise ValueError(f"{quoted(key)} is not a template variable name (letters, digits, _)")
             if key in RESERVED_TEMPLATE_NAMES:
-                raise ValueError(f"{key!r} is set by the server (use the request field of that name, if any)")
+                raise ValueError(f"{quoted(key)} is set by the server (use the request field of that name, if any)")
             if value is not None and not isinstance(value, (bool, int, float, str)):
-                raise ValueError(f"{key!r}: values must be strings, numbers, booleans or null")
+                raise ValueError(f"{quoted(key)}: values must be strings, numbers, booleans or null")
             if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
-                raise ValueError(f"{key!r}: a string value may have at most {MAX_TEMPLATE_VALUE_CHARS} characters")
+                raise ValueError(f"{quoted(key)}: a string value may have at most {MAX_TEMPLATE_VALUE_CHARS} characters")
         return v
 
     @model_validator(mode="after")
@@ -485,7 +489,7 @@ class ChatCompletionRequest(SamplingFields):
         if choice not in (None, "none", "auto") and not names:
             raise ValueError("tool_choice required or a named function needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+            raise ValueError(f"tool_choice names {quoted(choice.function.name)}, which is not among the tools")
         strict = self.tool_mode == "auto" and any(t.function.strict for t in self.tools or [])
         constrained = choice not in (None, "none", "auto") or strict
         if constrained and (any(getattr(self, f) is not None for f in ("structured_outputs", "grammar")) or (
@@ -592,7 +596,8 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = Field(None, min_length=1, description="the served model name; optional")
     prompt: str | None = Field(None, description="text, tokenized as /v1/completions tokenizes it")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat messages, through the chat template")
+    messages: Annotated[list[ChatMessage], FAIL_FAST] | None = Field(
+        None, min_length=1, description="chat messages, through the chat template")
     add_special_tokens: bool | None = Field(
         None, description="prompt only: add the tokenizer's special tokens (BOS). Default true, as /v1/completions "
         "tokenizes; with messages only false (the template places them)",
@@ -655,4 +660,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, min_length=1, description="the served model name; optional")
-    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20), FAIL_FAST]

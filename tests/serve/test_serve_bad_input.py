@@ -8,7 +8,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvtier.serve import completions as completions_module
 from kvtier.serve.bodies import MAX_DEPTH, OFF_LOOP_BYTES
+from kvtier.serve.errors import QUOTED_CHARS
+from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 from serve_testlib import BODY_LIMIT, TINY, WINDOW, Served, wait_idle
 
@@ -178,7 +181,104 @@ def test_oversized_body_chunked(http: httpx.Client) -> None:
             yield b"y" * 1024
         yield b'"}'
 
-    assert_error(http.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"}), 413)
+    err = assert_error(http.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert str(BODY_LIMIT) in err["message"], err  # as with a Content-Length
+
+
+# A million bad items would be a million validation errors to build and describe (seconds of the
+# event loop and gigabytes); every list stops at its first bad item.
+MANY = 200_000
+MANY_BAD = [
+    ("messages", ChatCompletionRequest, {"model": TINY, "messages": [{}] * MANY}),
+    ("content parts", ChatCompletionRequest, {"model": TINY, "messages": [{"role": "user", "content": [{}] * MANY}]}),
+    ("tool calls", ChatCompletionRequest, {"model": TINY, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{}] * MANY}]}),
+    ("prompt ids", CompletionRequest, {"model": TINY, "prompt": [-1] * MANY}),
+    ("batched prompt ids", CompletionRequest, {"model": TINY, "prompt": [[-1] * MANY]}),
+    ("choice", ChatCompletionRequest, {"model": TINY, "messages": OK_MESSAGES, "structured_outputs": {"choice": [1] * MANY}}),
+    ("tokenize messages", TokenizeRequest, {"messages": [{}] * MANY}),
+    ("detokenize ids", DetokenizeRequest, {"tokens": [-1] * MANY}),
+]
+
+
+@pytest.mark.parametrize("name,schema,body", MANY_BAD, ids=[c[0] for c in MANY_BAD])
+def test_a_list_of_many_bad_items_is_a_few_errors(name, schema, body) -> None:
+    with pytest.raises(ValueError) as e:
+        schema.model_validate(body)
+    assert e.value.error_count() <= 8, e.value.error_count()
+
+
+def test_many_bad_items_and_members_are_one_bounded_400(http: httpx.Client) -> None:
+    many = BODY_LIMIT // 8  # within this server's body limit
+    for path, body in [(CHAT, {"model": TINY, "messages": [{}] * many}),
+                       (COMPLETIONS, {"model": TINY, "prompt": [-1] * many}),
+                       ("/detokenize", {"tokens": [-1] * many}),
+                       ("/tokenize", {"prompt": "x", **{f"k{i}": 0 for i in range(many // 2)}})]:  # each a field error
+        err = assert_error(http.post(path, json=body), 400)
+        assert len(err["message"]) < 1000, err["message"][:200]
+
+
+HUGE = "x" * (BODY_LIMIT // 2)  # within this server's body limit
+QUOTING = [
+    ("model", CHAT, chat(model=HUGE), 404),
+    ("tokenize model", "/tokenize", {"model": HUGE, "prompt": "x"}, 404),
+    ("tool_choice name", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                    tool_choice={"type": "function", "function": {"name": "g" + HUGE}}), 400),
+    ("logit_bias key", CHAT, chat(logit_bias={"9" * 10 + "x" + HUGE: 1}), 400),
+    ("template variable", CHAT, chat(chat_template_kwargs={"a" + HUGE: 1}), 400),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", QUOTING, ids=[c[0] for c in QUOTING])
+def test_an_error_quotes_at_most_a_hundred_characters_of_a_value(http: httpx.Client, name, path, body, status) -> None:
+    err = assert_error(http.post(path, json=body), status)
+    assert len(err["message"]) < QUOTED_CHARS + 300, len(err["message"])
+
+
+def test_a_huge_content_type_is_quoted_short(http: httpx.Client) -> None:
+    err = assert_error(http.post(COMPLETIONS, content=json.dumps(completion()).encode(),
+                                 headers={"content-type": "text/plain; x=" + "y" * 8000}), 400, code="invalid_content_type")
+    assert len(err["message"]) < QUOTED_CHARS + 300
+
+
+@pytest.mark.parametrize("content_type", ["text/json", "application/x-json", "application/jsonl",
+                                          "application/json-patch"])
+def test_a_content_type_fastapi_does_not_read_as_json_is_explained(http: httpx.Client, content_type: str) -> None:
+    resp = http.post(COMPLETIONS, content=json.dumps(completion()).encode(), headers={"content-type": content_type})
+    assert_error(resp, 400, code="invalid_content_type")
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "application/vnd.kvtier+json"])
+def test_json_content_types_are_read(http: httpx.Client, content_type: str) -> None:
+    resp = http.post(COMPLETIONS, content=json.dumps(completion()).encode(), headers={"content-type": content_type})
+    assert resp.status_code == 200, resp.text
+
+
+def test_echo_and_tools_are_prepared_off_the_loop_after_the_length_check(http: httpx.Client, monkeypatch) -> None:
+    """Decoding a long prompt's ids to echo them, and copying the tools, are a request's work: on
+    a worker thread, and the ids of a prompt longer than the context are never decoded."""
+    import asyncio
+
+    calls: list[str] = []
+
+    def on_the_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    echoed, tools = completions_module._echoed_prompt, completions_module.tool_setup
+    monkeypatch.setattr(completions_module, "_echoed_prompt",
+                        lambda *a: (calls.append(f"echo on loop={on_the_loop()}"), echoed(*a))[1])
+    monkeypatch.setattr(completions_module, "tool_setup",
+                        lambda *a: (calls.append(f"tools on loop={on_the_loop()}"), tools(*a))[1])
+    assert_error(http.post(COMPLETIONS, json=completion(prompt=[1] * (WINDOW + 5), echo=True)), 400,
+                 "prompt", "context_length_exceeded")
+    assert calls == []
+    assert http.post(COMPLETIONS, json=completion(prompt=[1, 2, 3], echo=True)).status_code == 200
+    assert http.post(CHAT, json=chat(tools=[{"type": "function", "function": {"name": "f"}}])).status_code == 200
+    assert calls == ["echo on loop=False", "tools on loop=False"]
 
 
 def test_unknown_path_and_method(http: httpx.Client) -> None:

@@ -14,7 +14,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvtier.serve.bodies import MAX_DEPTH, OFF_LOOP_BYTES, PARSE_THREADS, OffLoopBodyRoute, deeper_than
+from kvtier.serve import bodies
+from kvtier.serve.bodies import MAX_DEPTH, MAX_KEYS, OFF_LOOP_BYTES, PARSE_THREADS, OffLoopBodyRoute, shape_problem
 from kvtier.serve.errors import install_error_handlers
 
 VALIDATED_ON: list[int] = []  # the thread of each validation of Probe.text
@@ -27,7 +28,14 @@ class Probe(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     text: str
     n: int = Field(0, ge=0)
-    data: list | None = None
+    data: list | dict | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _bug(cls, v: int) -> int:
+        if v == 13:
+            raise KeyError("a validator's own bug")
+        return v
 
     @field_validator("text")
     @classmethod
@@ -60,7 +68,7 @@ def client() -> Iterator[tuple[TestClient, list[int]]]:
     VALIDATED_ON.clear()
     ACTIVE[:] = [0, 0]
     HOLD.set()
-    with TestClient(app) as c:
+    with TestClient(app, raise_server_exceptions=False) as c:  # a fault is the app's 500, as served
         yield c, loop_threads
 
 
@@ -135,10 +143,67 @@ def _nested(levels: int) -> list:
     return value
 
 
-def test_deeper_than_counts_arrays_and_objects() -> None:
-    assert not deeper_than("x" * 100, 0) and not deeper_than(3, 0)
-    assert not deeper_than({"a": [1, {"b": []}]}, 4) and deeper_than({"a": [1, {"b": []}]}, 3)
-    assert not deeper_than(_nested(100_000), 100_000) and deeper_than(_nested(100_000), 99_999)
+def test_shape_problem_counts_arrays_and_objects_and_members() -> None:
+    deep = "nested deeper than"
+    assert shape_problem("x" * 100, 0, 1) is None and shape_problem(3, 0, 1) is None
+    assert shape_problem({"a": [1, {"b": []}]}, 4, 9) is None and deep in str(shape_problem({"a": [1, {"b": []}]}, 3, 9))
+    assert shape_problem(_nested(100_000), 100_000, 9) is None and deep in str(shape_problem(_nested(100_000), 99_999, 9))
+    assert shape_problem([{"a": 1, "b": 2}], 9, 2) is None
+    assert shape_problem([[], {"a": 1, "b": 2, "c": 3}], 9, 2) == "an object of more than 2 members"
+    assert shape_problem({str(i): 0 for i in range(3)}, 9, 2) == "an object of more than 2 members"
+
+
+@pytest.mark.parametrize("size", [0, OFF_LOOP_BYTES], ids=["small", "large"])
+def test_an_object_of_more_than_max_keys_members_is_the_same_400_at_any_size(client, size: int) -> None:
+    """(a million unknown members would each be a validation error to build and describe)"""
+    c, _ = client
+    ok = _post(c, _raw({"text": "x", "data": {str(i): 0 for i in range(MAX_KEYS)}}, size))
+    assert ok.status_code == 200, ok.text
+    r = _post(c, _raw({"text": "x", "data": {str(i): 0 for i in range(MAX_KEYS + 1)}}, size))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert f"an object of more than {MAX_KEYS} members" in r.json()["error"]["message"]
+
+
+def test_a_validators_fault_is_the_same_logged_500_at_any_size(client, caplog) -> None:
+    c, _ = client
+    for size in (0, OFF_LOOP_BYTES):
+        caplog.clear()
+        r = _post(c, _raw({"text": "x", "n": 13}, size))
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        assert "a validator's own bug" not in r.text  # internals stay in the log
+        assert any(rec.exc_info and "a validator's own bug" in str(rec.exc_info[1]) + str(rec.exc_info[1].__cause__)
+                   for rec in caplog.records), caplog.records
+
+
+def test_the_collector_is_paused_while_bodies_parse_and_resumed_as_it_was() -> None:
+    import gc
+
+    assert gc.isenabled()
+    with bodies._collector_paused():
+        with bodies._collector_paused():  # two parses at once
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the first still parses
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with bodies._collector_paused():
+            pass
+        assert not gc.isenabled()  # paused by someone else: left so
+    finally:
+        gc.enable()
+
+
+def test_a_large_body_whose_client_left_while_queued_is_not_parsed(client, monkeypatch) -> None:
+    c, _ = client
+    parsed: list[bytes] = []
+    monkeypatch.setattr(bodies, "_parse", lambda validate, raw: parsed.append(raw) or pytest.fail("parsed"))
+
+    async def gone(self) -> bool:
+        return True
+
+    monkeypatch.setattr(bodies._ThreadParsedRequest, "is_disconnected", gone)
+    r = _post(c, _raw({"text": "x"}, OFF_LOOP_BYTES))
+    assert r.status_code == 499 and not parsed
 
 
 @pytest.mark.parametrize("size", [0, OFF_LOOP_BYTES], ids=["small", "large"])
