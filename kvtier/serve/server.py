@@ -75,6 +75,18 @@ class ReadDeadlineProtocol(H11Protocol):
         super().connection_made(transport)
         self._arm("headers")  # a connection that never sends a byte is closed too
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot read as a request (a malformed header or chunk),
+        in OpenAI's error shape instead of uvicorn's plain text; the connection then closes."""
+        body = json.dumps(error_body(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')})", "invalid_request_error",
+                                     code="invalid_http")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._follow(started=True)

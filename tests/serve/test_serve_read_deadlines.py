@@ -8,6 +8,7 @@ not how fast."""
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -126,6 +127,23 @@ def test_a_body_sent_half_gets_408_and_is_closed(server) -> None:
         sock.sendall(head + body)  # 100 bytes short
         reply = _read_until_closed(sock)
     assert _closed_quietly_or_408(reply), reply
+    assert _healthy(server)
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost x\r\n\r\n",
+], ids=["malformed chunk size", "two lengths", "header without a colon"])
+def test_bytes_that_are_not_http_get_a_json_400_and_are_closed(server, raw: bytes) -> None:
+    """Answered by the server itself, before any app: the error shape of every other answer."""
+    with _connect(server, timeout=10) as sock:
+        sock.sendall(raw)
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), reply
+    err = json.loads(body)["error"]
+    assert err["code"] == "invalid_http" and err["message"].startswith("the request is not valid HTTP/1.1"), err
     assert _healthy(server)
 
 
