@@ -7,6 +7,7 @@ Bad input is a 4xx with a message that names the field; only a genuine server fa
 
 from __future__ import annotations
 
+import email.message
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -27,8 +28,7 @@ QUOTED_CHARS = 100  # of a value a message quotes back
 
 def quoted(value: object) -> str:
     """`value` as a message quotes it: repr, cut to QUOTED_CHARS (a value can be megabytes)."""
-    text = repr(value)
-    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS] + "..."
+    return _cut(repr(value))
 
 
 class APIError(Exception):
@@ -74,13 +74,18 @@ def _is_union_tag(part: object) -> bool:
 
 
 def _param(loc: tuple) -> list[str]:
-    return [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
+    """A field path's parts as a message names them (a part can be a body's own key: cut short)."""
+    return [_cut(str(p)) for p in loc if p != "body" and not _is_union_tag(p)]
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS] + "..."
 
 
 def _describe_validation(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    total = len(errors)
-    errors = list(errors[:DESCRIBED_ERRORS])
+    every = exc.errors()  # a bounded count: request lists stop at a bad item, objects at 16,384 members
+    total = len(every)
+    errors = list(every[:DESCRIBED_ERRORS])
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
@@ -89,7 +94,7 @@ def _describe_validation(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON ({where})".replace(" ()", ""), code="invalid_json")
     # A value that matches no member of a union yields one error per member; name the field
     # they share and list the alternatives instead of reporting the first member's complaint.
-    locs = [_param(e.get("loc", ())) for e in errors]
+    locs = [_param(e.get("loc", ())) for e in every]
     shared = locs[0]
     for loc in locs[1:]:
         n = 0
@@ -97,7 +102,7 @@ def _describe_validation(exc: RequestValidationError) -> APIError:
             n += 1
         shared = shared[:n]
     param = ".".join(shared or locs[0]) or None
-    if shared:  # one field (maybe a union): every message is about it
+    if shared:  # one field (maybe a union): every message is about it (the first DESCRIBED_ERRORS tell)
         msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors))
     else:  # several fields (or the body itself): report the first, count the rest
         more = total - 1
@@ -127,9 +132,12 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _read_as_json(content_type: str) -> bool:
-    """FastAPI's rule for reading a body as JSON: application/json or application/*+json."""
-    main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
-    return main == "application" and (sub == "json" or sub.endswith("+json"))
+    """FastAPI's rule for reading a body as JSON, as FastAPI parses the header (email.message: a
+    malformed type reads as text/plain): application/json or application/*+json."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    sub = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:

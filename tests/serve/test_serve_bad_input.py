@@ -225,6 +225,9 @@ QUOTING = [
     ("tool_choice name", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                     tool_choice={"type": "function", "function": {"name": "g" + HUGE}}), 400),
     ("logit_bias key", CHAT, chat(logit_bias={"9" * 10 + "x" + HUGE: 1}), 400),
+    ("logit_bias key of a bad value", COMPLETIONS, completion(logit_bias={HUGE: 999}), 400),
+    ("unknown tokenize field", "/tokenize", {"prompt": "x", HUGE: 1}, 400),
+    ("unknown detokenize field", "/detokenize", {"tokens": [1], HUGE: 1}, 400),
     ("template variable", CHAT, chat(chat_template_kwargs={"a" + HUGE: 1}), 400),
 ]
 
@@ -233,6 +236,21 @@ QUOTING = [
 def test_an_error_quotes_at_most_a_hundred_characters_of_a_value(http: httpx.Client, name, path, body, status) -> None:
     err = assert_error(http.post(path, json=body), status)
     assert len(err["message"]) < QUOTED_CHARS + 300, len(err["message"])
+    assert err["param"] is None or len(err["param"]) < QUOTED_CHARS + 20, len(err["param"])
+
+
+def test_a_message_from_many_errors_of_one_field_still_names_another_fields() -> None:
+    from fastapi.exceptions import RequestValidationError
+
+    from kvtier.serve.errors import DESCRIBED_ERRORS, _describe_validation
+
+    with pytest.raises(ValueError) as e:
+        CompletionRequest.model_validate(dict(model="m", prompt="x", prompt_logprobs=-1,
+                                              logit_bias={str(i): 999 for i in range(DESCRIBED_ERRORS + 6)}))
+    errors = [{**err, "loc": ("body", *err["loc"])} for err in e.value.errors()]
+    described = _describe_validation(RequestValidationError(errors))
+    # several fields: the first named, the rest counted (not one field's messages alone)
+    assert described.param == "logit_bias.0" and f"(and {len(errors) - 1} more problems)" in str(described), described
 
 
 def test_a_huge_content_type_is_quoted_short(http: httpx.Client) -> None:
@@ -242,7 +260,7 @@ def test_a_huge_content_type_is_quoted_short(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("content_type", ["text/json", "application/x-json", "application/jsonl",
-                                          "application/json-patch"])
+                                          "application/json-patch", "application/a/b+json"])
 def test_a_content_type_fastapi_does_not_read_as_json_is_explained(http: httpx.Client, content_type: str) -> None:
     resp = http.post(COMPLETIONS, content=json.dumps(completion()).encode(), headers={"content-type": content_type})
     assert_error(resp, 400, code="invalid_content_type")
