@@ -125,3 +125,31 @@ def test_adding_while_prompts_are_searched_is_safe():
         c.add(_texts(f"document {i} " + B), salt=f"t{i % 7}")
     t.join()
     assert errors == []
+
+
+def test_a_prompt_longer_than_the_window_is_not_searched():
+    """(refused by its length anyway: a scan of a 4 MB body would cost seconds)"""
+    c = Corpus()
+    d = list(range(100, 140))
+    c.add(_texts(A) + [(None, d)])
+    f = c.finder(max_ids=50, max_chars=len(A) + 10)
+    assert f.text(A) == [A] and f.text(A + " " * 11) == []
+    assert f.ids(d) == [d] and f.ids(d + [0] * 11) == []
+
+
+def test_the_engines_finder_is_capped_at_its_window():
+    from types import SimpleNamespace
+
+    from kvtier.engine import prompts
+    from kvtier.engine.config import ReuseConfig
+    from kvtier.engine.engine import Engine
+    from kvtier.models.loading import load_model
+    from kvtier.planning.blend import BlendOptions
+
+    assert prompts.longest_token_chars(SimpleNamespace(get_vocab=lambda: {"a": 0, "Ġthe": 1, "b": 2})) == 4
+    assert prompts.longest_token_chars(None) is None
+    model = load_model("tiny-gqa", dtype="fp32", tokenizer=False)
+    with Engine(model, store="memory:64MB", reuse=ReuseConfig(chunk_tokens=64, blend=BlendOptions())) as engine:
+        engine.precompile([list(range(100, 140))])
+        f = engine.finder(True, None)
+        assert f is not None and f.max_ids == engine.max_model_len and f.max_chars is None  # no vocabulary

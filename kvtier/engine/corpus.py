@@ -9,12 +9,14 @@ A document too short to load (under MIN_SEGMENT_TOKENS tokens) is not kept.
 
 Each kind (texts, ids) is a radix tree (edges labelled with the documents' shared runs). The
 prompt is scanned once: at each position the tree is walked as far as the prompt follows it, the
-longest document ending on the way is taken and the scan goes on after it. Edge labels are
-compared BLOCK elements at a time and every comparison counts: a scan stops after WORK_FACTOR
-comparisons per element of the prompt, so a prompt built to follow the tree everywhere (a
-document's first run, repeated) costs a bounded scan, and what it has not found by then is
-computed as unmarked text is. At most MAX_DOCUMENTS are found. Runs on the caller's thread (a
-request's thread-pool task on the server), never the step thread.
+longest document ending on the way is taken and the scan goes on after it. An edge label counts
+one comparison per BLOCK elements (its first block compared alone, the rest, where the first
+matched, in one call) and a scan stops after WORK_FACTOR comparisons per element of the prompt,
+so a prompt built to follow the tree everywhere (a document's first run, repeated) costs a
+bounded scan, and what it has not found by then is computed as unmarked text is. At most
+MAX_DOCUMENTS are found. A prompt longer than the context window (in ids, or in characters as
+many as the window's tokens could hold) is not searched: it is refused by its length anyway.
+Runs on the caller's thread (a request's thread-pool task on the server), never the step thread.
 """
 
 from __future__ import annotations
@@ -95,15 +97,18 @@ class _Tree(Generic[Doc]):
                 if edge is None or j + len(edge[0]) > n:
                     break
                 label, child = edge
-                followed = True
-                for k in range(0, len(label), BLOCK):
-                    budget -= 1
-                    e = min(k + BLOCK, len(label))
-                    if hay[j + k:j + e] != label[k:e] or (budget <= 0 and e < len(label)):
-                        followed = False
-                        break
-                if not followed:
+                budget -= 1
+                head = min(BLOCK, len(label))
+                if hay[j:j + head] != label[:head]:
                     break
+                rest = -(-len(label) // BLOCK) - 1  # the label's other blocks, compared in one call
+                if rest:
+                    if rest > budget:
+                        budget = 0
+                        break
+                    budget -= rest
+                    if hay[j + BLOCK:j + len(label)] != label[BLOCK:]:
+                        break
                 node, j = child, j + len(label)
                 if node.end:
                     best = j - i
@@ -145,8 +150,8 @@ class Corpus:
         """Documents kept (a count kept under the lock: read on every request)."""
         return self._count
 
-    def finder(self, salt: str = "") -> Finder:
-        return Finder(self, salt)
+    def finder(self, salt: str = "", max_ids: int | None = None, max_chars: int | None = None) -> Finder:
+        return Finder(self, salt, max_ids, max_chars)
 
     def find_text(self, text: str, salt: str = "") -> list[str]:
         """The documents in `text`, in order: every tenant's and the partition's, the longest at each position."""
@@ -162,15 +167,22 @@ class Corpus:
 
 @dataclass(frozen=True)
 class Finder:
-    """A cache partition's search of the corpus (Engine.finder's): documents.mark calls it on any prompt."""
+    """A cache partition's search of the corpus (Engine.finder's): documents.mark calls it on any
+    prompt. A prompt over `max_ids` ids or `max_chars` characters (None: any) is not searched."""
 
     corpus: Corpus
     salt: str
+    max_ids: int | None = None
+    max_chars: int | None = None
 
     def text(self, text: str) -> list[str]:
+        if self.max_chars is not None and len(text) > self.max_chars:
+            return []
         return self.corpus.find_text(text, self.salt)
 
     def ids(self, ids: Sequence[int]) -> list[list[int]]:
+        if self.max_ids is not None and len(ids) > self.max_ids:
+            return []
         return self.corpus.find_ids(ids, self.salt)
 
     def __call__(self, prompt: str | Sequence[int]) -> list[str] | list[list[int]]:

@@ -6,6 +6,7 @@ and RequestOutputs) is assembly.py's; the facade wires the rooms and runs the lo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -212,12 +213,18 @@ class Engine:
     def validate(self, ids: Sequence[int]) -> None:
         prompts.validate(ids, self.max_model_len, self.model.config.vocab_size)
 
+    @functools.cached_property
+    def _longest_token_chars(self) -> int | None:
+        return prompts.longest_token_chars(self.model.tokenizer)
+
     def finder(self, blend: bool | BlendOptions | None, cache_salt: str | None) -> Finder | None:
         """What finds the corpus's documents in a request's unmarked prompt: None where the request
         does not blend (`blend` False, or None where the engine does not) or nothing is known."""
         if blend is False or (blend is None and self.blend is None) or not len(self.corpus):
             return None
-        return self.corpus.finder(cache_salt or "")
+        longest = self._longest_token_chars
+        return self.corpus.finder(cache_salt or "", max_ids=self.max_model_len,
+                                  max_chars=None if longest is None else self.max_model_len * longest)
 
     def add_request(
         self,

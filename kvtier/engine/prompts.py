@@ -58,6 +58,16 @@ def encode_chat(model: LoadedModel, messages: Sequence[dict[str, Any]], add_gene
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token's text can have: the longest string of the vocabulary (a
+    byte-level vocabulary's strings have a character per byte, more than the text's characters);
+    None without a vocabulary."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    if vocab is None:
+        return None
+    return max((len(w) for w in vocab()), default=None)
+
+
 def validate(ids: Sequence[int], max_model_len: int, vocab: int) -> None:
     if not ids:
         raise PromptError("the prompt is empty")
