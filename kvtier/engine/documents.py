@@ -25,9 +25,11 @@ def _count(documents: Sequence[object]) -> None:
         raise PromptError(f"at most {MAX_DOCUMENTS} documents per prompt, got {len(documents)}")
 
 
-def encode_marked(encode: Encode, text: str, documents: Sequence[str]) -> tuple[list[int], list[tuple[int, int]]]:
+def encode_marked(encode: Encode, text: str, documents: Sequence[str],
+                  starts: Sequence[int] | None = None) -> tuple[list[int], list[tuple[int, int]]]:
     """`text`, in which each document occurs in order, as token ids with each document and each
-    stretch between them tokenized alone; -> (ids, the documents' spans [a, b))."""
+    stretch between them tokenized alone; -> (ids, the documents' spans [a, b)). `starts`: where
+    to look for each document from (else right after the one before)."""
     _count(documents)
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
@@ -35,7 +37,7 @@ def encode_marked(encode: Encode, text: str, documents: Sequence[str]) -> tuple[
     for i, doc in enumerate(documents):
         if not isinstance(doc, str) or not doc:
             raise PromptError(f"document {i} must be a non-empty string")
-        j = text.find(doc, at)
+        j = text.find(doc, at if starts is None else max(at, starts[i]))
         if j < 0:
             raise PromptError(f"document {i} does not occur in the prompt (after the document before it)")
         if j > at:

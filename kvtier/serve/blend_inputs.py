@@ -57,32 +57,58 @@ def finder(engine: Engine, body: SamplingFields, salt: str | None) -> Finder | N
     return engine.finder(None, salt) if marks(engine, body) else None
 
 
-def content_parts(body: ChatCompletionRequest) -> list[str]:
-    """The text parts of the messages' content lists, in order (each a document)."""
-    return [p.text for m in body.messages if isinstance(m.content, list) for p in m.content if p.text.strip()]
+# Each message's content as the template renders it, and the text parts of its content list (each a document).
+Contents = list[tuple[str, list[str]]]
 
 
-def marked_chat(engine: Engine, render: Callable[[], str], parts: list[str],
+def content_parts(body: ChatCompletionRequest) -> Contents:
+    """Every message's content text and its content list's text parts, in order."""
+    return [(m.text(), [p.text for p in m.content if p.text.strip()] if isinstance(m.content, list) else [])
+            for m in body.messages]
+
+
+def marked_chat(engine: Engine, render: Callable[[], str], contents: Contents,
                 find: Finder | None = None) -> tuple[list[int], Spans] | None:
-    """The rendered chat prompt with its content `parts` marked: each tokenized alone. A part the
-    template does not render as given (trimmed, escaped) is left unmarked. No parts: the documents
-    `find` finds in the render, None where it finds none."""
-    if len(parts) > documents.MAX_DOCUMENTS:
-        raise APIError(400, f"at most {documents.MAX_DOCUMENTS} content parts are documents to blend, got {len(parts)}; "
+    """The rendered chat prompt with its content parts marked: each tokenized alone, found within
+    its own message's content (each message's found in the render after the one before). A part
+    the template does not render as given (trimmed, escaped) is left unmarked. No parts: the
+    documents `find` finds in the render, None where it finds none. None too where marking would
+    cut the template's own tokens apart (a part like "im_start" found inside "<|im_start|>")."""
+    count = sum(len(parts) for _, parts in contents)
+    if count > documents.MAX_DOCUMENTS:
+        raise APIError(400, f"at most {documents.MAX_DOCUMENTS} content parts are documents to blend, got {count}; "
                        "join some, or send blend: false", param="messages")
     text = render()
-    found, at = [], 0
-    for p in parts:  # in order, each after the one before, as encode_marked looks them up
-        j = text.find(p, at)
-        if j >= 0:
-            found.append(p)
-            at = j + len(p)
-    if not parts and find is not None:
+    found: list[str] = []
+    starts: list[int] = []
+    at = 0
+    for content, parts in contents:
+        j = text.find(content, at) if content else -1
+        if j < 0:
+            continue  # not rendered as given: its parts are left unmarked
+        k, at = j, j + len(content)
+        for p in parts:
+            q = text.find(p, k, at)
+            if q >= 0:
+                found.append(p)
+                starts.append(q)
+                k = q + len(p)
+    if not count and find is not None:
         found = find.text(text)
         if not found:
             return None
-    ids, spans = documents.encode_marked(engine.encode, text, found)
+    ids, spans = documents.encode_marked(engine.encode, text, found, starts if count else None)
+    markup = _markup_ids(engine)
+    if markup and spans and sum(i in markup for i in ids) != sum(i in markup for i in engine.encode(text)):
+        return None
     return ids, tuple(spans)
+
+
+def _markup_ids(engine: Engine) -> frozenset[int]:
+    """The tokenizer's added tokens (a chat template's markup: <|im_start|>, <|eot_id|>)."""
+    tok = engine.model.tokenizer
+    added = getattr(tok, "get_added_vocab", None)
+    return frozenset(added().values()) if added is not None else frozenset(getattr(tok, "all_special_ids", ()))
 
 
 def marked_completion(engine: Engine, body: CompletionRequest, separator: str | None,

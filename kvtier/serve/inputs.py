@@ -120,11 +120,12 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: ToolSetup,
         except PromptError as e:
             raise APIError(400, str(e), param=field) from None
     try:
-        parts = content_parts(body) if marks(engine, body) else []
+        contents = content_parts(body) if marks(engine, body) else []
+        parts = any(p for _, p in contents)
         find = None if parts else finder(engine, body, salt)
         if parts or find is not None:
             marked = marked_chat(engine, lambda: _render_chat(engine, messages, tools_arg, body, tokenize=False),
-                                 parts, find)
+                                 contents, find)
             if marked is not None:
                 return marked
         if not body.continue_final_message and not body.chat_template_kwargs:

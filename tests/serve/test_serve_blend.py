@@ -161,3 +161,15 @@ def test_the_separator_is_markup_tokenize_counts_as_a_request_and_blend_false_ta
 
     assert count(prompt) == completion()
     assert completion(blend=False) == count(plain)
+
+
+@pytest.mark.parametrize("part", ["im_start", "|>", "_end|"])
+def test_a_part_never_cuts_the_templates_own_tokens_apart(blend_server, part):
+    """A part found inside the template's markup (here inside <|im_start|>: the message's content
+    occurs there first) would tokenize the markup as text: the prompt is then not marked, its
+    tokens those of the prompt without blending."""
+    r = _chat(blend_server.url, [part])
+    off = _chat(blend_server.url, [part], blend=False)
+    assert r.status_code == off.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == off.json()["usage"]["prompt_tokens"]
+    assert r.json()["usage"]["prompt_tokens_details"]["blended_tokens"] is None
