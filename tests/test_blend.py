@@ -703,6 +703,16 @@ def test_blending_is_refused_with_a_message_where_it_is_off(fp32):
             engine.add_request(ids, GREEDY, documents=[ids[20:40], [1, 2, 3]])
         with pytest.raises(PromptError, match="segment"):
             engine.add_request(ids, GREEDY, segments=[(10, 5)])
+        # The wrong shapes are refused, never read another way: one string is not its characters,
+        # a float or a bool is not a position.
+        for bad in ("one document as a bare string", [None], [b"bytes"], [[1, 2.5]]):
+            with pytest.raises(PromptError, match="documents must be a list|document 0 must be"):
+                engine.add_request(ids, GREEDY, documents=bad)
+            with pytest.raises(PromptError, match="documents must be a list|document 0 must be"):
+                engine.precompile(bad)
+        for bad in ([(0.7, 9.9)], [(True, 9)], [(0, 5, 9)], (0, 5)):
+            with pytest.raises(PromptError, match="segments must be"):
+                engine.add_request(ids, GREEDY, segments=bad)
 
 
 def test_the_samples_of_an_n_request_blend_alike(fp32):

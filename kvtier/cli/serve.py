@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
 
     options = from_args(ServeOptions, args)
     engine_options = EngineOptions.from_args(args)
+    if options.blend_separator is not None and not engine_options.blend:
+        raise ValueError("--blend-separator marks the documents to blend: add --blend")
     config = options.serve_config()
     sock = listen_socket(options.host, options.port)  # the port is ours (or one line, exit 2) before the load
     try:

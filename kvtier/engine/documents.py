@@ -25,6 +25,24 @@ def _count(documents: Sequence[object]) -> None:
         raise PromptError(f"at most {MAX_DOCUMENTS} documents per prompt, got {len(documents)}")
 
 
+def given(documents: object) -> list[str | list[int]]:
+    """Documents as the API takes them: a list of texts or of token-id lists (never one string,
+    which would be taken a character at a time)."""
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
+        raise PromptError("documents must be a list of documents (texts or token-id lists), not "
+                          f"{type(documents).__name__}: wrap one document in a list")
+    out: list[str | list[int]] = []
+    for i, d in enumerate(documents):
+        if isinstance(d, str):
+            out.append(d)
+        elif isinstance(d, Sequence) and not isinstance(d, bytes) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in d):
+            out.append(list(d))
+        else:
+            raise PromptError(f"document {i} must be a text or a list of token ids, got {type(d).__name__}")
+    return out
+
+
 def encode_marked(encode: Encode, text: str, documents: Sequence[str],
                   starts: Sequence[int] | None = None) -> tuple[list[int], list[tuple[int, int]]]:
     """`text`, in which each document occurs in order, as token ids with each document and each
@@ -83,6 +101,8 @@ def mark(encode: Callable[[str | Sequence[int]], list[int]], prompt: str | Seque
     finds in it (engine/corpus.py), else no document."""
     if documents is not None and segments:
         raise PromptError("give documents or segments, not both")
+    if documents is not None:
+        documents = given(documents)
     if documents is None and not segments and find is not None:
         documents = find(prompt) or None
     if documents is None:

@@ -275,6 +275,7 @@ class Engine:
         """Store each document's state computed alone, for blended requests (safe from any thread) -> (found, computed).
         The documents join the corpus: a later prompt of the same cache partition that marks none is
         searched for them."""
+        documents = documents_.given(documents)
         docs = [self.encode(d) for d in documents]
         for d in docs:
             self.validate(d)

@@ -189,6 +189,9 @@ def pieces(runs: Sequence[tuple[int, int]], rows: int) -> list[list[tuple[int, i
 
 def check_segments(segments: Sequence[tuple[int, int]], n_tokens: int) -> tuple[tuple[int, int], ...]:
     """Segment spans [a, b) of a prompt of `n_tokens`: sorted, disjoint, non-empty, inside it."""
+    if any(not isinstance(s, Sequence) or len(s) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                   for x in s) for s in segments):
+        raise ValueError("segments must be (start, end) pairs of integer token positions")
     out = tuple((int(a), int(b)) for a, b in segments)
     prev = 0
     for a, b in out:

@@ -70,6 +70,14 @@ def test_serve_rejects_bad_options(bad: list[str]) -> None:
         _serve_parser().parse_args(["serve", *bad])
 
 
+def test_a_blend_separator_without_blend_is_refused_before_the_port_or_the_model() -> None:
+    from kvtier.cli import serve
+
+    args = _serve_parser().parse_args(["serve", "--model", "no-such-model", "--blend-separator", "##", "--port", "1"])
+    with pytest.raises(ValueError, match="--blend-separator marks the documents to blend: add --blend"):
+        serve.run(args)
+
+
 def test_serve_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _serve_parser().parse_args(["serve", "--help"])
