@@ -72,3 +72,31 @@ def test_document_files_are_read_as_they_appear_in_prompts_and_bad_ones_named(tm
     (tmp_path / "c.txt").write_bytes(b"caf\xe9")
     with pytest.raises(ValueError, match="c.txt: not UTF-8"):
         read_documents([str(tmp_path / "c.txt")])
+
+
+def test_hostile_files_are_refused_naming_them_never_read_without_end(tmp_path, monkeypatch):
+    import os
+
+    from kvtier.cli import document_files
+    from kvtier.cli.document_files import read_documents
+
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")  # a device behind a link: endless bytes
+    os.mkfifo(tmp_path / "fifo.txt")  # no writer: opening it to read would wait forever
+    (tmp_path / "dir.txt").mkdir()
+    for name in ("zero.txt", "fifo.txt", "dir.txt"):
+        with pytest.raises(OSError, match=f"{name}: not a regular file"):
+            read_documents([str(tmp_path / name)])
+    (tmp_path / "deep.jsonl").write_text('"fine"\n' + "[" * 200_000 + "]" * 200_000 + "\n")
+    with pytest.raises(ValueError, match="deep.jsonl:2: not JSON"):
+        read_documents([str(tmp_path / "deep.jsonl")])
+    monkeypatch.setattr(document_files, "MAX_DOCUMENT_BYTES", 100)
+    (tmp_path / "long.jsonl").write_text('"fine"\n"' + "x" * 200 + '"\n')
+    with pytest.raises(ValueError, match="long.jsonl:2: a line longer than"):
+        read_documents([str(tmp_path / "long.jsonl")])
+    (tmp_path / "big.txt").write_text("x" * 101)
+    with pytest.raises(ValueError, match="big.txt: larger than"):
+        read_documents([str(tmp_path / "big.txt")])
+    (tmp_path / "ok.txt").write_text("x" * 99 + "\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(tmp_path / "ok.txt")  # a link to a regular file is read
+    assert read_documents([str(tmp_path / "ok.txt"), str(link)]) == ["x" * 99, "x" * 99]
