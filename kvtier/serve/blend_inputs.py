@@ -84,6 +84,9 @@ def marked_chat(engine: Engine, render: Callable[[], str], contents: Contents,
     at = 0
     for content, parts in contents:
         j = text.find(content, at) if content else -1
+        if j < 0 and content.strip():  # a template that trims the content (Llama 3's)
+            content = content.strip()
+            j = text.find(content, at)
         if j < 0:
             continue  # not rendered as given: its parts are left unmarked
         k, at = j, j + len(content)

@@ -173,3 +173,23 @@ def test_a_part_never_cuts_the_templates_own_tokens_apart(blend_server, part):
     assert r.status_code == off.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == off.json()["usage"]["prompt_tokens"]
     assert r.json()["usage"]["prompt_tokens_details"]["blended_tokens"] is None
+
+
+def test_a_part_is_found_in_its_own_messages_content_even_trimmed():
+    """Not where an earlier message has the same text, and also where the template trims the
+    content (as Llama 3's does)."""
+    from types import SimpleNamespace
+
+    from kvtier.serve.blend_inputs import marked_chat
+
+    engine = SimpleNamespace(encode=lambda s: [ord(c) for c in s], model=SimpleNamespace(tokenizer=None))
+    doc = "the river runs north past the old mill"
+    contents = [(doc, []), (doc + "\n ", [doc])]  # the user's parts: the document, then a blank one
+
+    def render() -> str:  # a template that trims each message's content
+        return "".join(f"<{i}>{c.strip()}</{i}>" for i, (c, _) in enumerate(contents))
+
+    marked = marked_chat(engine, render, contents)
+    assert marked is not None
+    text = render()
+    assert marked[1] == ((text.rindex(doc), text.rindex(doc) + len(doc)),)
