@@ -713,6 +713,14 @@ def test_blending_is_refused_with_a_message_where_it_is_off(fp32):
         for bad in ([(0.7, 9.9)], [(True, 9)], [(0, 5, 9)], (0, 5)):
             with pytest.raises(PromptError, match="segments must be"):
                 engine.add_request(ids, GREEDY, segments=bad)
+        # Integers of any kind are taken: numpy's and torch's, in arrays and tensors.
+        import numpy as np
+
+        a, b = SEGMENTS[0]
+        for docs in ([np.array(ids[a:b])], [torch.tensor(ids[a:b])], [tuple(np.int64(t) for t in ids[a:b])]):
+            engine.add_request(ids, GREEDY, documents=docs)
+        for segs in ([(np.int64(a), np.int64(b))], list(np.array([[a, b]])), [tuple(torch.tensor([a, b]))]):
+            engine.add_request(ids, GREEDY, segments=segs)
 
 
 def test_the_samples_of_an_n_request_blend_alike(fp32):

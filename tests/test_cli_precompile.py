@@ -100,3 +100,8 @@ def test_hostile_files_are_refused_naming_them_never_read_without_end(tmp_path, 
     link = tmp_path / "link.txt"
     link.symlink_to(tmp_path / "ok.txt")  # a link to a regular file is read
     assert read_documents([str(tmp_path / "ok.txt"), str(link)]) == ["x" * 99, "x" * 99]
+    # Line breaks read as Python reads text, whatever the file's convention.
+    (tmp_path / "crlf.txt").write_bytes(b"line one\r\nline two\r\n")
+    (tmp_path / "cr.jsonl").write_bytes(b'"a first"\r"a second"\r\n"a third"')
+    assert read_documents([str(tmp_path / "crlf.txt"), str(tmp_path / "cr.jsonl")]) == [
+        "line one\nline two", "a first", "a second", "a third"]

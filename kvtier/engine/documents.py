@@ -11,10 +11,10 @@ documents the engine was given to find (engine/corpus.py). Runs on the caller's 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvtier.engine.prompts import PromptError
-from kvtier.planning.blend import BlendOptions, check_segments, find_segments
+from kvtier.planning.blend import BlendOptions, check_segments, find_segments, integer
 
 Encode = Callable[[str], list[int]]
 MAX_DOCUMENTS = 1024
@@ -26,21 +26,24 @@ def _count(documents: Sequence[object]) -> None:
 
 
 def given(documents: object) -> list[str | list[int]]:
-    """Documents as the API takes them: a list of texts or of token-id lists (never one string,
-    which would be taken a character at a time)."""
-    if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
+    """Documents as the API takes them: texts or token ids (lists, tuples, arrays, tensors), in a
+    list or any iterable but one string (which would be taken a character at a time)."""
+    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Iterable):
         raise PromptError("documents must be a list of documents (texts or token-id lists), not "
                           f"{type(documents).__name__}: wrap one document in a list")
     out: list[str | list[int]] = []
     for i, d in enumerate(documents):
         if isinstance(d, str):
             out.append(d)
-        elif isinstance(d, Sequence) and not isinstance(d, bytes) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in d):
-            out.append(list(d))
-        else:
-            raise PromptError(f"document {i} must be a text or a list of token ids, got {type(d).__name__}")
+            continue
+        try:
+            if isinstance(d, (bytes, Mapping)) or not isinstance(d, Iterable):
+                raise TypeError
+            out.append([integer(t) for t in d])
+        except TypeError:
+            raise PromptError(f"document {i} must be a text or token ids, got {type(d).__name__}") from None
     return out
+
 
 
 def encode_marked(encode: Encode, text: str, documents: Sequence[str],

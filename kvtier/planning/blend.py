@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,12 +188,23 @@ def pieces(runs: Sequence[tuple[int, int]], rows: int) -> list[list[tuple[int, i
     return [g for g in groups if g]
 
 
+def integer(x: object) -> int:
+    """`x` where it is an integer (Python's, numpy's, torch's), never a bool or a float; else a TypeError."""
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        raise TypeError("a bool is not an integer here")
+    return operator.index(x)  # type: ignore[arg-type]
+
+
 def check_segments(segments: Sequence[tuple[int, int]], n_tokens: int) -> tuple[tuple[int, int], ...]:
     """Segment spans [a, b) of a prompt of `n_tokens`: sorted, disjoint, non-empty, inside it."""
-    if any(not isinstance(s, Sequence) or len(s) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                                   for x in s) for s in segments):
-        raise ValueError("segments must be (start, end) pairs of integer token positions")
-    out = tuple((int(a), int(b)) for a, b in segments)
+    pairs = []
+    for s in segments:
+        try:
+            a, b = s
+            pairs.append((integer(a), integer(b)))
+        except (TypeError, ValueError):
+            raise ValueError("segments must be (start, end) pairs of integer token positions") from None
+    out = tuple(pairs)
     prev = 0
     for a, b in out:
         if not prev <= a < b <= n_tokens:

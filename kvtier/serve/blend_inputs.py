@@ -83,6 +83,8 @@ def marked_chat(engine: Engine, render: Callable[[], str], contents: Contents,
     starts: list[int] = []
     at = 0
     for content, parts in contents:
+        if not parts:
+            continue  # only a message with documents is looked for (a template may move the others: Mistral's system)
         j = text.find(content, at) if content else -1
         if j < 0 and content.strip():  # a template that trims the content (Llama 3's)
             content = content.strip()

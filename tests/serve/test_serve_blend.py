@@ -175,19 +175,20 @@ def test_a_part_never_cuts_the_templates_own_tokens_apart(blend_server, part):
     assert r.json()["usage"]["prompt_tokens_details"]["blended_tokens"] is None
 
 
-def test_a_part_is_found_in_its_own_messages_content_even_trimmed():
-    """Not where an earlier message has the same text, and also where the template trims the
-    content (as Llama 3's does)."""
+def test_a_part_is_found_in_its_messages_content_where_the_template_trims_it_or_moves_another():
+    """As Llama 3's template trims each message's content, and Mistral's renders the system
+    message inside the last user turn (after the documents' message)."""
     from types import SimpleNamespace
 
     from kvtier.serve.blend_inputs import marked_chat
 
     engine = SimpleNamespace(encode=lambda s: [ord(c) for c in s], model=SimpleNamespace(tokenizer=None))
     doc = "the river runs north past the old mill"
-    contents = [(doc, []), (doc + "\n ", [doc])]  # the user's parts: the document, then a blank one
+    contents = [("be brief", []), (doc + "\n ", [doc]), ("ok", []), ("where?", [])]  # parts: the document, a blank
 
-    def render() -> str:  # a template that trims each message's content
-        return "".join(f"<{i}>{c.strip()}</{i}>" for i, (c, _) in enumerate(contents))
+    def render() -> str:  # the system message moved to the last turn, every content trimmed
+        moved = contents[1:-1] + [(contents[0][0] + " " + contents[-1][0], [])]
+        return "".join(f"<{i}>{c.strip()}</{i}>" for i, (c, _) in enumerate(moved))
 
     marked = marked_chat(engine, render, contents)
     assert marked is not None
