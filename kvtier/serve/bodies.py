@@ -10,7 +10,8 @@ JSON has no cycles, and a full collection scans every object of the process each
 containers trigger one: most of the time of a body made of empty arrays) that is tens of
 milliseconds at the size limit. Validation gives the loop turns. At most PARSE_THREADS bodies are
 worked on at once, so a flood of large bodies queues instead of taking the GIL from the loop with
-many threads, and a body whose client has gone by its turn is not parsed.
+many threads (past MAX_WAITING waiting, a 429), and a body whose client has gone by its turn is
+not parsed.
 
 The errors are FastAPI's: invalid JSON raises the same exceptions from `Request.json()`, and
 field errors reach the same handler (`BodyInvalid` carries them through FastAPI's body reader,
@@ -43,6 +44,9 @@ log = logging.getLogger("kvtier.serve")
 
 OFF_LOOP_BYTES = 32 << 10  # on the loop, a body below this takes at most a few milliseconds
 PARSE_THREADS = 2
+# Large bodies waiting for a parse thread, at most: past it a 429 at once (Retry-After), not seconds
+# of parsing queued ahead of the admission check every request meets after its body.
+MAX_WAITING = 32
 MAX_DEPTH = 512  # arrays and objects within each other; a grammar's own limit is lower (grammar_limits.py)
 # Members of one object: logit_bias takes 1,024; a schema past the grammar limits is refused there, naming its field.
 MAX_KEYS = 16384
@@ -90,7 +94,11 @@ class _ThreadParsedRequest(Request):
             if len(raw) < OFF_LOOP_BYTES:
                 self._json = decode(raw)  # FastAPI validates it, as always
             else:
-                async with _limiter():
+                limiter = _limiter()
+                if limiter.statistics().tasks_waiting >= MAX_WAITING:
+                    raise HTTPException(429, f"over {MAX_WAITING} large request bodies are waiting to be read; retry",
+                                        headers={"Retry-After": "1"})
+                async with limiter:
                     if await self.is_disconnected():  # gone while queued: nobody reads the answer
                         raise HTTPException(499, "client closed request")  # nginx's code, as elsewhere
                     try:

@@ -158,7 +158,7 @@ async def _on_http(_: Request, exc: Exception) -> JSONResponse:
     }.get(status, str(exc.detail))
     if status == 413 and exc.detail != HTTPStatus(413).phrase:  # the size limit's own message (middleware.py)
         message = str(exc.detail)
-    code = {400: "invalid_json", 413: "request_too_large", 404: "unknown_url"}.get(status)
+    code = {400: "invalid_json", 413: "request_too_large", 404: "unknown_url", 429: "too_many_requests"}.get(status)
     return JSONResponse(error_body(message, error_type(status), None, code), status, headers=exc.headers)
 
 

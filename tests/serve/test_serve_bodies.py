@@ -135,6 +135,29 @@ def test_at_most_parse_threads_bodies_are_worked_on_at_once(client) -> None:
     assert ACTIVE[1] == PARSE_THREADS and len(VALIDATED_ON) == n
 
 
+def test_past_max_waiting_large_bodies_a_429_comes_at_once(client, monkeypatch) -> None:
+    """Parses queued past MAX_WAITING would be seconds of work ahead of every admission check."""
+    c, _ = client
+    monkeypatch.setattr(bodies, "MAX_WAITING", 1)
+    HOLD.clear()
+    try:
+        with ThreadPoolExecutor(PARSE_THREADS + 1) as pool:
+            futures = [pool.submit(_post, c, _raw({"text": str(i)}, OFF_LOOP_BYTES)) for i in range(PARSE_THREADS + 1)]
+            deadline = time.monotonic() + 30
+            while ACTIVE[0] < PARSE_THREADS:  # two parsing; the third waits for a thread
+                assert time.monotonic() < deadline, ACTIVE
+                time.sleep(0.01)
+            time.sleep(0.2)
+            r = _post(c, _raw({"text": "late"}, OFF_LOOP_BYTES))
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "too_many_requests"
+            HOLD.set()
+            assert [f.result().status_code for f in futures] == [200] * (PARSE_THREADS + 1)
+    finally:
+        HOLD.set()
+    assert _post(c, _raw({"text": "x"}, OFF_LOOP_BYTES)).status_code == 200  # none waiting: read again
+
+
 def _nested(levels: int) -> list:
     """`levels` lists within each other: [[...[]...]]."""
     value: list = []
