@@ -1,7 +1,7 @@
 """The blended recompute's attention at its own shapes, two ways: CPU SDPA's fused flash kernel
 against the same attention as GEMMs (`ScatteredRows` with the model's kernels where
 `scattered_gemm` picks them: bf16 on a CPU with native bf16; HF transformers' eager arithmetic,
-the query heads sharing a K/V head as the rows of one product), for 16, 32 and 64 rows per piece.
+the query heads sharing a K/V head as the rows of one product), for 16, 32, 64, 128 and 256 rows per piece.
 Rows at the positions of a LegoLink-8 plan over ten 606-token documents and a 28-token question
 (6,234 keys), the question alone (naive), and 930 scattered rows (CacheBlend's 15%).
 
@@ -51,7 +51,7 @@ def main() -> int:
             ref = attention_at(q.double(), k.double(), v.double(), pos)
             flops = 4 * HEADS * HD * sum(p + 1 for p in pos)
             kernels: dict[str, Callable[[], torch.Tensor]] = {}
-            for rows in (16, 32, 64):
+            for rows in (16, 32, 64, 128, 256):
                 kernels[f"flash (SDPA), {rows} rows"] = lambda rows=rows: attention_at(q, k, v, pos, rows)
                 if scattered_gemm(q.device, dtype, HEADS, KV_HEADS, HD, GEMM):
                     kernels[f"gemm, {rows} rows"] = lambda rows=rows: attention_at(q, k, v, pos, rows, GEMM)

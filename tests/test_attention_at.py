@@ -167,3 +167,15 @@ def test_gemm_bits_depend_on_the_rows_and_keys_alone(monkeypatch):
     monkeypatch.setattr("kvtier.models.attention.MASK_CACHE_BYTES", 1024)
     uncached = ScatteredRows.of(positions, torch.bfloat16, CPU, 32, GEMM)
     assert uncached.masks is None and torch.equal(uncached.attend(q, k, v), out)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_piece_holds_256_rows_in_bf16_on_an_amx_cpu_else_64(amx, monkeypatch):
+    """Where the fused kernel pays per query block and key block (bf16 on AMX), wider pieces."""
+    monkeypatch.setattr("kvtier.models.attention.cpu_has_amx", lambda: amx)
+    positions = list(range(40, 340))
+    wide = ((0, 256, 296), (256, 300, 340))
+    narrow = ((0, 64, 104), (64, 128, 168), (128, 192, 232), (192, 256, 296), (256, 300, 340))
+    assert ScatteredRows.of(positions, torch.bfloat16, CPU).pieces == (wide if amx else narrow)
+    assert ScatteredRows.of(positions, torch.float32, CPU).pieces == narrow
+    assert ScatteredRows.of(positions, torch.bfloat16, CPU, rows=64).pieces == narrow

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvtier.dtypes import cpu_has_amx
 from kvtier.models import exact_attention, exact_matmul, varlen
 from kvtier.models.exact_attention import FLASH_CPU as _FLASH_CPU
 from kvtier.models.exact_attention import key_rows as key_rows  # re-exported: the engine sizes buffers by it
@@ -73,6 +74,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     return out[0].transpose(0, 1)  # [n, heads, hd]
 
 
+def piece_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """How many scattered rows a piece holds. In bf16 on a CPU with AMX the fused kernel pays a
+    cost per query block and key block (its tiles packed for each) that outweighs the masked keys
+    of wider pieces, so a piece there holds up to 256 rows (a blend's few rows a document and its
+    question in one call); elsewhere, fp32 on the same CPU included, a piece of 64 costs less."""
+    return 256 if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_amx() else 64
+
+
 # Above this many bytes of masks a pass builds each piece's mask per layer instead of keeping them
 # all (a pass holds at most a restore chunk's rows, but over a long context each piece is wide).
 MASK_CACHE_BYTES = 64 << 20
@@ -105,8 +114,10 @@ class ScatteredRows:
     kernels: Kernels | None = None
 
     @staticmethod
-    def of(positions: Sequence[int], dtype: torch.dtype, device: torch.device, rows: int = 64,
+    def of(positions: Sequence[int], dtype: torch.dtype, device: torch.device, rows: int | None = None,
            kernels: Kernels | None = None) -> ScatteredRows:
+        """`rows`: a piece's most rows (None: `piece_rows`)."""
+        rows = piece_rows(dtype, device) if rows is None else rows
         at = torch.as_tensor(list(positions), device=device)
         pieces = tuple((a, min(a + rows, len(positions)), int(positions[min(a + rows, len(positions)) - 1]) + 1)
                        for a in range(0, len(positions), rows))
@@ -189,10 +200,10 @@ class ScatteredRows:
 
 
 def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int],
-                 rows: int = 64, kernels: Kernels | None = None) -> torch.Tensor:
+                 rows: int | None = None, kernels: Kernels | None = None) -> torch.Tensor:
     """Queries at ascending positions attend to the keys at or before their own: q [m, heads, hd]
     at `positions` (m ints), k/v [ctx, kv_heads, hd] at positions [0, ctx). Queries go `rows` at a
-    time (`ScatteredRows`; a pass through many layers builds that once). -> [m, heads, hd]."""
+    time (None: `piece_rows`; `ScatteredRows`, which a pass through many layers builds once). -> [m, heads, hd]."""
     return ScatteredRows.of(positions, q.dtype, q.device, rows, kernels).attend(q, k, v)
 
 
