@@ -917,6 +917,45 @@ def test_a_blend_recomputing_at_most_a_chunk_runs_in_its_step_and_a_larger_on_th
     assert torch.equal(worker.first_logits, inline.first_logits) and worker.output_ids == inline.output_ids
 
 
+def test_a_blend_computes_the_prompts_last_token_in_its_last_pass_and_the_step_runs_no_layer_for_it(model, monkeypatch):
+    """Where documents are loaded, the blend's last pass holds the prompt's last token, so the
+    step that samples the first token runs no layer for it (a pass over the whole context for one
+    row), in the step and on the restore worker alike, and a decode after it reads its K/V from the
+    pool; every token recomputed, the step computes it as an exact prefill does."""
+    ids = _ids(model)
+    rows: list[tuple[int, int, bool]] = []  # (start, tokens, off the step) of every run the runner computed
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, items, *a, **k: (
+        rows.extend((it.start, len(it.token_ids), it.off_thread) for it in items), execute(self, items, *a, **k))[1])
+    scattered = blend_module._Scattered.__init__  # a blend's pass over rows scattered across the prompt
+
+    def scattered_pass(self, runner, block_ids, runs, end, place):
+        rows.extend((a, e - a, True) for a, e in runs)
+        scattered(self, runner, block_ids, runs, end, place)
+
+    monkeypatch.setattr(blend_module._Scattered, "__init__", scattered_pass)
+    with _engine(model) as engine:
+        engine.precompile([ids[a:b] for a, b in SEGMENTS])
+        restorer = engine.link.restorer
+        inline = _blend(engine, ids)
+        folded_inline = list(rows)
+        engine.reset_prefix_cache()
+        rows.clear()
+        restorer.inline_blend_tokens = 0  # on the restore worker
+        worker = _blend(engine, ids)
+        folded_worker = list(rows)
+        engine.reset_prefix_cache()
+        rows.clear()
+        every = _blend(engine, ids, EVERY_TOKEN)
+    assert inline.restore.blended_tokens > 0 and worker.restore.blended_tokens > 0
+    for seen in (folded_inline, folded_worker):
+        assert (N - 1, 1, False) not in seen  # no step ran the last prompt token
+        assert any(s <= N - 1 < s + n for s, n, off in seen if off)  # a blend's pass did
+        assert [s for s, n, off in seen if not off] == [N, N + 1, N + 2]  # the step decoded the next three
+    assert torch.equal(worker.first_logits, inline.first_logits) and worker.output_ids == inline.output_ids
+    assert (N - 1, 1, False) in rows and every.restore.blended_tokens == 0
+
+
 @pytest.mark.parametrize("where", ["disk", "slow disk", "network", "budget"])
 def test_a_small_blend_reading_a_slow_disk_or_over_the_steps_budget_runs_on_the_restore_worker(
         model, tmp_path, monkeypatch, where):

@@ -55,6 +55,25 @@ __all__ = ["Engine", "EngineStats", "FinishReason", "PromptError", "RequestOutpu
 log = logging.getLogger(__name__)
 
 
+def _with_given(logits: torch.Tensor | None, items: Sequence[RunItem],
+                given: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The step's logits rows in chunk order: the runner's for the computed `items` (`logits`,
+    [rows, vocab]: every token of an all_logits item, else the last of a want_logits one) and
+    each given chunk's [1, vocab] where `given` has it."""
+    rows, at, computed = [], 0, iter(items)
+    for g in given:
+        if g is not None:
+            rows.append(g)
+            continue
+        it = next(computed)
+        n = len(it.token_ids) if it.all_logits else int(it.want_logits)
+        if n:
+            assert logits is not None
+            rows.append(logits[at : at + n])
+            at += n
+    return torch.cat(rows)
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, store: str | None = None,
                  reuse: ReuseConfig | None = None, profile: HardwareProfile | None = None,
@@ -309,16 +328,28 @@ class Engine:
         restore failed mid-step)."""
         if not out.chunks:
             return None, {}
+        link = self.link.step_side
         reqs = [self.outputs.request(c.request_id) for c in out.chunks]
+        # A restore attached to the step may have computed a request's one token already (a blend
+        # folds the prompt's last token into its passes): its logits join the step's as they are.
+        given = [link.given_logits(c.request_id, c.start)
+                 if c.end == c.start + 1 == r.num_tokens and not self.outputs.all_logits(c) else None
+                 for r, c in zip(reqs, out.chunks)]
+        computed = [(r, c) for r, c, g in zip(reqs, out.chunks, given) if g is None]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
                          all_logits=self.outputs.all_logits(c), unslotted=r.unslotted,
                          context_feed=r.fed)
-                 for r, c in zip(reqs, out.chunks)]
+                 for r, c in computed]
         ids = [c.request_id for c in out.chunks]
-        fronts = self.partial.step_fronts(items, reqs)
-        link = self.link.step_side
-        logits = self.runner.execute(items + list(fronts.runs), link.capture_for(reqs),
-                                     before_layer=link.restore_hook(ids), feed=fronts.feed)
+        logits = None
+        if items:
+            creqs = [r for r, _ in computed]
+            fronts = self.partial.step_fronts(items, creqs)
+            logits = self.runner.execute(items + list(fronts.runs), link.capture_for(creqs),
+                                         before_layer=link.restore_hook([c.request_id for _, c in computed]),
+                                         feed=fronts.feed)
+        if len(items) < len(given):
+            logits = _with_given(logits, items, given)
         return logits, link.after_execute(ids)
 
     def stats(self, with_store: bool = True) -> EngineStats:

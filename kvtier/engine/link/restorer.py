@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
+import torch
+
 from kvtier.engine.config import ReuseConfig
 from kvtier.engine.impress.policy import ImpressPolicy
 from kvtier.engine.impress.restore import ImpressRestore
@@ -338,6 +340,15 @@ class Restorer:
                 r.place(layer)
 
         return place
+
+    def given_logits(self, request_id: str, start: int) -> torch.Tensor | None:
+        """The logits [1, vocab] of a request's token at `start` where the restore attached to its
+        step computed that token (a blend folding the prompt's last token into its passes)."""
+        job = self.attached.get(request_id)
+        restore = job.restore if job is not None else None
+        if isinstance(restore, BlendRestore) and restore.logits is not None and restore.blend.end == start:
+            return restore.logits
+        return None
 
     def finish(self, request_ids: Sequence[str]) -> dict[str, int]:
         """Close the restores placed by this step; -> {request: its restore's start} for those

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
+
 from kvtier.dtypes import name_of
 from kvtier.engine.calibrate.probes import UNCALIBRATED, ProbeCalibration, cached_calibration
 from kvtier.engine.config import ImportanceSelection, ReuseConfig
@@ -51,6 +53,11 @@ class StepSide(Protocol):
     def capture_for(self, reqs: Sequence[Request]) -> CaptureFn | None: ...
 
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None: ...
+
+    def given_logits(self, request_id: str, start: int) -> torch.Tensor | None:
+        """The logits [1, vocab] of a request's token at `start` that the restore attached to this
+        step computed already (None: the step computes it)."""
+        ...
 
     def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
         """Close the restores this step placed; -> {request: restart position} for those whose
@@ -103,6 +110,9 @@ class NoStoreStep:
         return None
 
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
+        return None
+
+    def given_logits(self, request_id: str, start: int) -> torch.Tensor | None:
         return None
 
     def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
@@ -254,6 +264,9 @@ class StoreStepping:
 
     def restore_hook(self, request_ids: Sequence[str]) -> Callable[[int], None] | None:
         return self.restorer.hook(request_ids)
+
+    def given_logits(self, request_id: str, start: int) -> torch.Tensor | None:
+        return self.restorer.given_logits(request_id, start)
 
     def after_execute(self, request_ids: Sequence[str]) -> dict[str, int]:
         failed = self.restorer.finish(request_ids)

@@ -351,6 +351,8 @@ class BlendRestore(PreparedRestore):
         self._sources: list[_Source] = []
         self._loader: _Loader | None = None
         self._packed_rows: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None  # slots, rotation
+        # fp32 [1, vocab]: the logits of the prompt's last token where the blend computed it (`_folds`)
+        self.logits: torch.Tensor | None = None
 
     def _cleanup(self) -> None:
         if self._loader is not None and (thread := self._loader.close(wait=not self.in_step)) is not None:
@@ -407,31 +409,48 @@ class BlendRestore(PreparedRestore):
             runs = merged(runs + self._chosen(b.loaded))
         self.blended.loaded = sum(e - a for a, e in subtract(b.loaded, runs))
         self.blended.recomputed = sum(e - a for a, e in runs)
+        # The run that continues the exact prefix, up to the first loaded row, is exact state: its
+        # own passes (the step's kernels), then its whole chunks saved under the exact keys.
+        lead = b.lead(runs)
+        if self._folds():  # the prompt's last token: a row of the last pass, not a step of its own
+            runs = merged(runs + [(b.end, b.end + 1)])
+        end = b.end + 1 if self._folds() else b.end  # the keys the passes' rows may attend to
         if not runs:  # every row loaded: place them all
             for li in range(placed, layers):
                 self._place(li)
             return
-        # The run that continues the exact prefix, up to the first loaded row, is exact state: its
-        # own passes (the step's kernels), then its whole chunks saved under the exact keys.
-        lead = b.lead(runs)
         groups = pieces(runs, self.chunk_tokens) if lead is None else \
             pieces([lead], self.chunk_tokens) + pieces(runs[1:], self.chunk_tokens)
         hidden: list[torch.Tensor] = []  # the lead's hidden-state layers' inputs, pass by pass
         for i, group in enumerate(groups):  # in position order: each sees those before
             place = self._place if i == 0 and placed < layers else None  # the first pass places every layer
+            last = self._folds() and i == len(groups) - 1  # the pass holding the prompt's last token
             if len(group) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
                 a, e = group[0]
-                item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
+                item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=last, off_thread=True,
                                placed_ahead=True)
                 in_lead = lead is not None and e <= lead[1]
-                self.runner.execute([item], before_layer=place, capture=self._capture(hidden) if in_lead else None)
+                logits = self.runner.execute([item], before_layer=place,
+                                             capture=self._capture(hidden) if in_lead else None)
+                if last:
+                    self.logits = logits  # [1, vocab]
             else:  # runs scattered across the prompt: one pass over all their rows
                 model = self.runner.model
-                scattered = _Scattered(self.runner, self.block_ids, group, self.blend.end, place)
-                model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
+                scattered = _Scattered(self.runner, self.block_ids, group, end, place)
+                h = model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
+                if last:
+                    self.logits = model.logits(h[-1:])  # [1, vocab]
             self._check_abort()
             if lead is not None and group[-1][1] == lead[1]:
                 self._save_exact(*lead, hidden)
+
+    def _folds(self) -> bool:
+        """Whether the blend computes its request's last token as well (`logits`, which the step
+        that runs that token takes instead of a pass over the whole context for one row), where
+        rows are loaded (lossy state: nothing past the exact lead is saved, whoever computes the
+        token) and the token has its slot (the scheduler grows a restoring request's blocks past
+        its target). Every token recomputed, the step computes it, as an exact prefill's."""
+        return self.blended.loaded > 0 and len(self.block_ids) * self.runner.block_size > self.blend.end
 
     def _capture(self, into: list[torch.Tensor]) -> CaptureFn | None:
         """The runner callback that keeps a pass's hidden-state layers' inputs (None: no such layer)."""
