@@ -1026,3 +1026,19 @@ def test_a_blends_exact_prefix_is_published_to_the_device_prefix_cache_and_nothi
     assert torch.equal(again.first_logits, first.first_logits) and again.output_ids == first.output_ids
     assert cold.restore.recomputed_tokens == first.restore.recomputed_tokens  # reset: from nothing again
     assert torch.equal(cold.first_logits, first.first_logits)
+
+
+def test_given_logits_join_the_steps_rows_in_chunk_order():
+    """The step's logits rows: the runner's per computed run (every token of a prompt-logprobs
+    run, the last of a run that samples, none of a run that does not), a given row in its place."""
+    from kvtier.engine.engine import _with_given
+    from kvtier.engine.runner.batch import RunItem
+
+    runs = [RunItem([1, 2, 3], 0, [], want_logits=True, all_logits=True),  # 3 rows
+            RunItem([4, 5], 0, [], want_logits=False),  # none
+            RunItem([6], 9, [], want_logits=True)]  # 1 row
+    computed = torch.arange(4.0)[:, None]  # [rows, vocab 1]: 0, 1, 2 for the first run, 3 for the last
+    given = [None, torch.tensor([[10.0]]), None, torch.tensor([[11.0]]), None]
+    rows = _with_given(computed, runs, given)
+    assert rows.flatten().tolist() == [0.0, 1.0, 2.0, 10.0, 11.0, 3.0]
+    assert _with_given(None, [], [torch.tensor([[7.0]])]).flatten().tolist() == [7.0]

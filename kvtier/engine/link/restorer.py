@@ -172,7 +172,8 @@ class Restorer:
     def _offer_blend(self, req: Request, options: BlendOptions) -> StoreOffer | None:
         """Blend the prompt past its exact prefix (the device's, then the store's exact chain):
         its marked segments loaded at their positions, the rest recomputed by the restore, all
-        but the last token, which the request's step computes. None: no segment left to load."""
+        but the last token, which the restore's last pass computes where it loads rows (its
+        logits go to the request's step) and the step otherwise. None: no segment left to load."""
         keep, end = req.num_computed, req.num_tokens - 1
         match = self.store.lookup(req.all_ids, req.cache_salt)
         exact_end = min(match.num_tokens, end)

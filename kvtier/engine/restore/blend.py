@@ -23,9 +23,10 @@ blocks, on the restore worker.
 
 The recomputed run that continues the exact prefix, up to the first loaded row, has passes of
 its own (the step's kernels), so its rows are exact: their whole chunks are saved under the
-request's exact keys, and a later request that shares them restores a prefill's bits. The
-request's own step then computes the prompt's last token and samples. The rest of its state is
-approximate: never saved, published to the device prefix cache or served as exact.
+request's exact keys, and a later request that shares them restores a prefill's bits. Where
+rows were loaded, the prompt's last token is a row of the last pass and the request's step takes
+its logits to sample (else the step computes it). The rest of its state is approximate: never
+saved, published to the device prefix cache or served as exact.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ TAIL_QUERIES = 64
 @dataclass
 class BlendStats:
     """What a blended restore did, in prompt tokens: exact (from the store's exact chains), loaded
-    (segment rows moved to their positions), recomputed (computed here; the step's last token apart)."""
+    (segment rows moved to their positions), recomputed (computed here), all before the prompt's
+    last token, which is computed always (by the blend's last pass or the request's step)."""
 
     exact: int = 0
     loaded: int = 0
