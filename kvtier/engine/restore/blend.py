@@ -414,9 +414,10 @@ class BlendRestore(PreparedRestore):
         # The run that continues the exact prefix, up to the first loaded row, is exact state: its
         # own passes (the step's kernels), then its whole chunks saved under the exact keys.
         lead = b.lead(runs)
-        if self._folds():  # the prompt's last token: a row of the last pass, not a step of its own
+        fold = self._folds()
+        if fold:  # the prompt's last token: a row of the last pass, not a step of its own
             runs = merged(runs + [(b.end, b.end + 1)])
-        end = b.end + 1 if self._folds() else b.end  # the keys the passes' rows may attend to
+        end = b.end + 1 if fold else b.end  # the keys the passes' rows may attend to
         if not runs:  # every row loaded: place them all
             for li in range(placed, layers):
                 self._place(li)
@@ -426,7 +427,7 @@ class BlendRestore(PreparedRestore):
         hidden: list[torch.Tensor] = []  # the lead's hidden-state layers' inputs, pass by pass
         for i, group in enumerate(groups):  # in position order: each sees those before
             place = self._place if i == 0 and placed < layers else None  # the first pass places every layer
-            last = self._folds() and i == len(groups) - 1  # the pass holding the prompt's last token
+            last = fold and i == len(groups) - 1  # the pass holding the prompt's last token
             if len(group) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
                 a, e = group[0]
                 item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=last, off_thread=True,
