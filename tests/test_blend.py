@@ -22,7 +22,7 @@ from kvtier.engine.restore.segments import SPACE, SegmentReads, SegmentStates
 from kvtier.engine.runner.model_runner import ModelRunner
 from kvtier.models.loading import load_model
 from kvtier.models.presets import PRESETS
-from kvtier.planning.blend import BlendOptions
+from kvtier.planning.blend import BlendOptions, pieces
 from kvtier.planning.costs import READ_GROUP_LAYERS
 from kvtier.store import reads as reads_module
 from kvtier.testing.transfers import RecordingTransfer
@@ -233,15 +233,15 @@ def test_a_blended_request_never_serves_an_exact_lookup(fp32):
                                              (BlendOptions(mode="cacheblend", ratio=0.3), False),
                                              (BlendOptions(), True)],
                          ids=["legolink", "naive", "cacheblend", "legolink-hidden-layers"])
-def test_the_exact_rows_before_the_first_loaded_one_are_saved_under_the_exact_keys(fp32, options, hidden):
-    ids = _ids(fp32)
-    layers = fp32.config.num_layers
+def test_the_exact_rows_before_the_first_loaded_one_are_saved_under_the_exact_keys(model, options, hidden):
+    ids = _ids(model)
+    layers = model.config.num_layers
     layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if hidden else None
     segments = ((150, 230), (235, 290))  # 150 exact tokens lead: two whole chunks of 64
-    other = ids[:150] + _ids(fp32, seed=6, n=60)  # a later request sharing that lead
-    with Engine(fp32) as plain:
+    other = ids[:150] + _ids(model, seed=6, n=60)  # a later request sharing that lead
+    with Engine(model) as plain:
         want = plain.generate([other], GREEDY)[0]
-    with _engine(fp32, layout=layout) as engine:
+    with _engine(model, layout=layout) as engine:
         out = _blend(engine, ids, options, salt="a", segments=segments)
         assert engine.flush(30)
         assert out.restore.blended_tokens > 0
@@ -929,9 +929,9 @@ def test_a_blend_computes_the_prompts_last_token_in_its_last_pass_and_the_step_r
         rows.extend((it.start, len(it.token_ids), it.off_thread) for it in items), execute(self, items, *a, **k))[1])
     scattered = blend_module._Scattered.__init__  # a blend's pass over rows scattered across the prompt
 
-    def scattered_pass(self, runner, block_ids, runs, end, place):
+    def scattered_pass(self, runner, block_ids, runs, end, place, lead=None, capture=None):
         rows.extend((a, e - a, True) for a, e in runs)
-        scattered(self, runner, block_ids, runs, end, place)
+        scattered(self, runner, block_ids, runs, end, place, lead, capture)
 
     monkeypatch.setattr(blend_module._Scattered, "__init__", scattered_pass)
     with _engine(model) as engine:
@@ -954,6 +954,45 @@ def test_a_blend_computes_the_prompts_last_token_in_its_last_pass_and_the_step_r
         assert [s for s, n, off in seen if not off] == [N, N + 1, N + 2]  # the step decoded the next three
     assert torch.equal(worker.first_logits, inline.first_logits) and worker.output_ids == inline.output_ids
     assert (N - 1, 1, False) in rows and every.restore.blended_tokens == 0
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["kv", "hidden-state-layers"])
+def test_the_exact_lead_rides_in_the_next_pass_with_the_bits_of_a_pass_of_its_own(model, monkeypatch, hidden):
+    """The run before the first loaded row joins the scattered rows' pass where it fits: no step of
+    its own, and every bit the same as with its own pass (the first token's logits, the exact
+    chunks it saves, which a later request restores as a prefill's)."""
+    ids = _ids(model)
+    layers = model.config.num_layers
+    layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if hidden else None
+    segments = ((80, 160), (170, 260))  # a lead of 88 rows: one whole chunk of 64 saved
+    steps: list[int] = []  # the first position of each run the runner computed for a blend
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, items, *a, **k: (
+        steps.extend(it.start for it in items if it.off_thread), execute(self, items, *a, **k))[1])
+    passes = blend_module.BlendRestore._passes
+
+    def own_pass(self, runs, lead):  # the lead in a pass of its own
+        return [[lead], *pieces(runs[1:], self.chunk_tokens)]
+
+    got = {}
+    for name in ("rides", "alone"):
+        if name == "alone":
+            monkeypatch.setattr(blend_module.BlendRestore, "_passes", own_pass)
+        steps.clear()
+        with _engine(model, layout=layout) as engine:
+            out = _blend(engine, ids, salt="a", segments=segments)
+            assert engine.flush(30)
+            saved = engine.store.lookup(ids, "a")
+            states = [engine.store.read_layers(c.key, range(layers)) for c in saved.chunks]
+        got[name] = (out, saved.num_tokens, states, list(steps))
+    monkeypatch.setattr(blend_module.BlendRestore, "_passes", passes)
+    (rides, n_rides, s_rides, steps_rides), (alone, n_alone, s_alone, steps_alone) = got["rides"], got["alone"]
+    assert rides.restore.blended_tokens > 0 and n_rides == n_alone == 64
+    assert 0 not in steps_rides and 0 in steps_alone  # the lead: a step only where it has its own pass
+    assert torch.equal(rides.first_logits, alone.first_logits) and rides.output_ids == alone.output_ids
+    for a, b in zip(s_rides[0], s_alone[0]):  # every layer's saved K, V or hidden state
+        for x, y in ((a.k, b.k), (a.v, b.v), (a.h, b.h)):
+            assert (x is None and y is None) or torch.equal(x, y)
 
 
 @pytest.mark.parametrize("where", ["disk", "slow disk", "network", "budget"])

@@ -21,9 +21,11 @@ blocks, on the restore worker.
    every stored document goes over as a copy per chunk, is packed there and placed at once
    (`SegmentReads`' `Packed`).
 
-The recomputed run that continues the exact prefix, up to the first loaded row, has passes of
-its own (the step's kernels), so its rows are exact: their whole chunks are saved under the
-request's exact keys, and a later request that shares them restores a prefill's bits. Where
+The recomputed run that continues the exact prefix, up to the first loaded row (the lead), is
+computed with the step's kernels over its own keys only: in passes of its own, or, where it fits,
+as the first rows of the next pass (row-invariant linears, its attention the step's), so its rows
+are exact: their whole chunks are saved under the request's exact keys, and a later request that
+shares them restores a prefill's bits. Where
 rows were loaded, the prompt's last token is a row of the last pass and the request's step takes
 its logits to sample (else the step computes it). The rest of its state is approximate: never
 saved, published to the device prefix cache or served as exact.
@@ -262,21 +264,35 @@ class _Scattered(LayerAttention):
     """The recomputed runs of a blend as one pass through the layers: their rows at their own
     positions, each layer's K/V written to the request's slots first, then every row attends to
     the request's keys at or before its position (`ScatteredRows`). Only this request's rows and
-    keys enter it, so its bits do not depend on what else the engine runs."""
+    keys enter it, so its bits do not depend on what else the engine runs.
+
+    `lead`: the exact run that continues the exact prefix, whose rows come first: the linears,
+    norms and MLP take them in the same calls as the others' (row-invariant: `models/invariant.py`),
+    and their attention is the step's (`ModelRunner.attend`, over keys before the first loaded row
+    only), so they are the bits a pass of their own gives, at the cost of one pass instead of two
+    (a pass over a few rows is bound by reading the weights, not by its rows). `capture`: the
+    runner callback that keeps the lead's hidden-state layers' inputs."""
 
     def __init__(self, runner: ModelRunner, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], end: int,
-                 place: Callable[[int], None] | None) -> None:
-        self.runner, self.place = runner, place
-        pos = torch.cat([torch.arange(a, e) for a, e in runs])  # [m] positions, ascending
+                 place: Callable[[int], None] | None, lead: RunItem | None = None,
+                 capture: CaptureFn | None = None) -> None:
+        self.runner, self.place, self.capture = runner, place, capture
+        self.lead = None if lead is None else runner.prepare([lead])
+        self.n_lead = 0 if lead is None else len(lead.token_ids)
+        firsts = [] if lead is None else [(lead.start, lead.start + self.n_lead)]
+        pos = torch.cat([torch.arange(a, e) for a, e in firsts + list(runs)])  # [m] positions, ascending
         context = runner.slots(block_ids, 0, end)  # [end] pool slot of every position before the last
         self.positions, self.at = pos, pos.tolist()
-        self.slots, self.context, self.dev_pos = (runner.upload(t) for t in (context.index_select(0, pos), context, pos))
+        scattered = pos[self.n_lead :]  # [m - lead] the rows this pass writes and attends itself
+        self.slots, self.context, self.dev_pos = (runner.upload(t) for t in (context.index_select(0, scattered),
+                                                                              context, pos))
         # Where the request's blocks lie consecutive in the pool, each layer reads its keys in place
         # (a view) instead of gathering every key of the context (the same values, so the same bits).
         self.in_place = runner.consecutive(block_ids, 0, end)
         self.cos, self.sin = runner.rope.halves(self.dev_pos)  # [m, 1, hd/2]
         # every layer's masks built once; the model's kernels pick the attention's (`scattered_gemm`)
-        self.pieces = ScatteredRows.of(self.at, runner.k_cache.dtype, runner.device, kernels=runner.model.kernels)
+        self.pieces = ScatteredRows.of(self.at[self.n_lead :], runner.k_cache.dtype, runner.device,
+                                       kernels=runner.model.kernels)
 
     def ids(self, token_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor([token_ids[p] for p in self.positions.tolist()], dtype=torch.long)
@@ -291,11 +307,17 @@ class _Scattered(LayerAttention):
         return h
 
     def attend(self, li: int, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.n_lead
+        led = None
+        if self.lead is not None:  # its K/V written and attended as its own step would: [lead, heads, hd]
+            led = self.runner.attend(li, h[:n], q[:n], k[:n], v[:n], self.lead, self.capture)
+            q, k, v = q[n:], k[n:], v[n:]
         self.runner.k_cache[li].index_copy_(0, self.slots, k)  # [slots, kv_heads, hd]
         self.runner.v_cache[li].index_copy_(0, self.slots, v)
         keys, values = self.context_kv(li)
         self.observe(li, q, keys)
-        return self.pieces.attend(q, keys, values)
+        out = self.pieces.attend(q, keys, values)  # [m - lead, heads, hd]
+        return out if led is None else torch.cat([led, out])
 
     def observe(self, li: int, q: torch.Tensor, keys: torch.Tensor) -> None:
         """Layer `li`'s queries [m, heads, hd] and the request's keys [end, kv_heads, hd], this
@@ -422,8 +444,7 @@ class BlendRestore(PreparedRestore):
             for li in range(placed, layers):
                 self._place(li)
             return
-        groups = pieces(runs, self.chunk_tokens) if lead is None else \
-            pieces([lead], self.chunk_tokens) + pieces(runs[1:], self.chunk_tokens)
+        groups = self._passes(runs, lead)
         hidden: list[torch.Tensor] = []  # the lead's hidden-state layers' inputs, pass by pass
         for i, group in enumerate(groups):  # in position order: each sees those before
             place = self._place if i == 0 and placed < layers else None  # the first pass places every layer
@@ -439,13 +460,30 @@ class BlendRestore(PreparedRestore):
                     self.logits = logits  # [1, vocab]
             else:  # runs scattered across the prompt: one pass over all their rows
                 model = self.runner.model
-                scattered = _Scattered(self.runner, self.block_ids, group, end, place)
+                led = None
+                if group[0] == lead:  # its rows first, as its own step computes them
+                    a, e = group[0]
+                    led = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
+                                  placed_ahead=True)
+                scattered = _Scattered(self.runner, self.block_ids, group[1:] if led else group, end, place,
+                                       led, self._capture(hidden) if led else None)
                 h = model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
                 if last:
                     self.logits = model.logits(h[-1:])  # [1, vocab]
             self._check_abort()
-            if lead is not None and group[-1][1] == lead[1]:
+            if lead is not None and any(e == lead[1] for _, e in group):  # the pass that ends the lead
                 self._save_exact(*lead, hidden)
+
+    def _passes(self, runs: Sequence[tuple[int, int]], lead: tuple[int, int] | None) -> list[list[tuple[int, int]]]:
+        """The recomputed `runs` as passes of at most `chunk_tokens` rows, in position order. The
+        exact `lead` (runs[0]) has passes of its own, except where it fits in the next pass beside
+        that pass's rows: there it rides first (`_Scattered`), one pass's weight reads instead of two."""
+        if lead is None:
+            return pieces(runs, self.chunk_tokens)
+        own, rest = pieces([lead], self.chunk_tokens), pieces(runs[1:], self.chunk_tokens)
+        if own == [[lead]] and rest and sum(e - a for a, e in [lead, *rest[0]]) <= self.chunk_tokens:
+            return [[lead, *rest[0]], *rest[1:]]
+        return own + rest
 
     def _folds(self) -> bool:
         """Whether the blend computes its request's last token as well (`logits`, which the step
