@@ -57,7 +57,7 @@ from kvtier.engine.restore.segments import (
     uploaded,
 )
 from kvtier.engine.runner.model_runner import CaptureFn, ModelRunner, RunItem
-from kvtier.models.attention import ScatteredRows, column_importance
+from kvtier.models.attention import ScatteredRows, column_importance, exact_cpu
 from kvtier.models.llama import LayerAttention
 from kvtier.planning.blend import BlendMode, BlendPlan, BlendScore, merged, pieces, subtract
 from kvtier.planning.costs import READ_GROUP_LAYERS
@@ -477,11 +477,14 @@ class BlendRestore(PreparedRestore):
     def _passes(self, runs: Sequence[tuple[int, int]], lead: tuple[int, int] | None) -> list[list[tuple[int, int]]]:
         """The recomputed `runs` as passes of at most `chunk_tokens` rows, in position order. The
         exact `lead` (runs[0]) has passes of its own, except where it fits in the next pass beside
-        that pass's rows: there it rides first (`_Scattered`), one pass's weight reads instead of two."""
+        that pass's rows and the linears are row-invariant (the CPU's exact kernels; elsewhere a
+        row's bits depend on the rows beside it): there it rides first (`_Scattered`), one pass's
+        weight reads instead of two."""
         if lead is None:
             return pieces(runs, self.chunk_tokens)
         own, rest = pieces([lead], self.chunk_tokens), pieces(runs[1:], self.chunk_tokens)
-        if own == [[lead]] and rest and sum(e - a for a, e in [lead, *rest[0]]) <= self.chunk_tokens:
+        invariant = exact_cpu(self.runner.device, self.runner.model.kernels)
+        if invariant and own == [[lead]] and rest and sum(e - a for a, e in [lead, *rest[0]]) <= self.chunk_tokens:
             return [[lead, *rest[0]], *rest[1:]]
         return own + rest
 
