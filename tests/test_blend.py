@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier.engine.config import ReuseConfig
+from kvtier.engine.config import EngineConfig, ReuseConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.link import restorer as restorer_module
 from kvtier.engine.prompts import PromptError
@@ -993,6 +993,21 @@ def test_the_exact_lead_rides_in_the_next_pass_with_the_bits_of_a_pass_of_its_ow
     for a, b in zip(s_rides[0], s_alone[0]):  # every layer's saved K, V or hidden state
         for x, y in ((a.k, b.k), (a.v, b.v), (a.h, b.h)):
             assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_the_lead_keeps_a_pass_of_its_own_where_the_linears_are_not_row_invariant(monkeypatch):
+    """`--fast-inexact`: a row's bits there depend on the rows beside it, so the lead's exact chunks
+    come from a pass of its own, as a prefill's would."""
+    plain = load_model("tiny-gqa", dtype="bf16", tokenizer=False)  # its own: the engine sets its kernels
+    steps: list[int] = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, items, *a, **k: (
+        steps.extend(it.start for it in items if it.off_thread), execute(self, items, *a, **k))[1])
+    with Engine(plain, EngineConfig(exact=False), store="memory:256MB",
+                reuse=ReuseConfig(chunk_tokens=64, blend=BlendOptions())) as engine:
+        out = _blend(engine, _ids(plain), segments=((80, 160), (170, 260)))
+    assert not plain.module.kernels.exact and out.restore.blended_tokens > 0
+    assert 0 in steps
 
 
 @pytest.mark.parametrize("where", ["disk", "slow disk", "network", "budget"])
