@@ -956,15 +956,19 @@ def test_a_blend_computes_the_prompts_last_token_in_its_last_pass_and_the_step_r
     assert (N - 1, 1, False) in rows and every.restore.blended_tokens == 0
 
 
+@pytest.mark.parametrize("prefix", ["none", "store", "device"])
 @pytest.mark.parametrize("hidden", [False, True], ids=["kv", "hidden-state-layers"])
-def test_the_exact_lead_rides_in_the_next_pass_with_the_bits_of_a_pass_of_its_own(model, monkeypatch, hidden):
+def test_the_exact_lead_rides_in_the_next_pass_with_the_bits_of_a_pass_of_its_own(model, monkeypatch, hidden, prefix):
     """The run before the first loaded row joins the scattered rows' pass where it fits: no step of
     its own, and every bit the same as with its own pass (the first token's logits, the exact
-    chunks it saves, which a later request restores as a prefill's)."""
+    chunks it saves, which a later request restores as a prefill's), the lead starting the prompt
+    or continuing an exact prefix read from the store or held by the device (its attention then
+    reads that history from the pool, past which the placed rows must stay)."""
     ids = _ids(model)
     layers = model.config.num_layers
     layout = ("hidden", "kv") * (layers // 2) + ("kv",) * (layers % 2) if hidden else None
-    segments = ((80, 160), (170, 260))  # a lead of 88 rows: one whole chunk of 64 saved
+    # lead [0, 88) or, after a 128-token exact prefix, [128, 208): one more whole chunk of 64 saved
+    segments = ((80, 160), (170, 260)) if prefix == "none" else ((200, 260), (265, 290))
     steps: list[int] = []  # the first position of each run the runner computed for a blend
     execute = ModelRunner.execute
     monkeypatch.setattr(ModelRunner, "execute", lambda self, items, *a, **k: (
@@ -978,8 +982,13 @@ def test_the_exact_lead_rides_in_the_next_pass_with_the_bits_of_a_pass_of_its_ow
     for name in ("rides", "alone"):
         if name == "alone":
             monkeypatch.setattr(blend_module.BlendRestore, "_passes", own_pass)
-        steps.clear()
         with _engine(model, layout=layout) as engine:
+            if prefix != "none":
+                _blend(engine, ids[:130], False, salt="a", segments=())  # an exact request: 128 tokens saved
+                assert engine.flush(30)
+                if prefix == "store":
+                    engine.reset_prefix_cache()
+            steps.clear()
             out = _blend(engine, ids, salt="a", segments=segments)
             assert engine.flush(30)
             saved = engine.store.lookup(ids, "a")
@@ -987,12 +996,15 @@ def test_the_exact_lead_rides_in_the_next_pass_with_the_bits_of_a_pass_of_its_ow
         got[name] = (out, saved.num_tokens, states, list(steps))
     monkeypatch.setattr(blend_module.BlendRestore, "_passes", passes)
     (rides, n_rides, s_rides, steps_rides), (alone, n_alone, s_alone, steps_alone) = got["rides"], got["alone"]
-    assert rides.restore.blended_tokens > 0 and n_rides == n_alone == 64
-    assert 0 not in steps_rides and 0 in steps_alone  # the lead: a step only where it has its own pass
+    assert rides.restore.blended_tokens > 0 and n_rides == n_alone == (64 if prefix == "none" else 192)
+    if prefix != "none":
+        assert rides.reused_by_tier == {"memory" if prefix == "store" else "device": 128}
+    assert steps_rides == [] and len(steps_alone) == 1  # the lead: a step only where it has its own pass
     assert torch.equal(rides.first_logits, alone.first_logits) and rides.output_ids == alone.output_ids
-    for a, b in zip(s_rides[0], s_alone[0]):  # every layer's saved K, V or hidden state
-        for x, y in ((a.k, b.k), (a.v, b.v), (a.h, b.h)):
-            assert (x is None and y is None) or torch.equal(x, y)
+    for chunk_rides, chunk_alone in zip(s_rides, s_alone, strict=True):  # every layer's saved K, V or hidden state
+        for a, b in zip(chunk_rides, chunk_alone, strict=True):
+            for x, y in ((a.k, b.k), (a.v, b.v), (a.h, b.h)):
+                assert (x is None and y is None) or torch.equal(x, y)
 
 
 def test_the_lead_keeps_a_pass_of_its_own_where_the_linears_are_not_row_invariant(monkeypatch):

@@ -22,8 +22,8 @@ blocks, on the restore worker.
    (`SegmentReads`' `Packed`).
 
 The recomputed run that continues the exact prefix, up to the first loaded row (the lead), is
-computed with the step's kernels over its own keys only: in passes of its own, or, where it fits,
-as the first rows of the next pass (row-invariant linears, its attention the step's), so its rows
+computed with the step's kernels over its own keys only: where it fits, as the first rows of the
+first pass (row-invariant linears, its attention the step's), else in passes of its own, so its rows
 are exact: their whole chunks are saved under the request's exact keys, and a later request that
 shares them restores a prefill's bits. Where
 rows were loaded, the prompt's last token is a row of the last pass and the request's step takes
@@ -433,8 +433,8 @@ class BlendRestore(PreparedRestore):
             runs = merged(runs + self._chosen(b.loaded))
         self.blended.loaded = sum(e - a for a, e in subtract(b.loaded, runs))
         self.blended.recomputed = sum(e - a for a, e in runs)
-        # The run that continues the exact prefix, up to the first loaded row, is exact state: its
-        # own passes (the step's kernels), then its whole chunks saved under the exact keys.
+        # The run that continues the exact prefix, up to the first loaded row, is exact state: the
+        # step's kernels over its own keys (`_passes`), then its whole chunks saved under the exact keys.
         lead = b.lead(runs)
         fold = self._folds()
         if fold:  # the prompt's last token: a row of the last pass, not a step of its own
@@ -451,20 +451,14 @@ class BlendRestore(PreparedRestore):
             last = fold and i == len(groups) - 1  # the pass holding the prompt's last token
             if len(group) == 1:  # one run: the step's exact kernels (every token recomputed is a prefill's bits)
                 a, e = group[0]
-                item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=last, off_thread=True,
-                               placed_ahead=True)
                 in_lead = lead is not None and e <= lead[1]
-                logits = self.runner.execute([item], before_layer=place,
+                logits = self.runner.execute([self._item(a, e, last)], before_layer=place,
                                              capture=self._capture(hidden) if in_lead else None)
                 if last:
                     self.logits = logits  # [1, vocab]
             else:  # runs scattered across the prompt: one pass over all their rows
                 model = self.runner.model
-                led = None
-                if group[0] == lead:  # its rows first, as its own step computes them
-                    a, e = group[0]
-                    led = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True,
-                                  placed_ahead=True)
+                led = self._item(*lead) if group[0] == lead else None  # riding first (`_passes`)
                 scattered = _Scattered(self.runner, self.block_ids, group[1:] if led else group, end, place,
                                        led, self._capture(hidden) if led else None)
                 h = model.run_layers(model.embed(self.runner.upload(scattered.ids(self.token_ids))), scattered)
@@ -476,17 +470,19 @@ class BlendRestore(PreparedRestore):
 
     def _passes(self, runs: Sequence[tuple[int, int]], lead: tuple[int, int] | None) -> list[list[tuple[int, int]]]:
         """The recomputed `runs` as passes of at most `chunk_tokens` rows, in position order. The
-        exact `lead` (runs[0]) has passes of its own, except where it fits in the next pass beside
-        that pass's rows and the linears are row-invariant (the CPU's exact kernels; elsewhere a
-        row's bits depend on the rows beside it): there it rides first (`_Scattered`), one pass's
-        weight reads instead of two."""
-        if lead is None:
-            return pieces(runs, self.chunk_tokens)
-        own, rest = pieces([lead], self.chunk_tokens), pieces(runs[1:], self.chunk_tokens)
+        exact `lead` (runs[0]) rides whole at the head of the first pass (`_Scattered`: one pass's
+        weight reads, not two) where it fits in one and the linears are row-invariant (the CPU's
+        exact kernels; elsewhere a row's bits depend on the rows beside it); else it has passes of
+        its own."""
         invariant = exact_cpu(self.runner.device, self.runner.model.kernels)
-        if invariant and own == [[lead]] and rest and sum(e - a for a, e in [lead, *rest[0]]) <= self.chunk_tokens:
-            return [[lead, *rest[0]], *rest[1:]]
-        return own + rest
+        if lead is None or (invariant and lead[1] - lead[0] <= self.chunk_tokens):
+            return pieces(runs, self.chunk_tokens)
+        return pieces([lead], self.chunk_tokens) + pieces(runs[1:], self.chunk_tokens)
+
+    def _item(self, a: int, e: int, logits: bool = False) -> RunItem:
+        """Positions [a, e) as a run of the step's kernels, off the step thread, over slots past it
+        that hold placed rows (never zeroed)."""
+        return RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=logits, off_thread=True, placed_ahead=True)
 
     def _folds(self) -> bool:
         """Whether the blend computes its request's last token as well (`logits`, which the step
@@ -767,7 +763,7 @@ class BlendRestore(PreparedRestore):
                     new = k.index_select(0, rows).float()
                     deviation.append((new - old).square().sum(dim=(1, 2)))  # [loaded positions of the chunk]
 
-            item = RunItem(self.token_ids[a:e], a, self.block_ids, want_logits=False, off_thread=True, placed_ahead=True)
+            item = self._item(a, e)
             self.runner.execute([item], capture=capture, layers=range(check + 1))
             self._check_abort()
         if len(deviation) != -(-(b.end - lo) // self.chunk_tokens):
