@@ -332,21 +332,20 @@ class Engine:
         reqs = [self.outputs.request(c.request_id) for c in out.chunks]
         # A restore attached to the step may have computed a request's one token already (a blend
         # folds the prompt's last token into its passes): its logits join the step's as they are.
-        given = [link.given_logits(c.request_id, c.start)
-                 if c.end == c.start + 1 == r.num_tokens and not self.outputs.all_logits(c) else None
-                 for r, c in zip(reqs, out.chunks)]
-        computed = [(r, c) for r, c, g in zip(reqs, out.chunks, given) if g is None]
+        every = [self.outputs.all_logits(c) for c in out.chunks]  # each token's logits (prompt logprobs)
+        given = [link.given_logits(c.request_id, c.start) if c.end == c.start + 1 == r.num_tokens and not e else None
+                 for r, c, e in zip(reqs, out.chunks, every)]
+        computed = [(r, c, e) for r, c, e, g in zip(reqs, out.chunks, every, given) if g is None]
         items = [RunItem(r.all_ids[c.start : c.end], c.start, r.block_ids, want_logits=c.end == r.num_tokens,
-                         all_logits=self.outputs.all_logits(c), unslotted=r.unslotted,
-                         context_feed=r.fed)
-                 for r, c in computed]
+                         all_logits=e, unslotted=r.unslotted, context_feed=r.fed)
+                 for r, c, e in computed]
         ids = [c.request_id for c in out.chunks]
         logits = None
         if items:
-            creqs = [r for r, _ in computed]
+            creqs = [r for r, _, _ in computed]
             fronts = self.partial.step_fronts(items, creqs)
             logits = self.runner.execute(items + list(fronts.runs), link.capture_for(creqs),
-                                         before_layer=link.restore_hook([c.request_id for _, c in computed]),
+                                         before_layer=link.restore_hook([c.request_id for _, c, _ in computed]),
                                          feed=fronts.feed)
         if len(items) < len(given):
             logits = _with_given(logits, items, given)
